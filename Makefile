@@ -1,0 +1,44 @@
+# piper_nb: every target creates .venv when missing and installs what it needs (idempotent).
+PY      ?= python3
+VENV    := .venv
+BIN     := $(VENV)/bin
+STAMP   := $(VENV)/.installed
+SYSDEPS := $(VENV)/.sysdeps
+
+.PHONY: test demo lab lint bench clean
+
+$(BIN)/python:
+	$(PY) -m venv $(VENV)
+
+$(SYSDEPS): | $(BIN)/python
+	@if ! command -v dot >/dev/null || ! command -v chromium >/dev/null; then \
+	  if [ "$$(id -u)" = 0 ]; then apt-get update -qq && apt-get install -y -qq graphviz chromium >/dev/null; \
+	  else echo "warning: install graphviz and chromium (apt-get install graphviz chromium) for DAG drawing and browser tests"; fi; \
+	fi
+	@touch $@
+
+$(STAMP): pyproject.toml | $(BIN)/python
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q "torch==2.13.0"
+	$(BIN)/pip install -q -e ".[test]"
+	@touch $@
+
+test: $(STAMP) $(SYSDEPS)
+	$(BIN)/ruff check piper_nb tests benchmarks
+	$(BIN)/python -m pytest -q -p no:cacheprovider tests
+	$(BIN)/python -m pytest -q -p no:cacheprovider --nbval-lax notebooks
+
+demo: $(STAMP) $(SYSDEPS)
+	$(BIN)/python -m piper_nb run examples/pp2_dp2_zero3.json --model tiny_gpt --devices 4 --steps 5 --out demo_out
+
+lab: $(STAMP) $(SYSDEPS)
+	$(BIN)/jupyter lab --ip 127.0.0.1 --no-browser $$( [ "$$(id -u)" = 0 ] && echo --allow-root ) notebooks
+
+lint: $(STAMP)
+	$(BIN)/ruff check piper_nb tests benchmarks
+
+bench: $(STAMP)
+	$(BIN)/python benchmarks/run_all.py
+
+clean:
+	rm -rf $(VENV) build dist *.egg-info

@@ -1,0 +1,20 @@
+"""piper_nb: a programmable distributed training system for PyTorch that lives in Jupyter.
+
+Tag regions of a model (`annotate`), write a program of directives (`place`, `replicate`,
+`shard`, `split`, `order`, schedules), `compile` it into checked per-device plans,
+`simulate` them, and `train` on real torch.distributed workers.
+"""
+
+from piper_nb import models, schedules
+from piper_nb.capture import annotate, cut_stages, region
+from piper_nb.compiler.compile import compile
+from piper_nb.compiler.plan import DevicePlan, Instr, Plan
+from piper_nb.directives.spec import Program, order, place, replicate, shard, split
+from piper_nb.errors import PlanError, RuntimeFailure, WorkerLost
+from piper_nb.ir.dag import Edge, Node, Op, TrainingDAG
+from piper_nb.ir.validate import validate
+
+__all__ = ["annotate", "cut_stages", "region", "compile", "Plan", "DevicePlan", "Instr",
+           "Program", "place", "replicate", "shard", "split", "order", "PlanError",
+           "RuntimeFailure", "WorkerLost", "TrainingDAG", "Node", "Edge", "Op", "validate",
+           "models", "schedules"]

@@ -1,0 +1,257 @@
+"""Trace a model (with its loss) by torch.fx and split the graph into one GraphModule per region.
+
+A region is the part of the model that one unique tag combination selects. Operations
+inherit the tags of the module they run in (and of any `pn.region` scope); glue outside
+every tagged module (residual adds, reshapes, the loss) joins the region of its latest
+input. Values that cross regions become named dataflow edges, so a skip connection from
+region 0 to region 2 is an edge 0 -> 2; a parameter read by two regions (tied
+embeddings) is recorded so its gradient can be summed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+import torch.fx as fx
+from torch import nn
+
+from piper_nb.capture.region import current_region_tags, tracing_scope
+from piper_nb.errors import PlanError
+from piper_nb.ir.filters import Tags, freeze_tags, tags_text
+
+__all__ = ["RegionInfo", "Capture", "capture_regions", "BATCH_INPUT", "BATCH_TARGET", "LOSS"]
+
+BATCH_INPUT, BATCH_TARGET, LOSS = "inputs", "targets", "loss"
+
+
+@dataclass(frozen=True)
+class RegionInfo:
+    """What one region reads, writes and owns (names refer to the original model)."""
+
+    index: int
+    tags: Tags
+    modules: tuple[str, ...]
+    params: tuple[str, ...]
+    buffers: tuple[str, ...]
+    inputs: tuple[str, ...]   # value names it reads: batch names or other regions' outputs
+    outputs: tuple[str, ...]  # value names it produces for other regions (LOSS for the loss)
+
+    @property
+    def name(self) -> str:
+        return tags_text(self.tags) or "all"
+
+    @property
+    def has_loss(self) -> bool:
+        return LOSS in self.outputs
+
+
+@dataclass(eq=False)
+class Capture:
+    model: nn.Module
+    loss_fn: Callable
+    regions: tuple[RegionInfo, ...]
+    modules: tuple[fx.GraphModule, ...]
+    producer: dict[str, int]                   # value -> region index (-1: the batch)
+    consumers: dict[str, tuple[int, ...]]      # value -> reading regions
+    tied: dict[str, tuple[int, ...]] = field(default_factory=dict)  # param -> regions
+
+    def region_of_tags(self, tags: dict) -> int:
+        key = freeze_tags(tags)
+        for r in self.regions:
+            if r.tags == key:
+                return r.index
+        raise KeyError(tags)
+
+
+class _WithLoss(nn.Module):
+    def __init__(self, model: nn.Module, loss_fn: Callable):
+        super().__init__()
+        self.model = model
+        self._loss_fn = loss_fn
+
+    def forward(self, inputs, targets):
+        return self._loss_fn(self.model(inputs), targets)
+
+
+class _Tracer(fx.Tracer):
+    def create_node(self, kind, target, args, kwargs, name=None, type_expr=None):
+        node = super().create_node(kind, target, args, kwargs, name, type_expr)
+        node.meta["pn_tags"] = current_region_tags()
+        return node
+
+
+def _module_path(node: fx.Node) -> str:
+    stack = node.meta.get("nn_module_stack") or {}
+    path = next(reversed(stack), "") if stack else ""
+    if node.op == "call_module":
+        path = str(node.target)
+    return path.removeprefix("model.").removeprefix("model") if path.startswith("model") else path
+
+
+def _trace(model: nn.Module, loss_fn: Callable) -> fx.GraphModule:
+    root = _WithLoss(model, loss_fn)
+    with tracing_scope():
+        try:
+            graph = _Tracer().trace(root)
+        except Exception as err:  # fx raises many kinds; the user needs the reason
+            raise PlanError(f"could not trace {type(model).__name__} with torch.fx: {err}. "
+                            "Regions are found by tracing; avoid Python control flow on tensor "
+                            "values inside forward()") from err
+    return fx.GraphModule(root, graph)
+
+
+def capture_regions(spec, loss_fn: Callable) -> Capture:
+    model = spec.model
+    gm = _trace(model, loss_fn)
+    nodes = list(gm.graph.nodes)
+    params = dict(model.named_parameters(remove_duplicate=False))
+    param_ids: dict[int, list[str]] = {}
+    for name, p in params.items():
+        param_ids.setdefault(id(p), []).append(name)
+
+    def strip(target: str) -> str:
+        return target.removeprefix("model.")
+
+    # 1. own tags of each node (module annotations + pn.region scopes)
+    own: dict[fx.Node, dict] = {}
+    untagged: set[str] = set()
+    for n in nodes:
+        if n.op in ("placeholder", "output", "get_attr"):
+            continue
+        path = _module_path(n)
+        tags = {**spec.tags_of(path), **n.meta.get("pn_tags", {})}
+        if tags:
+            own[n] = tags
+        elif n.op == "call_module" and any(True for _ in gm.get_submodule(str(n.target)).parameters()):
+            untagged.add(path)
+    if untagged:
+        raise PlanError(f"modules {', '.join(sorted(untagged))} have parameters but no tags: "
+                        "annotate them (or a parent module) so every parameter is in a region")
+    if not own:
+        raise PlanError("no operation of the model carries a tag: annotate at least one module, "
+                        "e.g. pn.annotate(model, {'': {'PP': 0}}) for a single region")
+
+    # 2. regions numbered by first appearance; glue joins its latest input's region
+    order: dict[Tags, int] = {}
+    region_of: dict[fx.Node, int] = {}
+    for n in nodes:
+        if n in own:
+            region_of[n] = order.setdefault(freeze_tags(own[n]), len(order))
+        elif n.op in ("call_function", "call_method"):
+            srcs = [region_of[a] for a in n.all_input_nodes if a in region_of]
+            if srcs:
+                region_of[n] = max(srcs)
+    for n in reversed(nodes):
+        if n.op in ("call_function", "call_method") and n not in region_of:
+            users = [region_of[u] for u in n.users if u in region_of]
+            if users:
+                region_of[n] = min(users)
+            else:
+                raise PlanError(f"operation {n.name} ({n.target}) belongs to no region; "
+                                "tag the module that computes it")
+    tags_of_region = {i: t for t, i in order.items()}
+
+    # 3. parameters per region (call_module params + get_attr), tied ones
+    region_params: dict[int, dict[str, None]] = {i: {} for i in tags_of_region}
+    region_buffers: dict[int, dict[str, None]] = {i: {} for i in tags_of_region}
+    region_modules: dict[int, dict[str, None]] = {i: {} for i in tags_of_region}
+    canonical = {id(p): names[0] for p_id, names in param_ids.items() for p in [params[names[0]]]}
+    for n in nodes:
+        if n.op == "call_module":
+            r = region_of[n]
+            region_modules[r][strip(str(n.target))] = None
+            sub = gm.get_submodule(str(n.target))
+            for p in sub.parameters():
+                region_params[r][canonical[id(p)]] = None
+            for b_name, _ in sub.named_buffers():
+                region_buffers[r][f"{strip(str(n.target))}.{b_name}"] = None
+        elif n.op == "get_attr":
+            target = strip(str(n.target))
+            users = {region_of[u] for u in n.users if u in region_of}
+            obj = gm.get_parameter(str(n.target)) if target in params else None
+            for r in users:
+                if obj is not None:
+                    region_params[r][canonical[id(obj)]] = None
+                else:
+                    region_buffers[r][target] = None
+    holders: dict[str, list[int]] = {}
+    for r, ps in region_params.items():
+        for p in ps:
+            holders.setdefault(p, []).append(r)
+    tied = {p: tuple(rs) for p, rs in holders.items() if len(rs) > 1}
+    unused = [name for name in (names[0] for names in param_ids.values()) if name not in holders]
+    if unused:
+        raise PlanError(f"parameters {', '.join(unused[:6])} are never used by forward(); "
+                        "remove them or use them, so every parameter belongs to a region")
+
+    # 4. cross-region values
+    producer: dict[str, int] = {}
+    consumers: dict[str, set[int]] = {}
+    out_node = next(n for n in nodes if n.op == "output")
+    loss_node = out_node.args[0]
+    for n in nodes:
+        if n.op == "placeholder":
+            producer[n.name] = -1
+    for n in nodes:
+        if n not in region_of:
+            continue
+        r = region_of[n]
+        for a in n.all_input_nodes:
+            if a.op == "get_attr":
+                continue
+            if a.op == "placeholder" or region_of.get(a) != r:
+                producer.setdefault(a.name, region_of.get(a, -1))
+                consumers.setdefault(a.name, set()).add(r)
+    placeholders = [n.name for n in nodes if n.op == "placeholder"]
+    name_map = dict(zip(placeholders, (BATCH_INPUT, BATCH_TARGET), strict=True))
+
+    # 5. one GraphModule per region
+    regions, modules = [], []
+    by_name = {n.name: n for n in nodes}
+    for r in sorted(tags_of_region):
+        mine = [n for n in nodes if region_of.get(n) == r]
+        in_names = [v for v, cs in consumers.items() if r in cs]
+        in_names.sort(key=lambda v: nodes.index(by_name[v]))
+        out_names = [v for v, p in producer.items() if p == r]
+        out_names.sort(key=lambda v: nodes.index(by_name[v]))
+        if loss_node in mine:
+            out_names.append(LOSS)
+        g = fx.Graph()
+        env: dict[fx.Node, fx.Node] = {}
+        for v in in_names:
+            env[by_name[v]] = g.placeholder(name_map.get(v, v))
+        def arg(a: fx.Node, env=env, g=g) -> fx.Node:
+            if a not in env and a.op == "get_attr":
+                env[a] = g.get_attr(a.target)
+            return env[a]
+        for n in mine:
+            env[n] = g.node_copy(n, arg)
+        outs = [env[loss_node] if v == LOSS else env[by_name[v]] for v in out_names]
+        g.output(tuple(outs))
+        g.lint()
+        modules.append(fx.GraphModule(gm, g, class_name=f"Region{r}"))
+        regions.append(RegionInfo(
+            index=r, tags=tags_of_region[r], modules=tuple(region_modules[r]),
+            params=tuple(region_params[r]), buffers=tuple(region_buffers[r]),
+            inputs=tuple(name_map.get(v, v) for v in in_names),
+            outputs=tuple(out_names)))
+    producer = {name_map.get(v, v): p for v, p in producer.items()}
+    consumers_t = {name_map.get(v, v): tuple(sorted(cs)) for v, cs in consumers.items()}
+    return Capture(model=model, loss_fn=loss_fn, regions=tuple(regions), modules=tuple(modules),
+                   producer=producer, consumers=consumers_t, tied=tied)
+
+
+def run_reference(capture: Capture, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Run the regions in order on one process (used to check the split is faithful)."""
+    values = {BATCH_INPUT: inputs, BATCH_TARGET: targets}
+    loss = None
+    for info, mod in zip(capture.regions, capture.modules, strict=True):
+        outs = mod(*(values[v] for v in info.inputs))
+        for name, val in zip(info.outputs, outs, strict=True):
+            if name == LOSS:
+                loss = val
+            else:
+                values[name] = val
+    return loss

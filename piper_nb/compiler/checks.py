@@ -1,0 +1,135 @@
+"""Static checks of a Plan, run before anything starts.
+
+- every SEND has its RECV (same peers and tag) and the reverse;
+- the members of each group issue their collectives in the same order;
+- no deadlock: a lockstep dry run of all devices, where an issue never blocks, a WAIT on
+  a point-to-point op needs the peer's matching issue, and a WAIT on a collective needs
+  every member's. When it gets stuck, the device-by-step grid is printed with the stuck
+  instruction of each device marked.
+"""
+
+from __future__ import annotations
+
+from collections import Counter, defaultdict
+
+from piper_nb.compiler.plan import COLLECTIVE_KINDS, Plan, _columns
+from piper_nb.errors import PlanError
+
+__all__ = ["check_plan", "dry_run"]
+
+
+def _p2p_key(dev: int, ins) -> tuple:
+    return (dev, ins.peer, ins.tag) if ins.kind == "SEND" else (ins.peer, dev, ins.tag)
+
+
+def check_matching(plan: Plan) -> None:
+    sends, recvs = Counter(), Counter()
+    for dp in plan.devices:
+        for ins in dp.instrs:
+            if ins.kind == "SEND":
+                sends[_p2p_key(dp.device, ins)] += 1
+            elif ins.kind == "RECV":
+                recvs[_p2p_key(dp.device, ins)] += 1
+            if ins.kind in ("SEND", "RECV") and not 0 <= ins.peer < plan.world:
+                raise PlanError(f"device {dp.device}: {ins} names device {ins.peer} outside the "
+                                f"world of {plan.world}")
+    for key in (sends - recvs):
+        raise PlanError(f"device {key[0]} sends to device {key[1]} (tag {key[2]}) but device "
+                        f"{key[1]} never receives it")
+    for key in (recvs - sends):
+        raise PlanError(f"device {key[1]} waits for a message from device {key[0]} (tag {key[2]}) "
+                        "that is never sent")
+
+
+def _collectives(plan: Plan) -> dict[tuple, dict[int, list]]:
+    seqs: dict[tuple, dict[int, list]] = defaultdict(lambda: defaultdict(list))
+    for dp in plan.devices:
+        for ins in dp.instrs:
+            if ins.kind in COLLECTIVE_KINDS:
+                seqs[ins.group][dp.device].append(ins)
+    return seqs
+
+
+def check_collective_order(plan: Plan) -> None:
+    for group, per_dev in _collectives(plan).items():
+        ref_dev = group[0]
+        ref = per_dev.get(ref_dev, [])
+        for dev in group:
+            mine = per_dev.get(dev, [])
+            for k in range(max(len(ref), len(mine))):
+                a = ref[k] if k < len(ref) else None
+                b = mine[k] if k < len(mine) else None
+                sig = lambda x: None if x is None else (x.kind, x.bucket, x.mb, x.purpose, x.node)
+                if sig(a) != sig(b):
+                    raise PlanError(
+                        f"devices {ref_dev} and {dev} of group {list(group)} issue their "
+                        f"collective #{k} differently: {a.node if a else 'nothing'} vs "
+                        f"{b.node if b else 'nothing'}; every member must issue the same "
+                        "collectives in the same order (check the order directives of these "
+                        "devices)")
+
+
+def dry_run(plan: Plan) -> list[list[int]]:
+    """Run all devices in lockstep; returns per device the round each instruction ran in."""
+    n = plan.world
+    ptr = [0] * n
+    rounds: list[list[int]] = [[] for _ in range(n)]
+    posted: set[tuple] = set()
+    coll_posted: dict[tuple, Counter] = defaultdict(Counter)
+    coll_index: list[dict] = [defaultdict(int) for _ in range(n)]
+    coll_seq: dict[tuple, int] = {}
+    instrs = [dp.instrs for dp in plan.devices]
+    r = 0
+    while True:
+        progress = False
+        for d in range(n):
+            while ptr[d] < len(instrs[d]):
+                ins = instrs[d][ptr[d]]
+                if ins.kind in ("SEND", "RECV"):
+                    posted.add((ins.kind, _p2p_key(d, ins)))
+                elif ins.kind in COLLECTIVE_KINDS:
+                    k = coll_index[d][ins.group]
+                    coll_index[d][ins.group] = k + 1
+                    coll_posted[ins.group][k] += 1
+                    coll_seq[(d, ptr[d])] = k
+                elif ins.kind == "WAIT":
+                    t = instrs[d][ins.target]
+                    if t.kind in ("SEND", "RECV"):
+                        other = "RECV" if t.kind == "SEND" else "SEND"
+                        if (other, _p2p_key(d, t)) not in posted:
+                            break
+                    elif coll_posted[t.group][coll_seq[(d, ins.target)]] < len(t.group):
+                        break
+                rounds[d].append(r)
+                ptr[d] += 1
+                progress = True
+                if ins.kind == "WAIT":
+                    break  # one blocking step per round keeps the grid readable
+        if all(ptr[d] == len(instrs[d]) for d in range(n)):
+            return rounds
+        if not progress:
+            raise PlanError("deadlock: no device can make progress\n" + _stuck_grid(plan, ptr))
+        r += 1
+
+
+def _stuck_grid(plan: Plan, ptr: list[int], context: int = 8) -> str:
+    cols, mark = [], {}
+    for dp in plan.devices:
+        lo = max(0, ptr[dp.device] - context)
+        rows = [f"dev{dp.device}"]
+        for i in range(lo, min(len(dp.instrs), ptr[dp.device] + 3)):
+            ins = dp.instrs[i]
+            label = f"wait({dp.instrs[ins.target]})" if ins.kind == "WAIT" else str(ins)
+            if i == ptr[dp.device]:
+                mark[dp.device] = len(rows)
+            rows.append(label)
+        if ptr[dp.device] >= len(dp.instrs):
+            rows.append("(done)")
+        cols.append(rows)
+    return _columns(cols, mark) + "\n(>x< marks where each device is stuck)"
+
+
+def check_plan(plan: Plan) -> None:
+    check_matching(plan)
+    check_collective_order(plan)
+    dry_run(plan)

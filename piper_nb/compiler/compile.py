@@ -1,0 +1,171 @@
+"""`pn.compile`: annotated model + directive program + batch -> checked Plan.
+
+Directives apply in Piper's fixed order whatever their order in the program: split,
+BI/BW split, place (and the placement implied by replicate and shard), send/recv,
+gradient sync (replicate, tied and doubled parameters), shard (all-to-all), order. Every
+step is a pure function of the DAG; errors name the directive index.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Iterable
+
+import torch
+
+from piper_nb.capture.annotate import Spec
+from piper_nb.compiler.checks import check_plan
+from piper_nb.compiler.lower import lower
+from piper_nb.compiler.plan import Plan
+from piper_nb.compiler.shapes import propagate
+from piper_nb.directives.backward_split import apply_backward_split, names_split_backward
+from piper_nb.directives.build import build_dag
+from piper_nb.directives.comm import insert_send_recv
+from piper_nb.directives.order import apply_order
+from piper_nb.directives.place import apply_place, finish_placement
+from piper_nb.directives.replicate import insert_grad_sync, replica_configs
+from piper_nb.directives.shard import apply_shard, insert_all_to_all, shard_placement
+from piper_nb.directives.spec import (Directive, Order, Place, Program, Replicate, Schedule,
+                                      Shard, Split)
+from piper_nb.directives.split import apply_split
+from piper_nb.errors import PlanError
+from piper_nb.ir.dag import Op, TrainingDAG
+from piper_nb.ir.validate import validate
+
+__all__ = ["compile", "expand", "build_global_dag"]
+
+
+def expand(program: Program | Iterable) -> list[tuple[int, Directive]]:
+    """(index in the user's program, directive) with schedule builders expanded in place."""
+    if not isinstance(program, Program):
+        program = Program(program)
+    out: list[tuple[int, Directive]] = []
+    for i, d in enumerate(program):
+        if isinstance(d, Schedule):
+            try:
+                out += [(i, x) for x in d.expand()]
+            except PlanError as err:
+                raise err.at(i, "schedule") from None
+        else:
+            out.append((i, d))
+    return out
+
+
+def _guard(idx: int, d: Directive, fn: Callable, *args):
+    try:
+        return fn(*args)
+    except PlanError as err:
+        raise err.at(idx, d.op) from None
+
+
+def _check_batch(batch) -> tuple[torch.Tensor, torch.Tensor]:
+    if not (isinstance(batch, (tuple, list)) and len(batch) == 2
+            and all(isinstance(t, torch.Tensor) for t in batch)):
+        raise PlanError("batch must be (inputs, targets), two tensors with the batch on dim 0")
+    if batch[0].shape[0] != batch[1].shape[0]:
+        raise PlanError(f"inputs and targets disagree on the batch size: {batch[0].shape[0]} vs "
+                        f"{batch[1].shape[0]}")
+    return batch[0], batch[1]
+
+
+def build_global_dag(capture, directives: list[tuple[int, Directive]], values: dict,
+                     ) -> tuple[TrainingDAG, dict]:
+    by_op: dict[type, list[tuple[int, Directive]]] = {}
+    for idx, d in directives:
+        by_op.setdefault(type(d), []).append((idx, d))
+    dag = build_dag(capture, values)
+    for idx, d in by_op.get(Split, []):
+        dag = _guard(idx, d, apply_split, dag, d)
+    orders = [d for _, d in by_op.get(Order, [])]
+    dag = apply_backward_split(dag, names_split_backward(orders))
+    for idx, d in by_op.get(Place, []):
+        dag = _guard(idx, d, apply_place, dag, d)
+    configs = replica_configs(dag, by_op.get(Replicate, []))
+    for idx, d in by_op.get(Replicate, []):
+        dag = _guard(idx, d, _place_replicas, dag, d)
+    experts = set()
+    for idx, d in by_op.get(Shard, []):
+        dag, regs = _guard(idx, d, shard_placement, dag, d)
+        experts |= regs
+    dag = finish_placement(dag)
+    dag = insert_send_recv(dag, frozenset(experts))
+    region_params = {r.index: r.params for r in capture.regions}
+    params = dict(capture.model.named_parameters())
+    param_bytes = {k: p.numel() * p.element_size() for k, p in params.items()}
+    dag = insert_grad_sync(dag, region_params, param_bytes, configs)
+    for idx, d in by_op.get(Shard, []):
+        dag = _guard(idx, d, apply_shard, dag, d)
+    if experts:
+        dag = insert_all_to_all(dag, frozenset(experts))
+    overlap = 0
+    for idx, d in by_op.get(Order, []):
+        dag, overlap = apply_order(dag, d, idx, overlap)
+    return validate(dag, placed=True), configs
+
+
+def _place_replicas(dag: TrainingDAG, d: Replicate) -> TrainingDAG:
+    nodes = []
+    for n in dag.nodes:
+        if n.op != Op.U and n.selected_by(d.filter):
+            if not n.devices:
+                n = dataclasses.replace(n, devices=d.devices)
+            elif set(n.devices) != set(d.devices):
+                raise PlanError(f"{n.id} is placed on {list(n.devices)} but replicated over "
+                                f"{list(d.devices)}; place it on the replicate devices")
+        nodes.append(n)
+    return dag.replace(nodes=nodes, step=f"replicate {dict(d.filter)} over {list(d.devices)}")
+
+
+def compile(spec: Spec, program: Program | Iterable, batch, *, loss_fn: Callable | None = None,
+            world: int | None = None, check: bool = True) -> Plan:
+    """Compile `program` for `spec` on `batch` into a checked Plan (raises PlanError)."""
+    if not isinstance(spec, Spec):
+        raise PlanError("compile takes the Spec returned by pn.annotate(model, {...})")
+    inputs, targets = _check_batch(batch)
+    directives = expand(program)
+    capture = spec.capture(loss_fn)
+    splits = [(i, d) for i, d in directives if isinstance(d, Split)]
+    micro = 1
+    for _, d in splits:
+        micro *= d.num
+    bsz = inputs.shape[0]
+    if bsz % micro:
+        idx = splits[-1][0]
+        raise PlanError(f"{micro} microbatches do not divide the batch of {bsz}; use a divisor "
+                        f"of {bsz}", directive=idx, op="split")
+    widths = {len(d.devices): i for i, d in directives if isinstance(d, (Replicate,))}
+    width = max(widths, default=1)
+    for w, idx in widths.items():
+        if (bsz // micro) % w:
+            raise PlanError(f"{w} replicas do not divide the microbatch of {bsz // micro} "
+                            f"samples (batch {bsz} / {micro} microbatches); use a batch divisible "
+                            f"by {micro * w}", directive=idx, op="replicate")
+    part = bsz // micro // width
+    with torch.random.fork_rng(devices=[]):
+        values, saved, _ = propagate(capture, inputs[:part], targets[:part])
+    dag, _ = build_global_dag(capture, directives, values)
+    used = dag.devices()
+    n_world = world if world is not None else (max(used) + 1 if used else 1)
+    outside = [d for d in used if d >= n_world]
+    if outside:
+        where = next(i for i, d in directives if hasattr(d, "devices") and set(d.devices) & set(outside))
+        raise PlanError(f"device {outside[0]} is outside the world of {n_world} devices "
+                        f"(ids 0..{n_world - 1}); use smaller ids or a larger world",
+                        directive=where, op=directives[[i for i, _ in directives].index(where)][1].op)
+    idle = [d for d in range(n_world) if d not in used]
+    if idle:
+        raise PlanError(f"devices {idle} get no work in a world of {n_world}; place something on "
+                        "them or renumber the devices from 0")
+    buckets = dag.get_meta("buckets", ())
+    loss_region = next(r.index for r in capture.regions if r.has_loss)
+    loss_width = next(len(n.devices) for n in dag.nodes if n.region == loss_region and n.op == Op.F)
+    plan = Plan(
+        world=n_world, devices=lower(dag, buckets, n_world), microbatches=micro, batch_size=bsz,
+        loss_scale=1.0 / (micro * loss_width), regions=capture.regions, buckets=buckets,
+        values=values, saved=saved,
+        params={k: (tuple(p.shape), str(p.dtype).removeprefix("torch."))
+                for k, p in capture.model.named_parameters()},
+        dag=dag, program=directives, capture=capture)
+    if check:
+        check_plan(plan)
+    return plan

@@ -1,0 +1,239 @@
+"""Lower a placed, ordered TrainingDAG into one instruction list per device.
+
+Per device: a topological order of its nodes (data and temporal edges) with Piper's
+priorities inside a level: SEND first, then collectives, then compute; receives and
+ZeRO-3 gathers are *pulled*: issued one compute step before the pass that needs them so
+the transfer overlaps the previous pass. Every issue gets a WAIT right before its first
+consumer (sends: before the second compute after them), and FREE instructions release
+each buffer after its last reader.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import defaultdict
+
+from piper_nb.compiler.plan import DevicePlan, Instr
+from piper_nb.errors import PlanError
+from piper_nb.ir.dag import COLLECTIVES, COMPUTE, Node, Op, TrainingDAG
+
+__all__ = ["lower", "owned_params"]
+
+_PASS_RANK = {Op.F: 0, Op.B: 1, Op.BI: 1, Op.BW: 2, Op.U: 3}
+
+
+def _key(n: Node) -> tuple:
+    if n.op == Op.SEND:
+        return (0, 0, 0, 0, n.id)
+    if n.op in COLLECTIVES:
+        return (1, 0, n.mb if n.mb is not None else -1, 0, n.id)
+    return (2, _PASS_RANK[n.op], n.mb if n.mb is not None else -1, n.region, n.id)
+
+
+def _is_pulled(n: Node) -> bool:
+    return n.op == Op.RECV or (n.op == Op.ALL_GATHER and n.attr("before") is not None)
+
+
+def owned_params(dag: TrainingDAG, buckets, device: int) -> dict[int, tuple[list[str], list[int]]]:
+    """Region -> (full parameters, sharded buckets) its U updates on `device`."""
+    regions = dag.regions()
+    mine = sorted({n.region for n in dag.nodes if n.op == Op.U and device in n.devices})
+    sharded = {p: b for b in buckets if b.zero > 0 and device in b.group for p in b.params}
+    taken: set[str] = set()
+    out: dict[int, tuple[list[str], list[int]]] = {}
+    for r in mine:
+        full, bks = [], []
+        for p in regions[r].params:
+            if p in taken:
+                continue
+            taken.add(p)
+            if p in sharded:
+                if sharded[p].index not in bks:
+                    bks.append(sharded[p].index)
+            else:
+                full.append(p)
+        out[r] = (full, bks)
+    return out
+
+
+def _cycle_error(dag: TrainingDAG, left: set[str], device: int) -> PlanError:
+    # walk predecessors inside `left` until a node repeats: that is a cycle
+    start = min(left)
+    path, seen = [start], {start: 0}
+    while True:
+        preds = [e for e in dag.in_edges(path[-1]) if e.src in left]
+        nxt = preds[0].src
+        if nxt in seen:
+            cyc = path[seen[nxt]:] + [nxt]
+            break
+        seen[nxt] = len(path)
+        path.append(nxt)
+    cyc.reverse()
+    origin = None
+    for a, b in zip(cyc, cyc[1:], strict=False):
+        for e in dag.out_edges(a):
+            if e.dst == b and e.kind == "temporal":
+                origin = e.origin
+    text = " -> ".join(cyc)
+    return PlanError(f"the order makes a cycle on device {device}: {text}; a pass is ordered "
+                     "before something it depends on: swap those slots", directive=origin,
+                     op="order" if origin is not None else None)
+
+
+def _order_device(dag: TrainingDAG, d: int, nodes: list[Node]) -> tuple[list[Node], dict]:
+    ids = {n.id for n in nodes}
+    pulled_of: dict[str, list[Node]] = defaultdict(list)
+    indeg = {n.id: 0 for n in nodes if not _is_pulled(n)}
+    for n in nodes:
+        for e in dag.out_edges(n.id):
+            if e.dst not in ids:
+                continue
+            if _is_pulled(n):
+                pulled_of[e.dst].append(n)
+            elif e.dst in indeg:
+                indeg[e.dst] += 1
+    heap = [(_key(dag[i]), i) for i, k in indeg.items() if k == 0]
+    heapq.heapify(heap)
+    seq = []
+    while heap:
+        _, nid = heapq.heappop(heap)
+        seq.append(dag[nid])
+        for e in dag.out_edges(nid):
+            if e.dst in indeg:
+                indeg[e.dst] -= 1
+                if indeg[e.dst] == 0:
+                    heapq.heappush(heap, (_key(dag[e.dst]), e.dst))
+    if len(seq) != len(indeg):
+        raise _cycle_error(dag, {i for i in indeg if indeg[i] > 0}, d)
+    return seq, pulled_of
+
+
+def lower(dag: TrainingDAG, buckets, world: int) -> tuple[DevicePlan, ...]:
+    local: list[list[Node]] = [[] for _ in range(world)]
+    for n in dag.nodes:
+        for d in n.devices:
+            local[d].append(n)
+    width = max((len(n.devices) for n in dag.nodes), default=1)
+    tags = {}
+    for i, n in enumerate(x for x in dag.nodes if x.op == Op.SEND):
+        tags[n.id] = i * width
+    partner = {}
+    for n in dag.nodes:
+        if n.op == Op.SEND:
+            (e,) = [e for e in dag.out_edges(n.id) if dag[e.dst].op == Op.RECV]
+            partner[n.id], partner[e.dst] = dag[e.dst], n
+            tags[e.dst] = tags[n.id]
+    regions = dag.regions()
+    plans = []
+    for d in range(world):
+        seq, pulled_of = _order_device(dag, d, local[d])
+        owned = owned_params(dag, buckets, d)
+        plans.append(DevicePlan(d, _emit(dag, d, seq, pulled_of, partner, tags, owned, regions)))
+    return tuple(plans)
+
+
+def _instr(n: Node, d: int, partner, tags, owned) -> Instr:
+    pos = n.devices.index(d)
+    mb = n.mb if n.mb is not None else -1
+    if n.op in COMPUTE:
+        full, bks = owned.get(n.region, ((), ())) if n.op == Op.U else ((), ())
+        return Instr(n.op.value, n.id, "compute", n.region, mb, pos, len(n.devices),
+                     overlap=n.attr("overlap", -1), params=tuple(full), buckets=tuple(bks))
+    if n.op in (Op.SEND, Op.RECV):
+        other = partner[n.id]
+        return Instr(n.op.value, n.id, n.stream, n.region, mb, pos, len(n.devices),
+                     peer=other.devices[pos], tag=tags[n.id] + pos, values=n.attr("values"),
+                     grad=n.attr("grad"))
+    return Instr(n.op.value, n.id, n.stream, n.region, mb, pos, len(n.devices), group=n.devices,
+                 bucket=n.attr("bucket", -1), purpose=n.attr("purpose", ""),
+                 values=n.attr("values", ()))
+
+
+def _emit(dag, d, seq, pulled_of, partner, tags, owned, regions) -> tuple[Instr, ...]:
+    out: list[Instr] = []
+    issued: dict[str, int] = {}
+    waited: set[str] = set()
+    sends: list[tuple[str, int]] = []  # (node id, computes left before its wait)
+    computes = [n for n in seq if n.op in COMPUTE]
+
+    def issue(n: Node) -> None:
+        if n.id not in issued:
+            issued[n.id] = len(out)
+            out.append(_instr(n, d, partner, tags, owned))
+
+    def wait(nid: str) -> None:
+        if nid in issued and nid not in waited:
+            waited.add(nid)
+            out.append(Instr("WAIT", nid, out[issued[nid]].stream, target=issued[nid]))
+
+    if computes:
+        for p in pulled_of.get(computes[0].id, ()):
+            issue(p)
+    ci = 0
+    for n in seq:
+        if n.op not in COMPUTE:
+            issue(n)
+            if n.op == Op.SEND:
+                sends.append((n.id, 2))
+            continue
+        ci += 1
+        if ci < len(computes):
+            for p in pulled_of.get(computes[ci].id, ()):
+                issue(p)
+        for p in pulled_of.get(n.id, ()):
+            issue(p)
+        due = [s for s, left in sends if left <= 1]
+        sends = [(s, left - 1) for s, left in sends if left > 1]
+        for s in due:
+            wait(s)
+        for e in dag.in_edges(n.id):
+            if e.src in issued:
+                wait(e.src)
+        out.append(_instr(n, d, partner, tags, owned))
+    for nid in sorted(set(issued) - waited, key=issued.get):
+        wait(nid)
+    return _add_frees(out, regions, dag)
+
+
+def _add_frees(instrs: list[Instr], regions, dag) -> tuple[Instr, ...]:
+    """Insert FREE after the last reader of every buffer the device holds."""
+    last: dict[str, int] = {}
+    now: dict[int, list[str]] = defaultdict(list)
+    grad_values = {v for e in dag.edges if dag[e.src].op in (Op.B, Op.BI) for v in e.values}
+    for i, ins in enumerate(instrs):
+        reads: list[str] = []
+        if ins.kind == "F":
+            reads = [f"act:{v}@{ins.mb}" for v in regions[ins.region].inputs
+                     if v not in ("inputs", "targets")]
+        elif ins.kind in ("B", "BI"):
+            reads = [f"grad:{v}@{ins.mb}" for v in regions[ins.region].outputs if v in grad_values]
+        elif ins.kind == "WAIT" and instrs[ins.target].kind == "SEND":
+            s = instrs[ins.target]
+            reads = [f"{'grad' if s.grad else 'act'}:{v}@{s.mb}" for v in s.values]
+        elif ins.kind in ("F", "B", "BI", "BW"):
+            pass
+        if ins.kind in ("F", "B", "BI", "BW"):
+            for e in dag.in_edges(ins.node):
+                src = dag[e.src]
+                if src.op == Op.ALL_GATHER and src.attr("before") == ins.node:
+                    reads.append(f"param:{src.attr('bucket')}")
+        for k in reads:
+            last[k] = i
+            if k.startswith("param:"):  # a ZeRO-3 gather is freed right after its pass
+                now[i].append(k)
+    after: dict[int, list[str]] = now
+    for k, i in last.items():
+        if not k.startswith("param:"):
+            after[i].append(k)
+    if not after:
+        return tuple(instrs)
+    remap: dict[int, int] = {}
+    out: list[Instr] = []
+    for i, ins in enumerate(instrs):
+        remap[i] = len(out)
+        out.append(ins)
+        if i in after:
+            out.append(Instr("FREE", ins.node, "compute", keys=tuple(sorted(after[i]))))
+    return tuple(
+        Instr(**{**{f: getattr(x, f) for f in x.__slots__}, "target": remap[x.target]})
+        if x.kind == "WAIT" else x for x in out)

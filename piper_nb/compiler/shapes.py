@@ -1,0 +1,99 @@
+"""Shape propagation: run the regions once on one microbatch slice to learn what flows.
+
+For every value that crosses regions: shape, dtype, whether it carries a gradient. For
+every region: the bytes autograd saves for its backward (parameters excluded). The
+runtime counts saved bytes the same way (`saved_bytes`), so predicted and measured
+memory agree.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+
+from piper_nb.capture.split import BATCH_INPUT, BATCH_TARGET, LOSS
+from piper_nb.errors import PlanError
+
+__all__ = ["ValueInfo", "propagate", "SavedBytes"]
+
+
+@dataclass(frozen=True)
+class ValueInfo:
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    requires_grad: bool
+
+    @property
+    def nbytes(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n * torch.empty((), dtype=getattr(torch, self.dtype)).element_size()
+
+
+class SavedBytes(contextlib.AbstractContextManager):
+    """Counts the distinct storages autograd saves inside the block, minus `exclude` ptrs."""
+
+    def __init__(self, exclude: set[int]):
+        self.exclude = exclude
+        self.seen: set[int] = set()
+        self.bytes = 0
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
+
+    def _pack(self, t: torch.Tensor) -> torch.Tensor:
+        try:
+            ptr = t.untyped_storage().data_ptr()
+            size = t.untyped_storage().nbytes()
+        except (RuntimeError, NotImplementedError):
+            return t
+        if ptr not in self.exclude and ptr not in self.seen and size:
+            self.seen.add(ptr)
+            self.bytes += size
+        return t
+
+    def __enter__(self):
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        return self._hooks.__exit__(*exc)
+
+
+def param_ptrs(capture) -> set[int]:
+    ptrs = {p.untyped_storage().data_ptr() for p in capture.model.parameters()}
+    ptrs |= {b.untyped_storage().data_ptr() for b in capture.model.buffers()}
+    return ptrs
+
+
+def propagate(capture, inputs: torch.Tensor, targets: torch.Tensor):
+    """-> (values: name -> ValueInfo, saved: region -> bytes, loss value)."""
+    vals: dict[str, torch.Tensor] = {BATCH_INPUT: inputs, BATCH_TARGET: targets}
+    saved: dict[int, int] = {}
+    exclude = param_ptrs(capture)
+    loss = None
+    for info, mod in zip(capture.regions, capture.modules, strict=True):
+        args = []
+        for v in info.inputs:
+            t = vals[v]
+            if v not in (BATCH_INPUT, BATCH_TARGET) and t.is_floating_point():
+                t = t.detach().requires_grad_(True)
+            args.append(t)
+        with SavedBytes(exclude | {a.untyped_storage().data_ptr() for a in args}) as counter:
+            outs = mod(*args)
+        saved[info.index] = counter.bytes
+        for name, out in zip(info.outputs, outs, strict=True):
+            if not isinstance(out, torch.Tensor):
+                raise PlanError(f"value {name!r} leaves region {info.name} but is a "
+                                f"{type(out).__name__}, not a tensor; move the cut so only "
+                                "tensors cross regions")
+            if name == LOSS:
+                loss = out
+            vals[name] = out
+    values = {}
+    for name, t in vals.items():
+        values[name] = ValueInfo(name, tuple(t.shape), str(t.dtype).removeprefix("torch."),
+                                 bool(t.requires_grad and t.is_floating_point()))
+    return values, saved, loss

@@ -1,0 +1,63 @@
+"""`place`: run the matched compute on a device group (Piper's place).
+
+Later placements override earlier ones node by node. The optimizer update U of a region
+defaults to every device that runs any of the region's passes (see `finish_placement`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from piper_nb.errors import PlanError
+from piper_nb.ir.dag import Op, TrainingDAG
+
+__all__ = ["apply_place", "finish_placement"]
+
+
+def apply_place(dag: TrainingDAG, directive) -> TrainingDAG:
+    hit = 0
+    nodes = []
+    for n in dag.nodes:
+        if n.op in (Op.F, Op.B, Op.BI, Op.BW, Op.U) and n.selected_by(directive.filter):
+            hit += 1
+            n = dataclasses.replace(n, devices=directive.devices)
+            if directive.stream:
+                n = n.with_attrs(comm_stream=directive.stream)
+        nodes.append(n)
+    if not hit:
+        raise PlanError(f"place filter {dict(directive.filter)} matches no compute node; "
+                        f"the regions are {_region_names(dag)}")
+    return dag.replace(nodes=nodes, step=f"place {dict(directive.filter)} -> {list(directive.devices)}")
+
+
+def _region_names(dag: TrainingDAG) -> str:
+    return ", ".join("{" + r.name + "}" for r in dag.regions())
+
+
+def finish_placement(dag: TrainingDAG) -> TrainingDAG:
+    """Check every pass is placed; place U on the devices running its region."""
+    unplaced = [n.id for n in dag.nodes if n.op != Op.U and not n.devices]
+    if unplaced:
+        shown = ", ".join(unplaced[:4]) + (f" and {len(unplaced) - 4} more" if len(unplaced) > 4 else "")
+        raise PlanError(f"compute never placed: {shown}; add a place directive for "
+                        f"{dict((k, v) for k, v in dag[unplaced[0]].tags if k not in ('PASS', 'MB'))}")
+    holders: dict[int, set[int]] = {}
+    widths: dict[int, set[int]] = {}
+    for n in dag.nodes:
+        if n.op != Op.U:
+            holders.setdefault(n.region, set()).update(n.devices)
+            widths.setdefault(n.region, set()).add(len(n.devices))
+    nodes = []
+    for n in dag.nodes:
+        if n.op == Op.U:
+            want = tuple(sorted(holders.get(n.region, ())))
+            if n.devices and set(n.devices) != set(want):
+                raise PlanError(f"{n.id} is placed on {list(n.devices)} but its region runs on "
+                                f"{list(want)}; the update must run where the parameters are")
+            n = dataclasses.replace(n, devices=want)
+        nodes.append(n)
+    for r, w in widths.items():
+        if len(w) > 1:
+            raise PlanError(f"region {dag.regions()[r].name} runs on groups of different sizes "
+                            f"{sorted(w)}; place every pass of a region on groups of one size")
+    return dag.replace(nodes=nodes, step="placement checked")

@@ -1,0 +1,150 @@
+"""`replicate`: data-parallel replicas with ZeRO 0-3, and every other gradient sum.
+
+A parameter whose copies live on several devices needs its gradient summed over them:
+replicas of a region (data parallel), a stage held twice (DualPipe), or a weight tied
+across regions (embeddings). Parameters with the same device group, ZeRO level and
+regions form buckets (cut by `bucket_size` MB). Per bucket:
+
+- zero 0: ALL_REDUCE after the last backward, then U on full parameters;
+- zero 1: REDUCE_SCATTER after the last backward, U on the shard (optimizer state is
+  sharded), ALL_GATHER of the updated parameters;
+- zero 2: REDUCE_SCATTER after every microbatch's backward (gradients stay sharded),
+  U on the shard, ALL_GATHER of the parameters;
+- zero 3: parameters stay sharded: ALL_GATHER before every pass that needs them (freed
+  after it), REDUCE_SCATTER after every backward, U on the shard.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from piper_nb.errors import PlanError
+from piper_nb.ir.dag import Edge, Node, Op, TrainingDAG, node_id
+from piper_nb.ir.filters import freeze_tags
+
+__all__ = ["Bucket", "ReplicaConfig", "replica_configs", "insert_grad_sync"]
+
+
+@dataclass(frozen=True)
+class ReplicaConfig:
+    devices: tuple[int, ...]
+    zero: int
+    bucket_size: float | None
+    reduce_stream: str
+    gather_stream: str
+    directive: int
+
+
+@dataclass(frozen=True)
+class Bucket:
+    """Parameters synchronised together: one flat buffer, sharded over `group` when zero>0."""
+
+    index: int
+    params: tuple[str, ...]
+    group: tuple[int, ...]
+    zero: int
+    regions: tuple[int, ...]
+    reduce_stream: str = "dp"
+    gather_stream: str = "dp"
+
+
+def replica_configs(dag: TrainingDAG, replicates: list[tuple[int, object]]) -> dict[int, ReplicaConfig]:
+    """Region -> replication, from the replicate directives (index, directive)."""
+    configs: dict[int, ReplicaConfig] = {}
+    for idx, d in replicates:
+        regions = {n.region for n in dag.nodes if n.selected_by(d.filter)}
+        if not regions:
+            raise PlanError(f"replicate filter {dict(d.filter)} matches no region",
+                            directive=idx, op="replicate")
+        for r in regions:
+            configs[r] = ReplicaConfig(d.devices, d.zero, d.bucket_size, d.reduce_stream or "dp",
+                                       d.gather_stream or "dp", idx)
+    return configs
+
+
+def _last_backward(dag: TrainingDAG, region: int) -> list[Node]:
+    return [n for n in dag.nodes if n.region == region and n.op in (Op.B, Op.BW)]
+
+
+def _buckets(dag, region_params, param_bytes, configs) -> list[Bucket]:
+    holders = {n.region: n.devices for n in dag.nodes if n.op == Op.U}
+    regions_of: dict[str, list[int]] = {}
+    for r, ps in region_params.items():
+        for p in ps:
+            regions_of.setdefault(p, []).append(r)
+    groups: dict[tuple, list[str]] = {}
+    for p, rs in regions_of.items():
+        devs = tuple(sorted({d for r in rs for d in holders[r]}))
+        if len(devs) < 2:
+            continue
+        cfgs = {configs[r].zero if r in configs else None for r in rs}
+        zero = cfgs.pop() if len(cfgs) == 1 else None
+        if zero is None and len(cfgs) > 0 and any(r in configs for r in rs):
+            names = ", ".join(dag.regions()[r].name for r in rs)
+            raise PlanError(f"parameter {p} is shared by regions {names} with different replicate "
+                            "settings; replicate them with the same zero level")
+        zero = zero or 0
+        if zero and any(set(configs[r].devices) != set(devs) for r in rs):
+            raise PlanError(f"parameter {p} (tied across regions) lives on devices {list(devs)}; "
+                            "ZeRO sharding needs one replica group: use zero=0 for these regions")
+        groups.setdefault((devs, zero, tuple(rs)), []).append(p)
+    out: list[Bucket] = []
+    for (devs, zero, rs), params in groups.items():
+        cfg = configs.get(rs[0])
+        limit = cfg.bucket_size * 2**20 if cfg and cfg.bucket_size else None
+        chunk: list[str] = []
+        size = 0
+        for p in params:
+            if chunk and limit is not None and size + param_bytes[p] > limit:
+                out.append(Bucket(len(out), tuple(chunk), devs, zero, rs,
+                                  cfg.reduce_stream, cfg.gather_stream))
+                chunk, size = [], 0
+            chunk.append(p)
+            size += param_bytes[p]
+        out.append(Bucket(len(out), tuple(chunk), devs, zero, rs,
+                          cfg.reduce_stream if cfg else "dp", cfg.gather_stream if cfg else "dp"))
+    return out
+
+
+def insert_grad_sync(dag: TrainingDAG, region_params: dict[int, tuple[str, ...]],
+                     param_bytes: dict[str, int], configs: dict[int, ReplicaConfig]) -> TrainingDAG:
+    buckets = _buckets(dag, region_params, param_bytes, configs)
+    nodes = list(dag.nodes)
+    edges = list(dag.edges)
+    u_of = {n.region: n for n in dag.nodes if n.op == Op.U}
+    regions = dag.regions()
+
+    def coll(op: Op, b: Bucket, tags: dict, suffix: str, stream: str, purpose: str) -> Node:
+        t = freeze_tags(tags)
+        n = Node(id=node_id(op, t, f"#b{b.index}{suffix}"), op=op, tags=t, region=b.regions[0],
+                 devices=b.group, stream=stream,
+                 attrs=(("bucket", b.index), ("purpose", purpose), ("zero", b.zero)))
+        nodes.append(n)
+        return n
+
+    for b in buckets:
+        base = dict(regions[b.regions[0]].tags)
+        producers = [n for r in b.regions for n in _last_backward(dag, r)]
+        if b.zero in (0, 1):
+            op = Op.ALL_REDUCE if b.zero == 0 else Op.REDUCE_SCATTER
+            c = coll(op, b, base, "", b.reduce_stream, "grad")
+            edges += [Edge(p.id, c.id) for p in producers]
+            edges += [Edge(c.id, u_of[r].id) for r in b.regions]
+        else:
+            for mb in sorted({p.mb for p in producers}, key=lambda m: -1 if m is None else m):
+                tags = {**base, "MB": mb} if mb is not None else base
+                c = coll(Op.REDUCE_SCATTER, b, tags, "", b.reduce_stream, "grad")
+                edges += [Edge(p.id, c.id) for p in producers if p.mb == mb]
+                edges += [Edge(c.id, u_of[r].id) for r in b.regions]
+        if b.zero in (1, 2):
+            g = coll(Op.ALL_GATHER, b, base, "", b.gather_stream, "param")
+            edges += [Edge(u_of[r].id, g.id) for r in b.regions]
+        if b.zero == 3:
+            for n in dag.nodes:
+                if n.region in b.regions and n.op in (Op.F, Op.B, Op.BI, Op.BW):
+                    tags = {**base, "MB": n.mb} if n.mb is not None else base
+                    g = coll(Op.ALL_GATHER, b, tags, f".{n.op.value}{n.region}", b.gather_stream, "param")
+                    nodes[-1] = g.with_attrs(before=n.id)
+                    edges.append(Edge(g.id, n.id))
+    return dag.replace(nodes=nodes, edges=edges, meta={"buckets": tuple(buckets)},
+                       step=f"gradient sync ({len(buckets)} buckets)")

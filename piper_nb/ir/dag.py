@@ -1,0 +1,198 @@
+"""The TrainingDAG: the one IR every strategy is a transformation of (Piper's global DAG).
+
+Nodes are compute passes (F, B, BI, BW per region and microbatch; U, the optimizer
+update) and communication (SEND, RECV, ALL_REDUCE, ALL_GATHER, REDUCE_SCATTER,
+ALL_TO_ALL). Each node has tags, a device set and a logical stream. Edges are `data` or
+`temporal`. Everything is immutable: directives return new DAGs (`dag.replace(...)`), and
+`dag.history` names the passes applied so tools can show the DAG after each one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import defaultdict
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any
+
+from piper_nb.ir.filters import Tags, freeze_tags, matches, tags_text
+
+__all__ = ["Op", "Node", "Edge", "TrainingDAG", "COMPUTE", "COLLECTIVES", "COMM", "node_id"]
+
+
+class Op(str, Enum):
+    F = "F"
+    B = "B"
+    BI = "BI"
+    BW = "BW"
+    U = "U"
+    SEND = "SEND"
+    RECV = "RECV"
+    ALL_REDUCE = "ALL_REDUCE"
+    ALL_GATHER = "ALL_GATHER"
+    REDUCE_SCATTER = "REDUCE_SCATTER"
+    ALL_TO_ALL = "ALL_TO_ALL"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+COMPUTE = frozenset({Op.F, Op.B, Op.BI, Op.BW, Op.U})
+COLLECTIVES = frozenset({Op.ALL_REDUCE, Op.ALL_GATHER, Op.REDUCE_SCATTER, Op.ALL_TO_ALL})
+COMM = COLLECTIVES | {Op.SEND, Op.RECV}
+
+
+def node_id(op: Op | str, tags: Mapping[str, Any] | Tags, suffix: str = "") -> str:
+    """Canonical text id: `F[PP=1,MB=0]`, `ALL_REDUCE[PP=0]#grad0`."""
+    return f"{Op(op).value}[{tags_text(tags)}]{suffix}"
+
+
+@dataclass(frozen=True, slots=True)
+class Node:
+    """One DAG node. `devices` empty means not placed yet; `attrs` carry op details."""
+
+    id: str
+    op: Op
+    tags: Tags
+    region: int = -1
+    devices: tuple[int, ...] = ()
+    stream: str = "compute"
+    attrs: tuple[tuple[str, Any], ...] = ()
+
+    @property
+    def tagmap(self) -> dict[str, Any]:
+        return dict(self.tags)
+
+    def tag(self, key: str, default: Any = None) -> Any:
+        for k, v in self.tags:
+            if k == key:
+                return v
+        return default
+
+    @property
+    def mb(self) -> int | None:
+        return self.tag("MB")
+
+    def attr(self, key: str, default: Any = None) -> Any:
+        for k, v in self.attrs:
+            if k == key:
+                return v
+        return default
+
+    def with_attrs(self, **kw: Any) -> Node:
+        merged = dict(self.attrs)
+        merged.update(kw)
+        return dataclasses.replace(self, attrs=tuple(sorted(merged.items())))
+
+    def with_tags(self, **kw: Any) -> Node:
+        merged = dict(self.tags)
+        merged.update(kw)
+        return dataclasses.replace(self, tags=freeze_tags(merged))
+
+    def selected_by(self, filt: Mapping[str, Any]) -> bool:
+        return matches(filt, dict(self.tags))
+
+    def __str__(self) -> str:
+        where = f"@{','.join(map(str, self.devices))}" if self.devices else ""
+        return self.id + where
+
+
+@dataclass(frozen=True, slots=True)
+class Edge:
+    src: str
+    dst: str
+    kind: str = "data"  # "data" | "temporal"
+    values: tuple[str, ...] = ()  # activations (F edges) or their gradients (B edges)
+    origin: int = -1  # index of the directive that added it (temporal edges), else -1
+
+    def __str__(self) -> str:
+        arrow = "->" if self.kind == "data" else "~>"
+        return f"{self.src} {arrow} {self.dst}"
+
+
+@dataclass(frozen=True)
+class TrainingDAG:
+    """Immutable global training DAG; `meta` holds program-level facts (microbatches, ...)."""
+
+    nodes: tuple[Node, ...]
+    edges: tuple[Edge, ...]
+    meta: tuple[tuple[str, Any], ...] = ()
+    history: tuple[str, ...] = ()
+    _index: dict = field(default=None, init=False, repr=False, compare=False, hash=False)
+
+    # ---- look-ups (cached; the DAG never changes) ---------------------------------
+    def _idx(self) -> dict:
+        if self._index is None:
+            by_id = {n.id: n for n in self.nodes}
+            succ: dict[str, list[Edge]] = defaultdict(list)
+            pred: dict[str, list[Edge]] = defaultdict(list)
+            for e in self.edges:
+                succ[e.src].append(e)
+                pred[e.dst].append(e)
+            object.__setattr__(self, "_index", {"id": by_id, "succ": succ, "pred": pred})
+        return self._index
+
+    def __getitem__(self, nid: str) -> Node:
+        return self._idx()["id"][nid]
+
+    def __contains__(self, nid: str) -> bool:
+        return nid in self._idx()["id"]
+
+    def __len__(self) -> int:
+        return len(self.nodes)
+
+    def out_edges(self, nid: str) -> list[Edge]:
+        return self._idx()["succ"].get(nid, [])
+
+    def in_edges(self, nid: str) -> list[Edge]:
+        return self._idx()["pred"].get(nid, [])
+
+    def select(self, filt: Mapping[str, Any], ops: Iterable[Op] | None = None) -> list[Node]:
+        ops = set(ops) if ops is not None else None
+        return [n for n in self.nodes if (ops is None or n.op in ops) and n.selected_by(filt)]
+
+    def get_meta(self, key: str, default: Any = None) -> Any:
+        for k, v in self.meta:
+            if k == key:
+                return v
+        return default
+
+    # ---- rewriting ----------------------------------------------------------------
+    def replace(self, *, nodes: Iterable[Node] | None = None, edges: Iterable[Edge] | None = None,
+                meta: Mapping[str, Any] | None = None, step: str | None = None) -> TrainingDAG:
+        merged = dict(self.meta)
+        if meta:
+            merged.update(meta)
+        return TrainingDAG(
+            nodes=tuple(nodes) if nodes is not None else self.nodes,
+            edges=tuple(edges) if edges is not None else self.edges,
+            meta=tuple(merged.items()),
+            history=self.history + ((step,) if step else ()),
+        )
+
+    def devices(self) -> tuple[int, ...]:
+        return tuple(sorted({d for n in self.nodes for d in n.devices}))
+
+    def regions(self) -> tuple:
+        return self.get_meta("regions", ())
+
+    def text(self) -> str:
+        """One line per node then one per edge: the compact text form (see ir/text.py)."""
+        from piper_nb.ir.text import dag_to_text
+        return dag_to_text(self)
+
+    def to_json(self) -> str:
+        from piper_nb.ir.text import dag_to_json
+        return dag_to_json(self)
+
+    def to_graphviz(self, **kw: Any):
+        from piper_nb.viz.dag import dag_to_graphviz
+        return dag_to_graphviz(self, **kw)
+
+    def __repr__(self) -> str:
+        counts: dict[str, int] = defaultdict(int)
+        for n in self.nodes:
+            counts[n.op.value] += 1
+        body = " ".join(f"{k}={v}" for k, v in sorted(counts.items()))
+        return f"TrainingDAG({len(self.nodes)} nodes, {len(self.edges)} edges: {body})"

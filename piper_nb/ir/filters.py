@@ -1,0 +1,59 @@
+"""Filters: conjunctive `{tag: index}` maps selecting DAG nodes (Piper's filter form).
+
+`"*"` matches any index of a tag the node has; `{}` matches everything; `PASS` is a
+built-in tag whose values are F, B, BI, BW, U. A node's tags are a frozen mapping.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from piper_nb.errors import PlanError
+
+__all__ = ["Filter", "Tags", "ANY", "PASSES", "as_filter", "matches", "tags_text", "freeze_tags"]
+
+ANY = "*"
+PASSES = ("F", "B", "BI", "BW", "U")
+Tags = tuple[tuple[str, Any], ...]
+Filter = Mapping[str, Any]
+
+
+def freeze_tags(tags: Mapping[str, Any]) -> Tags:
+    """Tags as a tuple of pairs in canonical order: PP, other tags, MB, PASS."""
+    rank = {"PP": 0, "MB": 2, "PASS": 3}
+    return tuple(sorted(tags.items(), key=lambda kv: (rank.get(kv[0], 1), kv[0])))
+
+
+def as_filter(obj: Any, *, where: str = "filter") -> dict[str, Any]:
+    """Validate a user-given filter and return it as a plain dict."""
+    if not isinstance(obj, Mapping):
+        raise PlanError(f"{where} must be a {{tag: index}} object, got {type(obj).__name__} {obj!r}")
+    out: dict[str, Any] = {}
+    for key, value in obj.items():
+        if not isinstance(key, str) or not key:
+            raise PlanError(f"{where} keys must be tag names (strings), got {key!r}")
+        if key == "PASS":
+            if value != ANY and value not in PASSES:
+                raise PlanError(f"{where}: PASS must be one of {', '.join(PASSES)} or '*', got {value!r}")
+        elif value != ANY and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+            raise PlanError(
+                f"{where}: tag {key} must map to a non-negative integer index or '*', got {value!r}")
+        out[key] = value
+    return out
+
+
+def matches(filt: Mapping[str, Any], tags: Mapping[str, Any]) -> bool:
+    """True when every `tag: index` of the filter holds for the node's tags."""
+    for key, want in filt.items():
+        if key not in tags:
+            return False
+        if want != ANY and tags[key] != want:
+            return False
+    return True
+
+
+def tags_text(tags: Mapping[str, Any] | Tags) -> str:
+    """Compact text of tags: `PP=1,MB=0` (PASS left out; it is the node's op)."""
+    items = tags.items() if isinstance(tags, Mapping) else tags
+    return ",".join(f"{k}={v}" for k, v in items if k != "PASS")

@@ -1,0 +1,12 @@
+"""Small example models shipped for notebooks and tests: MLP, TinyGPT, TinyMoE.
+
+Each has `example_batch(batch_size, seed)`, a traceable `loss_fn(output, targets)` that is a
+plain mean (so microbatching preserves gradients), a `config` dict and seeded init. The
+top-level children (`layers`, or `embed`/`blocks`/`head`) are the natural annotation points.
+"""
+
+from .gpt import TinyGPT
+from .mlp import MLP
+from .moe import TinyMoE
+
+__all__ = ["MLP", "TinyGPT", "TinyMoE"]

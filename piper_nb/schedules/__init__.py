@@ -1,0 +1,67 @@
+"""Schedule builders: per-rank grids and the `split` + `order` directives that say them.
+
+One technique per module: GPipe (`gpipe`), 1F1B (`one_f_one_b`), Megatron's interleaved
+1F1B (`interleaved`), ZB1P / ZB-H1 (`zero_bubble`), DeepSeek's DualPipe and DualPipeV
+(`dualpipe`), and hand-written grids (`grid`). Each `*_grid` returns a `Grid` in PyTorch
+pipelining's `0F1` text form; the directive builders return Piper's directives. `build`
+is the registry behind the JSON `{"op": "schedule", "name": ...}` directive.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+
+from piper_nb.directives.spec import Directive
+from piper_nb.errors import PlanError
+from piper_nb.schedules.dualpipe import dualpipe, dualpipe_grid, dualpipev, dualpipev_grid
+from piper_nb.schedules.gpipe import gpipe, gpipe_grid
+from piper_nb.schedules.grid import from_grid, grid_directives, place_directives, validate_grid
+from piper_nb.schedules.interleaved import interleaved_1f1b, interleaved_1f1b_grid
+from piper_nb.schedules.one_f_one_b import one_f_one_b, one_f_one_b_grid
+from piper_nb.schedules.zero_bubble import zero_bubble, zero_bubble_grid
+
+__all__ = ["gpipe_grid", "one_f_one_b_grid", "interleaved_1f1b_grid", "zero_bubble_grid",
+           "dualpipev_grid", "dualpipe_grid", "gpipe", "one_f_one_b", "interleaved_1f1b",
+           "zero_bubble", "dualpipev", "dualpipe", "from_grid", "validate_grid",
+           "grid_directives", "place_directives", "build", "BUILDERS", "ALIASES"]
+
+
+def _grid(text: str, microbatches: int | None = None, place: bool = False) -> list[Directive]:
+    return from_grid(text, microbatches, place)
+
+
+BUILDERS: dict[str, Callable[..., list[Directive]]] = {
+    "gpipe": gpipe,
+    "1f1b": one_f_one_b,
+    "interleaved_1f1b": interleaved_1f1b,
+    "zb1p": zero_bubble,
+    "dualpipev": dualpipev,
+    "dualpipe": dualpipe,
+    "grid": _grid,
+}
+ALIASES = {"one_f_one_b": "1f1b", "interleaved": "interleaved_1f1b", "zero_bubble": "zb1p",
+           "zbh1": "zb1p"}
+
+
+def build(name: str, **kwargs) -> list[Directive]:
+    """The directives of the builder called `name` (an alias works too) with `kwargs`."""
+    key = name.strip().lower().replace("-", "_") if isinstance(name, str) else name
+    key = ALIASES.get(key, key)
+    if key not in BUILDERS:
+        known = ", ".join([*BUILDERS, *ALIASES])
+        raise PlanError(f"unknown schedule {name!r}; the schedules are {known}")
+    fn = BUILDERS[key]
+    params = inspect.signature(fn).parameters
+    try:
+        inspect.signature(fn).bind(**kwargs)
+    except TypeError:
+        required = [p for p, v in params.items() if v.default is inspect.Parameter.empty]
+        optional = [p for p, v in params.items() if v.default is not inspect.Parameter.empty]
+        unknown = sorted(set(kwargs) - set(params))
+        missing = [p for p in required if p not in kwargs]
+        problem = (f"unknown argument(s) {', '.join(unknown)}" if unknown
+                   else f"missing argument(s) {', '.join(missing)}")
+        raise PlanError(f"schedule {name!r}: {problem}; it takes {', '.join(required)}"
+                        + (f" and optionally {', '.join(optional)}" if optional else "")) from None
+    return fn(**kwargs)

@@ -1,0 +1,1 @@
+"""Simulation: cost models, discrete-event simulator, memory model, traces."""
