@@ -55,12 +55,13 @@ class Instr:
     def __str__(self) -> str:
         k = self.kind
         if k in _LETTER:
-            return f"{self.region}{_LETTER[k]}{self.mb}"
+            return f"{self.region}{_LETTER[k]}{self.mb if self.mb >= 0 else ''}"
         if k == "U":
             return f"{self.region}U"
         if k in ("SEND", "RECV"):
             arrow = ">" if k == "SEND" else "<"
-            return f"{self.region}{k}_{'B' if self.grad else 'F'}{self.mb}{arrow}{self.peer}"
+            mb = self.mb if self.mb >= 0 else ""
+            return f"{self.region}{k}_{'B' if self.grad else 'F'}{mb}{arrow}{self.peer}"
         if k in SHORT:
             core = f"{SHORT[k]}{self.bucket if self.bucket >= 0 else ''}"
             return core + (f"@{self.mb}" if self.mb >= 0 else "")
