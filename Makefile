@@ -26,7 +26,6 @@ $(STAMP): pyproject.toml | $(BIN)/python
 test: $(STAMP) $(SYSDEPS)
 	$(BIN)/ruff check piper_nb tests benchmarks
 	$(BIN)/python -m pytest -q -p no:cacheprovider tests
-	$(BIN)/python -m pytest -q -p no:cacheprovider --nbval-lax notebooks
 
 demo: $(STAMP) $(SYSDEPS)
 	$(BIN)/python -m piper_nb run examples/pp2_dp2_zero3.json --model tiny_gpt --devices 4 --steps 5 --out demo_out
@@ -38,7 +37,7 @@ lint: $(STAMP)
 	$(BIN)/ruff check piper_nb tests benchmarks
 
 bench: $(STAMP)
-	$(BIN)/python benchmarks/run_all.py
+	$(BIN)/python benchmarks/bench_compile.py
 
 clean:
 	rm -rf $(VENV) build dist *.egg-info

@@ -23,7 +23,7 @@ def _check(cond: bool, message: str) -> None:
         raise ValueError(message)
 
 
-@dataclass(frozen=True, kw_only=True)
+@dataclass(frozen=True)
 class Optimizer:
     """Base class: `step` updates `param` from `grad` in place; `state` is its own dict."""
 
@@ -42,18 +42,12 @@ class Optimizer:
                    if isinstance(t, torch.Tensor))
 
 
-@dataclass(frozen=True, kw_only=True)
+@dataclass(frozen=True)
 class SGD(Optimizer):
     """torch.optim.SGD (dampening 0, no Nesterov): momentum buffer `momentum_buffer`."""
 
     momentum: float = 0.0           # 0 disables the buffer
     weight_decay: float = 0.0       # L2 penalty added to the gradient
-
-    def __init__(self, lr: float, momentum: float = 0.0, weight_decay: float = 0.0):
-        object.__setattr__(self, "lr", lr)
-        object.__setattr__(self, "momentum", momentum)
-        object.__setattr__(self, "weight_decay", weight_decay)
-        self.__post_init__()
 
     def __post_init__(self):
         super().__post_init__()
@@ -76,21 +70,13 @@ class SGD(Optimizer):
         param.add_(d_p, alpha=-self.lr)
 
 
-@dataclass(frozen=True, kw_only=True)
+@dataclass(frozen=True)
 class AdamW(Optimizer):
     """torch.optim.AdamW (decoupled weight decay, no amsgrad): `exp_avg`, `exp_avg_sq`."""
 
     betas: tuple[float, float] = (0.9, 0.999)   # running-average coefficients, each in [0, 1)
     eps: float = 1e-8                           # added to the denominator
     weight_decay: float = 0.01                  # decoupled: param *= 1 - lr * weight_decay
-
-    def __init__(self, lr: float, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
-                 weight_decay: float = 0.01):
-        object.__setattr__(self, "lr", lr)
-        object.__setattr__(self, "betas", tuple(betas))
-        object.__setattr__(self, "eps", eps)
-        object.__setattr__(self, "weight_decay", weight_decay)
-        self.__post_init__()
 
     def __post_init__(self):
         super().__post_init__()

@@ -10,6 +10,8 @@ embeddings) is recorded so its gradient can be summed.
 
 from __future__ import annotations
 
+import heapq
+import operator
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -21,7 +23,8 @@ from piper_nb.capture.region import current_region_tags, tracing_scope
 from piper_nb.errors import PlanError
 from piper_nb.ir.filters import Tags, freeze_tags, tags_text
 
-__all__ = ["RegionInfo", "Capture", "capture_regions", "BATCH_INPUT", "BATCH_TARGET", "LOSS"]
+__all__ = ["RegionInfo", "Capture", "capture_regions", "BATCH_INPUT", "BATCH_TARGET", "LOSS",
+           "SEG"]
 
 BATCH_INPUT, BATCH_TARGET, LOSS = "inputs", "targets", "loss"
 
@@ -102,6 +105,176 @@ def _trace(model: nn.Module, loss_fn: Callable) -> fx.GraphModule:
     return fx.GraphModule(root, graph)
 
 
+_SIZE_METHODS = frozenset({"size", "dim", "ndimension", "numel", "nelement"})
+_SIZE_ATTRS = frozenset({"shape", "ndim"})
+_ARITH = frozenset({operator.getitem, operator.add, operator.sub, operator.mul,
+                    operator.floordiv, operator.truediv, operator.mod, operator.neg, operator.pow})
+
+
+def _size_nodes(nodes: list[fx.Node]) -> set[fx.Node]:
+    """Nodes that surely compute sizes (ints, torch.Size), not tensors: `x.shape`,
+    `x.size(-1)`, `x.shape[0] * 2`. When one crosses regions it is packed into a tensor."""
+    out: set[fx.Node] = set()
+    for n in nodes:
+        if ((n.op == "call_method" and n.target in _SIZE_METHODS)
+                or (n.op == "call_function" and n.target is getattr
+                    and len(n.args) == 2 and n.args[1] in _SIZE_ATTRS)
+                or (n.op == "call_function" and n.target in _ARITH and n.all_input_nodes
+                    and all(a in out for a in n.all_input_nodes))):
+            out.add(n)
+    return out
+
+
+_SIZE_DTYPE, _INT_DTYPE = torch.uint8, torch.int8
+
+
+def pack_size(v) -> torch.Tensor:
+    """A size crossing regions as a tensor: a torch.Size (or tuple of ints) becomes a uint8
+    tensor *of that shape*, a non-negative int n an int8 tensor of shape (n,); both are one
+    byte expanded (stride 0), and a tensor of zeros of the recorded shape and dtype decodes
+    to the same size (so profiling with synthetic inputs works). Other numbers travel by
+    value in a 0-d tensor."""
+    one = torch.zeros((), dtype=_SIZE_DTYPE)
+    if isinstance(v, bool):
+        return torch.tensor(v)
+    if isinstance(v, int):
+        return one.to(_INT_DTYPE).expand(v) if v >= 0 else torch.tensor(v)
+    if isinstance(v, float):
+        return torch.tensor(v, dtype=torch.float64)
+    return one.expand(tuple(v))
+
+
+def unpack_size(t: torch.Tensor):
+    """Inverse of `pack_size`."""
+    if t.dtype == _SIZE_DTYPE:
+        return t.shape
+    if t.dtype == _INT_DTYPE:
+        return t.shape[0]
+    return t.item()
+
+
+SEG = "SEG"
+
+
+class _RegionGraph:
+    """Regions created while walking the fx graph: key (tags, segment) and direct inputs."""
+
+    def __init__(self):
+        self.keys: list[tuple[Tags, int]] = []
+        self.index: dict[tuple[Tags, int], int] = {}
+        self.deps: list[set[int]] = []
+        self._anc: dict[int, frozenset[int]] = {}
+
+    def get(self, key: tuple[Tags, int]) -> int:
+        if key not in self.index:
+            self.index[key] = len(self.keys)
+            self.keys.append(key)
+            self.deps.append(set())
+        return self.index[key]
+
+    def depend(self, r: int, srcs) -> None:
+        new = {s for s in srcs if s != r} - self.deps[r]
+        if new:
+            self.deps[r] |= new
+            self._anc.clear()
+
+    def ancestors(self, r: int) -> frozenset[int]:
+        """Regions `r` depends on, transitively, `r` included."""
+        if r not in self._anc:
+            seen, todo = {r}, [r]
+            while todo:
+                for s in self.deps[todo.pop()]:
+                    if s not in seen:
+                        seen.add(s)
+                        todo.append(s)
+            self._anc[r] = frozenset(seen)
+        return self._anc[r]
+
+    def segment(self, tags: Tags, srcs: set[int]) -> int:
+        """Segment of an op tagged `tags` reading regions `srcs`: the segment of an input
+        region with the same tags, or one past every segment of `tags` the inputs depend on."""
+        seg = 0
+        for a in srcs:
+            a_tags, a_seg = self.keys[a]
+            if a_tags == tags:
+                seg = max(seg, a_seg)
+            else:
+                seg = max([seg, *(self.keys[x][1] + 1 for x in self.ancestors(a)
+                                  if x != a and self.keys[x][0] == tags)])
+        return seg
+
+    def latest(self, rs: set[int], last: bool = True) -> int:
+        """The region of `rs` no other one depends on (`last`) or depends on no other one;
+        ties go to the latest (earliest) created."""
+        if last:
+            free = [r for r in rs if not any(r in self.ancestors(o) for o in rs if o != r)]
+            return max(free or rs)
+        free = [r for r in rs if not any(o in self.ancestors(r) for o in rs if o != r)]
+        return min(free or rs)
+
+    def topological(self) -> list[int]:
+        """Region indices in dependency order, ties by creation (the identity when creation
+        order is already topological)."""
+        users: dict[int, list[int]] = {r: [] for r in range(len(self.keys))}
+        indeg = [len(d) for d in self.deps]
+        for r, ds in enumerate(self.deps):
+            for s in ds:
+                users[s].append(r)
+        heap = [r for r, k in enumerate(indeg) if k == 0]
+        heapq.heapify(heap)
+        out = []
+        while heap:
+            r = heapq.heappop(heap)
+            out.append(r)
+            for u in users[r]:
+                indeg[u] -= 1
+                if not indeg[u]:
+                    heapq.heappush(heap, u)
+        if len(out) != len(self.keys):
+            left = [tags_text(self.keys[r][0]) for r in range(len(self.keys)) if r not in out]
+            raise PlanError(f"regions {', '.join(left)} depend on each other in a cycle; tag the "
+                            "operations between them so each region runs in one piece")
+        return out
+
+
+def _assign_regions(nodes: list[fx.Node], own: dict[fx.Node, dict],
+                    ) -> tuple[dict[fx.Node, int], dict[int, Tags]]:
+    """fx node -> region index (topological order) and region index -> tags (SEG added)."""
+    graph = _RegionGraph()
+    region_of: dict[fx.Node, int] = {}
+    for n in nodes:
+        srcs = {region_of[a] for a in n.all_input_nodes if a in region_of}
+        if n in own:
+            tags = freeze_tags(own[n])
+            r = graph.get((tags, graph.segment(tags, srcs)))
+        elif n.op in ("call_function", "call_method") and srcs:
+            r = graph.latest(srcs)
+        else:
+            continue
+        region_of[n] = r
+        graph.depend(r, srcs)
+    for n in reversed(nodes):
+        if n.op in ("call_function", "call_method") and n not in region_of:
+            users = {region_of[u] for u in n.users if u in region_of}
+            if not users:
+                raise PlanError(f"operation {n.name} ({n.target}) belongs to no region; "
+                                "tag the module that computes it")
+            region_of[n] = r = graph.latest(users, last=False)
+            for u in users:
+                graph.depend(u, {r})
+    number = {r: i for i, r in enumerate(graph.topological())}
+    tags_of_region: dict[int, Tags] = {}
+    for r, (tags, seg) in enumerate(graph.keys):
+        if seg:
+            if SEG in dict(tags):
+                raise PlanError(f"region {tags_text(tags)} is re-entered after regions that "
+                                f"depend on it and needs a segment tag, but {SEG} is a tag of "
+                                "the model: rename that tag (piper_nb sets SEG)")
+            tags = freeze_tags({**dict(tags), SEG: seg})
+        tags_of_region[number[r]] = tags
+    return {n: number[r] for n, r in region_of.items()}, tags_of_region
+
+
 def capture_regions(spec, loss_fn: Callable) -> Capture:
     model = spec.model
     gm = _trace(model, loss_fn)
@@ -124,7 +297,8 @@ def capture_regions(spec, loss_fn: Callable) -> Capture:
         tags = {**spec.tags_of(path), **n.meta.get("pn_tags", {})}
         if tags:
             own[n] = tags
-        elif n.op == "call_module" and any(True for _ in gm.get_submodule(str(n.target)).parameters()):
+        elif n.op == "call_module" and any(True for _ in gm.get_submodule(str(n.target))
+                                           .parameters()):
             untagged.add(path)
     if untagged:
         raise PlanError(f"modules {', '.join(sorted(untagged))} have parameters but no tags: "
@@ -133,25 +307,10 @@ def capture_regions(spec, loss_fn: Callable) -> Capture:
         raise PlanError("no operation of the model carries a tag: annotate at least one module, "
                         "e.g. pn.annotate(model, {'': {'PP': 0}}) for a single region")
 
-    # 2. regions numbered by first appearance; glue joins its latest input's region
-    order: dict[Tags, int] = {}
-    region_of: dict[fx.Node, int] = {}
-    for n in nodes:
-        if n in own:
-            region_of[n] = order.setdefault(freeze_tags(own[n]), len(order))
-        elif n.op in ("call_function", "call_method"):
-            srcs = [region_of[a] for a in n.all_input_nodes if a in region_of]
-            if srcs:
-                region_of[n] = max(srcs)
-    for n in reversed(nodes):
-        if n.op in ("call_function", "call_method") and n not in region_of:
-            users = [region_of[u] for u in n.users if u in region_of]
-            if users:
-                region_of[n] = min(users)
-            else:
-                raise PlanError(f"operation {n.name} ({n.target}) belongs to no region; "
-                                "tag the module that computes it")
-    tags_of_region = {i: t for t, i in order.items()}
+    # 2. regions = (tags, segment). A tag combination re-entered after a region that
+    #    depends on it (MoE: dispatch -> experts -> combine) starts a new segment, so the
+    #    region graph stays acyclic; glue joins the latest of its inputs' regions.
+    region_of, tags_of_region = _assign_regions(nodes, own)
 
     # 3. parameters per region (call_module params + get_attr), tied ones
     region_params: dict[int, dict[str, None]] = {i: {} for i in tags_of_region}
@@ -207,6 +366,8 @@ def capture_regions(spec, loss_fn: Callable) -> Capture:
     placeholders = [n.name for n in nodes if n.op == "placeholder"]
     name_map = dict(zip(placeholders, (BATCH_INPUT, BATCH_TARGET), strict=True))
 
+    sizes = _size_nodes(nodes)
+
     # 5. one GraphModule per region
     regions, modules = [], []
     by_name = {n.name: n for n in nodes}
@@ -222,13 +383,17 @@ def capture_regions(spec, loss_fn: Callable) -> Capture:
         env: dict[fx.Node, fx.Node] = {}
         for v in in_names:
             env[by_name[v]] = g.placeholder(name_map.get(v, v))
+            if by_name[v] in sizes:  # a shape crossing regions travels as an int64 tensor
+                env[by_name[v]] = g.call_function(unpack_size, (env[by_name[v]],))
         def arg(a: fx.Node, env=env, g=g) -> fx.Node:
             if a not in env and a.op == "get_attr":
                 env[a] = g.get_attr(a.target)
             return env[a]
         for n in mine:
             env[n] = g.node_copy(n, arg)
-        outs = [env[loss_node] if v == LOSS else env[by_name[v]] for v in out_names]
+        outs = [env[loss_node] if v == LOSS else
+                g.call_function(pack_size, (env[by_name[v]],)) if by_name[v] in sizes else
+                env[by_name[v]] for v in out_names]
         g.output(tuple(outs))
         g.lint()
         modules.append(fx.GraphModule(gm, g, class_name=f"Region{r}"))

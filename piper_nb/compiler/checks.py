@@ -108,7 +108,9 @@ def dry_run(plan: Plan) -> list[list[int]]:
         if all(ptr[d] == len(instrs[d]) for d in range(n)):
             return rounds
         if not progress:
-            raise PlanError("deadlock: no device can make progress\n" + _stuck_grid(plan, ptr))
+            raise PlanError("deadlock: no device can make progress; the order of the marked "
+                            "passes cannot be met by their peers (check those devices' order "
+                            "directives)\n" + _stuck_grid(plan, ptr))
         r += 1
 
 

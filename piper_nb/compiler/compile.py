@@ -21,12 +21,20 @@ from piper_nb.compiler.shapes import propagate
 from piper_nb.directives.backward_split import apply_backward_split, names_split_backward
 from piper_nb.directives.build import build_dag
 from piper_nb.directives.comm import insert_send_recv
-from piper_nb.directives.order import apply_order
-from piper_nb.directives.place import apply_place, finish_placement
+from piper_nb.directives.order import apply_orders
+from piper_nb.directives.place import apply_places, finish_placement
 from piper_nb.directives.replicate import insert_grad_sync, replica_configs
 from piper_nb.directives.shard import apply_shard, insert_all_to_all, shard_placement
-from piper_nb.directives.spec import (Directive, Order, Place, Program, Replicate, Schedule,
-                                      Shard, Split)
+from piper_nb.directives.spec import (
+    Directive,
+    Order,
+    Place,
+    Program,
+    Replicate,
+    Schedule,
+    Shard,
+    Split,
+)
 from piper_nb.directives.split import apply_split
 from piper_nb.errors import PlanError
 from piper_nb.ir.dag import Op, TrainingDAG
@@ -78,8 +86,7 @@ def build_global_dag(capture, directives: list[tuple[int, Directive]], values: d
         dag = _guard(idx, d, apply_split, dag, d)
     orders = [d for _, d in by_op.get(Order, [])]
     dag = apply_backward_split(dag, names_split_backward(orders))
-    for idx, d in by_op.get(Place, []):
-        dag = _guard(idx, d, apply_place, dag, d)
+    dag = apply_places(dag, by_op.get(Place, []))
     configs = replica_configs(dag, by_op.get(Replicate, []))
     for idx, d in by_op.get(Replicate, []):
         dag = _guard(idx, d, _place_replicas, dag, d)
@@ -97,16 +104,15 @@ def build_global_dag(capture, directives: list[tuple[int, Directive]], values: d
         dag = _guard(idx, d, apply_shard, dag, d)
     if experts:
         dag = insert_all_to_all(dag, frozenset(experts))
-    overlap = 0
-    for idx, d in by_op.get(Order, []):
-        dag, overlap = apply_order(dag, d, idx, overlap)
+    dag = apply_orders(dag, by_op.get(Order, []))
     return validate(dag, placed=True), configs
 
 
 def _place_replicas(dag: TrainingDAG, d: Replicate) -> TrainingDAG:
     nodes = []
+    chosen = {n.id for n in dag.select(d.filter, (Op.F, Op.B, Op.BI, Op.BW))}
     for n in dag.nodes:
-        if n.op != Op.U and n.selected_by(d.filter):
+        if n.id in chosen:
             if not n.devices:
                 n = dataclasses.replace(n, devices=d.devices)
             elif set(n.devices) != set(d.devices):

@@ -195,11 +195,19 @@ def _emit(dag, d, seq, pulled_of, partner, tags, owned, regions) -> tuple[Instr,
     return _add_frees(out, regions, dag)
 
 
+def _grad_values(dag) -> frozenset[str]:
+    cache = dag._idx()
+    if "grad_values" not in cache:
+        cache["grad_values"] = frozenset(
+            v for e in dag.edges if dag[e.src].op in (Op.B, Op.BI) for v in e.values)
+    return cache["grad_values"]
+
+
 def _add_frees(instrs: list[Instr], regions, dag) -> tuple[Instr, ...]:
     """Insert FREE after the last reader of every buffer the device holds."""
     last: dict[str, int] = {}
     now: dict[int, list[str]] = defaultdict(list)
-    grad_values = {v for e in dag.edges if dag[e.src].op in (Op.B, Op.BI) for v in e.values}
+    grad_values = _grad_values(dag)
     for i, ins in enumerate(instrs):
         reads: list[str] = []
         if ins.kind == "F":

@@ -28,7 +28,7 @@ def names_split_backward(order_directives) -> list[dict]:
 def apply_backward_split(dag: TrainingDAG, filters: list[dict]) -> TrainingDAG:
     if not filters:
         return dag
-    targets = {n.id for n in dag.nodes if n.op == Op.B and any(n.selected_by(f) for f in filters)}
+    targets = {n.id for f in filters for n in dag.select(f, (Op.B,))}
     if not targets:
         return dag
     nodes: list[Node] = []

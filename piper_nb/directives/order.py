@@ -10,15 +10,37 @@ from __future__ import annotations
 from piper_nb.errors import PlanError
 from piper_nb.ir.dag import COMPUTE, Edge, TrainingDAG
 
-__all__ = ["apply_order"]
+__all__ = ["apply_order", "apply_orders"]
+
+
+def apply_orders(dag: TrainingDAG, orders: list[tuple[int, object]]) -> TrainingDAG:
+    """All order directives at once (one rewrite: selections see the same DAG)."""
+    if not orders:
+        return dag
+    edges: list[Edge] = []
+    patched: dict = {}
+    overlap = 0
+    for index, directive in orders:
+        new_edges, new_nodes, overlap = _order_edges(dag, directive, index, overlap)
+        edges += new_edges
+        patched.update(new_nodes)
+    nodes = [patched.get(n.id, n) for n in dag.nodes] if patched else dag.nodes
+    return dag.replace(nodes=nodes, edges=(*dag.edges, *edges),
+                       step=f"order ({len(orders)} directives)")
 
 
 def apply_order(dag: TrainingDAG, directive, index: int, first_overlap: int = 0) -> tuple[TrainingDAG, int]:
+    edges, patched, overlap = _order_edges(dag, directive, index, first_overlap)
+    nodes = [patched.get(n.id, n) for n in dag.nodes] if patched else dag.nodes
+    return dag.replace(nodes=nodes, edges=(*dag.edges, *edges), step=f"order #{index}"), overlap
+
+
+def _order_edges(dag: TrainingDAG, directive, index: int, first_overlap: int):
     slots: list[list[str]] = []
     for i, group in enumerate(directive.groups):
         ids: list[str] = []
         for f in group:
-            hit = [n.id for n in dag.nodes if n.op in COMPUTE and n.selected_by(f)]
+            hit = [n.id for n in dag.select(f, COMPUTE)]
             if not hit:
                 raise PlanError(f"order slot {i}: filter {dict(f)} matches no pass; check the "
                                 "stage, microbatch and PASS (F, B, BI, BW)", directive=index,
@@ -32,7 +54,7 @@ def apply_order(dag: TrainingDAG, directive, index: int, first_overlap: int = 0)
             for nid in ids:
                 patched[nid] = dag[nid].with_attrs(overlap=overlap)
             overlap += 1
-    edges = list(dag.edges)
+    edges = []
     for i in range(len(slots) - 1):
         for a in slots[i]:
             for b in slots[i + 1]:
@@ -42,5 +64,4 @@ def apply_order(dag: TrainingDAG, directive, index: int, first_overlap: int = 0)
                         f"{list(dag[b].devices)}) run on different devices; an order sequences "
                         "one device's work: write one order per device", directive=index, op="order")
                 edges.append(Edge(a, b, "temporal", origin=index))
-    nodes = [patched.get(n.id, n) for n in dag.nodes] if patched else dag.nodes
-    return dag.replace(nodes=nodes, edges=edges, step=f"order #{index}"), overlap
+    return edges, patched, overlap

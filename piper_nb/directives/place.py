@@ -11,15 +11,38 @@ import dataclasses
 from piper_nb.errors import PlanError
 from piper_nb.ir.dag import Op, TrainingDAG
 
-__all__ = ["apply_place", "finish_placement"]
+__all__ = ["apply_place", "apply_places", "finish_placement"]
+
+
+def apply_places(dag: TrainingDAG, places: list[tuple[int, object]]) -> TrainingDAG:
+    """All place directives in one rewrite; later ones override earlier ones per node."""
+    if not places:
+        return dag
+    where: dict[str, object] = {}
+    for index, d in places:
+        chosen = dag.select(d.filter, (Op.F, Op.B, Op.BI, Op.BW, Op.U))
+        if not chosen:
+            raise PlanError(f"place filter {dict(d.filter)} matches no compute node; "
+                            f"the regions are {_region_names(dag)}", directive=index, op="place")
+        for n in chosen:
+            where[n.id] = d
+    nodes = []
+    for n in dag.nodes:
+        d = where.get(n.id)
+        if d is not None:
+            n = dataclasses.replace(n, devices=d.devices)
+            if d.stream:
+                n = n.with_attrs(comm_stream=d.stream)
+        nodes.append(n)
+    return dag.replace(nodes=nodes, step=f"place ({len(places)} directives)")
 
 
 def apply_place(dag: TrainingDAG, directive) -> TrainingDAG:
-    hit = 0
+    chosen = {n.id for n in dag.select(directive.filter, (Op.F, Op.B, Op.BI, Op.BW, Op.U))}
+    hit = len(chosen)
     nodes = []
     for n in dag.nodes:
-        if n.op in (Op.F, Op.B, Op.BI, Op.BW, Op.U) and n.selected_by(directive.filter):
-            hit += 1
+        if n.id in chosen:
             n = dataclasses.replace(n, devices=directive.devices)
             if directive.stream:
                 n = n.with_attrs(comm_stream=directive.stream)

@@ -13,7 +13,7 @@ import dataclasses
 from collections import defaultdict
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from enum import Enum
+from enum import StrEnum
 from typing import Any
 
 from piper_nb.ir.filters import Tags, freeze_tags, matches, tags_text
@@ -21,7 +21,7 @@ from piper_nb.ir.filters import Tags, freeze_tags, matches, tags_text
 __all__ = ["Op", "Node", "Edge", "TrainingDAG", "COMPUTE", "COLLECTIVES", "COMM", "node_id"]
 
 
-class Op(str, Enum):
+class Op(StrEnum):
     F = "F"
     B = "B"
     BI = "BI"
@@ -149,8 +149,24 @@ class TrainingDAG:
         return self._idx()["pred"].get(nid, [])
 
     def select(self, filt: Mapping[str, Any], ops: Iterable[Op] | None = None) -> list[Node]:
+        """Nodes matching a filter, in DAG order (an index by tag keeps this fast)."""
+        idx = self._idx()
+        if "tags" not in idx:
+            by_tag: dict[tuple, list[int]] = defaultdict(list)
+            for i, n in enumerate(self.nodes):
+                for k, v in n.tags:
+                    by_tag[(k, v)].append(i)
+                    by_tag[(k, "*")].append(i)
+            idx["tags"] = {k: frozenset(v) for k, v in by_tag.items()}
+        hits: frozenset[int] | None = None
+        for k, v in filt.items():
+            found = idx["tags"].get((k, v), frozenset())
+            hits = found if hits is None else hits & found
+            if not hits:
+                return []
+        positions = range(len(self.nodes)) if hits is None else sorted(hits)
         ops = set(ops) if ops is not None else None
-        return [n for n in self.nodes if (ops is None or n.op in ops) and n.selected_by(filt)]
+        return [self.nodes[i] for i in positions if ops is None or self.nodes[i].op in ops]
 
     def get_meta(self, key: str, default: Any = None) -> Any:
         for k, v in self.meta:

@@ -1,7 +1,9 @@
 """Traces: timed events per device and stream, plus memory over time.
 
 The simulator predicts a Trace and the runtime measures one: the same type, so predicted
-and measured timelines are drawn and compared by the same code.
+and measured timelines are drawn and compared by the same code. The analysis methods
+delegate to `sim/analysis.py` (bubbles, peak memory, comparison) and the drawing ones to
+`viz/` (plotly timeline, Chrome trace).
 """
 
 from __future__ import annotations
@@ -68,6 +70,44 @@ class Trace:
         return json.dumps({"source": self.source, "unit": self.unit, "meta": self.meta,
                            "events": [asdict(e) for e in self.events],
                            "memory": [asdict(m) for m in self.memory]})
+
+    # ---- analysis (sim/analysis.py) -------------------------------------------------
+    def bubble(self, device: int) -> float:
+        """Idle time of `device`'s compute stream between the step start and end."""
+        from piper_nb.sim.analysis import bubble
+        return bubble(self, device)
+
+    def bubble_fraction(self, device: int | None = None) -> float:
+        """bubble / step time for `device`; None: the mean over devices."""
+        from piper_nb.sim.analysis import bubble_fraction
+        return bubble_fraction(self, device)
+
+    @property
+    def peak_memory(self) -> dict[int, int]:
+        """Device -> peak bytes over the step."""
+        from piper_nb.sim.analysis import peak_memory
+        return peak_memory(self)
+
+    def live_stashes(self, device: int) -> int:
+        """Peak count of activation stashes (region, microbatch) alive on `device`."""
+        from piper_nb.sim.memory import live_stashes
+        return live_stashes(self, device)
+
+    def compare(self, other: Trace):
+        """Predicted vs measured per instruction and step time (a `Comparison`)."""
+        from piper_nb.sim.analysis import compare
+        return compare(self, other)
+
+    # ---- drawing (viz/) ---------------------------------------------------------------
+    def figure(self, devices=None, memory: bool = True):
+        """A plotly figure: one row per device and stream, memory over time beneath."""
+        from piper_nb.viz.timeline import timeline_figure
+        return timeline_figure(self, devices=devices, memory=memory)
+
+    def to_chrome_trace(self, path=None) -> dict:
+        """Chrome trace JSON (opens in Perfetto); written to `path` when given."""
+        from piper_nb.viz.timeline import to_chrome_trace
+        return to_chrome_trace(self, path)
 
     @classmethod
     def from_json(cls, text: str) -> Trace:

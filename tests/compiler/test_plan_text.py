@@ -4,7 +4,6 @@ import piper_nb as pn
 from piper_nb.compiler.plan import Plan
 
 
-
 def stages(model, n):
     return pn.annotate(model, pn.cut_stages(model, n))
 

@@ -1,0 +1,197 @@
+"""`pn.LocalCluster(n)`: n worker processes on this machine, kept up across `train` calls.
+
+Workers are spawned (torch.multiprocessing, spawn context), join a gloo group (NCCL with
+one GPU per rank) on 127.0.0.1 and a free port, and serve `runtime.process.serve`'s
+commands. Each plan is shipped once (a pickled `Bundle`) and then reset and stepped on
+command. A worker that raises surfaces here as `pn.RuntimeFailure` naming the device and
+instruction; a worker that dies (or stops answering) as `pn.WorkerLost`. Either way the
+whole group is killed at once, since its peers may be blocked in a transfer with it, and the
+next call starts a fresh group: the cluster is usable again.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import queue
+import socket
+import time
+
+import torch.multiprocessing as mp
+
+from piper_nb.errors import PlanError, RuntimeFailure, WorkerLost
+from piper_nb.runtime.bundle import make_bundle
+from piper_nb.runtime.layout import assemble_state
+from piper_nb.runtime.process import serve
+from piper_nb.runtime.worker import FAIL_ENV
+
+__all__ = ["LocalCluster"]
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class LocalCluster:
+    """`n` local workers. `device` is "cpu" or "cuda"; `timeout` bounds every command (s)."""
+
+    def __init__(self, n: int, *, device: str = "cpu", timeout: float = 300.0,
+                 start_timeout: float = 120.0):
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise ValueError(f"LocalCluster: n is a positive number of workers, got {n!r}")
+        if device not in ("cpu", "cuda"):
+            raise ValueError(f"LocalCluster: device is 'cpu' or 'cuda', got {device!r}")
+        self.n, self.device, self.timeout, self.start_timeout = n, device, timeout, start_timeout
+        self._procs: list = []
+        self._conns: list = []
+        self._results = None
+        self._loaded: list[tuple[object, int]] = []   # (plan, key) shipped to this group
+        self._next_key = 0
+        self.info: list[dict] = []                     # per rank: backend, device, pid
+        self.starts = 0
+
+    # ---- life cycle --------------------------------------------------------------------
+    @property
+    def running(self) -> bool:
+        return bool(self._procs) and all(p.is_alive() for p in self._procs)
+
+    def start(self) -> LocalCluster:
+        if self.running:
+            return self
+        self._kill()
+        ctx = mp.get_context("spawn")
+        port = _free_port()
+        self._results = ctx.Queue()
+        for rank in range(self.n):
+            parent, child = ctx.Pipe()
+            p = ctx.Process(target=serve, name=f"piper_nb-worker-{rank}", daemon=True,
+                            args=(rank, self.n, port, self.device, child, self._results,
+                                  self.timeout))
+            p.start()
+            child.close()
+            self._procs.append(p)
+            self._conns.append(parent)
+        self.starts += 1
+        ready = self._collect("start-up", self.start_timeout)
+        self.info = [ready[r] for r in range(self.n)]
+        return self
+
+    def close(self) -> None:
+        """Stop the workers (politely, then by force)."""
+        for c in self._conns:
+            try:
+                c.send(("stop", None, None))
+            except (OSError, BrokenPipeError):
+                pass
+        deadline = time.monotonic() + 5
+        for p in self._procs:
+            p.join(timeout=max(deadline - time.monotonic(), 0.01))
+        self._kill()
+
+    def _kill(self) -> None:
+        for p in self._procs:
+            if p.is_alive():
+                p.kill()
+        for p in self._procs:
+            p.join(timeout=5)
+        for c in self._conns:
+            c.close()
+        if self._results is not None:
+            self._results.cancel_join_thread()
+            self._results.close()
+        self._procs, self._conns, self._results, self._loaded = [], [], None, []
+
+    def __enter__(self) -> LocalCluster:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self):
+        try:
+            self._kill()
+        except Exception:  # interpreter shutdown: nothing left to clean
+            pass
+
+    def __repr__(self) -> str:
+        return f"LocalCluster(n={self.n}, device={self.device!r}, running={self.running})"
+
+    # ---- commands ----------------------------------------------------------------------
+    def _send(self, op: str, key, payload) -> dict[int, object]:
+        for c in self._conns:
+            c.send((op, key, payload))
+        return self._collect(op, self.timeout)
+
+    def _collect(self, what: str, timeout: float) -> dict[int, object]:
+        got: dict[int, object] = {}
+        deadline = time.monotonic() + timeout
+        while len(got) < self.n:
+            try:
+                rank, kind, blob = self._results.get(timeout=0.05)
+            except queue.Empty:
+                self._check_alive(what)
+                if time.monotonic() > deadline:
+                    missing = [r for r in range(self.n) if r not in got]
+                    self._kill()
+                    raise WorkerLost(f"workers {missing} did not answer {what} within "
+                                     f"{timeout:.0f} s; the cluster was stopped (the next call "
+                                     "restarts it)", device=missing[0]) from None
+                continue
+            payload = pickle.loads(blob)
+            if kind == "error":
+                self._failure(rank, payload, what)
+            got[rank] = payload
+        return got
+
+    def _check_alive(self, what: str) -> None:
+        dead = [(r, p.exitcode) for r, p in enumerate(self._procs) if p.exitcode is not None]
+        if dead:
+            rank, code = dead[0]
+            self._kill()
+            raise WorkerLost(f"the worker of device {rank} died (exit code {code}) during {what}; "
+                             "the cluster was stopped (the next call restarts it)", device=rank)
+
+    def _failure(self, rank: int, info: dict, what: str) -> None:
+        time.sleep(0.3)  # a dead peer makes the others fail too: report the death instead
+        self._check_alive(what)
+        self._kill()
+        instr = info.get("instruction")
+        where = f" at instruction {instr}" if instr else ""
+        raise RuntimeFailure(
+            f"device {rank} failed{where} during {what}: {info['error']}\n"
+            f"--- worker traceback ---\n{info['traceback']}"
+            "(the cluster was stopped; the next call restarts it)",
+            device=rank, instruction=instr, original=info["error"])
+
+    def _key(self, plan) -> int:
+        """Start the group if needed and ship `plan` unless this group has it already."""
+        if plan.world > self.n:
+            raise PlanError(f"the plan needs {plan.world} devices but the cluster has {self.n}; "
+                            f"use pn.LocalCluster({plan.world})")
+        self.start()
+        for p, key in self._loaded:
+            if p is plan:
+                return key
+        blob = make_bundle(plan)
+        key = self._next_key
+        self._next_key += 1
+        self._send("load", key, blob)
+        self._loaded.append((plan, key))
+        return key
+
+    def reset(self, plan, optimizer) -> None:
+        """Ship `plan` if it is new to this group; parameters back to the model's, fresh
+        optimizer state."""
+        self._send("reset", self._key(plan), optimizer)
+
+    def step(self, plan, batch) -> list[dict]:
+        """One training step of `plan` on `batch`; per rank: loss, end, events, memory."""
+        out = self._send("step", self._key(plan), (tuple(batch), os.environ.get(FAIL_ENV)))
+        return [out[r] for r in range(self.n)]
+
+    def state(self, plan) -> dict:
+        """Canonical parameter name -> full tensor, gathered from the workers."""
+        out = self._send("state", self._key(plan), None)
+        return assemble_state(plan, [out[r] for r in range(self.n)])

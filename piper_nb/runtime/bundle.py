@@ -1,0 +1,66 @@
+"""What the driver ships to every worker, once per plan: a `Bundle`.
+
+A bundle holds the plan's tables (without the DAG, the program or the captured model), the
+region GraphModules, the initial value of every parameter under its canonical name (the
+first name `named_parameters()` gives it) and an alias table for tied parameters, whose
+other names (`head.proj.weight`) point at the canonical one (`embed.tok.weight`). Workers
+rebind each region module's parameters to their own tensors with `bind_params`, so all
+regions on one device share one tensor per parameter, as the original model did.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import pickle
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from piper_nb.errors import PlanError
+
+__all__ = ["Bundle", "make_bundle", "load_bundle", "bind_params", "param_aliases"]
+
+
+@dataclass
+class Bundle:
+    plan: object                        # Plan with dag/program/capture dropped
+    modules: tuple[nn.Module, ...]      # one GraphModule per region
+    init: dict[str, torch.Tensor]       # canonical name -> initial value
+    aliases: dict[str, str]             # every parameter name -> canonical name
+
+
+def param_aliases(model: nn.Module) -> dict[str, str]:
+    """Every parameter path of `model` -> the canonical (first) name of that tensor."""
+    first: dict[int, str] = {}
+    out = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        out[name] = first.setdefault(id(p), name)
+    return out
+
+
+def make_bundle(plan) -> bytes:
+    """Pickle what the workers need to run `plan` (raises PlanError without a capture)."""
+    cap = plan.capture
+    if cap is None:
+        raise PlanError("this plan carries no captured model (it was loaded from JSON?); "
+                        "compile it with pn.compile(spec, program, batch) to train it")
+    tables = dataclasses.replace(plan, dag=None, program=None, capture=None)
+    init = {n: p.detach().clone() for n, p in cap.model.named_parameters()}
+    return pickle.dumps(Bundle(tables, tuple(cap.modules), init, param_aliases(cap.model)))
+
+
+def load_bundle(blob: bytes) -> Bundle:
+    return pickle.loads(blob)
+
+
+def bind_params(module: nn.Module, params: dict[str, nn.Parameter], aliases: dict[str, str],
+                prefix: str = "model.") -> None:
+    """Point every parameter of a region module at the device's tensor of the same name."""
+    for qual, _ in list(module.named_parameters(remove_duplicate=False)):
+        canonical = aliases.get(qual.removeprefix(prefix), qual.removeprefix(prefix))
+        if canonical not in params:
+            continue
+        owner, _, leaf = qual.rpartition(".")
+        sub = module.get_submodule(owner) if owner else module
+        setattr(sub, leaf, params[canonical])

@@ -1,0 +1,144 @@
+"""Communication for one worker: process groups, async issue, staged buffers, streams.
+
+Every SEND/RECV and collective of a plan is issued asynchronously (`async_op=True`) and
+returns a `Pending` that its WAIT completes, so transfers overlap the compute in between.
+With gloo on CPU the transfer runs on gloo's threads; with NCCL each logical stream name
+gets its own CUDA stream that first waits for the compute stream, and a WAIT makes the
+compute stream wait for the transfer. Gloo with CUDA tensors (one GPU shared by several
+ranks) stages buffers through host memory. Groups are created once, in one global order.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["Comm", "Pending"]
+
+_RS = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_AG = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+@dataclass
+class Pending:
+    """An issued communication until its WAIT."""
+
+    index: int                      # the issuing instruction's index
+    works: list
+    tensors: list[torch.Tensor]     # buffers in flight (results for RECV / collectives)
+    start: float
+    end: float | None = None        # first time it was seen complete
+    memory: str = "buffers"         # the MemorySample field its new buffers count in
+    new: list[torch.Tensor] = field(default_factory=list)   # buffers it allocated
+
+    @property
+    def bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.new)
+
+
+class Comm:
+    def __init__(self, rank: int, device: torch.device, backend: str):
+        self.rank, self.device, self.backend = rank, device, backend
+        self.stage = device.type == "cuda" and backend == "gloo"
+        self.groups: dict[tuple[int, ...], object] = {}
+        self.streams: dict[str, torch.cuda.Stream] = {}
+
+    def ensure_groups(self, groups) -> None:
+        """Create the process groups not made yet; every rank calls this with the same list."""
+        for g in sorted(set(tuple(x) for x in groups)):
+            if g not in self.groups:
+                self.groups[g] = dist.new_group(list(g), sort_ranks=False)
+
+    def barrier(self) -> None:
+        dist.barrier()
+
+    @contextlib.contextmanager
+    def on_stream(self, name: str):
+        """Issue on the CUDA stream of logical stream `name` (no-op on CPU)."""
+        if self.device.type != "cuda" or self.stage:
+            yield
+            return
+        s = self.streams.get(name)
+        if s is None:
+            s = self.streams[name] = torch.cuda.Stream(device=self.device)
+        s.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(s):
+            yield
+
+    def _out(self, t: torch.Tensor) -> torch.Tensor:
+        t = t.detach().contiguous()
+        return t.cpu() if self.stage else t
+
+    def _buf(self, shape, dtype) -> torch.Tensor:
+        return torch.empty(shape, dtype=dtype, device="cpu" if self.stage else self.device)
+
+    def send(self, tensors: list[torch.Tensor], peer: int, tag: int, stream: str) -> tuple:
+        with self.on_stream(stream):
+            bufs = [self._out(t) for t in tensors]
+            works = [dist.isend(b, peer, tag=tag * 64 + k) for k, b in enumerate(bufs)]
+        return works, bufs
+
+    def recv(self, specs: list[tuple], peer: int, tag: int, stream: str) -> tuple:
+        with self.on_stream(stream):
+            bufs = [self._buf(shape, dtype) for shape, dtype in specs]
+            works = [dist.irecv(b, peer, tag=tag * 64 + k) for k, b in enumerate(bufs)]
+        return works, bufs
+
+    def all_reduce(self, flat: torch.Tensor, group: tuple, stream: str) -> tuple:
+        with self.on_stream(stream):
+            buf = self._out(flat)
+            work = dist.all_reduce(buf, group=self.groups[tuple(group)], async_op=True)
+        return [work], [buf]
+
+    def reduce_scatter(self, flat: torch.Tensor, group: tuple, stream: str) -> tuple:
+        with self.on_stream(stream):
+            src = self._out(flat)
+            out = self._buf((flat.numel() // len(group),), flat.dtype)
+            work = _RS(out, src, group=self.groups[tuple(group)], async_op=True)
+        return [work], [out, src]
+
+    def all_gather(self, shard: torch.Tensor, group: tuple, stream: str) -> tuple:
+        with self.on_stream(stream):
+            src = self._out(shard)
+            out = self._buf((shard.numel() * len(group),), shard.dtype)
+            work = _AG(out, src, group=self.groups[tuple(group)], async_op=True)
+        return [work], [out, src]
+
+    def watch(self, p: Pending, clock) -> None:
+        """Record the completion time by callback where the backend supports it."""
+        if self.device.type == "cuda" and not self.stage:
+            return  # CUDA timing comes from events, see timing.Clock
+        try:
+            futs = [w.get_future() for w in p.works]
+        except RuntimeError:  # gloo point-to-point: polled instead
+            return
+        left = [len(futs)]
+
+        def done(_fut, p=p, left=left):
+            left[0] -= 1
+            if left[0] == 0 and p.end is None:
+                p.end = clock.now()
+        for f in futs:
+            f.then(done)
+
+    def poll(self, p: Pending, clock) -> None:
+        if p.end is None and all(w.is_completed() for w in p.works):
+            p.end = clock.now()
+
+    def wait(self, p: Pending, timeout: float) -> list[torch.Tensor]:
+        """Block until `p` completes (the compute stream waits, on CUDA); results on device."""
+        deadline = time.monotonic() + timeout
+        for w in p.works:  # gloo raises when the time is up (and the pair is then unusable)
+            w.wait(datetime.timedelta(seconds=max(deadline - time.monotonic(), 0.001)))
+        if self.stage:
+            return [t.to(self.device) for t in p.tensors]
+        if self.device.type == "cuda":  # made on a comm stream, used on the compute stream
+            for t in p.tensors:
+                t.record_stream(torch.cuda.current_stream(self.device))
+        return p.tensors
+

@@ -1,0 +1,109 @@
+"""Flat bucket layouts, batch slicing and full-model assembly: the arithmetic of the runtime.
+
+A bucket's parameters travel as one flat buffer: their tensors flattened and concatenated in
+bucket order, padded with zeros to a multiple of the group size; shard i (of `shard`
+elements) belongs to the device at position i of the group (ZeRO's flat parameter, as in
+DeepSpeed and FSDP1). Microbatch `mb` of a batch is chunk `mb` of `microbatches` equal
+chunks along dim 0, and replica `i` of `n` takes part `i` of that chunk. Nothing here talks
+to other processes, so the driver uses it too (to put shards back into a full state dict).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["Layout", "bucket_layouts", "batch_part", "assemble_state"]
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where each parameter of bucket `index` sits in the flat buffer."""
+
+    index: int
+    names: tuple[str, ...]
+    shapes: tuple[tuple[int, ...], ...]
+    offsets: tuple[int, ...]        # element offset of each parameter
+    total: int                      # elements before padding
+    shard: int                      # elements per shard (padded total / group size)
+    group: tuple[int, ...]
+    zero: int
+
+    @property
+    def padded(self) -> int:
+        return self.shard * len(self.group)
+
+    def position(self, device: int) -> int:
+        return self.group.index(device)
+
+    def flatten(self, tensors: list[torch.Tensor | None], like: torch.Tensor) -> torch.Tensor:
+        """One padded flat buffer; None (no gradient) counts as zeros."""
+        flat = torch.zeros(self.padded, dtype=like.dtype, device=like.device)
+        for t, off, shape in zip(tensors, self.offsets, self.shapes, strict=True):
+            if t is not None:
+                flat[off:off + math.prod(shape)].copy_(t.detach().reshape(-1))
+        return flat
+
+    def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        """Views of `flat` (a full padded buffer) shaped like each parameter."""
+        return [flat[off:off + math.prod(shape)].view(shape)
+                for off, shape in zip(self.offsets, self.shapes, strict=True)]
+
+    def my_shard(self, flat: torch.Tensor, device: int) -> torch.Tensor:
+        pos = self.position(device)
+        return flat[pos * self.shard:(pos + 1) * self.shard]
+
+
+def bucket_layouts(plan) -> dict[int, Layout]:
+    """Layout of every bucket of `plan` (shapes from `plan.params`)."""
+    out = {}
+    for b in plan.buckets:
+        shapes = tuple(tuple(plan.params[p][0]) for p in b.params)
+        offsets, off = [], 0
+        for s in shapes:
+            offsets.append(off)
+            off += math.prod(s)
+        n = len(b.group)
+        out[b.index] = Layout(b.index, tuple(b.params), shapes, tuple(offsets), off,
+                              -(-off // n), tuple(b.group), b.zero)
+    return out
+
+
+def batch_part(t: torch.Tensor, microbatches: int, mb: int, replica: int, replicas: int
+               ) -> torch.Tensor:
+    """Part `replica` of `replicas` of microbatch `mb` of `microbatches` (dim 0)."""
+    chunk = t.shape[0] // microbatches
+    part = chunk // replicas
+    start = mb * chunk + replica * part
+    return t[start:start + part]
+
+
+def assemble_state(plan, per_device: list[dict]) -> dict[str, torch.Tensor]:
+    """Canonical parameter name -> full tensor, from each worker's `export_state()`.
+
+    A worker reports the parameters it holds in full and, for ZeRO-3 buckets, its shard;
+    shards are concatenated in group order and cut back into parameters.
+    """
+    full: dict[str, torch.Tensor] = {}
+    for st in per_device:
+        for name, t in st["full"].items():
+            full.setdefault(name, t)
+    layouts = bucket_layouts(plan)
+    shards: dict[int, dict[int, torch.Tensor]] = {}
+    for st in per_device:
+        for b, (pos, t) in st["shards"].items():
+            shards.setdefault(b, {})[pos] = t
+    for b, parts in shards.items():
+        lay = layouts[b]
+        if all(n in full for n in lay.names) or len(parts) != len(lay.group):
+            continue
+        flat = torch.cat([parts[i] for i in range(len(lay.group))])
+        for name, view in zip(lay.names, lay.views(flat), strict=True):
+            full.setdefault(name, view.clone())
+    missing = [n for n in plan.params if n not in full]
+    if missing:
+        raise RuntimeError(f"no worker holds parameters {missing[:5]}; the plan places them "
+                           "nowhere")
+    return full

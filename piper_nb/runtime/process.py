@@ -1,0 +1,113 @@
+"""The worker process: joins the process group, then serves the driver's commands.
+
+A launcher (`pn.LocalCluster`, or an ipyparallel engine) starts `serve` once per rank. The
+driver sends `(op, key, payload)` over a pipe: `load` a pickled `Bundle` (once per plan,
+under `key`), `reset` parameters and optimizer, `step` on a batch, `state` to export the
+parameters, `stop`. Every answer goes to one shared results queue as
+`(rank, "ok" | "error" | "ready", pickled payload)`; an error names the instruction that
+was running. After an error the worker keeps listening: the driver decides (it stops or
+kills the whole group, since peers may be blocked in a transfer with this one).
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import pickle
+import sys
+import traceback
+
+import torch
+import torch.distributed as dist
+
+from piper_nb.runtime.bundle import load_bundle
+from piper_nb.runtime.comm import Comm
+from piper_nb.runtime.worker import Worker
+
+__all__ = ["serve", "pick_device"]
+
+
+def pick_device(kind: str, rank: int, world: int) -> tuple[torch.device, str]:
+    """(device, backend) for `rank`: CUDA ranks share GPUs round-robin; NCCL needs one each,
+    so several ranks on one GPU use gloo, which stages buffers through host memory."""
+    if kind == "cuda":
+        count = torch.cuda.device_count()
+        if count == 0:
+            raise RuntimeError("LocalCluster(device='cuda') but this machine has no CUDA device")
+        device = torch.device("cuda", rank % count)
+        torch.cuda.set_device(device)
+        return device, "nccl" if count >= world else "gloo"
+    return torch.device("cpu"), "gloo"
+
+
+def _warm_up() -> None:
+    """Pay autograd's lazy imports now (backward with explicit gradients pulls in sympy,
+    about a second), so the first measured step is not an outlier."""
+    x = torch.ones(2, requires_grad=True)
+    torch.autograd.backward([x * 2], [torch.ones(2)])
+
+
+def _describe(err: BaseException, worker: Worker | None) -> dict:
+    instr = None
+    if worker is not None and worker.current >= 0:
+        instr = worker.text(worker.current)
+    return {"instruction": instr, "error": f"{type(err).__name__}: {err}",
+            "traceback": traceback.format_exc()}
+
+
+def _put(results, rank: int, kind: str, payload) -> None:
+    results.put((rank, kind, pickle.dumps(payload)))
+
+
+def serve(rank: int, world: int, port: int, device_kind: str, conn, results,
+          timeout: float, threads: int = 1) -> None:
+    """Run worker `rank` of `world` until the driver says stop or goes away."""
+    torch.set_num_threads(threads)
+    _warm_up()
+    try:
+        device, backend = pick_device(device_kind, rank, world)
+        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                                world_size=world, timeout=datetime.timedelta(seconds=timeout))
+        comm = Comm(rank, device, backend)
+    except BaseException as err:  # report, then let the driver clean up
+        _put(results, rank, "error", _describe(err, None))
+        return
+    _put(results, rank, "ready", {"backend": backend, "device": str(device), "pid": os.getpid()})
+    workers: dict[int, Worker] = {}
+    while True:
+        try:
+            op, key, payload = conn.recv()
+        except (EOFError, OSError):
+            break  # the driver is gone
+        if op == "stop":
+            break
+        worker = workers.get(key)
+        try:
+            if op == "load":
+                worker = workers[key] = Worker(rank, load_bundle(payload), comm, device, timeout)
+                out = None
+            elif op == "unload":
+                workers.pop(key, None)
+                out = None
+            elif op == "reset":
+                worker.reset(payload)
+                out = None
+            elif op == "step":
+                out = worker.step(*payload)
+            elif op == "state":
+                out = worker.export_state()
+            else:
+                raise ValueError(f"unknown command {op!r}")
+            _put(results, rank, "ok", out)
+        except BaseException as err:
+            _put(results, rank, "error", _describe(err, worker))
+    try:
+        dist.destroy_process_group()
+    except Exception:  # the group may be broken after a failure; the process ends anyway
+        pass
+    # a normal interpreter exit spends ~2 s in torch's and gloo's teardown: flush and leave
+    results.close()
+    results.join_thread()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)

@@ -1,0 +1,179 @@
+"""The state of one worker: parameters (full or ZeRO shards) and values in flight.
+
+`ParamStore` owns one `nn.Parameter` per parameter the device touches, the flat shards of
+its ZeRO buckets, the reduced gradient shards, and the optimizer state, which exists only
+where an update runs (per parameter, or per bucket shard). A ZeRO-3 parameter is empty
+between uses: an all-gather binds `p.data` to views of the gathered flat buffer, counted by
+a reference count, and the matching FREE empties it again. Swapping `p.data` keeps the
+Parameter object (and autograd's saved references to it) valid, so a backward pass sees the
+re-gathered values. `ValueStore` holds activations, value gradients and the forward stash.
+Both count their bytes by the rules of `pn.compile`'s memory model (logical tensor sizes).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from piper_nb.runtime.layout import Layout
+
+__all__ = ["ParamStore", "ValueStore", "Stash", "nbytes"]
+
+
+def nbytes(t: torch.Tensor | None) -> int:
+    return 0 if t is None else t.numel() * t.element_size()
+
+
+class ParamStore:
+    def __init__(self, names: list[str], init: dict[str, torch.Tensor], layouts: dict[int, Layout],
+                 device_id: int, device: torch.device):
+        self.device_id, self.device = device_id, device
+        self.params = {n: nn.Parameter(torch.empty(0, dtype=init[n].dtype, device=device))
+                       for n in names}
+        self.shapes = {n: tuple(init[n].shape) for n in names}
+        self.layouts = {b: lay for b, lay in layouts.items()
+                        if device_id in lay.group and any(n in self.params for n in lay.names)}
+        self.reset(init)
+
+    def reset(self, init: dict[str, torch.Tensor]) -> None:
+        """Parameters back to `init`, no gradients, no optimizer state; ZeRO-3 sharded."""
+        for n, p in self.params.items():
+            p.data = init[n].to(self.device, copy=True)
+            p.grad = None
+        self.shards: dict[int, torch.Tensor] = {}       # bucket -> this device's flat shard
+        self.grad_shards: dict[int, torch.Tensor] = {}  # bucket -> reduced gradient shard
+        self.refs: dict[int, int] = {}                  # ZeRO-3 bucket -> gathers in use
+        self.state: dict = {}                           # name | ("bucket", b) -> optimizer state
+        for b, lay in self.layouts.items():
+            if lay.zero == 3:
+                self.shards[b] = lay.my_shard(self.flat_params(b), self.device_id).clone()
+                self._release(b)
+
+    def _like(self, b: int) -> torch.Tensor:
+        return self.params[self.layouts[b].names[0]]
+
+    def flat_params(self, b: int) -> torch.Tensor:
+        lay = self.layouts[b]
+        return lay.flatten([self.params[n].data for n in lay.names], self._like(b))
+
+    def flat_grads(self, b: int) -> torch.Tensor:
+        lay = self.layouts[b]
+        return lay.flatten([self.params[n].grad for n in lay.names], self._like(b))
+
+    def clear_grads(self, b: int) -> None:
+        for n in self.layouts[b].names:
+            self.params[n].grad = None
+
+    def set_grads(self, b: int, flat: torch.Tensor) -> None:
+        """ALL_REDUCE done: the summed gradients become views of the flat buffer."""
+        for n, v in zip(self.layouts[b].names, self.layouts[b].views(flat), strict=True):
+            self.params[n].grad = v
+
+    def add_grad_shard(self, b: int, shard: torch.Tensor) -> None:
+        old = self.grad_shards.get(b)
+        self.grad_shards[b] = shard if old is None else old + shard
+
+    def write_params(self, b: int, flat: torch.Tensor) -> None:
+        """ZeRO-1/2 ALL_GATHER done: copy the updated parameters in."""
+        with torch.no_grad():
+            for n, v in zip(self.layouts[b].names, self.layouts[b].views(flat), strict=True):
+                self.params[n].data.copy_(v)
+        self.shards.pop(b, None)
+
+    def acquire(self, b: int, flat: torch.Tensor) -> None:
+        """ZeRO-3 ALL_GATHER done: bind the parameters to `flat` (first user) and count."""
+        if self.refs.get(b, 0) == 0:
+            for n, v in zip(self.layouts[b].names, self.layouts[b].views(flat), strict=True):
+                self.params[n].data = v
+        self.refs[b] = self.refs.get(b, 0) + 1
+
+    def free(self, b: int) -> None:
+        self.refs[b] = self.refs.get(b, 0) - 1
+        if self.refs[b] <= 0:
+            self.refs[b] = 0
+            self._release(b)
+
+    def _release(self, b: int) -> None:
+        for n in self.layouts[b].names:
+            p = self.params[n]
+            p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+
+    def update(self, optimizer, names: tuple[str, ...], buckets: tuple[int, ...],
+               step: int) -> None:
+        """U: full parameters with their gradients, then this device's bucket shards."""
+        for n in names:
+            p = self.params[n]
+            if p.grad is not None:
+                optimizer.step(p.data, p.grad, self.state.setdefault(n, {}), step)
+            p.grad = None
+        for b in buckets:
+            lay = self.layouts[b]
+            if lay.zero == 3:
+                shard = self.shards[b]
+            else:  # ZeRO-1/2: the full parameters are here; update our slice, gather later
+                shard = lay.my_shard(self.flat_params(b), self.device_id).clone()
+                self.shards[b] = shard
+            grad = self.grad_shards.pop(b, None)
+            if grad is not None:
+                optimizer.step(shard, grad, self.state.setdefault(("bucket", b), {}), step)
+
+    def bytes(self) -> tuple[int, int, int]:
+        """(parameters held, gradients, optimizer state) in bytes."""
+        params = sum(nbytes(p) for p in self.params.values())
+        params += sum(nbytes(s) for b, s in self.shards.items() if self.layouts[b].zero == 3)
+        grads = sum(nbytes(p.grad) for p in self.params.values())
+        grads += sum(nbytes(g) for g in self.grad_shards.values())
+        optim = sum(nbytes(t) for st in self.state.values() for t in st.values()
+                    if isinstance(t, torch.Tensor))
+        return params, grads, optim
+
+    def pending_bytes(self) -> int:
+        """ZeRO-1/2 shards updated and waiting for their ALL_GATHER."""
+        return sum(nbytes(s) for b, s in self.shards.items() if self.layouts[b].zero != 3)
+
+    def export(self) -> dict:
+        """Full parameters held (CPU copies) and ZeRO-3 shards, for `assemble_state`."""
+        full = {n: p.detach().cpu().clone() for n, p in self.params.items()
+                if tuple(p.shape) == self.shapes[n]}
+        shards = {b: (self.layouts[b].position(self.device_id), s.detach().cpu().clone())
+                  for b, s in self.shards.items() if self.layouts[b].zero == 3}
+        return {"full": full, "shards": shards}
+
+
+@dataclass
+class Stash:
+    """The autograd state of one forward, kept until its backward."""
+
+    leaves: list[tuple[str, torch.Tensor]]      # (value, detached input leaf)
+    outputs: dict[str, torch.Tensor]            # value -> output (LOSS included)
+    saved: int                                  # bytes autograd saved (SavedBytes)
+    out_grads: list | None = None               # BI keeps (outputs, grads) for BW
+
+
+@dataclass
+class ValueStore:
+    acts: dict[tuple[str, int], torch.Tensor] = field(default_factory=dict)
+    grads: dict[tuple[str, int], torch.Tensor] = field(default_factory=dict)
+    stash: dict[tuple[int, int], Stash] = field(default_factory=dict)
+
+    def add_grad(self, value: str, mb: int, g: torch.Tensor) -> None:
+        old = self.grads.get((value, mb))
+        self.grads[(value, mb)] = g if old is None else old + g
+
+    def free(self, key: str) -> None:
+        kind, _, rest = key.partition(":")
+        value, _, mb = rest.rpartition("@")
+        table = self.acts if kind == "act" else self.grads
+        table.pop((value, int(mb)), None)
+
+    def clear(self) -> None:
+        self.acts.clear()
+        self.grads.clear()
+        self.stash.clear()
+
+    def bytes(self) -> int:
+        total = sum(s.saved for s in self.stash.values())
+        total += sum(nbytes(t) for t in self.acts.values())
+        return total + sum(nbytes(t) for t in self.grads.values())

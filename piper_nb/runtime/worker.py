@@ -1,0 +1,289 @@
+"""The worker: executes one device's instruction list, once per training step.
+
+The runtime knows nothing of ZeRO, 1F1B or DualPipe: it runs `plan.devices[rank].instrs`
+in order. F runs a region's GraphModule on detached input leaves and stashes the autograd
+state; B (or BI then BW) runs autograd from the stashed outputs with the received output
+gradients (the loss's gradient is `plan.loss_scale`) and hands input gradients upstream;
+U applies the optimizer to full parameters and to this device's bucket shards. SEND, RECV
+and collectives are issued asynchronously and completed by their WAIT; FREE drops buffers.
+Every instruction is timed and memory is counted after each one (see `timing`, `stores`).
+The idea is Piper's: the strategy lives in the plan, the runtime only executes it.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from piper_nb.capture.split import BATCH_INPUT, BATCH_TARGET, LOSS
+from piper_nb.compiler.shapes import SavedBytes
+from piper_nb.runtime.bundle import Bundle, bind_params
+from piper_nb.runtime.comm import Comm, Pending
+from piper_nb.runtime.layout import batch_part, bucket_layouts
+from piper_nb.runtime.stores import ParamStore, Stash, ValueStore
+from piper_nb.runtime.timing import Clock, Recorder
+
+__all__ = ["Worker", "FAIL_ENV"]
+
+FAIL_ENV = "PIPER_NB_FAIL_AT"   # test hook: "<device>:<instruction text>[:exit]"
+_PASSES = ("F", "B", "BI", "BW")
+_BATCH = (BATCH_INPUT, BATCH_TARGET)
+
+
+class Worker:
+    def __init__(self, rank: int, bundle: Bundle, comm: Comm, device: torch.device,
+                 timeout: float = 300.0):
+        plan = bundle.plan
+        self.plan, self.rank, self.comm, self.device = plan, rank, comm, device
+        self.timeout = timeout
+        self.instrs = plan.devices[rank].instrs if rank < plan.world else ()
+        regions = sorted({i.region for i in self.instrs if i.kind in _PASSES})
+        names = dict.fromkeys(p for r in regions for p in plan.regions[r].params)
+        names.update(dict.fromkeys(p for i in self.instrs if i.kind == "U" for p in i.params))
+        self.layouts = bucket_layouts(plan)
+        self.init = bundle.init
+        self.store = ParamStore(list(names), bundle.init, self.layouts, rank, device)
+        self.modules = {}
+        for r in regions:
+            mod = bundle.modules[r].to(device)
+            bind_params(mod, self.store.params, bundle.aliases)
+            self.modules[r] = mod.train()
+        self.values = ValueStore()
+        comm.ensure_groups(i.group for dp in plan.devices for i in dp.instrs if i.group)
+        self.optimizer = None
+        self.step_no = 0
+        self.current = -1
+
+    # ---- driver commands ---------------------------------------------------------------
+    def reset(self, optimizer) -> None:
+        self.store.reset(self.init)
+        self.values.clear()
+        self.optimizer, self.step_no = optimizer, 0
+
+    def text(self, idx: int) -> str:
+        ins = self.instrs[idx]
+        return f"wait({self.instrs[ins.target]})" if ins.kind == "WAIT" else str(ins)
+
+    def step(self, batch, fail_at: str | None = None) -> dict:
+        """Run the plan once on `batch` (inputs, targets); times relative to the step start."""
+        self.step_no += 1
+        self.batch = {BATCH_INPUT: batch[0].to(self.device), BATCH_TARGET: batch[1].to(self.device)}
+        self.pending: dict[int, Pending] = {}
+        self.loss = torch.zeros((), dtype=torch.float64, device=self.device)
+        fail = _parse_fail(fail_at, self.rank)
+        self.comm.barrier()
+        self.clock = Clock(self.device)
+        self.clock.start()
+        rec = self.rec = Recorder(self.rank, self.clock)
+        for idx, ins in enumerate(self.instrs):
+            self.current = idx
+            if fail is not None and self.text(idx) == fail[0]:
+                if fail[1] == "exit":
+                    os._exit(17)
+                raise RuntimeError(f"injected failure ({FAIL_ENV}={fail_at})")
+            if ins.is_compute:
+                start = self.clock.mark()
+                self._compute(ins)
+                rec.event(ins, start, self.clock.mark())
+            elif ins.is_issue:
+                self._issue(idx, ins)
+            elif ins.kind == "WAIT":
+                self._wait(ins)
+            elif ins.kind == "FREE":
+                self._free(ins)
+            else:
+                raise RuntimeError(f"unknown instruction kind {ins.kind!r}")
+            for p in self.pending.values():
+                self.comm.poll(p, self.clock)
+            rec.memory(self.clock.mark(), *self._memory())
+        self.current = -1
+        end = self.clock.mark()
+        leftover = self._leftover()
+        events, memory = rec.resolve()
+        return {"loss": float(self.loss), "end": self.clock.resolve(end), "events": events,
+                "memory": memory, "leftover": leftover}
+
+    def _memory(self) -> tuple[int, int, int, int, int]:
+        """(params, grads, optim, activations, buffers) bytes held right now."""
+        params, grads, optim = self.store.bytes()
+        acts, bufs = self.values.bytes(), self.store.pending_bytes()
+        for p in self.pending.values():
+            if p.memory == "params":
+                params += p.bytes
+            elif p.memory == "activations":
+                acts += p.bytes
+            else:
+                bufs += p.bytes
+        return params, grads, optim, acts, bufs
+
+    def export_state(self) -> dict:
+        return self.store.export()
+
+    # ---- compute -----------------------------------------------------------------------
+    def _compute(self, ins) -> None:
+        if ins.kind == "F":
+            self._forward(ins)
+        elif ins.kind == "U":
+            if self.optimizer is None:
+                raise RuntimeError("no optimizer: reset the worker before stepping")
+            self.store.update(self.optimizer, ins.params, ins.buckets, self.step_no)
+        else:
+            self._backward(ins)
+
+    def _forward(self, ins) -> None:
+        plan, info, mb = self.plan, self.plan.regions[ins.region], ins.mb
+        args, leaves = [], []
+        for v in info.inputs:
+            if v in _BATCH:
+                t = batch_part(self.batch[v], plan.microbatches, mb, ins.replica, ins.replicas)
+            else:
+                t = self.values.acts.get((v, mb))
+                if t is None:
+                    raise RuntimeError(f"input {v}@{mb} of region {ins.region} is not on device "
+                                       f"{self.rank}: no RECV or forward produced it before {ins}")
+                vi = plan.values.get(v)
+                if t.is_floating_point() and (vi is None or vi.requires_grad):
+                    t = t.detach().requires_grad_(True)
+                    leaves.append((v, t))
+            args.append(t)
+        exclude = {p.untyped_storage().data_ptr() for p in self.store.params.values()}
+        exclude |= {a.untyped_storage().data_ptr() for a in args}
+        with SavedBytes(exclude) as saved:
+            outs = self.modules[ins.region](*args)
+        outputs = dict(zip(info.outputs, outs, strict=True))
+        for name, out in outputs.items():
+            if name == LOSS:
+                self.loss += out.detach().double() * plan.loss_scale
+            else:
+                self.values.acts[(name, mb)] = out
+        self.values.stash[(ins.region, mb)] = Stash(leaves, outputs, saved.bytes)
+
+    def _out_grads(self, st: Stash, mb: int) -> tuple[list, list]:
+        outs, grads = [], []
+        for name, out in st.outputs.items():
+            if name == LOSS:
+                outs.append(out)
+                grads.append(torch.full_like(out, self.plan.loss_scale))
+            elif out.requires_grad and (name, mb) in self.values.grads:
+                outs.append(out)
+                grads.append(self.values.grads[(name, mb)])
+        return outs, grads
+
+    def _backward(self, ins) -> None:
+        key = (ins.region, ins.mb)
+        st = self.values.stash.get(key)
+        if st is None:
+            raise RuntimeError(f"{ins} on device {self.rank} has no stashed forward "
+                               f"{ins.region}F{ins.mb} (never ran, or already dropped)")
+        if ins.kind == "BW":
+            outs, grads = st.out_grads or ([], [])
+            params = [self.store.params[p] for p in self.plan.regions[ins.region].params
+                      if p in self.store.params]
+            if outs:
+                torch.autograd.backward(outs, grads, inputs=params)
+            del self.values.stash[key]
+            return
+        outs, grads = self._out_grads(st, ins.mb)
+        if ins.kind == "B":
+            if outs:
+                torch.autograd.backward(outs, grads)
+            for v, leaf in st.leaves:
+                if leaf.grad is not None:
+                    self.values.add_grad(v, ins.mb, leaf.grad)
+            del self.values.stash[key]
+            return
+        leaves = [leaf for _, leaf in st.leaves]  # BI: input gradients only, keep the graph
+        if outs and leaves:
+            got = torch.autograd.grad(outs, leaves, grads, retain_graph=True, allow_unused=True)
+            for (v, _), g in zip(st.leaves, got, strict=True):
+                if g is not None:
+                    self.values.add_grad(v, ins.mb, g)
+        st.out_grads = (outs, grads)
+
+    # ---- communication -----------------------------------------------------------------
+    def _issue(self, idx: int, ins) -> None:
+        start, comm, store = self.clock.mark(), self.comm, self.store
+        if ins.kind == "SEND":
+            table = self.values.grads if ins.grad else self.values.acts
+            missing = [v for v in ins.values if (v, ins.mb) not in table]
+            if missing:
+                what = "gradient" if ins.grad else "activation"
+                raise RuntimeError(f"{ins} sends {what} {missing[0]}@{ins.mb}, which device "
+                                   f"{self.rank} does not hold")
+            works, bufs = comm.send([table[(v, ins.mb)] for v in ins.values], ins.peer, ins.tag,
+                                    ins.stream)
+            memory, new = "buffers", []       # the values themselves are already counted
+        elif ins.kind == "RECV":
+            specs = [(tuple(self.plan.values[v].shape), getattr(torch, self.plan.values[v].dtype))
+                     for v in ins.values]
+            works, bufs = comm.recv(specs, ins.peer, ins.tag, ins.stream)
+            memory, new = "activations", bufs  # received act:/grad: buffers, as the simulator
+        elif ins.kind == "ALL_REDUCE":
+            works, bufs = comm.all_reduce(store.flat_grads(ins.bucket), ins.group, ins.stream)
+            memory, new = "buffers", bufs
+        elif ins.kind == "REDUCE_SCATTER":
+            works, bufs = comm.reduce_scatter(store.flat_grads(ins.bucket), ins.group, ins.stream)
+            store.clear_grads(ins.bucket)
+            memory, new = "buffers", bufs
+        elif ins.kind == "ALL_GATHER":
+            works, bufs = comm.all_gather(store.shards[ins.bucket], ins.group, ins.stream)
+            zero3 = self.layouts[ins.bucket].zero == 3  # a gathered bucket counts as parameters
+            memory, new = ("params" if zero3 else "buffers"), bufs[:1]
+        else:
+            raise NotImplementedError(f"{ins.kind} ({ins}) is not supported by the runtime yet")
+        p = Pending(idx, works, bufs, start, memory=memory, new=new)
+        comm.watch(p, self.clock)
+        self.pending[idx] = p
+
+    def _wait(self, ins) -> None:
+        p = self.pending.pop(ins.target)
+        src = self.instrs[ins.target]
+        results = self.comm.wait(p, self.timeout)
+        if p.end is None:
+            p.end = self.clock.mark()
+        self.rec.event(src, p.start, p.end)
+        if src.kind == "RECV":
+            for v, t in zip(src.values, results, strict=True):
+                if src.grad:
+                    self.values.add_grad(v, src.mb, t)
+                else:
+                    self.values.acts[(v, src.mb)] = t
+        elif src.kind == "ALL_REDUCE":
+            self.store.set_grads(src.bucket, results[0])
+        elif src.kind == "REDUCE_SCATTER":
+            self.store.add_grad_shard(src.bucket, results[0])
+        elif src.kind == "ALL_GATHER":
+            if self.layouts[src.bucket].zero == 3:
+                self.store.acquire(src.bucket, results[0])
+            else:
+                self.store.write_params(src.bucket, results[0])
+
+    def _free(self, ins) -> None:
+        for key in ins.keys:
+            if key.startswith("param:"):
+                self.store.free(int(key.partition(":")[2]))
+            else:
+                self.values.free(key)
+
+    def _leftover(self) -> list[str]:
+        """Buffers still held at the step end (the plan never freed them); dropped now."""
+        v = self.values
+        out = [f"act:{k}@{m}" for k, m in v.acts] + [f"grad:{k}@{m}" for k, m in v.grads]
+        out += [f"stash:{r}@{m}" for r, m in v.stash]
+        out += [f"issue:{self.instrs[i]}" for i in self.pending]
+        v.clear()
+        self.pending.clear()
+        for p in self.store.params.values():
+            p.grad = None
+        return sorted(out)
+
+
+def _parse_fail(spec: str | None, rank: int) -> tuple[str, str] | None:
+    if not spec:
+        return None
+    dev, _, rest = spec.partition(":")
+    text, mode = (rest[:-5], "exit") if rest.endswith(":exit") else (rest, "")
+    if dev.strip() != str(rank):
+        return None
+    return text, mode

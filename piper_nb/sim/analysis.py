@@ -1,0 +1,119 @@
+"""What a Trace says: bubbles, peak memory, and predicted-vs-measured comparison.
+
+Definitions (the ones the tests and the DualPipe table use): the step spans from the
+earliest event start to the latest event end over all devices; a device's bubble is the
+time inside that span its compute stream is idle (the span minus the union of its
+compute events, overlapped F&B slots counted once); the bubble fraction is bubble / span,
+and the overall fraction is the mean over devices.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+
+__all__ = ["step_window", "busy_time", "bubble", "bubble_fraction", "peak_memory", "compare",
+           "Comparison"]
+
+
+def step_window(trace) -> tuple[float, float]:
+    if not trace.events:
+        return 0.0, 0.0
+    return min(e.start for e in trace.events), max(e.end for e in trace.events)
+
+
+def busy_time(trace, device: int, stream: str = "compute") -> float:
+    """Length of the union of `device`'s events on `stream`."""
+    spans = sorted((e.start, e.end) for e in trace.events
+                   if e.device == device and e.stream == stream)
+    total, lo, hi = 0.0, None, None
+    for s, e in spans:
+        if hi is None or s > hi:
+            if hi is not None:
+                total += hi - lo
+            lo, hi = s, e
+        elif e > hi:
+            hi = e
+    return total + (hi - lo if hi is not None else 0.0)
+
+
+def bubble(trace, device: int) -> float:
+    """Idle time of `device`'s compute stream between the step start and the step end."""
+    t0, t1 = step_window(trace)
+    return (t1 - t0) - busy_time(trace, device)
+
+
+def bubble_fraction(trace, device: int | None = None) -> float:
+    t0, t1 = step_window(trace)
+    if t1 <= t0:
+        return 0.0
+    if device is not None:
+        return bubble(trace, device) / (t1 - t0)
+    devices = sorted({e.device for e in trace.events if e.stream == "compute"})
+    return sum(bubble(trace, d) for d in devices) / len(devices) / (t1 - t0) if devices else 0.0
+
+
+def peak_memory(trace) -> dict[int, int]:
+    out: dict[int, int] = {}
+    for m in trace.memory:
+        out[m.device] = max(out.get(m.device, 0), m.total)
+    return out
+
+
+@dataclass(frozen=True)
+class Comparison:
+    """Predicted vs measured durations per instruction, and the step-time ratio."""
+
+    rows: tuple[tuple[int, str, float, float, float], ...]  # device, label, pred, meas, ratio
+    predicted_step: float
+    measured_step: float
+    unmatched: int = 0
+
+    @property
+    def step_ratio(self) -> float:
+        return self.measured_step / self.predicted_step if self.predicted_step else float("inf")
+
+    def worst(self, n: int = 10) -> list[tuple]:
+        """The n rows whose measured/predicted ratio is furthest from 1."""
+        def off(r):
+            return abs(r[4] - 1) if r[4] == r[4] and r[4] != float("inf") else float("inf")
+        return sorted(self.rows, key=off, reverse=True)[:n]
+
+    def table(self, limit: int | None = 20) -> str:
+        """Markdown: one row per instruction (`limit` rows, the worst first; None: all)."""
+        rows = self.worst(limit) if limit is not None else list(self.rows)
+        lines = ["| device | instruction | predicted | measured | measured/predicted |",
+                 "|---|---|---|---|---|"]
+        lines += [f"| {d} | {lab} | {p:.6g} | {m:.6g} | {r:.3g} |" for d, lab, p, m, r in rows]
+        lines.append(f"| all | step | {self.predicted_step:.6g} | {self.measured_step:.6g} | "
+                     f"{self.step_ratio:.3g} |")
+        return "\n".join(lines)
+
+    def _repr_markdown_(self) -> str:
+        return self.table()
+
+    def __str__(self) -> str:
+        return self.table()
+
+
+def _keyed(trace) -> dict[tuple, float]:
+    seen: dict[tuple, int] = defaultdict(int)
+    out = {}
+    for e in sorted(trace.events, key=lambda e: (e.device, e.start, e.end)):
+        k = seen[(e.device, e.label or e.node)]
+        seen[(e.device, e.label or e.node)] = k + 1
+        out[(e.device, e.label or e.node, k)] = e.duration
+    return out
+
+
+def compare(predicted, measured) -> Comparison:
+    """Match events by (device, label, occurrence); a simulated trace is the prediction."""
+    if predicted.source == "measured" and measured.source == "simulated":
+        predicted, measured = measured, predicted
+    a, b = _keyed(predicted), _keyed(measured)
+    rows = []
+    for key in sorted(a.keys() & b.keys()):
+        p, m = a[key], b[key]
+        rows.append((key[0], key[1], p, m, m / p if p else (1.0 if not m else float("inf"))))
+    return Comparison(tuple(rows), predicted.step_time, measured.step_time,
+                      len(a.keys() ^ b.keys()))

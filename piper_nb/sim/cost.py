@@ -1,0 +1,193 @@
+"""Cost models: how long each pass and each message of a Plan takes.
+
+Three ways to get one, all the same `CostModel` value:
+
+- `CostModel.uniform(F=1, B=2, W=1)`: unit costs, the way DualPipe's table and the
+  zero-bubble paper count (BI = B - W, BW = W, an overlapped F&B slot = FB);
+- `CostModel.profile(plan)`: every region's F, B, BI and BW timed on this machine on one
+  microbatch slice, and latency + bytes/bandwidth fitted over gloo (`sim/profile.py`);
+- `CostModel.analytic(plan, "H100")`: FLOPs per region counted by
+  `torch.utils.flop_counter.FlopCounterMode`, divided by the hardware's peak and an
+  efficiency factor; messages cost bytes / NVLink bandwidth inside a node of 8 devices and
+  bytes / InfiniBand bandwidth across nodes (alpha-beta model, ring collectives).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from piper_nb.errors import PlanError
+
+__all__ = ["CostModel", "HardwareSpec", "HARDWARE", "message_bytes", "bucket_bytes", "value_bytes"]
+
+PASSES = ("F", "B", "BI", "BW", "U")
+
+
+@dataclass(frozen=True, kw_only=True)
+class HardwareSpec:
+    """One accelerator and its links; bandwidths in bytes/s per direction, latency in s."""
+
+    name: str
+    peak_flops: float           # dense bf16 FLOP/s of one device
+    efficiency: float = 0.5     # fraction of peak a pass reaches (MFU)
+    hbm_bandwidth: float        # bytes/s; the optimizer update is memory-bound
+    nvlink_bandwidth: float     # inside a node
+    ib_bandwidth: float         # across nodes, per device
+    node_size: int = 8          # devices per node
+    nvlink_latency: float = 5e-6
+    ib_latency: float = 15e-6
+
+    def __post_init__(self):
+        if not 0 < self.efficiency <= 1:
+            raise PlanError(f"HardwareSpec {self.name}: efficiency {self.efficiency} must be in "
+                            "(0, 1]; it is the fraction of peak FLOP/s a pass reaches")
+        if min(self.peak_flops, self.hbm_bandwidth, self.nvlink_bandwidth,
+               self.ib_bandwidth) <= 0 or self.node_size < 1:
+            raise PlanError(f"HardwareSpec {self.name}: rates and node_size must be positive")
+
+
+HARDWARE = {
+    "A100": HardwareSpec(name="A100", peak_flops=312e12, hbm_bandwidth=2.0e12,
+                         nvlink_bandwidth=300e9, ib_bandwidth=25e9),
+    "H100": HardwareSpec(name="H100", peak_flops=989e12, hbm_bandwidth=3.35e12,
+                         nvlink_bandwidth=450e9, ib_bandwidth=50e9),
+    "H200": HardwareSpec(name="H200", peak_flops=989e12, hbm_bandwidth=4.8e12,
+                         nvlink_bandwidth=450e9, ib_bandwidth=50e9),
+}
+
+
+@functools.cache
+def _elem(dtype: str) -> int:
+    return torch.empty((), dtype=getattr(torch, dtype)).element_size()
+
+
+def value_bytes(info) -> int:
+    """Bytes of one value (a `ValueInfo`), without allocating anything."""
+    return math.prod(info.shape) * _elem(info.dtype)
+
+
+def bucket_bytes(plan, bucket: int) -> int:
+    """Bytes of one bucket's full (unsharded) flat buffer."""
+    total = 0
+    for p in plan.buckets[bucket].params:
+        shape, dtype = plan.params[p]
+        total += math.prod(shape) * _elem(dtype)
+    return total
+
+
+def message_bytes(plan, ins) -> int:
+    """Bytes one SEND/RECV or collective moves (a collective: its full buffer)."""
+    if 0 <= ins.bucket < len(plan.buckets):
+        return bucket_bytes(plan, ins.bucket)
+    return sum(value_bytes(plan.values[v]) for v in ins.values if v in plan.values)
+
+
+@dataclass(frozen=True, kw_only=True)
+class CostModel:
+    """Durations of passes and messages. Times are in `unit` ("s" or "unit").
+
+    `passes` maps (region, pass) to a duration, region -1 being the default for every
+    region; `fb` is the cost of an overlapped F&B slot (None: F + B, the sum of its
+    members); messages cost `comm` each when it is set, else latency + bytes/bandwidth.
+    """
+
+    name: str = "custom"
+    unit: str = "s"
+    passes: dict = field(default_factory=dict)     # (region, pass) -> duration
+    fb: float | None = None                        # overlapped F&B slot (uniform models)
+    comm: float | None = None                      # constant per message / collective
+    latency: float = 0.0                           # alpha, inside a node
+    bandwidth: float = math.inf                    # beta, bytes per unit, inside a node
+    inter_latency: float | None = None             # across nodes (None: as inside)
+    inter_bandwidth: float | None = None
+    node_size: int = 1 << 30                       # devices per node
+    meta: dict = field(default_factory=dict)
+
+    # ---- constructors ---------------------------------------------------------------
+    @classmethod
+    def uniform(cls, F: float = 1, B: float = 2, W: float = 1, FB: float | None = None,
+                comm: float = 0, U: float = 0) -> CostModel:
+        """Every region alike: F, full backward B, weight backward W (BI = B - W)."""
+        if W > B:
+            raise PlanError(f"CostModel.uniform: W={W} is part of B={B}; use W <= B")
+        passes = {(-1, "F"): F, (-1, "B"): B, (-1, "BI"): B - W, (-1, "BW"): W, (-1, "U"): U}
+        return cls(name=f"uniform(F={F}, B={B}, W={W}, FB={FB}, comm={comm})", unit="unit",
+                   passes=passes, fb=FB, comm=comm)
+
+    @classmethod
+    def profile(cls, plan, repeats: int = 3, comm: bool = True) -> CostModel:
+        """Time each region's passes here; fit messages over gloo (cached per process)."""
+        from piper_nb.sim.profile import profile_comm, profile_passes
+        passes = profile_passes(plan, repeats)
+        lat, bw = profile_comm() if comm else (0.0, math.inf)
+        return cls(name="profiled", unit="s", passes=passes, latency=lat, bandwidth=bw,
+                   meta={"repeats": repeats})
+
+    @classmethod
+    def analytic(cls, plan, hardware: str | HardwareSpec = "H100") -> CostModel:
+        """Roofline-style estimates from FLOPs on `hardware` (a name in HARDWARE or a spec)."""
+        from piper_nb.sim.profile import region_flops
+        if isinstance(hardware, str):
+            if hardware not in HARDWARE:
+                raise PlanError(f"unknown hardware {hardware!r}; use one of "
+                                f"{', '.join(HARDWARE)} or a HardwareSpec(...)")
+            hardware = HARDWARE[hardware]
+        rate = hardware.peak_flops * hardware.efficiency
+        passes = {}
+        for r, flops in region_flops(plan).items():
+            f = flops / rate
+            passes[(r, "F")], passes[(r, "B")] = f, 2 * f
+            passes[(r, "BI")], passes[(r, "BW")] = f, f
+            nbytes = sum(math.prod(plan.params[p][0]) * _elem(plan.params[p][1])
+                         for p in plan.regions[r].params if p in plan.params)
+            passes[(r, "U")] = 4 * nbytes / hardware.hbm_bandwidth  # read p, g, state; write p
+        return cls(name=f"analytic({hardware.name})", unit="s", passes=passes,
+                   latency=hardware.nvlink_latency, bandwidth=hardware.nvlink_bandwidth,
+                   inter_latency=hardware.ib_latency, inter_bandwidth=hardware.ib_bandwidth,
+                   node_size=hardware.node_size, meta={"hardware": hardware.name})
+
+    # ---- durations ----------------------------------------------------------------
+    def compute(self, ins) -> float:
+        """Duration of one F/B/BI/BW/U instruction."""
+        p = self.passes
+        key = (ins.region, ins.kind)
+        if key in p:
+            return p[key]
+        if (-1, ins.kind) in p:
+            return p[(-1, ins.kind)]
+        if ins.kind == "B" and (ins.region, "BI") in p:   # a profile without a full B
+            return p[(ins.region, "BI")] + p.get((ins.region, "BW"), 0.0)
+        return 0.0
+
+    def overlapped(self, members) -> float:
+        """Duration of one overlap slot (F&B): `fb` replaces F + B when set."""
+        total = sum(self.compute(m) for m in members)
+        kinds = sorted(m.kind for m in members)
+        if self.fb is None or len(members) < 2 or "F" not in kinds:
+            return total
+        f = self.passes.get((-1, "F"), 0.0)
+        b = self.passes.get((-1, "B"), 0.0)
+        return total - (f + b) + self.fb
+
+    def message(self, plan, ins, device: int) -> float:
+        """Duration of one SEND/RECV transfer or collective issued on `device`."""
+        if self.comm is not None:
+            return self.comm
+        nbytes = message_bytes(plan, ins)
+        members = ins.group if ins.group else (device, ins.peer)
+        lat, bw = self.latency, self.bandwidth
+        if self.inter_bandwidth is not None and len({d // self.node_size for d in members}) > 1:
+            lat = self.inter_latency if self.inter_latency is not None else lat
+            bw = self.inter_bandwidth
+        n = max(len(ins.group), 2)
+        if ins.kind == "ALL_REDUCE":
+            steps, factor = 2 * (n - 1), 2 * (n - 1) / n
+        elif ins.kind in ("ALL_GATHER", "REDUCE_SCATTER", "ALL_TO_ALL"):
+            steps, factor = n - 1, (n - 1) / n
+        else:
+            steps, factor = 1, 1.0
+        return steps * lat + factor * nbytes / bw

@@ -1,0 +1,231 @@
+"""Discrete-event simulation of a Plan: the timed sibling of `compiler.checks.dry_run`.
+
+Every device walks its instruction list in order with an instruction pointer (its time
+`t`); only WAIT blocks the pointer, until the op it names has finished. Each device has a
+compute stream and one stream per communication stream name:
+
+- a compute pass starts when the previous pass has finished and every preceding WAIT has
+  passed; an overlap slot (passes with one `overlap` id, DualPipe's F&B) is one job of
+  `cost.overlapped(...)` whose members share the span. WAITs between the members gate the
+  slot; issues between them follow it.
+- an issue posts its op at `t` (SEND and collectives also wait for the passes issued
+  before them: they move what those produced). A SEND/RECV pair is matched when both
+  sides have posted, a collective when every member has posted its k-th collective on
+  the group. Matched ops start in the order they became ready, each when its stream is
+  free on every member (FIFO per stream), and end together on all of them.
+- FREE costs nothing; it happens once the passes before it have finished.
+
+Ops live in a heap keyed by ready time, devices are indices and instructions integer
+positions, so a step of a thousand devices simulates in seconds.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import defaultdict
+from dataclasses import dataclass
+
+from piper_nb.compiler.plan import COLLECTIVE_KINDS, Plan
+from piper_nb.errors import PlanError
+from piper_nb.sim.cost import CostModel
+from piper_nb.sim.trace import Event, Trace
+
+__all__ = ["simulate", "Timing", "run_timing", "overlap_steps"]
+
+_COMPUTE = frozenset({"F", "B", "BI", "BW", "U"})
+
+
+@dataclass
+class Timing:
+    """Per device and instruction: when the pointer posted it, when it started and ended.
+
+    Compute: its span; issues: the op's span (posted = issue time); WAIT: when it passed;
+    FREE: when it happened. -1 marks instructions never reached.
+    """
+
+    plan: Plan
+    posted: list[list[float]]
+    start: list[list[float]]
+    end: list[list[float]]
+
+
+def overlap_steps(instrs) -> list[int | tuple[int, ...]]:
+    """The execution order: instruction indices, with each overlap slot as one tuple.
+
+    WAITs between the members of a slot for ops posted before it move ahead of the slot;
+    everything else between them moves after it.
+    """
+    if all(ins.overlap < 0 for ins in instrs):
+        return list(range(len(instrs)))
+    steps: list[int | tuple[int, ...]] = []
+    n, i = len(instrs), 0
+    while i < n:
+        ins = instrs[i]
+        if ins.kind not in _COMPUTE or ins.overlap < 0:
+            steps.append(i)
+            i += 1
+            continue
+        members, between, j = [i], [], i + 1
+        while j < n:
+            x = instrs[j]
+            if x.kind in _COMPUTE:
+                if x.overlap != ins.overlap:
+                    break
+                members.append(j)
+            else:
+                between.append(j)
+            j += 1
+        inner = [k for k in between if k < members[-1]]
+        pre = [k for k in inner if instrs[k].kind == "WAIT" and instrs[k].target < i]
+        taken = set(pre)
+        steps += pre
+        steps.append(tuple(members) if len(members) > 1 else i)
+        steps += [k for k in inner if k not in taken]
+        i = members[-1] + 1
+    return steps
+
+
+class _Sim:
+    def __init__(self, plan: Plan, cost: CostModel):
+        self.plan, self.cost = plan, cost
+        self.instrs = [dp.instrs for dp in plan.devices]
+        self.steps = [overlap_steps(x) for x in self.instrs]
+        w = plan.world
+        self.pos, self.t, self.cfree = [0] * w, [0.0] * w, [0.0] * w
+        self.blocked = [-1] * w
+        self.posted = [[-1.0] * len(x) for x in self.instrs]
+        self.start = [[-1.0] * len(x) for x in self.instrs]
+        self.end = [[-1.0] * len(x) for x in self.instrs]
+        self.sfree: dict[tuple[int, str], float] = defaultdict(float)
+        self.p2p: dict[tuple, tuple[int, int, float]] = {}
+        self.coll: dict[tuple, list[tuple[int, int, float]]] = {}
+        self.coll_k = [defaultdict(int) for _ in range(w)]
+        self.heap: list = []
+        self.seq = 0
+
+    def _issue(self, d: int, i: int, ins, ready: float) -> None:
+        if ins.kind in ("SEND", "RECV"):
+            key = (d, ins.peer, ins.tag) if ins.kind == "SEND" else (ins.peer, d, ins.tag)
+            other = self.p2p.pop(key, None)
+            if other is None:
+                self.p2p[key] = (d, i, ready)
+                return
+            members = ((other[0], other[1]), (d, i))
+            ready = max(ready, other[2])
+        else:
+            k = self.coll_k[d][ins.group]
+            self.coll_k[d][ins.group] = k + 1
+            posts = self.coll.setdefault((ins.group, k), [])
+            posts.append((d, i, ready))
+            if len(posts) < len(ins.group):
+                return
+            del self.coll[(ins.group, k)]
+            members = tuple((x[0], x[1]) for x in posts)
+            ready = max(x[2] for x in posts)
+        self.seq += 1
+        heapq.heappush(self.heap, (ready, self.seq, members))
+
+    def run_device(self, d: int) -> None:
+        instrs, steps, cost = self.instrs[d], self.steps[d], self.cost
+        posted, start, end = self.posted[d], self.start[d], self.end[d]
+        p, t, cfree = self.pos[d], self.t[d], self.cfree[d]
+        while p < len(steps):
+            s = steps[p]
+            if s.__class__ is tuple:
+                st = t if t > cfree else cfree
+                cfree = st + cost.overlapped([instrs[k] for k in s])
+                for k in s:
+                    posted[k], start[k], end[k] = t, st, cfree
+                p += 1
+                continue
+            ins = instrs[s]
+            kind = ins.kind
+            if kind == "WAIT":
+                e = end[ins.target]
+                if e < 0:
+                    self.blocked[d] = ins.target
+                    break
+                if e > t:
+                    t = e
+                posted[s] = start[s] = end[s] = t
+            elif kind in _COMPUTE:
+                st = t if t > cfree else cfree
+                cfree = st + cost.compute(ins)
+                posted[s], start[s], end[s] = t, st, cfree
+            elif kind == "FREE":
+                posted[s] = start[s] = end[s] = t if t > cfree else cfree
+            else:
+                posted[s] = t
+                self._issue(d, s, ins, t if kind == "RECV" or t > cfree else cfree)
+            p += 1
+        self.pos[d], self.t[d], self.cfree[d] = p, t, cfree
+
+    def run(self) -> None:
+        for d in range(self.plan.world):
+            self.run_device(d)
+        heap, sfree, cost, plan = self.heap, self.sfree, self.cost, self.plan
+        while heap:
+            ready, _, members = heapq.heappop(heap)
+            d0, i0 = members[0]
+            first = self.instrs[d0][i0]
+            keys = [(d, self.instrs[d][i].stream) for d, i in members]
+            st = max([ready] + [sfree[k] for k in keys])
+            en = st + cost.message(plan, first, d0)
+            resume = []
+            for (d, i), k in zip(members, keys, strict=True):
+                sfree[k] = en
+                self.start[d][i], self.end[d][i] = st, en
+                if self.blocked[d] == i:
+                    self.blocked[d] = -1
+                    resume.append(d)
+            for d in resume:
+                self.run_device(d)
+        stuck = [d for d in range(self.plan.world) if self.pos[d] < len(self.steps[d])]
+        if stuck:
+            raise PlanError("the simulation cannot finish: devices " + str(stuck) + " wait for "
+                            "ops that never start\n" + self._stuck_text(stuck))
+
+    def _stuck_text(self, stuck: list[int]) -> str:
+        lines = []
+        for d in stuck[:16]:
+            ins = self.instrs[d][self.blocked[d]] if self.blocked[d] >= 0 else None
+            lines.append(f"  dev{d}: wait({ins})" if ins is not None else f"  dev{d}: ?")
+        return "\n".join(lines)
+
+
+def run_timing(plan: Plan, cost: CostModel) -> Timing:
+    """Simulate `plan` under `cost`; the per-instruction times (see `Timing`)."""
+    sim = _Sim(plan, cost)
+    sim.run()
+    return Timing(plan, sim.posted, sim.start, sim.end)
+
+
+_TIMED = _COMPUTE | {"SEND", "RECV", *COLLECTIVE_KINDS}
+
+
+def _events(timing: Timing) -> list[Event]:
+    out: list[Event] = []
+    append = out.append
+    for dp in timing.plan.devices:
+        d, start, end = dp.device, timing.start[dp.device], timing.end[dp.device]
+        for i, ins in enumerate(dp.instrs):
+            if ins.kind in _TIMED:
+                append(Event(d, ins.stream, ins.node, ins.kind, start[i], end[i], ins.mb,
+                             ins.region, str(ins)))
+    return out
+
+
+def simulate(plan: Plan, cost_model: CostModel | None = None, *, memory=None) -> Trace:
+    """Predict the timeline and memory of one training step of `plan`.
+
+    `cost_model` defaults to `CostModel.profile(plan)` (timed on this machine); `memory`
+    is a `MemorySettings` (bytes per parameter, gradient and optimizer state).
+    """
+    from piper_nb.sim.memory import memory_samples
+    if not isinstance(plan, Plan):
+        raise PlanError("simulate takes the Plan returned by pn.compile(spec, program, batch)")
+    cost = cost_model if cost_model is not None else CostModel.profile(plan)
+    timing = run_timing(plan, cost)
+    samples = memory_samples(timing, memory)
+    meta = {"cost_model": cost.name, "world": plan.world, "microbatches": plan.microbatches}
+    return Trace(tuple(_events(timing)), tuple(samples), "simulated", cost.unit, meta)

@@ -1,0 +1,144 @@
+"""`pn.train` runs a compiled plan on workers; `pn.reference_train` is the plain baseline.
+
+Both split every batch into the same microbatches and scale each microbatch's loss by
+1/microbatches (the plan's `loss_scale` also divides by the data-parallel width), so a
+correct plan reproduces the reference's losses and parameters to fp32 rounding: the check
+nanoGPT-style codebases use for every parallel strategy. Both return a `Result`.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from piper_nb.errors import PlanError
+from piper_nb.runtime.bundle import param_aliases
+from piper_nb.sim.trace import Event, MemorySample, Trace
+
+__all__ = ["Result", "train", "reference_train"]
+
+
+@dataclass
+class Result:
+    """Losses and step times per step, the measured trace of the last step, the model."""
+
+    losses: list[float]
+    step_times: list[float]                 # seconds, step start to the last device's end
+    trace: Trace | None
+    params: dict[str, torch.Tensor] = field(repr=False, default_factory=dict)  # canonical
+    template: dict[str, torch.Tensor] = field(repr=False, default_factory=dict)
+    aliases: dict[str, str] = field(repr=False, default_factory=dict)
+    leftover: list[str] = field(default_factory=list)  # buffers a plan never freed
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """The full trained model, keyed like `model.state_dict()` (tied names included)."""
+        out = {}
+        for name, value in self.template.items():
+            canonical = self.aliases.get(name)
+            out[name] = self.params[canonical].clone() if canonical else value.clone()
+        return out
+
+
+def _batches(batch_or_loader, steps: int) -> Iterable:
+    if isinstance(batch_or_loader, (tuple, list)) and len(batch_or_loader) == 2 and all(
+            isinstance(t, torch.Tensor) for t in batch_or_loader):
+        return [tuple(batch_or_loader)] * steps
+    return batch_or_loader
+
+
+def _check_batch(batch, size: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    if not (isinstance(batch, (tuple, list)) and len(batch) == 2):
+        raise PlanError(f"step {step}: a batch is (inputs, targets), got {type(batch).__name__}")
+    if batch[0].shape[0] != size:
+        raise PlanError(f"step {step}: the batch has {batch[0].shape[0]} samples but the plan was "
+                        f"compiled for {size}; compile with a batch of this size")
+    return batch[0], batch[1]
+
+
+def train(plan, batch_or_loader, steps: int, optimizer, cluster=None) -> Result:
+    """Train `plan` for `steps` steps on local workers (or on `cluster`, left running)."""
+    from piper_nb.cluster.local import LocalCluster
+    if plan.capture is None:
+        raise PlanError("this plan has no captured model; compile it with pn.compile to train it")
+    own = cluster is None
+    cluster = LocalCluster(plan.world) if own else cluster
+    losses, times, trace, leftover = [], [], None, set()
+    try:
+        cluster.reset(plan, optimizer)
+        it = iter(_batches(batch_or_loader, steps))
+        for s in range(1, steps + 1):
+            try:
+                batch = _check_batch(next(it), plan.batch_size, s)
+            except StopIteration:
+                raise PlanError(f"the loader ran out after {s - 1} of {steps} steps") from None
+            outs = cluster.step(plan, batch)
+            losses.append(sum(o["loss"] for o in outs))
+            times.append(max(o["end"] for o in outs))
+            for o in outs:
+                leftover.update(o["leftover"])
+            trace = Trace(tuple(e for o in outs for e in o["events"]),
+                          tuple(m for o in outs for m in o["memory"]), source="measured",
+                          meta={"step": s, "world": plan.world})
+        params = cluster.state(plan)
+    finally:
+        if own:
+            cluster.close()
+    model = plan.capture.model
+    return Result(losses, times, trace, params, _template(model), param_aliases(model),
+                  sorted(leftover))
+
+
+def _template(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def reference_train(model: nn.Module, batch, steps: int, microbatches: int, optimizer,
+                    loss_fn: Callable | None = None) -> Result:
+    """Single-process training of a deep copy of `model`, microbatch by microbatch."""
+    model = copy.deepcopy(model).train()
+    loss_fn = loss_fn if loss_fn is not None else getattr(model, "loss_fn", None)
+    if loss_fn is None:
+        raise PlanError("the model has no loss_fn: pass loss_fn= to reference_train")
+    params = dict(model.named_parameters())
+    state: dict[str, dict] = {n: {} for n in params}
+    it = iter(_batches(batch, steps))
+    losses, times, events, memory = [], [], [], []
+    scale = 1.0 / microbatches
+    for s in range(1, steps + 1):
+        inputs, targets = next(it)
+        if inputs.shape[0] % microbatches:
+            raise PlanError(f"{microbatches} microbatches do not divide the batch of "
+                            f"{inputs.shape[0]}")
+        chunk = inputs.shape[0] // microbatches
+        events, t0, total = [], time.perf_counter(), 0.0
+        for p in params.values():
+            p.grad = None
+        for mb in range(microbatches):
+            sl = slice(mb * chunk, (mb + 1) * chunk)
+            start = time.perf_counter() - t0
+            loss = loss_fn(model(inputs[sl]), targets[sl])
+            mid = time.perf_counter() - t0
+            torch.autograd.backward(loss, torch.full_like(loss, scale))
+            total += float(loss.detach().double() * scale)
+            events += [Event(0, "compute", f"F.MB{mb}", "F", start, mid, mb, 0, f"0F{mb}"),
+                       Event(0, "compute", f"B.MB{mb}", "B", mid, time.perf_counter() - t0, mb,
+                             0, f"0B{mb}")]
+        start = time.perf_counter() - t0
+        for n, p in params.items():
+            if p.grad is not None:
+                optimizer.step(p.data, p.grad, state[n], s)
+        end = time.perf_counter() - t0
+        events.append(Event(0, "compute", "U", "U", start, end, -1, 0, "0U"))
+        pbytes = sum(p.numel() * p.element_size() for p in params.values())
+        obytes = sum(optimizer.state_bytes(st) for st in state.values())
+        memory = [MemorySample(0, end, pbytes, 0, obytes)]
+        losses.append(total)
+        times.append(end)
+    trace = Trace(tuple(events), tuple(memory), source="measured", meta={"reference": True})
+    canonical = {n: p.detach().clone() for n, p in params.items()}
+    return Result(losses, times, trace, canonical, _template(model), param_aliases(model))

@@ -1,0 +1,129 @@
+"""TrainingDAG -> graphviz: one cluster per device set, comm nodes set apart, temporal
+edges dashed, and nodes collapsed by tag so large DAGs stay readable.
+
+Walk-then-draw: `dag_view` walks the DAG into merged nodes and edges (collapsing
+`collapse=("MB",)` merges nodes that differ only in their microbatch, labelled "x8");
+`draw_dag` renders them. When a DAG has more than `max_nodes` nodes and no collapse is
+given, microbatches are collapsed automatically; beyond that, the rest is summarised in
+one note node.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+from piper_nb.ir.dag import COMM, Op
+from piper_nb.ir.filters import tags_text
+
+__all__ = ["DagView", "dag_view", "draw_dag", "dag_to_graphviz", "STYLE"]
+
+# op -> (shape, fill colour)
+STYLE = {"F": ("box", "#c6dbef"), "B": ("box", "#fdd0a2"), "BI": ("box", "#fcbba1"),
+         "BW": ("box", "#c7e9c0"), "U": ("box3d", "#d9d9d9"),
+         "SEND": ("cds", "#dadaeb"), "RECV": ("cds", "#efedf5"),
+         "ALL_REDUCE": ("hexagon", "#fee391"), "ALL_GATHER": ("hexagon", "#d9f0a3"),
+         "REDUCE_SCATTER": ("hexagon", "#fec44f"), "ALL_TO_ALL": ("octagon", "#bcbddc")}
+
+
+@dataclass
+class DagView:
+    nodes: dict[tuple, dict] = field(default_factory=dict)      # key -> {label, op, devices, n}
+    edges: dict[tuple, int] = field(default_factory=dict)       # (src, dst, kind) -> count
+    hidden: int = 0
+    collapse: tuple[str, ...] = ()
+
+
+def _key(n, collapse: frozenset[str], dag) -> tuple:
+    kept = tuple((k, v) for k, v in n.tags if k not in collapse)
+    extra = ()
+    if n.op in COMM:
+        before = n.attr("before")
+        extra = (n.attr("grad"), n.attr("bucket"), n.attr("purpose"),
+                 dag[before].op.value if before in dag else None,
+                 n.attr("src_region"), n.attr("dst_region"))
+    return (n.op.value, kept, n.devices, n.id if not collapse else extra)
+
+
+def _label(n, kept: tuple, count: int) -> str:
+    text = f"{n.op.value}[{tags_text(kept)}]"
+    if n.op in (Op.SEND, Op.RECV):
+        text += f" {'grad' if n.attr('grad') else 'act'} {n.attr('src_region')}>" \
+                f"{n.attr('dst_region')}"
+    elif n.op in COMM and n.attr("bucket") is not None:
+        text += f" b{n.attr('bucket')}"
+        if n.attr("before") is not None:
+            text += f" for {n.attr('before').split('[')[0]}"
+    return text + (f" x{count}" if count > 1 else "")
+
+
+def dag_view(dag, collapse=None, max_nodes: int = 150) -> DagView:
+    if collapse is None and len(dag.nodes) > max_nodes:
+        collapse = ("MB",)
+    coll = frozenset(collapse or ())
+    view = DagView(collapse=tuple(sorted(coll)))
+    of: dict[str, tuple] = {}
+    for n in dag.nodes:
+        key = _key(n, coll, dag)
+        if key not in view.nodes:
+            if len(view.nodes) >= max_nodes:
+                view.hidden += 1
+                continue
+            view.nodes[key] = {"op": n.op.value, "devices": n.devices, "n": 0, "node": n,
+                               "kept": key[1]}
+        view.nodes[key]["n"] += 1
+        of[n.id] = key
+    for info in view.nodes.values():
+        info["label"] = _label(info.pop("node"), info.pop("kept"), info["n"])
+    counts: dict[tuple, int] = defaultdict(int)
+    for e in dag.edges:
+        a, b = of.get(e.src), of.get(e.dst)
+        if a is not None and b is not None and a != b:
+            counts[(a, b, e.kind)] += 1
+    view.edges = dict(counts)
+    return view
+
+
+def draw_dag(view: DagView, rankdir: str = "LR", name: str = "dag"):
+    import graphviz
+    g = graphviz.Digraph(name, graph_attr={"rankdir": rankdir, "fontsize": "10",
+                                           "compound": "true"},
+                         node_attr={"fontsize": "9", "style": "filled", "fontname": "Helvetica"},
+                         edge_attr={"arrowsize": "0.6"})
+    ids = {key: f"n{i}" for i, key in enumerate(view.nodes)}
+    groups: dict[tuple, list[tuple]] = defaultdict(list)
+    for key, info in view.nodes.items():
+        groups[info["devices"]].append(key)
+    for devs, keys in sorted(groups.items()):
+        target = g
+        if devs:
+            label = (f"device {devs[0]}" if len(devs) == 1
+                     else "devices " + ",".join(map(str, devs)))
+            cname = "cluster_" + "_".join(map(str, devs))
+            with g.subgraph(name=cname, graph_attr={"label": label, "style": "rounded",
+                                                    "color": "#888888"}) as sub:
+                _nodes(sub, keys, view, ids)
+            continue
+        _nodes(target, keys, view, ids)
+    for (a, b, kind), count in view.edges.items():
+        attrs = {"style": "dashed", "color": "#999999"} if kind == "temporal" else {}
+        if count > 1 and view.collapse:
+            attrs["label"] = str(count)
+            attrs["fontsize"] = "7"
+        g.edge(ids[a], ids[b], **attrs)
+    if view.hidden:
+        g.node("more", f"... {view.hidden} more nodes (raise max_nodes or collapse tags)",
+               shape="note", fillcolor="#ffffff")
+    return g
+
+
+def _nodes(g, keys, view: DagView, ids) -> None:
+    for key in keys:
+        info = view.nodes[key]
+        shape, color = STYLE.get(info["op"], ("ellipse", "#ffffff"))
+        g.node(ids[key], info["label"], shape=shape, fillcolor=color)
+
+
+def dag_to_graphviz(dag, collapse=None, max_nodes: int = 150, rankdir: str = "LR"):
+    """A `graphviz.Digraph` of the DAG (see the module docstring)."""
+    return draw_dag(dag_view(dag, collapse, max_nodes), rankdir)

@@ -1,0 +1,44 @@
+"""Shared fixtures for the runtime tier: one local cluster of 2 and one of 4 workers per
+session (spawning costs seconds), plus the comparison against `pn.reference_train`."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from piper_nb.cluster.local import LocalCluster
+
+RTOL, ATOL = 1e-5, 4e-5
+
+
+@pytest.fixture(scope="session")
+def cluster2():
+    with LocalCluster(2) as cluster:
+        yield cluster
+
+
+@pytest.fixture(scope="session")
+def cluster4():
+    with LocalCluster(4) as cluster:
+        yield cluster
+
+
+def assert_same(result, ref, model=None) -> None:
+    """Losses and every parameter equal to the reference's (fp32 rounding), nothing leaked."""
+    torch.testing.assert_close(torch.tensor(result.losses), torch.tensor(ref.losses),
+                               rtol=RTOL, atol=ATOL)
+    got, want = result.state_dict(), ref.state_dict()
+    assert got.keys() == want.keys()
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=RTOL, atol=ATOL,
+                                   msg=lambda m, name=name: f"{name}: {m}")
+    assert result.leftover == []
+    if model is not None:  # training really moved the parameters
+        init = model.state_dict()
+        assert any(not torch.equal(init[k], got[k]) for k in init)
+
+
+@pytest.fixture
+def same():
+    """`same(result, ref, model=None)`: see `assert_same`."""
+    return assert_same

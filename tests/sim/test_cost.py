@@ -1,0 +1,79 @@
+"""Cost models: uniform unit costs, FLOP-based analytic estimates, and a measured profile."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from sim_helpers import compile_schedule
+
+import piper_nb as pn
+from piper_nb import PlanError
+from piper_nb.compiler.plan import Instr
+from piper_nb.sim import CostModel, HardwareSpec, simulate
+from piper_nb.sim.cost import message_bytes
+
+
+def plan2(microbatches: int = 2):
+    return compile_schedule(pn.models.MLP(dim=8, depth=4), pn.schedules.one_f_one_b, 2, 2,
+                            microbatches)
+
+
+def test_uniform_costs_split_b_into_bi_and_bw_and_overlap_into_fb():
+    cost = CostModel.uniform(F=1, B=3, W=1, FB=3.5, comm=0.5, U=2)
+    f, b = Instr("F", region=0, mb=0), Instr("B", region=1, mb=0)
+    assert [cost.compute(Instr(k, region=0)) for k in ("F", "B", "BI", "BW", "U")] == \
+        [1, 3, 2, 1, 2]
+    assert cost.overlapped([f, b]) == 3.5
+    assert cost.overlapped([f, Instr("BI", region=1)]) == 2.5     # FB - W
+    assert CostModel.uniform().overlapped([f, b]) == 3           # no FB: F + B
+    assert cost.message(None, Instr("SEND", peer=1), 0) == 0.5
+    with pytest.raises(PlanError, match="W=3 is part of B=2"):
+        CostModel.uniform(B=2, W=3)
+
+
+def test_analytic_costs_come_from_flops_over_peak_and_links():
+    plan = plan2()
+    hw = HardwareSpec(name="toy", peak_flops=1e9, efficiency=0.5, hbm_bandwidth=1e9,
+                      nvlink_bandwidth=1e6, ib_bandwidth=1e5, node_size=1,
+                      nvlink_latency=0.0, ib_latency=0.0)
+    cost = CostModel.analytic(plan, hw)
+    slice_rows = plan.values["inputs"].shape[0]
+    flops = 2 * slice_rows * 8 * 8 * 2          # two Linear(8, 8) per stage, 2 FLOPs per MAC
+    assert cost.compute(Instr("F", region=0)) == pytest.approx(flops / 0.5e9)
+    assert cost.compute(Instr("B", region=0)) == pytest.approx(2 * flops / 0.5e9)
+    send = next(i for i in plan[0].instrs if i.kind == "SEND")
+    nbytes = message_bytes(plan, send)
+    assert nbytes == plan.values[send.values[0]].nbytes
+    assert cost.message(plan, send, 0) == pytest.approx(nbytes / 1e5)   # two nodes of one
+    assert CostModel.analytic(plan, "H100").meta["hardware"] == "H100"
+    with pytest.raises(PlanError, match="unknown hardware"):
+        CostModel.analytic(plan, "TPU9")
+
+
+def test_ring_collectives_move_their_share_of_the_bucket():
+    cost = CostModel(latency=0.0, bandwidth=100.0)
+    plan = pn.compile(*_dp_plan_args())
+    ar = next(i for i in plan[0].instrs if i.kind == "ALL_REDUCE")
+    n, nbytes = len(ar.group), message_bytes(plan, ar)
+    assert cost.message(plan, ar, 0) == pytest.approx(2 * (n - 1) / n * nbytes / 100)
+
+
+def _dp_plan_args():
+    model = pn.models.MLP(dim=8, depth=2)
+    spec = pn.annotate(model, pn.cut_stages(model, 1))
+    return spec, [pn.split({}, "MB", 2), pn.replicate({}, [0, 1, 2, 3])], \
+        model.example_batch(batch_size=8, seed=0)
+
+
+def test_a_profiled_cost_model_times_every_pass_and_fits_the_link():
+    plan = plan2()
+    cost = CostModel.profile(plan, repeats=2)
+    assert cost.unit == "s" and cost.name == "profiled"
+    for r in range(len(plan.regions)):
+        assert all(cost.passes[(r, p)] >= 0 for p in ("F", "B", "BI", "BW", "U"))
+        assert cost.passes[(r, "F")] > 0
+    assert cost.latency >= 0 and cost.bandwidth > 0 and not math.isnan(cost.bandwidth)
+    assert all(p.grad is None for p in plan.capture.model.parameters())  # .grad untouched
+    trace = simulate(plan)                      # the default cost model is the profiled one
+    assert trace.unit == "s" and trace.step_time > 0

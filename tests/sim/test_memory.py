@@ -1,0 +1,67 @@
+"""The memory model: ZeRO's model-state bytes (REFERENCES.md) from the same accounting the
+simulator uses, and the timeline of activations and gathered parameters."""
+
+from __future__ import annotations
+
+import pytest
+from sim_helpers import compile_schedule
+
+import piper_nb as pn
+from piper_nb import PlanError
+from piper_nb.sim import CostModel, MemorySettings, simulate, zero_model_states
+from piper_nb.sim.memory import MIXED_PRECISION_ADAM, device_model_states
+
+PAPER = {0: lambda n: 16, 1: lambda n: 4 + 12 / n, 2: lambda n: 2 + 14 / n, 3: lambda n: 16 / n}
+
+
+@pytest.mark.parametrize("n", [4, 8])
+@pytest.mark.parametrize("zero", [0, 1, 2, 3])
+def test_zero_paper_bytes_per_parameter(n, zero):
+    psi = 7_500_000_000 // 8 * 8
+    assert zero_model_states(psi, n, zero) == pytest.approx(PAPER[zero](n) * psi)
+
+
+@pytest.mark.parametrize("n", [4, 8])
+@pytest.mark.parametrize("zero", [0, 1, 2, 3])
+def test_zero_paper_bytes_on_every_device_of_a_compiled_plan(n, zero):
+    model = pn.models.MLP(dim=8, depth=2)            # 144 parameters, divisible by 4 and 8
+    psi = sum(p.numel() for p in model.parameters())
+    spec = pn.annotate(model, pn.cut_stages(model, 1))
+    plan = pn.compile(spec, [pn.split({}, "MB", 2), pn.replicate({}, list(range(n)), zero=zero)],
+                      model.example_batch(batch_size=2 * n, seed=0))
+    for d in range(n):
+        states = device_model_states(plan, d, MIXED_PRECISION_ADAM)
+        assert sum(states.values()) == pytest.approx(PAPER[zero](n) * psi)
+
+
+def test_optimizer_state_bytes_follow_the_optimizer():
+    assert MemorySettings().optim_per_param() == 0                 # plain SGD
+    assert MemorySettings(optimizer="momentum").optim_per_param() == 4
+    assert MemorySettings(optimizer="adamw").optim_per_param() == 8
+    assert MemorySettings(optimizer="adamw", optim_bytes=12).optim_per_param() == 12
+    with pytest.raises(PlanError, match="unknown optimizer"):
+        MemorySettings(optimizer="lion").optim_per_param()
+
+
+def test_activations_live_from_f_to_b_and_are_gone_at_the_end():
+    model = pn.models.MLP(dim=8, depth=16)
+    plan = compile_schedule(model, pn.schedules.one_f_one_b, 4, 4, 8)
+    trace = simulate(plan, CostModel.uniform())
+    for d in trace.devices:
+        samples = [m for m in trace.memory if m.device == d]
+        assert samples[0].activations == 0 and samples[-1].activations == 0
+        peak = max(m.activations for m in samples)
+        assert peak >= plan.saved[d] * trace.live_stashes(d)
+        assert trace.peak_memory[d] == max(m.total for m in samples)
+
+
+def test_zero3_gathers_full_parameters_only_around_their_passes():
+    model = pn.models.MLP(dim=8, depth=4)
+    spec = pn.annotate(model, pn.cut_stages(model, 1))
+    plan = pn.compile(spec, [pn.split({}, "MB", 2), pn.replicate({}, [0, 1], zero=3)],
+                      model.example_batch(batch_size=8, seed=0))
+    trace = simulate(plan, CostModel.uniform(comm=0.5))
+    full = sum(p.numel() * 4 for p in model.parameters())
+    params = [m.params for m in trace.memory if m.device == 0]
+    assert params[0] == full // 2 and params[-1] == full // 2      # the shard between uses
+    assert max(params) >= full // 2 + full                         # shard + a gathered bucket
