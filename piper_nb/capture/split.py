@@ -6,6 +6,15 @@ every tagged module (residual adds, reshapes, the loss) joins the region of its 
 input. Values that cross regions become named dataflow edges, so a skip connection from
 region 0 to region 2 is an edge 0 -> 2; a parameter read by two regions (tied
 embeddings) is recorded so its gradient can be summed.
+
+A tag combination re-entered after a region that depends on it starts a new *segment*:
+in a mixture of experts, {PP: 0} dispatches tokens to the experts {PP: 0, EP: e} and then
+combines their outputs, so the combine is region {PP: 0, SEG: 1}. An op tagged T reading
+region a takes a's segment when a is tagged T, else one past every segment of T that a
+depends on (0 if none). Regions are numbered in dependency order, so the region graph is
+acyclic and running the regions by index is a valid order; models without re-entry keep
+their regions (no SEG tag). Sizes (`x.shape`, `x.size(-1)`) that cross regions travel as
+one-byte tensors of that shape (`pack_size`), since only tensors flow between regions.
 """
 
 from __future__ import annotations

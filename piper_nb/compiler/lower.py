@@ -144,9 +144,13 @@ def _instr(n: Node, d: int, partner, tags, owned) -> Instr:
         return Instr(n.op.value, n.id, n.stream, n.region, mb, pos, len(n.devices),
                      peer=other.devices[pos], tag=tags[n.id] + pos, values=n.attr("values"),
                      grad=n.attr("grad"))
+    values = n.attr("values", ())
+    owners, split_by = dict(n.attr("owners", ())), dict(n.attr("split_by", ()))
     return Instr(n.op.value, n.id, n.stream, n.region, mb, pos, len(n.devices), group=n.devices,
-                 bucket=n.attr("bucket", -1), purpose=n.attr("purpose", ""),
-                 values=n.attr("values", ()))
+                 bucket=n.attr("bucket", -1), purpose=n.attr("purpose", ""), values=values,
+                 grad=bool(n.attr("grad", False)),
+                 owners=tuple(owners[v] for v in values) if owners else (),
+                 split_by=tuple(split_by[v] for v in values) if split_by else ())
 
 
 def _emit(dag, d, seq, pulled_of, partner, tags, owned, regions) -> tuple[Instr, ...]:

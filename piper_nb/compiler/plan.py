@@ -43,6 +43,9 @@ class Instr:
     params: tuple[str, ...] = ()    # U: parameters this device updates here
     buckets: tuple[int, ...] = ()   # U: sharded buckets this device updates here
     overlap: int = -1               # passes sharing an overlap slot (F&B)
+    owners: tuple[int, ...] = ()    # ALL_TO_ALL: per value, the device holding its expert
+    split_by: tuple[str, ...] = ()  # ALL_TO_ALL: per value, the dispatched value whose
+                                    # per-replica token counts size its pieces
 
     @property
     def is_compute(self) -> bool:

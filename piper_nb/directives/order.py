@@ -56,12 +56,13 @@ def _order_edges(dag: TrainingDAG, directive, index: int, first_overlap: int):
             overlap += 1
     edges = []
     for i in range(len(slots) - 1):
-        for a in slots[i]:
-            for b in slots[i + 1]:
-                if dag[a].devices != dag[b].devices:
-                    raise PlanError(
-                        f"order slot {i} ({a} on {list(dag[a].devices)}) and slot {i + 1} ({b} on "
-                        f"{list(dag[b].devices)}) run on different devices; an order sequences "
-                        "one device's work: write one order per device", directive=index, op="order")
-                edges.append(Edge(a, b, "temporal", origin=index))
+        pairs = [(a, b) for a in slots[i] for b in slots[i + 1]
+                 if set(dag[a].devices) & set(dag[b].devices)]
+        if not pairs:
+            a, b = slots[i][0], slots[i + 1][0]
+            raise PlanError(
+                f"order slot {i} ({a} on {list(dag[a].devices)}) and slot {i + 1} ({b} on "
+                f"{list(dag[b].devices)}) run on different devices; an order sequences "
+                "one device's work: write one order per device", directive=index, op="order")
+        edges += [Edge(a, b, "temporal", origin=index) for a, b in pairs]
     return edges, patched, overlap

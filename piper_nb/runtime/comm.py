@@ -111,8 +111,8 @@ class Comm:
 
     def watch(self, p: Pending, clock) -> None:
         """Record the completion time by callback where the backend supports it."""
-        if self.device.type == "cuda" and not self.stage:
-            return  # CUDA timing comes from events, see timing.Clock
+        if self.device.type == "cuda":
+            return  # CUDA times are events, marked at the WAIT (see timing.Clock)
         try:
             futs = [w.get_future() for w in p.works]
         except RuntimeError:  # gloo point-to-point: polled instead
@@ -127,7 +127,7 @@ class Comm:
             f.then(done)
 
     def poll(self, p: Pending, clock) -> None:
-        if p.end is None and all(w.is_completed() for w in p.works):
+        if self.device.type != "cuda" and p.end is None and all(w.is_completed() for w in p.works):
             p.end = clock.now()
 
     def wait(self, p: Pending, timeout: float) -> list[torch.Tensor]:

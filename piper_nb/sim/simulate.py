@@ -8,9 +8,9 @@ compute stream and one stream per communication stream name:
   passed; an overlap slot (passes with one `overlap` id, DualPipe's F&B) is one job of
   `cost.overlapped(...)` whose members share the span. WAITs between the members gate the
   slot; issues between them follow it.
-- an issue posts its op at `t` (SEND and collectives also wait for the passes issued
-  before them: they move what those produced). A SEND/RECV pair is matched when both
-  sides have posted, a collective when every member has posted its k-th collective on
+- an issue posts its op at `t`; SEND and collectives also wait for the passes issued
+  before them (they move what those produced), a RECV needs only its buffer. A
+  SEND/RECV pair is matched when both sides have posted, a collective when every member has posted its k-th collective on
   the group. Matched ops start in the order they became ready, each when its stream is
   free on every member (FIFO per stream), and end together on all of them.
 - FREE costs nothing; it happens once the passes before it have finished.
@@ -21,6 +21,7 @@ positions, so a step of a thousand devices simulates in seconds.
 
 from __future__ import annotations
 
+import gc
 import heapq
 from collections import defaultdict
 from dataclasses import dataclass
@@ -225,7 +226,14 @@ def simulate(plan: Plan, cost_model: CostModel | None = None, *, memory=None) ->
     if not isinstance(plan, Plan):
         raise PlanError("simulate takes the Plan returned by pn.compile(spec, program, batch)")
     cost = cost_model if cost_model is not None else CostModel.profile(plan)
-    timing = run_timing(plan, cost)
-    samples = memory_samples(timing, memory)
+    was_on = gc.isenabled()
+    gc.disable()  # hundreds of thousands of small objects, no cycles: skip the GC passes
+    try:
+        timing = run_timing(plan, cost)
+        samples = memory_samples(timing, memory)
+        events = _events(timing)
+    finally:
+        if was_on:
+            gc.enable()
     meta = {"cost_model": cost.name, "world": plan.world, "microbatches": plan.microbatches}
-    return Trace(tuple(_events(timing)), tuple(samples), "simulated", cost.unit, meta)
+    return Trace(tuple(events), tuple(samples), "simulated", cost.unit, meta)

@@ -42,3 +42,12 @@ def assert_same(result, ref, model=None) -> None:
 def same():
     """`same(result, ref, model=None)`: see `assert_same`."""
     return assert_same
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """The driver's reference runs beside the workers on few cores: keep it to one thread."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(old)

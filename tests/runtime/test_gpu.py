@@ -1,0 +1,72 @@
+"""The runtime on CUDA: one rank with NCCL, and two ranks sharing one GPU through gloo
+(buffers staged via host memory), each against the CPU reference; CUDA-event timing.
+Skipped without CUDA."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import piper_nb as pn
+from piper_nb import optim
+from piper_nb.cluster.local import LocalCluster
+from piper_nb.train import reference_train, train
+
+pytestmark = [pytest.mark.gpu, pytest.mark.dist,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+TOL = {"rtol": 1e-4, "atol": 1e-4}
+
+
+def _gpt():
+    model = pn.models.TinyGPT(vocab=64, dim=32, layers=4, heads=2, seq=16, tie_embeddings=False)
+    return model, model.example_batch(batch_size=8, seed=0)
+
+
+def _compare(result, ref):
+    torch.testing.assert_close(torch.tensor(result.losses), torch.tensor(ref.losses), **TOL)
+    got = result.state_dict()
+    for name, value in ref.state_dict().items():
+        torch.testing.assert_close(got[name], value, **TOL)
+    assert result.leftover == []
+    for e in result.trace.events:
+        assert 0 <= e.start <= e.end <= result.step_times[-1] + 1e-3
+
+
+def test_single_rank_nccl():
+    model, batch = _gpt()
+    spec = pn.annotate(model, pn.cut_stages(model, 2))
+    plan = pn.compile(spec, [pn.place({}, [0]), pn.split({}, "MB", 4)], batch)
+    opt = optim.AdamW(1e-3)
+    with LocalCluster(1, device="cuda") as cluster:
+        assert cluster.info[0]["backend"] == "nccl" and cluster.info[0]["device"] == "cuda:0"
+        result = train(plan, batch, 3, opt, cluster=cluster)
+    _compare(result, reference_train(model, batch, 3, 4, opt))
+
+
+@pytest.mark.parametrize("zero", [0, 3])
+def test_two_ranks_share_one_gpu(zero):
+    model, batch = _gpt()
+    spec = pn.annotate(model, pn.cut_stages(model, 2))
+    program = [pn.replicate({}, [0, 1], zero=zero), pn.split({}, "MB", 2)]
+    plan = pn.compile(spec, program, batch)
+    opt = optim.SGD(0.1, momentum=0.9)
+    with LocalCluster(2, device="cuda") as cluster:
+        result = train(plan, batch, 3, opt, cluster=cluster)
+        pipe = pn.compile(spec, [pn.place({"PP": 0}, [0]), pn.place({"PP": 1}, [1]),
+                                 *pn.schedules.one_f_one_b(ranks=2, microbatches=4)], batch)
+        piped = train(pipe, batch, 3, opt, cluster=cluster)
+    _compare(result, reference_train(model, batch, 3, 2, opt))
+    _compare(piped, reference_train(model, batch, 3, 4, opt))
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="NCCL needs one GPU per rank")
+def test_two_ranks_nccl_pp_dp():
+    model, batch = _gpt()
+    spec = pn.annotate(model, pn.cut_stages(model, 2))
+    plan = pn.compile(spec, [pn.replicate({}, [0, 1], zero=3), pn.split({}, "MB", 2)], batch)
+    opt = optim.AdamW(1e-3)
+    with LocalCluster(2, device="cuda") as cluster:
+        assert {i["backend"] for i in cluster.info} == {"nccl"}
+        result = train(plan, batch, 3, opt, cluster=cluster)
+    _compare(result, reference_train(model, batch, 3, 2, opt))

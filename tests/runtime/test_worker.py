@@ -1,0 +1,150 @@
+"""The runtime's pieces without processes: flat layouts, batch slicing, state assembly,
+parameter binding, ZeRO-3 release/re-gather under autograd, and a worker running a
+single-device plan in this process."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import piper_nb as pn
+from piper_nb import optim
+from piper_nb.runtime.bundle import bind_params, load_bundle, make_bundle, param_aliases
+from piper_nb.runtime.layout import Layout, assemble_state, batch_part, bucket_layouts
+from piper_nb.runtime.stores import ParamStore, ValueStore
+from piper_nb.runtime.worker import Worker
+from piper_nb.train import reference_train
+
+
+def _layout(group=(0, 1, 2), zero=3) -> Layout:
+    return Layout(0, ("a", "b"), ((2, 2), (3,)), (0, 4), 7, -(-7 // len(group)), group, zero)
+
+
+def test_layout_flatten_pads_and_shards():
+    lay = _layout()
+    a, b = torch.arange(4.0).view(2, 2), torch.tensor([4.0, 5.0, 6.0])
+    flat = lay.flatten([a, None], like=a)
+    assert flat.tolist() == [0, 1, 2, 3, 0, 0, 0, 0, 0]
+    flat = lay.flatten([a, b], like=a)
+    assert lay.padded == 9 and lay.my_shard(flat, 2).tolist() == [6.0, 0.0, 0.0]
+    va, vb = lay.views(flat)
+    assert torch.equal(va, a) and torch.equal(vb, b)
+
+
+def test_batch_part_takes_microbatch_then_replica():
+    t = torch.arange(16)
+    assert batch_part(t, 2, 1, 0, 1).tolist() == list(range(8, 16))
+    assert batch_part(t, 2, 1, 1, 2).tolist() == [12, 13, 14, 15]
+    assert batch_part(t, 4, 0, 1, 2).tolist() == [2, 3]
+
+
+def test_zero3_release_and_regather_keep_autograd_working():
+    lay = _layout(group=(0,))
+    init = {"a": torch.randn(2, 2), "b": torch.randn(3)}
+    store = ParamStore(["a", "b"], init, {0: lay}, 0, torch.device("cpu"))
+    assert store.params["a"].numel() == 0 and store.bytes()[0] == 7 * 4  # only the shard
+    store.acquire(0, store.shards[0].clone())
+    x = torch.randn(5, 2, requires_grad=True)
+    loss = ((x @ store.params["a"]).sum(1) * store.params["b"][0]).sum()
+    store.free(0)
+    assert store.params["a"].numel() == 0
+    store.acquire(0, store.shards[0].clone())  # a different buffer with the same values
+    loss.backward()
+    ref_a = init["a"].clone().requires_grad_(True)
+    ref_b = init["b"].clone().requires_grad_(True)
+    ((x.detach() @ ref_a).sum(1) * ref_b[0]).sum().backward()
+    torch.testing.assert_close(store.params["a"].grad, ref_a.grad)
+    torch.testing.assert_close(store.params["b"].grad, ref_b.grad)
+    store.acquire(0, store.shards[0].clone())
+    store.free(0)
+    assert store.params["a"].numel() == 4  # still one user
+    store.free(0)
+    assert store.params["a"].numel() == 0
+
+
+def test_value_store_frees_by_key():
+    v = ValueStore()
+    v.acts[("x", 1)] = torch.ones(2)
+    v.add_grad("x", 1, torch.ones(2))
+    v.add_grad("x", 1, torch.ones(2))
+    assert v.grads[("x", 1)].tolist() == [2.0, 2.0] and v.bytes() == 16
+    v.free("act:x@1")
+    v.free("grad:x@1")
+    assert v.bytes() == 0
+
+
+class _Tied(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(3, 3)
+        self.b = nn.Linear(3, 3)
+        self.b.weight = self.a.weight
+
+
+def test_bind_params_follows_aliases():
+    model = _Tied()
+    aliases = param_aliases(model)
+    assert aliases["b.weight"] == "a.weight"
+    holder = nn.Module()
+    holder.model = _Tied()
+    mine = {n: nn.Parameter(torch.zeros_like(p)) for n, p in model.named_parameters()}
+    bind_params(holder, mine, aliases)
+    assert holder.model.b.weight is mine["a.weight"] and holder.model.a.weight is mine["a.weight"]
+    assert holder.model.b.bias is mine["b.bias"]
+
+
+class _NoComm:
+    def ensure_groups(self, groups):
+        assert not list(groups)
+
+    def barrier(self):
+        pass
+
+    def poll(self, pending, clock):
+        raise AssertionError("a single-device plan issues no communication")
+
+
+def _single_device():
+    model = pn.models.TinyGPT(vocab=32, dim=16, layers=2, heads=2, seq=8)
+    batch = model.example_batch(batch_size=8, seed=0)
+    spec = pn.annotate(model, pn.cut_stages(model, 2))
+    plan = pn.compile(spec, [pn.place({}, [0]), pn.split({}, "MB", 4)], batch)
+    return model, batch, plan
+
+
+def test_worker_runs_a_single_device_plan_in_process():
+    model, batch, plan = _single_device()
+    worker = Worker(0, load_bundle(make_bundle(plan)), _NoComm(), torch.device("cpu"))
+    opt = optim.AdamW(1e-3)
+    worker.reset(opt)
+    losses = [worker.step(batch)["loss"] for _ in range(2)]
+    ref = reference_train(model, batch, 2, 4, opt)
+    assert losses == pytest.approx(ref.losses, rel=1e-6)
+    params = assemble_state(plan, [worker.export_state()])
+    for name, value in ref.params.items():
+        torch.testing.assert_close(params[name], value, rtol=1e-5, atol=4e-5)
+    out = worker.step(batch)
+    assert out["leftover"] == [] and out["memory"][-1].optim > 0
+    assert [e.label for e in out["events"]][:2] == ["0F0", "1F0"]
+
+
+def test_assemble_state_from_zero3_shards():
+    model = pn.models.MLP(dim=4, depth=2)
+    batch = model.example_batch(batch_size=4)
+    spec = pn.annotate(model, {"layers": {"PP": 0}})
+    plan = pn.compile(spec, [pn.replicate({}, [0, 1], zero=3)], batch)
+    (lay,) = bucket_layouts(plan).values()
+    flat = lay.flatten([p for p in model.parameters()], like=next(model.parameters()))
+    parts = [{"full": {}, "shards": {0: (i, lay.my_shard(flat, i))}} for i in (0, 1)]
+    got = assemble_state(plan, parts)
+    for name, p in model.named_parameters():
+        assert torch.equal(got[name], p.detach())
+    with pytest.raises(RuntimeError, match="no worker holds"):
+        assemble_state(plan, parts[:1])
+
+
+def test_a_plan_from_json_cannot_be_shipped():
+    _, _, plan = _single_device()
+    with pytest.raises(pn.PlanError, match="pn.compile"):
+        make_bundle(pn.Plan.from_json(plan.to_json()))
