@@ -14,6 +14,7 @@ table; `--quick` leaves out the 1024-device row.
 from __future__ import annotations
 
 import argparse
+import gc
 import time
 
 import piper_nb as pn
@@ -33,6 +34,7 @@ def build_program(pp: int, dp: int, microbatches: int, zero: int = 1) -> list:
 
 
 def run(pp: int, dp: int, microbatches: int) -> dict:
+    gc.collect()  # each row starts from a clean heap
     model = pn.models.MLP(dim=8, depth=16)
     spec = pn.annotate(model, pn.cut_stages(model, pp))
     batch = model.example_batch(batch_size=microbatches * dp, seed=0)

@@ -6,7 +6,11 @@ commands. Each plan is shipped once (a pickled `Bundle`) and then reset and step
 command. A worker that raises surfaces here as `pn.RuntimeFailure` naming the device and
 instruction; a worker that dies (or stops answering) as `pn.WorkerLost`. Either way the
 whole group is killed at once, since its peers may be blocked in a transfer with it, and the
-next call starts a fresh group: the cluster is usable again.
+next call starts a fresh group: the cluster is usable again. Test hook: with the
+environment variable `PIPER_NB_FAIL_AT="<device>:<instruction text>"` set in the driver
+(e.g. `1:1B2`, or `0:wait(0RECV_B1<1)`), that worker raises there; append `:exit` to make
+its process die instead. Scripts that start a cluster need an `if __name__ == "__main__":`
+guard (workers are spawned, which re-imports the main module).
 """
 
 from __future__ import annotations
@@ -120,9 +124,15 @@ class LocalCluster:
 
     # ---- commands ----------------------------------------------------------------------
     def _send(self, op: str, key, payload) -> dict[int, object]:
-        for c in self._conns:
-            c.send((op, key, payload))
-        return self._collect(op, self.timeout)
+        try:
+            for c in self._conns:
+                c.send((op, key, payload))
+            return self._collect(op, self.timeout)
+        except (RuntimeFailure, PlanError):
+            raise
+        except BaseException:  # e.g. KeyboardInterrupt: replies would arrive out of step
+            self._kill()
+            raise
 
     def _collect(self, what: str, timeout: float) -> dict[int, object]:
         got: dict[int, object] = {}

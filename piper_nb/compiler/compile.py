@@ -9,6 +9,7 @@ step is a pure function of the DAG; errors name the directive index.
 from __future__ import annotations
 
 import dataclasses
+import gc
 from collections.abc import Callable, Iterable
 
 import torch
@@ -88,8 +89,7 @@ def build_global_dag(capture, directives: list[tuple[int, Directive]], values: d
     dag = apply_backward_split(dag, names_split_backward(orders))
     dag = apply_places(dag, by_op.get(Place, []))
     configs = replica_configs(dag, by_op.get(Replicate, []))
-    for idx, d in by_op.get(Replicate, []):
-        dag = _guard(idx, d, _place_replicas, dag, d)
+    dag = _place_replicas(dag, by_op.get(Replicate, []))
     experts = set()
     for idx, d in by_op.get(Shard, []):
         dag, regs = _guard(idx, d, shard_placement, dag, d)
@@ -108,23 +108,41 @@ def build_global_dag(capture, directives: list[tuple[int, Directive]], values: d
     return validate(dag, placed=True), configs
 
 
-def _place_replicas(dag: TrainingDAG, d: Replicate) -> TrainingDAG:
+def _place_replicas(dag: TrainingDAG, replicates: list[tuple[int, Replicate]]) -> TrainingDAG:
+    """Place the passes of replicated regions on their replica groups (one rewrite)."""
+    if not replicates:
+        return dag
+    where: dict[str, tuple[int, Replicate]] = {}
+    for idx, d in replicates:
+        for n in dag.select(d.filter, (Op.F, Op.B, Op.BI, Op.BW)):
+            where[n.id] = (idx, d)
     nodes = []
-    chosen = {n.id for n in dag.select(d.filter, (Op.F, Op.B, Op.BI, Op.BW))}
     for n in dag.nodes:
-        if n.id in chosen:
+        if n.id in where:
+            idx, d = where[n.id]
             if not n.devices:
                 n = dataclasses.replace(n, devices=d.devices)
             elif set(n.devices) != set(d.devices):
                 raise PlanError(f"{n.id} is placed on {list(n.devices)} but replicated over "
-                                f"{list(d.devices)}; place it on the replicate devices")
+                                f"{list(d.devices)}; place it on the replicate devices",
+                                directive=idx, op="replicate")
         nodes.append(n)
-    return dag.replace(nodes=nodes, step=f"replicate {dict(d.filter)} over {list(d.devices)}")
+    return dag.replace(nodes=nodes, step=f"replicate ({len(replicates)} directives)")
 
 
 def compile(spec: Spec, program: Program | Iterable, batch, *, loss_fn: Callable | None = None,
             world: int | None = None, check: bool = True) -> Plan:
     """Compile `program` for `spec` on `batch` into a checked Plan (raises PlanError)."""
+    enabled = gc.isenabled()
+    gc.disable()  # large plans allocate millions of small immutable values; none form cycles
+    try:
+        return _compile(spec, program, batch, loss_fn, world, check)
+    finally:
+        if enabled:
+            gc.enable()
+
+
+def _compile(spec, program, batch, loss_fn, world, check) -> Plan:
     if not isinstance(spec, Spec):
         raise PlanError("compile takes the Spec returned by pn.annotate(model, {...})")
     inputs, targets = _check_batch(batch)

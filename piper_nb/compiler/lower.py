@@ -4,7 +4,8 @@ Per device: a topological order of its nodes (data and temporal edges) with Pipe
 priorities inside a level: SEND first, then collectives, then compute; receives and
 ZeRO-3 gathers are *pulled*: issued one compute step before the pass that needs them so
 the transfer overlaps the previous pass. Every issue gets a WAIT right before its first
-consumer (sends: before the second compute after them), and FREE instructions release
+consumer (sends: at the end of the step, as PyTorch's pipelining does: waiting for a send
+earlier can deadlock deep DualPipe schedules), and FREE instructions release
 each buffer after its last reader.
 """
 
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import heapq
 from collections import defaultdict
+from dataclasses import fields
 
 from piper_nb.compiler.plan import DevicePlan, Instr
 from piper_nb.errors import PlanError
@@ -34,10 +36,12 @@ def _is_pulled(n: Node) -> bool:
     return n.op == Op.RECV or (n.op == Op.ALL_GATHER and n.attr("before") is not None)
 
 
-def owned_params(dag: TrainingDAG, buckets, device: int) -> dict[int, tuple[list[str], list[int]]]:
+def owned_params(dag: TrainingDAG, buckets, device: int,
+                 local: list[Node] | None = None) -> dict[int, tuple[list[str], list[int]]]:
     """Region -> (full parameters, sharded buckets) its U updates on `device`."""
     regions = dag.regions()
-    mine = sorted({n.region for n in dag.nodes if n.op == Op.U and device in n.devices})
+    nodes = local if local is not None else dag.nodes
+    mine = sorted({n.region for n in nodes if n.op == Op.U and device in n.devices})
     sharded = {p: b for b in buckets if b.zero > 0 and device in b.group for p in b.params}
     taken: set[str] = set()
     out: dict[int, tuple[list[str], list[int]]] = {}
@@ -124,12 +128,60 @@ def lower(dag: TrainingDAG, buckets, world: int) -> tuple[DevicePlan, ...]:
             partner[n.id], partner[e.dst] = dag[e.dst], n
             tags[e.dst] = tags[n.id]
     regions = dag.regions()
-    plans = []
+    # Devices that hold exactly the same nodes (the replicas of one stage) share one
+    # schedule: order and emit it once, then stamp out each replica's peers and tags.
+    classes: dict[tuple[str, ...], list[int]] = defaultdict(list)
     for d in range(world):
-        seq, pulled_of = _order_device(dag, d, local[d])
-        owned = owned_params(dag, buckets, d)
-        plans.append(DevicePlan(d, _emit(dag, d, seq, pulled_of, partner, tags, owned, regions)))
+        classes[tuple(n.id for n in local[d])].append(d)
+    plans: list[DevicePlan | None] = [None] * world
+    for devs in classes.values():
+        rep = devs[0]
+        seq, pulled_of = _order_device(dag, rep, local[rep])
+        owned = owned_params(dag, buckets, rep, local[rep])
+        template = _emit(dag, rep, seq, pulled_of, partner, tags, owned, regions)
+        plans[rep] = DevicePlan(rep, template)
+        if len(devs) > 1:
+            stamp = _Stamper(dag, template, partner, tags)
+            for d in devs[1:]:
+                plans[d] = DevicePlan(d, stamp(d))
     return tuple(plans)
+
+
+_FIELDS = tuple(f.name for f in fields(Instr))
+_REPLICA, _PEER, _TAG = (_FIELDS.index(k) for k in ("replica", "peer", "tag"))
+
+
+class _Stamper:
+    """Stamps a device's template instructions out for another replica of the same nodes:
+    only the replica index, peers and tags change (plain tuples: this is the hot path)."""
+
+    def __init__(self, dag: TrainingDAG, template: tuple[Instr, ...], partner, tags):
+        by_id = dag._idx()["id"]
+        self.template = template
+        self.rows = []
+        for ins in template:
+            if ins.kind in ("WAIT", "FREE"):
+                self.rows.append(None)
+                continue
+            n = by_id[ins.node]
+            other = partner[n.id].devices if ins.kind in ("SEND", "RECV") else None
+            self.rows.append(([getattr(ins, f) for f in _FIELDS], n.devices, other,
+                              tags.get(n.id, -1)))
+
+    def __call__(self, d: int) -> tuple[Instr, ...]:
+        out = []
+        for ins, row in zip(self.template, self.rows, strict=True):
+            if row is None:
+                out.append(ins)
+                continue
+            values, devices, other, tag = row
+            pos = devices.index(d)
+            values = values.copy()
+            values[_REPLICA] = pos
+            if other is not None:
+                values[_PEER], values[_TAG] = other[pos], tag + pos
+            out.append(Instr(*values))
+        return tuple(out)
 
 
 def _instr(n: Node, d: int, partner, tags, owned) -> Instr:
@@ -157,7 +209,6 @@ def _emit(dag, d, seq, pulled_of, partner, tags, owned, regions) -> tuple[Instr,
     out: list[Instr] = []
     issued: dict[str, int] = {}
     waited: set[str] = set()
-    sends: list[tuple[str, int]] = []  # (node id, computes left before its wait)
     computes = [n for n in seq if n.op in COMPUTE]
 
     def issue(n: Node) -> None:
@@ -177,8 +228,6 @@ def _emit(dag, d, seq, pulled_of, partner, tags, owned, regions) -> tuple[Instr,
     for n in seq:
         if n.op not in COMPUTE:
             issue(n)
-            if n.op == Op.SEND:
-                sends.append((n.id, 2))
             continue
         ci += 1
         if ci < len(computes):
@@ -186,10 +235,6 @@ def _emit(dag, d, seq, pulled_of, partner, tags, owned, regions) -> tuple[Instr,
                 issue(p)
         for p in pulled_of.get(n.id, ()):
             issue(p)
-        due = [s for s, left in sends if left <= 1]
-        sends = [(s, left - 1) for s, left in sends if left > 1]
-        for s in due:
-            wait(s)
         for e in dag.in_edges(n.id):
             if e.src in issued:
                 wait(e.src)
@@ -207,11 +252,24 @@ def _grad_values(dag) -> frozenset[str]:
     return cache["grad_values"]
 
 
+def _gathered(dag) -> dict[str, list[str]]:
+    """Pass node -> the ZeRO-3 parameter buffers gathered for it ("param:<bucket>")."""
+    cache = dag._idx()
+    if "gathered" not in cache:
+        out: dict[str, list[str]] = defaultdict(list)
+        for n in dag.nodes:
+            if n.op == Op.ALL_GATHER and n.attr("before") is not None:
+                out[n.attr("before")].append(f"param:{n.attr('bucket')}")
+        cache["gathered"] = dict(out)
+    return cache["gathered"]
+
+
 def _add_frees(instrs: list[Instr], regions, dag) -> tuple[Instr, ...]:
     """Insert FREE after the last reader of every buffer the device holds."""
     last: dict[str, int] = {}
     now: dict[int, list[str]] = defaultdict(list)
     grad_values = _grad_values(dag)
+    gathered = _gathered(dag)
     for i, ins in enumerate(instrs):
         reads: list[str] = []
         if ins.kind == "F":
@@ -225,10 +283,7 @@ def _add_frees(instrs: list[Instr], regions, dag) -> tuple[Instr, ...]:
         elif ins.kind in ("F", "B", "BI", "BW"):
             pass
         if ins.kind in ("F", "B", "BI", "BW"):
-            for e in dag.in_edges(ins.node):
-                src = dag[e.src]
-                if src.op == Op.ALL_GATHER and src.attr("before") == ins.node:
-                    reads.append(f"param:{src.attr('bucket')}")
+            reads += gathered.get(ins.node, ())
         for k in reads:
             last[k] = i
             if k.startswith("param:"):  # a ZeRO-3 gather is freed right after its pass
@@ -247,5 +302,5 @@ def _add_frees(instrs: list[Instr], regions, dag) -> tuple[Instr, ...]:
         if i in after:
             out.append(Instr("FREE", ins.node, "compute", keys=tuple(sorted(after[i]))))
     return tuple(
-        Instr(**{**{f: getattr(x, f) for f in x.__slots__}, "target": remap[x.target]})
-        if x.kind == "WAIT" else x for x in out)
+        Instr(x.kind, x.node, x.stream, target=remap[x.target]) if x.kind == "WAIT" else x
+        for x in out)

@@ -52,7 +52,7 @@ def replica_configs(dag: TrainingDAG, replicates: list[tuple[int, object]]) -> d
     """Region -> replication, from the replicate directives (index, directive)."""
     configs: dict[int, ReplicaConfig] = {}
     for idx, d in replicates:
-        regions = {n.region for n in dag.nodes if n.selected_by(d.filter)}
+        regions = {n.region for n in dag.select(d.filter)}
         if not regions:
             raise PlanError(f"replicate filter {dict(d.filter)} matches no region",
                             directive=idx, op="replicate")

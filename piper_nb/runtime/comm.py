@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import inspect
 import time
 from dataclasses import dataclass, field
 
@@ -22,6 +23,7 @@ __all__ = ["Comm", "Pending"]
 
 _RS = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 _AG = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_SORT_RANKS = "sort_ranks" in inspect.signature(dist.new_group).parameters
 
 
 @dataclass
@@ -51,8 +53,15 @@ class Comm:
     def ensure_groups(self, groups) -> None:
         """Create the process groups not made yet; every rank calls this with the same list."""
         for g in sorted(set(tuple(x) for x in groups)):
-            if g not in self.groups:
+            if g in self.groups:
+                continue
+            if _SORT_RANKS:  # group rank i is g[i]: shard i belongs to the i-th listed device
                 self.groups[g] = dist.new_group(list(g), sort_ranks=False)
+            elif list(g) == sorted(g):
+                self.groups[g] = dist.new_group(list(g))
+            else:
+                raise RuntimeError(f"this torch sorts group ranks; group {list(g)} must be "
+                                   "listed in ascending order")
 
     def barrier(self) -> None:
         dist.barrier()

@@ -2,12 +2,19 @@
 
 `ParamStore` owns one `nn.Parameter` per parameter the device touches, the flat shards of
 its ZeRO buckets, the reduced gradient shards, and the optimizer state, which exists only
-where an update runs (per parameter, or per bucket shard). A ZeRO-3 parameter is empty
-between uses: an all-gather binds `p.data` to views of the gathered flat buffer, counted by
-a reference count, and the matching FREE empties it again. Swapping `p.data` keeps the
-Parameter object (and autograd's saved references to it) valid, so a backward pass sees the
-re-gathered values. `ValueStore` holds activations, value gradients and the forward stash.
-Both count their bytes by the rules of `pn.compile`'s memory model (logical tensor sizes).
+where an update runs (per parameter, or per bucket shard). A ZeRO-3 bucket's parameters are
+views of one full flat buffer whose storage is resized to 0 between uses (FSDP's trick): an
+all-gather's WAIT re-allocates it and copies the gathered values in (the first of several
+overlapping users; a reference count), the matching FREE releases it. Autograd's saved
+views of a weight (`W.t()` for a matmul) point at that same storage, so a backward pass
+after the next gather reads the right values, and nothing keeps a stale copy alive.
+`ValueStore` holds activations, value gradients and the forward stash.
+
+Memory is counted by the simulator's rules (`sim.memory`), in logical tensor bytes:
+parameters held (full, or the ZeRO-3 shard plus gathered buckets), activations = the bytes
+autograd saved per stash (`SavedBytes`, as `pn.compile` measures them) + the act:/grad:
+buffers + receive buffers, buffers = reduce/gather buffers in flight. Unlike the model,
+which assumes steady state, gradients and optimizer state count only while they exist.
 """
 
 from __future__ import annotations
@@ -32,7 +39,6 @@ class ParamStore:
         self.device_id, self.device = device_id, device
         self.params = {n: nn.Parameter(torch.empty(0, dtype=init[n].dtype, device=device))
                        for n in names}
-        self.shapes = {n: tuple(init[n].shape) for n in names}
         self.layouts = {b: lay for b, lay in layouts.items()
                         if device_id in lay.group and any(n in self.params for n in lay.names)}
         self.reset(init)
@@ -45,11 +51,16 @@ class ParamStore:
         self.shards: dict[int, torch.Tensor] = {}       # bucket -> this device's flat shard
         self.grad_shards: dict[int, torch.Tensor] = {}  # bucket -> reduced gradient shard
         self.refs: dict[int, int] = {}                  # ZeRO-3 bucket -> gathers in use
+        self.full: dict[int, torch.Tensor] = {}         # ZeRO-3 bucket -> full flat buffer
         self.state: dict = {}                           # name | ("bucket", b) -> optimizer state
         for b, lay in self.layouts.items():
             if lay.zero == 3:
-                self.shards[b] = lay.my_shard(self.flat_params(b), self.device_id).clone()
+                flat = self.full[b] = self.flat_params(b)
+                self.shards[b] = lay.my_shard(flat, self.device_id).clone()
+                for n, v in zip(lay.names, lay.views(flat), strict=True):
+                    self.params[n].data = v
                 self._release(b)
+        self.sharded = {n for b in self.full for n in self.layouts[b].names}
 
     def _like(self, b: int) -> torch.Tensor:
         return self.params[self.layouts[b].names[0]]
@@ -83,10 +94,12 @@ class ParamStore:
         self.shards.pop(b, None)
 
     def acquire(self, b: int, flat: torch.Tensor) -> None:
-        """ZeRO-3 ALL_GATHER done: bind the parameters to `flat` (first user) and count."""
+        """ZeRO-3 ALL_GATHER done: the first user re-fills the bucket's storage; count."""
         if self.refs.get(b, 0) == 0:
-            for n, v in zip(self.layouts[b].names, self.layouts[b].views(flat), strict=True):
-                self.params[n].data = v
+            full = self.full[b]
+            full.untyped_storage().resize_(full.numel() * full.element_size())
+            with torch.no_grad():
+                full.copy_(flat)
         self.refs[b] = self.refs.get(b, 0) + 1
 
     def free(self, b: int) -> None:
@@ -96,9 +109,10 @@ class ParamStore:
             self._release(b)
 
     def _release(self, b: int) -> None:
-        for n in self.layouts[b].names:
-            p = self.params[n]
-            p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+        self.full[b].untyped_storage().resize_(0)
+
+    def gathered(self, b: int) -> bool:
+        return self.full[b].untyped_storage().nbytes() > 0
 
     def update(self, optimizer, names: tuple[str, ...], buckets: tuple[int, ...],
                step: int) -> None:
@@ -121,8 +135,9 @@ class ParamStore:
 
     def bytes(self) -> tuple[int, int, int]:
         """(parameters held, gradients, optimizer state) in bytes."""
-        params = sum(nbytes(p) for p in self.params.values())
+        params = sum(nbytes(p) for n, p in self.params.items() if n not in self.sharded)
         params += sum(nbytes(s) for b, s in self.shards.items() if self.layouts[b].zero == 3)
+        params += sum(nbytes(f) for b, f in self.full.items() if self.gathered(b))
         grads = sum(nbytes(p.grad) for p in self.params.values())
         grads += sum(nbytes(g) for g in self.grad_shards.values())
         optim = sum(nbytes(t) for st in self.state.values() for t in st.values()
@@ -136,7 +151,7 @@ class ParamStore:
     def export(self) -> dict:
         """Full parameters held (CPU copies) and ZeRO-3 shards, for `assemble_state`."""
         full = {n: p.detach().cpu().clone() for n, p in self.params.items()
-                if tuple(p.shape) == self.shapes[n]}
+                if n not in self.sharded}
         shards = {b: (self.layouts[b].position(self.device_id), s.detach().cpu().clone())
                   for b, s in self.shards.items() if self.layouts[b].zero == 3}
         return {"full": full, "shards": shards}

@@ -50,6 +50,9 @@ class Worker:
             bind_params(mod, self.store.params, bundle.aliases)
             self.modules[r] = mod.train()
         self.values = ValueStore()
+        self.needs = {r: sorted({b for b in self.store.full
+                                 if set(self.layouts[b].names) & set(plan.regions[r].params)})
+                      for r in regions}  # ZeRO-3 buckets each region's passes must have gathered
         comm.ensure_groups(i.group for dp in plan.devices for i in dp.instrs if i.group)
         self.optimizer = None
         self.step_no = 0
@@ -122,6 +125,12 @@ class Worker:
 
     # ---- compute -----------------------------------------------------------------------
     def _compute(self, ins) -> None:
+        if ins.kind != "U":
+            missing = [b for b in self.needs[ins.region] if not self.store.gathered(b)]
+            if missing:
+                raise RuntimeError(f"{ins} on device {self.rank} needs the parameters of ZeRO-3 "
+                                   f"bucket {missing[0]}, which are not gathered: the plan has "
+                                   "no ALL_GATHER (or frees it too early) before this pass")
         if ins.kind == "F":
             self._forward(ins)
         elif ins.kind == "U":

@@ -10,9 +10,10 @@ compute stream and one stream per communication stream name:
   slot; issues between them follow it.
 - an issue posts its op at `t`; SEND and collectives also wait for the passes issued
   before them (they move what those produced), a RECV needs only its buffer. A
-  SEND/RECV pair is matched when both sides have posted, a collective when every member has posted its k-th collective on
-  the group. Matched ops start in the order they became ready, each when its stream is
-  free on every member (FIFO per stream), and end together on all of them.
+  SEND/RECV pair is matched when both sides have posted, a collective when every member
+  has posted its k-th collective on the group. Matched ops start in the order they
+  became ready, each when its stream is free on every member (FIFO per stream), and end
+  together on all of them.
 - FREE costs nothing; it happens once the passes before it have finished.
 
 Ops live in a heap keyed by ready time, devices are indices and instructions integer

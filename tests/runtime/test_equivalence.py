@@ -102,3 +102,17 @@ def test_advanced_schedules(cluster2, same, name, stages, program):
     model = pn.models.TinyGPT(vocab=64, dim=32, layers=6, heads=2, seq=16, tie_embeddings=False)
     batch = model.example_batch(batch_size=8, seed=0)
     _check(model, batch, program(), cluster2, "adamw", same, pn.cut_stages(model, stages))
+
+
+def test_loader_and_a_cluster_larger_than_the_plan(cluster4, same):
+    """A new batch every step (any iterable of (inputs, targets)); idle ranks 2 and 3."""
+    model, _ = _mlp()
+    batches = [model.example_batch(batch_size=8, seed=s) for s in range(STEPS)]
+    spec = pn.annotate(model, {"layers": {"PP": 0}})
+    plan = pn.compile(spec, [pn.replicate({}, [0, 1], zero=3), pn.split({}, "MB", 2)],
+                      batches[0])
+    opt = OPTIMIZERS["sgd"]
+    result = train(plan, iter(batches), STEPS, opt, cluster=cluster4)
+    same(result, reference_train(model, iter(batches), STEPS, 2, opt), model)
+    with pytest.raises(pn.PlanError, match="ran out after 3 of 4 steps"):
+        train(plan, iter(batches), 4, opt, cluster=cluster4)

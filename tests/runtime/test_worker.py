@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 import piper_nb as pn
@@ -43,24 +44,30 @@ def test_zero3_release_and_regather_keep_autograd_working():
     lay = _layout(group=(0,))
     init = {"a": torch.randn(2, 2), "b": torch.randn(3)}
     store = ParamStore(["a", "b"], init, {0: lay}, 0, torch.device("cpu"))
-    assert store.params["a"].numel() == 0 and store.bytes()[0] == 7 * 4  # only the shard
+    assert not store.gathered(0) and store.bytes()[0] == 7 * 4  # only the shard
     store.acquire(0, store.shards[0].clone())
-    x = torch.randn(5, 2, requires_grad=True)
-    loss = ((x @ store.params["a"]).sum(1) * store.params["b"][0]).sum()
+    assert store.bytes()[0] == 2 * 7 * 4 and torch.equal(store.params["a"].detach(), init["a"])
+    x = torch.randn(4, 5, 2, requires_grad=True)  # linear on 3-d input saves a view W.t()
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        loss = (F.linear(x, store.params["a"]).sum(-1) * store.params["b"][0]).sum()
+    weights = [t for t in saved if t.shape == (2, 2)]
+    assert weights
     store.free(0)
-    assert store.params["a"].numel() == 0
+    assert not store.gathered(0)  # really released, the saved weight (views) included
+    assert all(t.untyped_storage().nbytes() == 0 for t in weights)
     store.acquire(0, store.shards[0].clone())  # a different buffer with the same values
     loss.backward()
     ref_a = init["a"].clone().requires_grad_(True)
     ref_b = init["b"].clone().requires_grad_(True)
-    ((x.detach() @ ref_a).sum(1) * ref_b[0]).sum().backward()
+    (F.linear(x.detach(), ref_a).sum(-1) * ref_b[0]).sum().backward()
     torch.testing.assert_close(store.params["a"].grad, ref_a.grad)
     torch.testing.assert_close(store.params["b"].grad, ref_b.grad)
     store.acquire(0, store.shards[0].clone())
     store.free(0)
-    assert store.params["a"].numel() == 4  # still one user
+    assert store.gathered(0)  # still one user
     store.free(0)
-    assert store.params["a"].numel() == 0
+    assert not store.gathered(0)
 
 
 def test_value_store_frees_by_key():

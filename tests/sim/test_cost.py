@@ -5,7 +5,6 @@ from __future__ import annotations
 import math
 
 import pytest
-from sim_helpers import compile_schedule
 
 import piper_nb as pn
 from piper_nb import PlanError
@@ -15,8 +14,10 @@ from piper_nb.sim.cost import message_bytes
 
 
 def plan2(microbatches: int = 2):
-    return compile_schedule(pn.models.MLP(dim=8, depth=4), pn.schedules.one_f_one_b, 2, 2,
-                            microbatches)
+    model = pn.models.MLP(dim=8, depth=4)
+    spec = pn.annotate(model, pn.cut_stages(model, 2))
+    program = pn.schedules.one_f_one_b(ranks=2, microbatches=microbatches, place=True)
+    return pn.compile(spec, program, model.example_batch(batch_size=2 * microbatches, seed=0))
 
 
 def test_uniform_costs_split_b_into_bi_and_bw_and_overlap_into_fb():

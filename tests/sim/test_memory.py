@@ -4,7 +4,6 @@ simulator uses, and the timeline of activations and gathered parameters."""
 from __future__ import annotations
 
 import pytest
-from sim_helpers import compile_schedule
 
 import piper_nb as pn
 from piper_nb import PlanError
@@ -43,7 +42,7 @@ def test_optimizer_state_bytes_follow_the_optimizer():
         MemorySettings(optimizer="lion").optim_per_param()
 
 
-def test_activations_live_from_f_to_b_and_are_gone_at_the_end():
+def test_activations_live_from_f_to_b_and_are_gone_at_the_end(compile_schedule):
     model = pn.models.MLP(dim=8, depth=16)
     plan = compile_schedule(model, pn.schedules.one_f_one_b, 4, 4, 8)
     trace = simulate(plan, CostModel.uniform())

@@ -13,10 +13,8 @@ PP is the number of stages: DualPipeV with N ranks has PP = 2N stages.
 from __future__ import annotations
 
 import pytest
-from sim_helpers import compile_schedule
 
 import piper_nb as pn
-from piper_nb import PlanError
 from piper_nb.sim import CostModel, simulate
 
 F, B, W, FB = 1, 2, 1, 3
@@ -37,13 +35,9 @@ TABLE = {
 
 def plan_for(name: str, pp: int, microbatches: int):
     builder, ranks, _ = TABLE[name]
-    try:
-        return compile_schedule(MODEL, builder, ranks(pp), pp, microbatches)
-    except PlanError as err:
-        if "deadlock" in str(err) and name.startswith("dualpipe") and pp >= 8:
-            pytest.xfail("compiler: a SEND's wait two passes later deadlocks DualPipe at PP>=8 "
-                         "(lower._emit; see the simulator report)")
-        raise
+    spec = pn.annotate(MODEL, pn.cut_stages(MODEL, pp))
+    program = builder(ranks=ranks(pp), microbatches=microbatches, place=True)
+    return pn.compile(spec, program, MODEL.example_batch(batch_size=2 * microbatches, seed=0))
 
 
 @pytest.mark.parametrize("pp", [4, 8])

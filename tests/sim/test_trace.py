@@ -5,14 +5,16 @@ from __future__ import annotations
 import json
 
 import pytest
-from sim_helpers import compile_schedule, hand_plan
 
 import piper_nb as pn
 from piper_nb.sim import CostModel, Event, MemorySample, Trace, simulate
 
 
 def small_trace() -> Trace:
-    plan = compile_schedule(pn.models.MLP(dim=8, depth=4), pn.schedules.one_f_one_b, 2, 2, 4)
+    model = pn.models.MLP(dim=8, depth=4)
+    spec = pn.annotate(model, pn.cut_stages(model, 2))
+    plan = pn.compile(spec, pn.schedules.one_f_one_b(ranks=2, microbatches=4, place=True),
+                      model.example_batch(batch_size=8, seed=0))
     return simulate(plan, CostModel.uniform(comm=0.25))
 
 
@@ -42,7 +44,7 @@ def test_peak_memory_is_the_largest_total_per_device():
     assert trace.peak_memory == {0: 8, 1: 2}
 
 
-def test_compare_matches_instructions_and_reports_the_step_ratio():
+def test_compare_matches_instructions_and_reports_the_step_ratio(hand_plan):
     plan = hand_plan("0F0 0B0 0F1 0B1")
     pred = simulate(plan, CostModel.uniform(F=1, B=2))
     meas = Trace(tuple(Event(e.device, e.stream, e.node, e.kind, 2 * e.start, 2 * e.end,

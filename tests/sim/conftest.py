@@ -1,9 +1,11 @@
-"""Helpers the simulator tests import: hand-written plans in the Instr text form, timelines
-as text, and small compiled MLP plans for the schedule builders."""
+"""Fixtures for simulator tests: hand-written plans in the Instr text form (`hand_plan`),
+timelines as text (`spans`), and small compiled MLP plans (`compile_schedule`)."""
 
 from __future__ import annotations
 
 import re
+
+import pytest
 
 import piper_nb as pn
 from piper_nb.compiler.plan import DevicePlan, Instr, Plan
@@ -29,7 +31,7 @@ def _instr(tok: str, world: int, overlap: int = -1) -> Instr:
     raise ValueError(f"cannot parse {tok!r}")
 
 
-def hand_plan(*rows: str) -> Plan:
+def _hand_plan(*rows: str) -> Plan:
     """One row of space-separated instructions per device: `0F0 0SEND_F0>1 wait(0SEND_F0>1)`,
     `(0F1;1B0)` an overlapped slot, `AR@0` a collective over every device."""
     world = len(rows)
@@ -51,15 +53,30 @@ def hand_plan(*rows: str) -> Plan:
     return Plan(world=world, devices=tuple(devices), microbatches=1, batch_size=1, loss_scale=1.0)
 
 
-def spans(trace, device: int, stream: str | None = None) -> list[str]:
+def _spans(trace, device: int, stream: str | None = None) -> list[str]:
     """`label@start-end` of a device's events in start order: a timeline in text form."""
     evs = sorted((e for e in trace.events if e.device == device
                   and (stream is None or e.stream == stream)), key=lambda e: (e.start, e.label))
     return [f"{e.label}@{e.start:g}-{e.end:g}" for e in evs]
 
 
-def compile_schedule(model, builder, ranks: int, stages: int, microbatches: int, **kw) -> Plan:
+def _compile_schedule(model, builder, ranks: int, stages: int, microbatches: int, **kw) -> Plan:
     batch = model.example_batch(batch_size=2 * microbatches, seed=0)
     spec = pn.annotate(model, pn.cut_stages(model, stages))
     return pn.compile(spec, builder(ranks=ranks, microbatches=microbatches, place=True, **kw),
                       batch)
+
+
+@pytest.fixture
+def hand_plan():
+    return _hand_plan
+
+
+@pytest.fixture
+def spans():
+    return _spans
+
+
+@pytest.fixture(scope="session")
+def compile_schedule():
+    return _compile_schedule

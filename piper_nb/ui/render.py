@@ -1,0 +1,126 @@
+"""What the Designer's views show, as plain values: HTML strings and plotly figures.
+
+The widget layer copies these into long-lived widgets (an HTML's `value`, a
+`FigureWidget`'s traces and layout), so everything here is testable without a front end:
+the status line, the plan grid, the problems list, the memory figure (peak per device
+beside memory over time), an empty placeholder figure and the loss curve of a launch.
+"""
+
+from __future__ import annotations
+
+import html
+
+import plotly.graph_objects as go
+from plotly.subplots import make_subplots
+
+from piper_nb.ui.compute import Outcome, Problem
+
+__all__ = ["summary_html", "grid_html", "problems_html", "memory_figure", "placeholder_figure",
+           "loss_figure", "timeline_figure", "bytes_text"]
+
+
+def bytes_text(n: float) -> str:
+    for div, name in ((2**30, "GiB"), (2**20, "MiB"), (2**10, "KiB")):
+        if n >= div:
+            return f"{n / div:.3g} {name}"
+    return f"{n:.0f} B"
+
+
+def summary_html(outcome: Outcome, refresh_seconds: float | None = None) -> str:
+    """One status line: step time, bubble, peak memory, problems, refresh time."""
+    parts = []
+    if outcome.trace is not None:
+        tr = outcome.trace
+        peak = max(tr.peak_memory.values(), default=0)
+        parts += [f"step <b>{tr.step_time:.4g}</b> {tr.unit}",
+                  f"bubble <b>{tr.bubble_fraction():.0%}</b>",
+                  f"peak memory <b>{bytes_text(peak)}</b>",
+                  f"{outcome.plan.world} devices x {outcome.plan.microbatches} microbatches"]
+    if outcome.problems:
+        n = len(outcome.problems)
+        parts.append(f"<span class='pn-bad'>{n} problem{'s' if n > 1 else ''}</span>")
+    elif outcome.plan is not None:
+        parts.append("<span class='pn-good'>plan checked</span>")
+    if refresh_seconds is not None:
+        parts.append(f"<span class='pn-muted'>refreshed in {refresh_seconds * 1000:.0f} ms</span>")
+    return "<div class='pn-summary'>" + " &middot; ".join(parts) + "</div>"
+
+
+def grid_html(plan) -> str:
+    """The per-device instruction grid (`plan.grid()`), monospace."""
+    if plan is None:
+        return "<p class='pn-muted'>No plan: see Problems.</p>"
+    return ("<pre class='pn-grid' style='font-family: monospace; font-size: 12px; "
+            f"line-height: 1.25; overflow: auto; max-height: 520px'>{html.escape(plan.grid())}</pre>")
+
+
+def problems_html(problems: list[Problem]) -> str:
+    """Each problem as a readable entry naming its row or layer (no tracebacks)."""
+    if not problems:
+        return "<p class='pn-good'>No problems: the plan compiles, passes its checks and simulates.</p>"
+    items = []
+    for p in problems:
+        items.append(f"<li class='pn-problem' data-row='{'' if p.row is None else p.row}'>"
+                     f"<b>{html.escape(p.where)}</b>: {html.escape(p.message)}</li>")
+    return "<ul class='pn-problems'>" + "".join(items) + "</ul>"
+
+
+def placeholder_figure(message: str, height: int = 260) -> go.Figure:
+    fig = go.Figure()
+    fig.update_layout(height=height, title=message, xaxis={"visible": False},
+                      yaxis={"visible": False})
+    return fig
+
+
+def timeline_figure(trace, title: str | None = None) -> go.Figure:
+    """The trace's timeline without the memory strip (the Memory tab has it)."""
+    if trace is None:
+        return placeholder_figure("no timeline: see Problems")
+    fig = trace.figure(memory=False)
+    if title:
+        fig.update_layout(title=f"{title}: {fig.layout.title.text}")
+    return fig
+
+
+def memory_figure(trace) -> go.Figure:
+    """Peak bytes per device (bars) beside bytes over the step per device (lines)."""
+    if trace is None or not trace.memory:
+        return placeholder_figure("no memory trace: see Problems")
+    peaks = trace.peak_memory
+    top = max(peaks.values(), default=1) or 1
+    div, unit = next(((d, n) for d, n in ((2**30, "GiB"), (2**20, "MiB"), (2**10, "KiB"))
+                      if top >= d), (1, "B"))
+    fig = make_subplots(rows=1, cols=2, column_widths=[0.3, 0.7],
+                        subplot_titles=("peak per device", "over the step"))
+    devs = sorted(peaks)
+    fig.add_trace(go.Bar(x=[f"dev{d}" for d in devs], y=[peaks[d] / div for d in devs],
+                         name="peak", marker_color="#4C78A8", showlegend=False,
+                         hovertemplate="%{x}: %{y:.4g} " + unit + "<extra></extra>"), row=1, col=1)
+    series: dict[int, tuple[list, list]] = {}
+    for m in sorted(trace.memory, key=lambda m: (m.device, m.time)):
+        t, v = series.setdefault(m.device, ([], []))
+        t.append(m.time)
+        v.append(m.total / div)
+    for d, (t, v) in series.items():
+        fig.add_trace(go.Scatter(x=t, y=v, mode="lines", line_shape="hv", name=f"dev{d}",
+                                 hovertemplate=f"dev{d}: %{{y:.4g}} {unit}<extra></extra>"),
+                      row=1, col=2)
+    fig.update_yaxes(title_text=f"memory ({unit})", row=1, col=1)
+    fig.update_xaxes(title_text=f"time ({trace.unit})", row=1, col=2)
+    fig.update_layout(height=340, title=f"memory, {trace.source}", legend={"orientation": "h"})
+    return fig
+
+
+def loss_figure(losses: list[float], reference: list[float] | None = None,
+                steps: int | None = None) -> go.Figure:
+    """The launch's loss per step beside the single-process reference."""
+    fig = go.Figure()
+    fig.add_trace(go.Scatter(x=list(range(1, len(losses) + 1)), y=list(losses),
+                             mode="lines+markers", name="piper_nb"))
+    if reference is not None:
+        fig.add_trace(go.Scatter(x=list(range(1, len(reference) + 1)), y=list(reference),
+                                 mode="lines", name="reference", line={"dash": "dash"}))
+    xrange = [0.5, (steps or max(len(losses), 1)) + 0.5]
+    fig.update_layout(height=280, title="loss per step", xaxis={"title": "step", "range": xrange},
+                      yaxis={"title": "loss"}, legend={"orientation": "h"})
+    return fig
