@@ -100,7 +100,28 @@ def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
 
 
-class TinyGPT(nn.Module):
+class LanguageModel(nn.Module):
+    """embed -> blocks -> head, trained with next-token cross-entropy (shared by the LMs)."""
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+    def loss_fn(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Cross-entropy mean over all B*T tokens (no auxiliary loss)."""
+        return lm_loss(logits, targets)
+
+    def example_batch(self, batch_size: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """(tokens [B, seq] int64, targets [B, seq] int64), see `lm_batch`."""
+        return lm_batch(batch_size, self.config["vocab"], self.config["seq"], seed)
+
+    def extra_repr(self) -> str:
+        return ", ".join(f"{k}={v}" for k, v in self.config.items())
+
+
+class TinyGPT(LanguageModel):
     """Decoder-only transformer: `embed` -> `blocks` -> `head`, tokens [B, T] -> logits."""
 
     def __init__(
@@ -124,20 +145,3 @@ class TinyGPT(nn.Module):
             init_small(self)
         if tie_embeddings:
             self.head.proj.weight = self.embed.tok.weight
-
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        x = self.embed(tokens)
-        for block in self.blocks:
-            x = block(x)
-        return self.head(x)
-
-    def loss_fn(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """Cross-entropy mean over all B*T tokens."""
-        return lm_loss(logits, targets)
-
-    def example_batch(self, batch_size: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-        """(tokens [B, seq] int64, targets [B, seq] int64), see `lm_batch`."""
-        return lm_batch(batch_size, self.config["vocab"], self.config["seq"], seed)
-
-    def extra_repr(self) -> str:
-        return ", ".join(f"{k}={v}" for k, v in self.config.items())

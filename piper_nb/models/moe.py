@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from ._common import init_small, seeded
-from .gpt import CausalSelfAttention, Embed, Head, ffn, lm_batch, lm_loss
+from .gpt import CausalSelfAttention, Embed, Head, LanguageModel, ffn
 
 __all__ = ["TinyMoE", "MoE", "MoEBlock"]
 
@@ -59,7 +59,7 @@ class MoEBlock(nn.Module):
         return x + self.moe(self.ln2(x))
 
 
-class TinyMoE(nn.Module):
+class TinyMoE(LanguageModel):
     """Decoder-only MoE transformer: `embed` -> `blocks` (MoE blocks) -> `head`."""
 
     def __init__(
@@ -90,20 +90,3 @@ class TinyMoE(nn.Module):
             init_small(self)
         if tie_embeddings:
             self.head.proj.weight = self.embed.tok.weight
-
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        x = self.embed(tokens)
-        for block in self.blocks:
-            x = block(x)
-        return self.head(x)
-
-    def loss_fn(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """Cross-entropy mean over all B*T tokens (no auxiliary loss)."""
-        return lm_loss(logits, targets)
-
-    def example_batch(self, batch_size: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-        """(tokens [B, seq] int64, targets [B, seq] int64), see `gpt.lm_batch`."""
-        return lm_batch(batch_size, self.config["vocab"], self.config["seq"], seed)
-
-    def extra_repr(self) -> str:
-        return ", ".join(f"{k}={v}" for k, v in self.config.items())
