@@ -5,8 +5,9 @@ Tag regions of a model (`annotate`), write a program of directives (`place`, `re
 `simulate` them, and `train` on real torch.distributed workers.
 """
 
-from piper_nb import models, schedules
+from piper_nb import models, optim, schedules
 from piper_nb.capture import annotate, cut_stages, region
+from piper_nb.cluster import LocalCluster
 from piper_nb.compiler.compile import compile
 from piper_nb.compiler.plan import DevicePlan, Instr, Plan
 from piper_nb.directives.spec import Program, order, place, replicate, shard, split
@@ -14,8 +15,10 @@ from piper_nb.errors import PlanError, RuntimeFailure, WorkerLost
 from piper_nb.ir.dag import Edge, Node, Op, TrainingDAG
 from piper_nb.ir.validate import validate
 from piper_nb.sim import CostModel, HardwareSpec, MemorySettings, Trace, simulate
+from piper_nb.train import Result, reference_train, train
 
 __all__ = ["annotate", "cut_stages", "region", "compile", "Plan", "DevicePlan", "Instr",
            "Program", "place", "replicate", "shard", "split", "order", "PlanError",
            "RuntimeFailure", "WorkerLost", "TrainingDAG", "Node", "Edge", "Op", "validate",
-           "models", "schedules", "CostModel", "HardwareSpec", "MemorySettings", "Trace", "simulate"]
+           "models", "schedules", "CostModel", "HardwareSpec", "MemorySettings", "Trace", "simulate",
+           "train", "reference_train", "LocalCluster", "optim", "Result"]

@@ -15,7 +15,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 __all__ = ["filter_text", "parse_filter", "devices_text", "parse_devices", "slots_text",
-           "parse_slots", "tags_text", "parse_tags", "parse_index"]
+           "parse_slots", "tags_text", "parse_tags", "parse_index", "parse_tag_parts"]
 
 
 def _value(text: str) -> Any:
@@ -54,6 +54,17 @@ def parse_tags(text: str) -> dict[str, Any] | str:
         if not eq or not key.strip() or not value.strip():
             return text
         out[key.strip()] = _value(value)
+    return out
+
+
+def parse_tag_parts(text: str) -> dict[str, Any]:
+    """Lenient `parse_tags` for layer tags: `TP=1, X` -> {"TP": 1, "X": ""}, so a half
+    typed tag stays in the annotations and is reported on its layer."""
+    out: dict[str, Any] = {}
+    for part in text.split(","):
+        key, _, value = part.partition("=")
+        if key.strip():
+            out[key.strip()] = _value(value)
     return out
 
 

@@ -11,6 +11,7 @@ whose devices read `"0,x"` stays in the program and compiles to a Problem pointi
 from __future__ import annotations
 
 import dataclasses
+import fnmatch
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -21,7 +22,8 @@ from piper_nb.errors import PlanError
 
 __all__ = ["DesignerState", "SCHEDULES", "OPS", "set_tags", "cut", "add_row", "remove_row",
            "move_row", "update_row", "new_row", "schedule_row", "microbatches",
-           "set_microbatches", "program_json", "import_json", "stage_count"]
+           "set_microbatches", "program_json", "import_json", "stage_count", "own_tags",
+           "effective_tags"]
 
 # label in the picker -> builder name of `pn.schedules.build`
 SCHEDULES = {"GPipe": "gpipe", "1F1B": "1f1b", "Interleaved 1F1B": "interleaved_1f1b",
@@ -69,6 +71,24 @@ def set_tags(state: DesignerState, path: str, tags: Mapping[str, Any]) -> Design
     else:
         ann.pop(path, None)
     return state.replace(annotations=ann)
+
+
+def own_tags(state: DesignerState, path: str) -> dict[str, Any]:
+    """Tags the annotations give module `path` itself (patterns included, later wins)."""
+    out: dict[str, Any] = {}
+    for pattern, tags in state.annotations.items():
+        if isinstance(tags, Mapping) and (pattern == path or fnmatch.fnmatchcase(path, pattern)):
+            out.update(tags)
+    return out
+
+
+def effective_tags(state: DesignerState, path: str) -> dict[str, Any]:
+    """Tags module `path` ends up with: its ancestors' own tags, extended by its own."""
+    parts = path.split(".") if path else []
+    out: dict[str, Any] = {}
+    for i in range(1, len(parts) + 1):
+        out.update(own_tags(state, ".".join(parts[:i])))
+    return out
 
 
 def cut(state: DesignerState, n: int, by: str = "params") -> DesignerState:
@@ -144,7 +164,8 @@ def move_row(state: DesignerState, i: int, delta: int) -> DesignerState:
     return state.replace(rows=tuple(rows))
 
 
-def update_row(state: DesignerState, i: int, drop: tuple[str, ...] = (), **fields: Any) -> DesignerState:
+def update_row(state: DesignerState, i: int, fields: Mapping[str, Any],
+               drop: tuple[str, ...] = ()) -> DesignerState:
     """Row `i` with `fields` set and the keys in `drop` removed."""
     rows = list(_copy_rows(state.rows))
     row = {k: v for k, v in rows[i].items() if k not in drop}

@@ -1,0 +1,145 @@
+"""The Designer's Run tab: launch the plan on a cluster with a progress bar and a live loss
+curve, then show measured beside predicted timelines and the loss beside the reference.
+
+`pn.train` drives the cluster through three calls (`reset`, `step`, `state`); the
+launcher hands it a `StepReporter` that forwards them to the real cluster and reports
+each step's loss, so progress is live without a callback in `pn.train`. The reference is
+`pn.reference_train` on the same batch and microbatches. Launches run in a background
+thread (the notebook stays responsive); `launch(wait=True)` blocks, for tests and scripts.
+Failures (`PlanError`, `RuntimeFailure`) are shown in the tab, the worker's traceback
+folded away under "details".
+"""
+
+from __future__ import annotations
+
+import html
+import threading
+from collections.abc import Callable
+
+import ipywidgets as W
+import plotly.graph_objects as go
+
+from piper_nb.errors import PlanError, RuntimeFailure
+from piper_nb.ui.render import loss_figure, placeholder_figure, timeline_figure
+from piper_nb.ui.widgets import replace_figure
+
+__all__ = ["StepReporter", "LaunchPanel"]
+
+
+class StepReporter:
+    """A cluster wrapper for `pn.train` that calls `on_step(outs)` after every step."""
+
+    def __init__(self, cluster, on_step: Callable[[list[dict]], None]):
+        self.cluster, self.on_step = cluster, on_step
+
+    def reset(self, plan, optimizer) -> None:
+        self.cluster.reset(plan, optimizer)
+
+    def step(self, plan, batch) -> list[dict]:
+        outs = self.cluster.step(plan, batch)
+        self.on_step(outs)
+        return outs
+
+    def state(self, plan) -> dict:
+        return self.cluster.state(plan)
+
+
+class LaunchPanel:
+    """`widget`: launch controls, progress, loss curve and the two timelines."""
+
+    def __init__(self, get_run: Callable[[], tuple], get_cluster: Callable[[int], object]):
+        self.get_run, self.get_cluster = get_run, get_cluster
+        self.steps = W.BoundedIntText(value=3, min=1, max=10_000, description="steps",
+                                      layout=W.Layout(width="130px"))
+        self.lr = W.BoundedFloatText(value=0.1, min=0.0, max=10.0, step=0.01, description="lr",
+                                     layout=W.Layout(width="130px"))
+        self.button = W.Button(description="Launch", icon="play", button_style="success")
+        self.button.on_click(lambda _: self.launch())
+        self.progress = W.IntProgress(value=0, min=0, max=3, description="steps 0/3",
+                                      style={"description_width": "initial"})
+        self.status = W.HTML("<span class='pn-muted'>Runs the current plan on the cluster "
+                             "(local worker processes unless the Designer was given one).</span>")
+        self.loss = go.FigureWidget(loss_figure([], []))
+        self.predicted = go.FigureWidget(placeholder_figure("predicted timeline"))
+        self.measured = go.FigureWidget(placeholder_figure("measured timeline"))
+        half = W.Layout(width="50%")
+        self.widget = W.VBox([W.HBox([self.steps, self.lr, self.button, self.progress]),
+                              self.status, self.loss,
+                              W.HBox([W.Box([self.predicted], layout=half),
+                                      W.Box([self.measured], layout=half)])])
+        self.thread: threading.Thread | None = None
+        self.result = None
+        self.reference = None
+        self.error: Exception | None = None
+
+    @property
+    def running(self) -> bool:
+        return self.thread is not None and self.thread.is_alive()
+
+    def launch(self, wait: bool = False) -> None:
+        """Train the current plan for `steps` steps (in a thread; `wait` joins it)."""
+        if self.running:
+            self.status.value = "<span class='pn-bad'>a launch is already running</span>"
+            return
+        plan, trace, model, batch = self.get_run()
+        if plan is None:
+            self.status.value = "<span class='pn-bad'>the program does not compile; fix the " \
+                                "Problems first</span>"
+            return
+        steps, lr = self.steps.value, self.lr.value
+        self.thread = threading.Thread(target=self._run, args=(plan, trace, model, batch, steps, lr),
+                                       name="piper_nb-launch", daemon=True)
+        self.button.disabled = True
+        self.thread.start()
+        if wait:
+            self.thread.join()
+
+    def _set_losses(self, losses: list[float], reference: list[float], steps: int) -> None:
+        with self.loss.batch_update():
+            self.loss.data[0].x, self.loss.data[0].y = list(range(1, len(losses) + 1)), losses
+            self.loss.data[1].x = list(range(1, len(reference) + 1))
+            self.loss.data[1].y = reference
+            self.loss.layout.xaxis.range = [0.5, steps + 0.5]
+
+    def _run(self, plan, trace, model, batch, steps: int, lr: float) -> None:
+        from piper_nb.optim import SGD
+        from piper_nb.train import reference_train, train
+        self.result = self.reference = self.error = None
+        losses: list[float] = []
+        self.progress.max, self.progress.value = steps, 0
+        self.progress.description = f"steps 0/{steps}"
+        try:
+            self.status.value = "<span class='pn-muted'>reference run ...</span>"
+            self.reference = reference_train(model, batch, steps, plan.microbatches, SGD(lr=lr))
+            ref = list(self.reference.losses)
+            self._set_losses([], ref, steps)
+            self.status.value = (f"<span class='pn-muted'>starting {plan.world} workers ...</span>")
+            cluster = self.get_cluster(plan.world)
+
+            def on_step(outs: list[dict]) -> None:
+                losses.append(float(sum(o["loss"] for o in outs)))
+                self.progress.value = len(losses)
+                self.progress.description = f"steps {len(losses)}/{steps}"
+                self.status.value = f"<span class='pn-muted'>step {len(losses)}: loss {losses[-1]:.6g}</span>"
+                self._set_losses(losses, ref, steps)
+
+            self.result = train(plan, batch, steps, SGD(lr=lr), cluster=StepReporter(cluster, on_step))
+            replace_figure(self.predicted, timeline_figure(trace, "predicted"))
+            replace_figure(self.measured, timeline_figure(self.result.trace, "measured"))
+            diff = max(abs(a - b) for a, b in zip(self.result.losses, ref, strict=True))
+            self.status.value = (
+                f"<span class='pn-good'>done</span>: final loss {self.result.losses[-1]:.6g} "
+                f"(reference {ref[-1]:.6g}, largest difference {diff:.2g}); measured step "
+                f"{self.result.step_times[-1] * 1000:.1f} ms")
+        except (PlanError, RuntimeFailure) as err:
+            self.error = err
+            first, _, rest = str(err).partition("\n")
+            more = (f"<details><summary>details</summary><pre>{html.escape(rest)}</pre></details>"
+                    if rest else "")
+            self.status.value = f"<span class='pn-bad'>{html.escape(first)}</span>{more}"
+        except Exception as err:  # surfaced in the tab, not lost in a thread
+            self.error = err
+            self.status.value = (f"<span class='pn-bad'>launch failed: {type(err).__name__}: "
+                                 f"{html.escape(str(err))}</span>")
+        finally:
+            self.button.disabled = False

@@ -1,0 +1,187 @@
+"""One editable directive row of the Designer: fields per op, up/down/remove, its problem.
+
+A row's fields come from the table `FIELDS`: each `Field` names the JSON key it edits,
+makes its widget, reads the widget value from a row and writes a value back as
+`(fields to set, keys to drop)`. The table is the whole difference between a place, a
+replicate (ZeRO level), a shard, a split, an order (slots, one per line) and a schedule
+row (builder, ranks, microbatches, chunks, place stages); rows of an unknown op are edited
+as raw JSON. Writes go through the panel's `on_edit` with `state.update_row`.
+"""
+
+from __future__ import annotations
+
+import html
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import ipywidgets as W
+
+from piper_nb.ui.fields import (
+    devices_text,
+    filter_text,
+    parse_devices,
+    parse_filter,
+    parse_slots,
+    slots_text,
+)
+from piper_nb.ui.state import SCHEDULES, move_row, remove_row, update_row
+from piper_nb.ui.widgets import set_class
+
+__all__ = ["Field", "FIELDS", "DirectiveRow", "schedule_name"]
+
+_NAMES = {v: k for k, v in SCHEDULES.items()}
+_ALIASES = {"one_f_one_b": "1f1b", "interleaved": "interleaved_1f1b", "zero_bubble": "zb1p",
+            "zbh1": "zb1p"}
+
+
+def schedule_name(name: Any) -> Any:
+    key = name.strip().lower().replace("-", "_") if isinstance(name, str) else name
+    return _ALIASES.get(key, key)
+
+
+@dataclass(frozen=True)
+class Field:
+    key: str
+    make: Callable[[], W.Widget]
+    read: Callable[[dict], Any]                                  # row -> widget value
+    write: Callable[[Any, dict], tuple[dict, tuple[str, ...]]]   # value, row -> (set, drop)
+
+
+def _text(placeholder: str, width: str) -> Callable[[], W.Widget]:
+    return lambda: W.Text(placeholder=placeholder, continuous_update=False,
+                          layout=W.Layout(width=width))
+
+
+def _int(description: str, width: str = "120px", cls: str = "") -> Callable[[], W.Widget]:
+    def make():
+        w = W.IntText(description=description, layout=W.Layout(width=width),
+                      style={"description_width": "initial"})
+        if cls:
+            w.add_class(cls)
+        return w
+    return make
+
+
+def _zero(row: dict) -> int:
+    z = row.get("zero")
+    if isinstance(z, int) and z in (0, 1, 2, 3):
+        return z
+    return 3 if row.get("shard_params") else 2 if row.get("shard_grads") else 0
+
+
+def _name_write(value: str, row: dict) -> tuple[dict, tuple[str, ...]]:
+    if value == "interleaved_1f1b":
+        return {"name": value, "chunks": row.get("chunks", 2)}, ()
+    return {"name": value}, ("chunks",)
+
+
+def _options(row: dict) -> list[tuple[str, str]]:
+    opts = [(label, name) for label, name in SCHEDULES.items()]
+    name = schedule_name(row.get("name"))
+    if name not in _NAMES:
+        opts.append((str(row.get("name")), name))
+    return opts
+
+
+FILTER = Field("filter", _text("filter, e.g. PP=0", "120px"),
+               lambda r: filter_text(r.get("filter", {})), lambda v, r: ({"filter": parse_filter(v)}, ()))
+DEVICES = Field("devices", _text("devices 0,1", "80px"), lambda r: devices_text(r.get("devices")),
+                lambda v, r: ({"devices": parse_devices(v)}, ()))
+STREAM = Field("stream", _text("stream", "70px"), lambda r: r.get("stream") or "",
+               lambda v, r: ({"stream": v.strip()}, ()) if v.strip() else ({}, ("stream",)))
+ZERO = Field("zero", lambda: W.Dropdown(options=[(f"ZeRO-{z}", z) for z in range(4)],
+                                        layout=W.Layout(width="90px")),
+             _zero, lambda v, r: ({"zero": v}, ("shard_grads", "shard_params")))
+DIM = Field("dim_name", _text("dim", "50px"), lambda r: str(r.get("dim_name", "MB")),
+            lambda v, r: ({"dim_name": v.strip()}, ()))
+NUM = Field("num_microbatches", _int("microbatches", cls="pn-microbatches"),
+            lambda r: r.get("num_microbatches") if isinstance(r.get("num_microbatches"), int) else 1,
+            lambda v, r: ({"num_microbatches": v}, ()))
+SLOTS = Field("filters", lambda: W.Textarea(continuous_update=False, rows=4,
+                                            placeholder="one slot per line: PP=0,MB=0,PASS=F | ...",
+                                            layout=W.Layout(width="300px")),
+              lambda r: slots_text(r.get("filters")), lambda v, r: ({"filters": parse_slots(v)}, ()))
+NAME = Field("name", lambda: W.Dropdown(options=list(SCHEDULES.items()), layout=W.Layout(width="130px")),
+             lambda r: schedule_name(r.get("name")), _name_write)
+RANKS = Field("ranks", _int("ranks", "95px"),
+              lambda r: r.get("ranks") if isinstance(r.get("ranks"), int) else 1,
+              lambda v, r: ({"ranks": v}, ()))
+MICRO = Field("microbatches", _int("microbatches", "140px", "pn-microbatches"),
+              lambda r: r.get("microbatches") if isinstance(r.get("microbatches"), int) else 1,
+              lambda v, r: ({"microbatches": v}, ()))
+CHUNKS = Field("chunks", _int("chunks", "100px"),
+               lambda r: r.get("chunks") if isinstance(r.get("chunks"), int) else 2,
+               lambda v, r: ({"chunks": v}, ()) if "chunks" in r else ({}, ()))
+PLACE = Field("place", lambda: W.Checkbox(description="place stages", indent=False,
+                                          layout=W.Layout(width="110px")),
+              lambda r: bool(r.get("place")),
+              lambda v, r: ({"place": True}, ()) if v else ({}, ("place",)))
+RAW = Field("*", lambda: W.Textarea(continuous_update=False, rows=2, layout=W.Layout(width="300px")),
+            lambda r: json.dumps(r), lambda v, r: _raw_write(v, r))
+
+
+def _raw_write(value: str, row: dict) -> tuple[dict, tuple[str, ...]]:
+    try:
+        obj = json.loads(value)
+    except json.JSONDecodeError:
+        return {}, ()
+    return (obj, tuple(row)) if isinstance(obj, dict) else ({}, ())
+
+
+FIELDS = {"place": (FILTER, DEVICES, STREAM), "shard": (FILTER, DEVICES, STREAM),
+          "replicate": (FILTER, DEVICES, ZERO), "split": (FILTER, DIM, NUM), "order": (SLOTS,),
+          "schedule": (NAME, RANKS, MICRO, CHUNKS, PLACE)}
+
+
+class DirectiveRow:
+    """Widgets of directive row `index`; `panel` gives `on_edit`, `syncing` and `state`."""
+
+    def __init__(self, panel, index: int, row: dict):
+        self.panel, self.index = panel, index
+        self.op = row.get("op")
+        self.fields = {f.key: (f, f.make()) for f in FIELDS.get(self.op, (RAW,))}
+        self.label = W.HTML(f"<b>#{index}</b> {html.escape(str(self.op))}",
+                            layout=W.Layout(width="95px"))
+        self.up = W.Button(description="↑", tooltip="move up", layout=W.Layout(width="30px"))
+        self.down = W.Button(description="↓", tooltip="move down", layout=W.Layout(width="30px"))
+        self.remove = W.Button(description="✕", tooltip="remove", layout=W.Layout(width="30px"))
+        self.error = W.HTML()
+        self.error.add_class("pn-row-message")
+        line = W.HBox([self.label, *(w for _, w in self.fields.values()), self.up, self.down,
+                       self.remove], layout=W.Layout(align_items="center", flex_flow="row wrap"))
+        self.box = W.VBox([line, self.error])
+        self.box.add_class("pn-row")
+        self.up.on_click(lambda _: panel.on_edit(lambda s: move_row(s, self.index, -1)))
+        self.down.on_click(lambda _: panel.on_edit(lambda s: move_row(s, self.index, 1)))
+        self.remove.on_click(lambda _: panel.on_edit(lambda s: remove_row(s, self.index)))
+        for key, (_, w) in self.fields.items():
+            w.observe(lambda change, key=key: self._changed(key, change["new"]), names=["value"])
+        self.sync(row)
+
+    def widget(self, key: str) -> W.Widget:
+        return self.fields[key][1]
+
+    def _changed(self, key: str, value: Any) -> None:
+        if self.panel.syncing:
+            return
+        field = self.fields[key][0]
+        i = self.index
+
+        def edit(state):
+            fields, drop = field.write(value, dict(state.rows[i]))
+            return update_row(state, i, fields, drop)
+        self.panel.on_edit(edit)
+
+    def sync(self, row: dict) -> None:
+        for key, (field, w) in self.fields.items():
+            if key == "name" and tuple(w.options) != tuple(_options(row)):
+                w.options = _options(row)
+            w.value = field.read(row)
+        if "chunks" in self.fields:
+            self.widget("chunks").disabled = schedule_name(row.get("name")) != "interleaved_1f1b"
+
+    def show_problem(self, message: str | None) -> None:
+        set_class(self.box, "pn-row-error", message is not None)
+        self.error.value = "" if message is None else f"&#9888; {html.escape(message)}"
