@@ -14,7 +14,7 @@ import json
 import sys
 from pathlib import Path
 
-__all__ = ["main", "build_model", "stage_count", "timeline_figure"]
+__all__ = ["main", "build_model", "stage_count"]
 
 MODELS = ("tiny_gpt", "mlp", "tiny_moe")
 
@@ -43,25 +43,6 @@ def stage_count(program) -> int:
     return top + 1
 
 
-def timeline_figure(trace):
-    """A plotly Gantt chart of `trace`: one horizontal bar per event, a row per device/stream."""
-    import plotly.graph_objects as go
-    fig = go.Figure()
-    by_kind: dict[str, list] = {}
-    for e in trace.events:
-        by_kind.setdefault(e.kind, []).append(e)
-    for kind, events in sorted(by_kind.items()):
-        fig.add_trace(go.Bar(
-            name=kind, orientation="h", base=[e.start * 1e3 for e in events],
-            x=[max(e.duration * 1e3, 1e-3) for e in events],
-            y=[f"dev{e.device} {e.stream}" for e in events],
-            text=[e.label for e in events], hovertext=[e.node for e in events]))
-    fig.update_layout(barmode="overlay", xaxis_title="ms since step start",
-                      title=f"measured timeline ({trace.source})",
-                      yaxis={"categoryorder": "category descending"})
-    return fig
-
-
 def _run(args) -> int:
     import torch
 
@@ -84,7 +65,7 @@ def _run(args) -> int:
         print(f"{s + 1:>4}  {a:>12.6f}  {b:>12.6f}  {abs(a - b):>9.2e}  {t * 1e3:>8.2f}")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    timeline_figure(result.trace).write_html(out / "timeline.html")
+    result.trace.figure().write_html(out / "timeline.html")
     (out / "trace.json").write_text(result.trace.to_json())
     (out / "plan.txt").write_text(plan.grid(waits=True) + "\n")
     (out / "losses.json").write_text(json.dumps({"losses": result.losses,

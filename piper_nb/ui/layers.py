@@ -107,22 +107,22 @@ class LayersPanel:
 
     def _build(self, parent: str) -> list[W.Widget]:
         depth = parent.count(".") + 1 if parent else 0
-        boxes = []
-        for path in self.kids.get(parent, []):
-            row = LayerRow(self, path, depth, bool(self.kids.get(path)))
-            self.rows[path] = row
-            row.sync(self.state)
-            boxes.append(row.box)
+        boxes, was = [], self.syncing
+        self.syncing = True
+        try:
+            for path in self.kids.get(parent, []):
+                row = LayerRow(self, path, depth, bool(self.kids.get(path)))
+                self.rows[path] = row
+                row.sync(self.state)
+                boxes.append(row.box)
+        finally:
+            self.syncing = was
         return boxes
 
     def fold(self, row: LayerRow) -> None:
         """Unfold (building the children the first time) or fold `row`."""
         if not row.built:
-            self.syncing = True
-            try:
-                row.children_box.children = self._build(row.path)
-            finally:
-                self.syncing = False
+            row.children_box.children = self._build(row.path)
             row.built = True
         shown = row.children_box.layout.display != "none"
         row.children_box.layout.display = "none" if shown else "flex"
