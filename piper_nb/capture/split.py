@@ -20,6 +20,7 @@ one-byte tensors of that shape (`pack_size`), since only tensors flow between re
 from __future__ import annotations
 
 import heapq
+import math
 import operator
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -151,6 +152,14 @@ def pack_size(v) -> torch.Tensor:
     if isinstance(v, float):
         return torch.tensor(v, dtype=torch.float64)
     return one.expand(tuple(v))
+
+
+class RegionTracer(fx.Tracer):
+    """Re-creates a region GraphModule from its code (as unpickling does): the size helpers
+    `pack_size` and `unpack_size` stay calls instead of being traced through."""
+
+    def __init__(self, autowrap_modules=(math,), autowrap_functions=()):
+        super().__init__(autowrap_modules, (*autowrap_functions, pack_size, unpack_size))
 
 
 def unpack_size(t: torch.Tensor):
@@ -405,6 +414,7 @@ def capture_regions(spec, loss_fn: Callable) -> Capture:
                 env[by_name[v]] for v in out_names]
         g.output(tuple(outs))
         g.lint()
+        g._tracer_cls = RegionTracer  # unpickling re-traces the code: keep the size helpers calls
         modules.append(fx.GraphModule(gm, g, class_name=f"Region{r}"))
         regions.append(RegionInfo(
             index=r, tags=tags_of_region[r], modules=tuple(region_modules[r]),

@@ -6,6 +6,7 @@ With gloo on CPU the transfer runs on gloo's threads; with NCCL each logical str
 gets its own CUDA stream that first waits for the compute stream, and a WAIT makes the
 compute stream wait for the transfer. Gloo with CUDA tensors (one GPU shared by several
 ranks) stages buffers through host memory. Groups are created once, in one global order.
+`gather_counts` (blocking) and `all_to_all` serve the token exchange of `exchange`.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ class Pending:
     end: float | None = None        # first time it was seen complete
     memory: str = "buffers"         # the MemorySample field its new buffers count in
     new: list[torch.Tensor] = field(default_factory=list)   # buffers it allocated
+    meta: object = None             # what its WAIT needs to unpack the results (ALL_TO_ALL)
 
     @property
     def bytes(self) -> int:
@@ -116,6 +118,26 @@ class Comm:
             src = self._out(shard)
             out = self._buf((shard.numel() * len(group),), shard.dtype)
             work = _AG(out, src, group=self.groups[tuple(group)], async_op=True)
+        return [work], [out, src]
+
+    def gather_counts(self, counts: list[int], group: tuple, stream: str) -> list[list[int]]:
+        """Blocking all-gather of a few int64 counts: one list per member, in group order."""
+        with self.on_stream(stream):
+            src = torch.tensor(counts, dtype=torch.int64, device=self._buf((0,), torch.int64).device)
+            out = self._buf((len(counts) * len(group),), torch.int64)
+            _AG(out, src, group=self.groups[tuple(group)])
+            flat = out.tolist()
+        k = len(counts)
+        return [flat[i * k:(i + 1) * k] for i in range(len(group))]
+
+    def all_to_all(self, flat: torch.Tensor, out_splits: list[int], in_splits: list[int],
+                   group: tuple, stream: str) -> tuple:
+        """Piece i of `flat` (`in_splits[i]` elements) to member i; `out_splits[i]` from it."""
+        with self.on_stream(stream):
+            src = self._out(flat)
+            out = self._buf((sum(out_splits),), flat.dtype)
+            work = dist.all_to_all_single(out, src, out_splits, in_splits,
+                                          group=self.groups[tuple(group)], async_op=True)
         return [work], [out, src]
 
     def watch(self, p: Pending, clock) -> None:

@@ -10,11 +10,13 @@ views of a weight (`W.t()` for a matmul) point at that same storage, so a backwa
 after the next gather reads the right values, and nothing keeps a stale copy alive.
 `ValueStore` holds activations, value gradients and the forward stash.
 
-Memory is counted by the simulator's rules (`sim.memory`), in logical tensor bytes:
-parameters held (full, or the ZeRO-3 shard plus gathered buckets), activations = the bytes
-autograd saved per stash (`SavedBytes`, as `pn.compile` measures them) + the act:/grad:
-buffers + receive buffers, buffers = reduce/gather buffers in flight. Unlike the model,
-which assumes steady state, gradients and optimizer state count only while they exist.
+Memory is counted by the rule `sim.memory` predicts: bytes actually held, in logical
+tensor bytes, each tensor once. Parameters held (full, or the ZeRO-3 shard plus gathered
+buckets); gradients while they exist, plus reduced shards; optimizer state; activations =
+the bytes autograd saved per stash (`SavedBytes`, as `pn.compile` measures them) + each
+act:/grad: buffer once while the store or a stash still holds it (a stash keeps its input
+leaves, its outputs and, between BI and BW, the output gradients) + receive buffers in
+flight; buffers = reduce/gather buffers in flight and ZeRO-1/2 shards awaiting their gather.
 """
 
 from __future__ import annotations
@@ -189,6 +191,22 @@ class ValueStore:
         self.stash.clear()
 
     def bytes(self) -> int:
-        total = sum(s.saved for s in self.stash.values())
-        total += sum(nbytes(t) for t in self.acts.values())
-        return total + sum(nbytes(t) for t in self.grads.values())
+        """Saved bytes of every stash + each value buffer once, while anything holds it."""
+        held = [*self.acts.values(), *self.grads.values()]
+        for s in self.stash.values():
+            held += [leaf for _, leaf in s.leaves]
+            held += s.outputs.values()
+            held += s.out_grads[1] if s.out_grads else ()
+        return sum(s.saved for s in self.stash.values()) + _distinct_bytes(held)
+
+
+def _distinct_bytes(tensors) -> int:
+    """Logical bytes of `tensors`, each counted once however many holders it has (a detached
+    leaf and the buffer it came from are one; None is skipped)."""
+    seen: dict[int, int] = {}
+    for t in tensors:
+        if t is not None:
+            n = nbytes(t)
+            if n > seen.get(t.data_ptr(), -1):
+                seen[t.data_ptr()] = n
+    return sum(seen.values())

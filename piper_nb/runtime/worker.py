@@ -5,7 +5,8 @@ in order. F runs a region's GraphModule on detached input leaves and stashes the
 state; B (or BI then BW) runs autograd from the stashed outputs with the received output
 gradients (the loss's gradient is `plan.loss_scale`) and hands input gradients upstream;
 U applies the optimizer to full parameters and to this device's bucket shards. SEND, RECV
-and collectives are issued asynchronously and completed by their WAIT; FREE drops buffers.
+and collectives are issued asynchronously and completed by their WAIT (ALL_TO_ALL, the
+token exchange around experts, lives in `exchange`); FREE drops buffers.
 Every instruction is timed and memory is counted after each one (see `timing`, `stores`).
 The idea is Piper's: the strategy lives in the plan, the runtime only executes it.
 """
@@ -20,6 +21,7 @@ from piper_nb.capture.split import BATCH_INPUT, BATCH_TARGET, LOSS
 from piper_nb.compiler.shapes import SavedBytes
 from piper_nb.runtime.bundle import Bundle, bind_params
 from piper_nb.runtime.comm import Comm, Pending
+from piper_nb.runtime.exchange import TokenExchange
 from piper_nb.runtime.layout import batch_part, bucket_layouts
 from piper_nb.runtime.stores import ParamStore, Stash, ValueStore
 from piper_nb.runtime.timing import Clock, Recorder
@@ -50,6 +52,7 @@ class Worker:
             bind_params(mod, self.store.params, bundle.aliases)
             self.modules[r] = mod.train()
         self.values = ValueStore()
+        self.exchange = TokenExchange(plan, comm, self.values, rank, device)
         self.needs = {r: sorted({b for b in self.store.full
                                  if set(self.layouts[b].names) & set(plan.regions[r].params)})
                       for r in regions}  # ZeRO-3 buckets each region's passes must have gathered
@@ -73,6 +76,7 @@ class Worker:
         self.step_no += 1
         self.batch = {BATCH_INPUT: batch[0].to(self.device), BATCH_TARGET: batch[1].to(self.device)}
         self.pending: dict[int, Pending] = {}
+        self.exchange.reset()
         self.loss = torch.zeros((), dtype=torch.float64, device=self.device)
         fail = _parse_fail(fail_at, self.rank)
         self.comm.barrier()
@@ -213,6 +217,7 @@ class Worker:
     # ---- communication -----------------------------------------------------------------
     def _issue(self, idx: int, ins) -> None:
         start, comm, store = self.clock.mark(), self.comm, self.store
+        meta = None
         if ins.kind == "SEND":
             table = self.values.grads if ins.grad else self.values.acts
             missing = [v for v in ins.values if (v, ins.mb) not in table]
@@ -239,9 +244,12 @@ class Worker:
             works, bufs = comm.all_gather(store.shards[ins.bucket], ins.group, ins.stream)
             zero3 = self.layouts[ins.bucket].zero == 3  # a gathered bucket counts as parameters
             memory, new = ("params" if zero3 else "buffers"), bufs[:1]
+        elif ins.kind == "ALL_TO_ALL":
+            works, bufs, meta = self.exchange.issue(ins)
+            memory, new = "buffers", bufs     # packed tokens in flight, as the simulator
         else:
             raise NotImplementedError(f"{ins.kind} ({ins}) is not supported by the runtime yet")
-        p = Pending(idx, works, bufs, start, memory=memory, new=new)
+        p = Pending(idx, works, bufs, start, memory=memory, new=new, meta=meta)
         comm.watch(p, self.clock)
         self.pending[idx] = p
 
@@ -267,6 +275,8 @@ class Worker:
                 self.store.acquire(src.bucket, results[0])
             else:
                 self.store.write_params(src.bucket, results[0])
+        elif src.kind == "ALL_TO_ALL":
+            self.exchange.finish(src, results[0], p.meta)
 
     def _free(self, ins) -> None:
         for key in ins.keys:
