@@ -2,7 +2,8 @@
 
 - every SEND has its RECV (same peers and tag) and the reverse;
 - the members of each group issue their collectives in the same order;
-- no deadlock: a lockstep dry run of all devices, where an issue never blocks, a WAIT on
+- no deadlock: a lockstep dry run of all devices, where an issue never blocks (except a
+  forward expert dispatch, which first exchanges token counts with its group), a WAIT on
   a point-to-point op needs the peer's matching issue, and a WAIT on a collective needs
   every member's. When it gets stuck, the device-by-step grid is printed with the stuck
   instruction of each device marked.
@@ -69,6 +70,11 @@ def check_collective_order(plan: Plan) -> None:
                         "devices)")
 
 
+def _blocks_at_issue(ins) -> bool:
+    """A forward expert dispatch first exchanges token counts, synchronously."""
+    return ins.kind == "ALL_TO_ALL" and ins.purpose == "dispatch" and not ins.grad
+
+
 def dry_run(plan: Plan) -> list[list[int]]:
     """Run all devices in lockstep; returns per device the round each instruction ran in."""
     n = plan.world
@@ -88,10 +94,14 @@ def dry_run(plan: Plan) -> list[list[int]]:
                 if ins.kind in ("SEND", "RECV"):
                     posted.add((ins.kind, _p2p_key(d, ins)))
                 elif ins.kind in COLLECTIVE_KINDS:
-                    k = coll_index[d][ins.group]
-                    coll_index[d][ins.group] = k + 1
-                    coll_posted[ins.group][k] += 1
-                    coll_seq[(d, ptr[d])] = k
+                    if (d, ptr[d]) not in coll_seq:
+                        k = coll_index[d][ins.group]
+                        coll_index[d][ins.group] = k + 1
+                        coll_posted[ins.group][k] += 1
+                        coll_seq[(d, ptr[d])] = k
+                    if _blocks_at_issue(ins) and \
+                            coll_posted[ins.group][coll_seq[(d, ptr[d])]] < len(ins.group):
+                        break
                 elif ins.kind == "WAIT":
                     t = instrs[d][ins.target]
                     if t.kind in ("SEND", "RECV"):

@@ -1,14 +1,39 @@
 """Memory model: bytes per device over one step, by kind (params, grads, optim,
 activations, buffers), from a Plan and the times its instructions ran.
 
-Model states follow the ZeRO paper's accounting (Rajbhandari et al. 2020) per bucket a
-device holds: parameters are full for zero 0-2 and a 1/N shard for zero 3 (plus the full
-bucket while a gathered "param:<bucket>" is alive); gradients are full for zero 0-1 and a
-shard for zero 2-3; optimizer state covers the shard when zero >= 1. Activations are the
-bytes autograd saves for a pass (`plan.saved[region]`) from its F until its last backward
-(B, or BW when split), plus each "act:"/"grad:" buffer while its key is alive; comm
-buffers are the full gradients a ZeRO-2/3 reduce-scatter reads and all-to-all payloads.
-`zero_model_states` runs the same accounting on one bucket of Psi parameters, so the
+The rule, shared with the runtime's count (`runtime/stores.py`): **bytes actually held**
+after each instruction of a steady-state step, in logical tensor bytes (numel x element
+size), each tensor counted once from its allocation until its last holder lets go. One
+sample per instruction, in program order, so a predicted and a measured trace compare
+sample by sample (`tests/sim/test_memory_vs_runtime.py` checks they are equal). Per kind:
+
+- params: parameters held in full (zero 0-2), the flat 1/N shard of a ZeRO-3 bucket
+  (padded to a multiple of N, as the runtime lays it out), the full bucket while gathered
+  (one buffer per bucket however many gathers overlap: a reference count, from the first
+  gather's WAIT to the last `free(param:b)`), and a ZeRO-3 gather's receive buffer in flight;
+- grads: a parameter's gradient from the first backward that makes it (B or BW) until it is
+  consumed: a reduce-scatter takes it at issue, the update drops it (an all-reduce's WAIT
+  swaps it for a view of the reduced bucket, the same size). Reduced gradient shards live
+  from their reduce-scatter's WAIT to the update;
+- optim: the optimizer state of what this device updates (full parameters, or its bucket
+  shards); it persists across steps, so a steady-state step holds it throughout
+  (`MemorySettings(first_step=True)`: only from the update on, as in a first step);
+- activations: for each forward stash (region, microbatch) the bytes autograd saved
+  (`plan.saved[region]`, as `pn.compile` measured them) from its F until its last backward
+  (B, or BW when split); each value buffer (a forward's outputs, received activations and
+  gradients, input gradients a backward makes) from its creation until it is freed *and*
+  no live stash still refers to it (a stash keeps its inputs, its outputs and, between BI
+  and BW, the output gradients); received buffers count from their RECV's issue;
+- buffers: communication buffers in flight from issue to WAIT (an all-reduce's flat copy,
+  a reduce-scatter's flat input and output shard, a ZeRO-1/2 gather's output) and the
+  updated ZeRO-1/2 shards waiting for their gather.
+
+Integer inputs and the batch itself are not counted (neither side counts them). Sizes come
+from `plan.values` / `plan.params`; `MemorySettings` can override bytes per element of
+parameters, gradients and optimizer state (what-if: mixed precision).
+
+`model_states` / `zero_model_states` keep the ZeRO paper's steady-state accounting
+(Rajbhandari et al. 2020): params, grads and optimizer state all allocated at once, so the
 paper's 16 Psi / 4 Psi + 12 Psi/N / 2 Psi + 14 Psi/N / 16 Psi/N come out of this code.
 """
 
@@ -26,6 +51,10 @@ __all__ = ["MemorySettings", "Holding", "model_states", "device_model_states",
            "OPTIMIZER_BYTES"]
 
 _PASSES = frozenset({"F", "B", "BI", "BW", "U"})
+_REGION_PASSES = frozenset({"F", "B", "BI", "BW"})
+_BATCH = frozenset({"inputs", "targets"})   # capture.split's BATCH_INPUT, BATCH_TARGET
+_LOSS = "loss"                              # capture.split's LOSS
+_COLLECTIVES = frozenset({"ALL_REDUCE", "REDUCE_SCATTER", "ALL_GATHER"})
 # bytes of optimizer state per parameter (fp32 state): SGD none, momentum 1x, Adam(W) 2x
 OPTIMIZER_BYTES = {"sgd": 0, "momentum": 4, "sgd_momentum": 4, "adam": 8, "adamw": 8}
 
@@ -38,6 +67,7 @@ class MemorySettings:
     grad_bytes: float | None = None    # gradients
     optim_bytes: float | None = None   # optimizer state (None: from `optimizer`)
     optimizer: object = "sgd"          # a name in OPTIMIZER_BYTES or an optimizer object
+    first_step: bool = False           # optimizer state appears at the update (step 1)
 
     def optim_per_param(self) -> float:
         if self.optim_bytes is not None:
@@ -111,91 +141,282 @@ def device_holdings(plan, d: int) -> list[Holding]:
 
 
 def device_model_states(plan, d: int, settings: MemorySettings = MemorySettings()) -> dict:
+    """The ZeRO paper's steady-state model states of device `d` (all allocated at once)."""
     return model_states(device_holdings(plan, d), settings)
 
 
-def _bucket_numel_bytes(plan, b: int, per: float | None) -> float:
-    bk = plan.buckets[b]
-    return sum(_numel(plan, p) * (per if per is not None else _elem(plan.params[p][1]))
-               for p in bk.params)
+# ---- the timeline: one device's instruction list walked the way the worker runs it ---------
+
+class _Buf:
+    """One allocated value buffer: counted while at least one holder keeps it."""
+
+    __slots__ = ("nbytes", "holders")
+
+    def __init__(self, nbytes: int):
+        self.nbytes, self.holders = nbytes, 0
 
 
-def _zero(plan, ins) -> int:
-    return plan.buckets[ins.bucket].zero if 0 <= ins.bucket < len(plan.buckets) else 0
+class _Stash:
+    __slots__ = ("saved", "leaves", "refs", "out_grads")
+
+    def __init__(self, saved: int, leaves: list[str], refs: list[_Buf]):
+        self.saved, self.leaves, self.refs, self.out_grads = saved, leaves, refs, []
 
 
-def _deltas(timing, d: int, settings: MemorySettings) -> list[tuple[float, int, float]]:
-    """(time, kind index, delta) for one device; kinds: 3 activations, 4 buffers, 0 params."""
-    plan, instrs = timing.plan, timing.plan.devices[d].instrs
-    posted, start, end = timing.posted[d], timing.start[d], timing.end[d]
-    freeable = {k for i in instrs if i.kind == "FREE" for k in i.keys}
-    last_bwd: dict[tuple[int, int], int] = {}
-    for i, ins in enumerate(instrs):
-        if ins.kind in ("B", "BI", "BW"):
-            prev = last_bwd.get((ins.region, ins.mb))
-            if prev is None or ins.kind != "BI" or instrs[prev].kind == "BI":
-                last_bwd[(ins.region, ins.mb)] = i
-    regions = plan.regions
-    vbytes = {k: value_bytes(v) for k, v in plan.values.items()}
-    alive: dict[str, float] = {}
-    gathered: dict[str, list[float]] = {}
-    out: list[tuple[float, int, float]] = []
+class _Device:
+    """Bytes held on device `d`, instruction by instruction: the worker's bookkeeping
+    (`runtime.worker`, `runtime.stores`) over sizes instead of tensors, with running totals
+    so a sample costs O(1)."""
 
-    def make(key: str, nbytes: float, t: float) -> None:
-        if key in freeable and key not in alive:
-            alive[key] = nbytes
-            out.append((t, 3, nbytes))
+    def __init__(self, plan, d: int, settings: MemorySettings):
+        self.plan, self.instrs = plan, plan.devices[d].instrs
+        self.vbytes = {k: value_bytes(v) for k, v in plan.values.items()}
+        self.pb, self.gb = settings.param_bytes, settings.grad_bytes
+        regions = sorted({i.region for i in self.instrs if i.kind in _REGION_PASSES
+                          and 0 <= i.region < len(plan.regions)})
+        names = dict.fromkeys(p for r in regions for p in plan.regions[r].params)
+        names.update(dict.fromkeys(p for i in self.instrs if i.kind == "U" for p in i.params))
+        self.names = {n: None for n in names if n in plan.params}
+        self.gsize = {n: _numel(plan, n) * (self.gb if self.gb is not None else self._elem(n))
+                      for n in self.names}
+        self.buckets = {b.index: b for b in plan.buckets
+                        if d in b.group and any(n in names for n in b.params)}
+        zero3 = [b for b in self.buckets.values() if b.zero == 3]
+        sharded = {n for b in zero3 for n in b.params}
+        base = sum(_numel(plan, n) * (self.pb if self.pb is not None else self._elem(n))
+                   for n in self.names if n not in sharded)
+        base += sum(self._shard(b.index, self.pb) for b in zero3)
+        ob = settings.optim_per_param()
+        self.ustate: dict[int, dict] = {}         # U index -> the state it keeps, by key
+        for i, ins in enumerate(self.instrs):
+            if ins.kind == "U":
+                st = {n: _numel(plan, n) * ob for n in ins.params if n in plan.params}
+                st.update({("b", b): self._shard(b, ob) for b in ins.buckets if b in self.buckets})
+                self.ustate[i] = st
+        self.optim_state: dict = {}               # key -> bytes: state that exists now
+        if not settings.first_step:
+            for st in self.ustate.values():
+                self.optim_state.update(st)
+        # running totals: params, grads, optim, activations, buffers
+        self.level = [base, 0, sum(self.optim_state.values()), 0, 0]
+        self.grads: dict[str, None] = {}          # parameters with a gradient (ordered set)
+        self.grad_shards: dict[int, float] = {}   # bucket -> reduced shard bytes
+        self.refs: dict[int, int] = {}            # ZeRO-3 bucket -> gathers in use
+        self.pending: dict[int, tuple[int, float]] = {}   # issue index -> (kind, bytes)
+        self.zero_shards: dict[int, float] = {}   # ZeRO-1/2 updated shards before the gather
+        self.acts: dict[tuple[str, int], _Buf] = {}
+        self.vgrads: dict[tuple[str, int], _Buf] = {}
+        self.stash: dict[tuple[int, int], _Stash] = {}
 
-    for i, ins in enumerate(instrs):
-        k = ins.kind
-        known = 0 <= ins.region < len(regions)
-        if k == "F" and known:
-            out.append((start[i], 3, plan.saved.get(ins.region, 0)))
-            for v in regions[ins.region].outputs:
-                if v in plan.values:
-                    make(f"act:{v}@{ins.mb}", vbytes[v], start[i])
-        if k in ("B", "BI") and known:
-            for v in regions[ins.region].inputs:
-                if v in plan.values:
-                    make(f"grad:{v}@{ins.mb}", vbytes[v], start[i])
-        if k in ("B", "BI", "BW") and last_bwd.get((ins.region, ins.mb)) == i:
-            out.append((end[i], 3, -plan.saved.get(ins.region, 0)))
+    # -- sizes --
+    def _elem(self, name: str) -> int:
+        return _elem(self.plan.params[name][1])
+
+    def _shard(self, b: int, per: float | None) -> float:
+        """Bytes of one padded shard of bucket b (`per` bytes per element, None: dtype)."""
+        bk = self.plan.buckets[b]
+        total = sum(_numel(self.plan, n) for n in bk.params)
+        per = per if per is not None else self._elem(bk.params[0])
+        return -(-total // len(bk.group)) * per
+
+    def _padded(self, b: int, per: float | None) -> float:
+        return self._shard(b, per) * len(self.plan.buckets[b].group)
+
+    # -- holders of value buffers --
+    def _hold(self, buf: _Buf) -> None:
+        buf.holders += 1
+        if buf.holders == 1:
+            self.level[3] += buf.nbytes
+
+    def _let_go(self, buf: _Buf | None) -> None:
+        if buf is None:
+            return
+        buf.holders -= 1
+        if buf.holders == 0:
+            self.level[3] -= buf.nbytes
+
+    def _put(self, table: dict, key: tuple[str, int], buf: _Buf) -> None:
+        self._hold(buf)
+        self._let_go(table.get(key))
+        table[key] = buf
+
+    def _add_grad(self, v: str, mb: int) -> None:
+        """A new gradient buffer (the sum with an earlier one is a new tensor too)."""
+        self._put(self.vgrads, (v, mb), _Buf(self.vbytes.get(v, 0)))
+
+    def _param_grads(self, names) -> None:
+        for n in names:
+            if n in self.names and n not in self.grads:
+                self.grads[n] = None
+                self.level[1] += self.gsize[n]
+
+    def _drop_grads(self, names) -> None:
+        for n in names:
+            if n in self.grads:
+                del self.grads[n]
+                self.level[1] -= self.gsize[n]
+
+    def _leaves(self, region: int, mb: int) -> list[str]:
+        """The inputs a forward detaches into autograd leaves: floats that need a gradient."""
+        out = []
+        for v in self.plan.regions[region].inputs:
+            info = self.plan.values.get(v)
+            if v not in _BATCH and (v, mb) in self.acts and (
+                    info is None or (info.dtype.startswith(("float", "bfloat"))
+                                     and info.requires_grad)):
+                out.append(v)
+        return out
+
+    def _drop_stash(self, key: tuple[int, int]) -> None:
+        st = self.stash.pop(key)
+        self.level[3] -= st.saved
+        for buf in st.refs:
+            self._let_go(buf)
+        for buf in st.out_grads:
+            self._let_go(buf)
+
+    def _issue(self, i: int, kind: int, nbytes: float) -> None:
+        self.pending[i] = (kind, nbytes)
+        self.level[kind] += nbytes
+
+    # -- one instruction --
+    def step(self, i: int, ins) -> None:
+        k, plan = ins.kind, self.plan
+        if k in _REGION_PASSES and not 0 <= ins.region < len(plan.regions):
+            return   # a hand-written plan without region tables: nothing to count
+        if k == "F":
+            info = plan.regions[ins.region]
+            leaves = self._leaves(ins.region, ins.mb)
+            refs = [self.acts[(v, ins.mb)] for v in leaves]
+            for v in info.outputs:
+                buf = _Buf(self.vbytes.get(v, 0))
+                refs.append(buf)
+                if v != _LOSS:
+                    self._put(self.acts, (v, ins.mb), buf)
+            for buf in refs:
+                self._hold(buf)
+            saved = plan.saved.get(ins.region, 0)
+            self.level[3] += saved
+            key = (ins.region, ins.mb)
+            if key in self.stash:
+                self._drop_stash(key)
+            self.stash[key] = _Stash(saved, leaves, refs)
+        elif k in ("B", "BI", "BW"):
+            key = (ins.region, ins.mb)
+            st = self.stash.get(key)
+            if st is None:
+                return
+            if k != "BI":
+                self._param_grads(plan.regions[ins.region].params)
+                self._drop_stash(key)
+            else:  # BI keeps the output gradients (and a fresh loss gradient) until BW
+                outs = plan.regions[ins.region].outputs
+                grads = [self.vgrads[(v, ins.mb)] for v in outs
+                         if v != _LOSS and (v, ins.mb) in self.vgrads]
+                if _LOSS in outs:
+                    grads.append(_Buf(self.vbytes.get(_LOSS, 0)))
+                for buf in grads:
+                    self._hold(buf)
+                st.out_grads = grads
+            if k != "BW":
+                for v in st.leaves:
+                    self._add_grad(v, ins.mb)
+        elif k == "U":
+            self._drop_grads(ins.params)
+            for b in ins.buckets:
+                if b in self.buckets and self.buckets[b].zero != 3 and b not in self.zero_shards:
+                    self.zero_shards[b] = self._shard(b, self.pb)
+                    self.level[4] += self.zero_shards[b]
+                self.level[1] -= self.grad_shards.pop(b, 0)
+            for key, nbytes in self.ustate[i].items():
+                self.level[2] += nbytes - self.optim_state.get(key, 0)
+                self.optim_state[key] = nbytes
         elif k == "RECV":
-            for v in ins.values:
-                make(f"{'grad' if ins.grad else 'act'}:{v}@{ins.mb}", vbytes[v],
-                     posted[i])
-        elif k == "ALL_GATHER" and ins.purpose == "param" and _zero(plan, ins) >= 3:
-            nbytes = _bucket_numel_bytes(plan, ins.bucket, settings.param_bytes)
-            gathered.setdefault(f"param:{ins.bucket}", []).append(nbytes)
-            out.append((posted[i], 0, nbytes))
-        elif k == "REDUCE_SCATTER" and _zero(plan, ins) >= 2:
-            nbytes = _bucket_numel_bytes(plan, ins.bucket, settings.grad_bytes)
-            out += [(posted[i], 4, nbytes), (end[i], 4, -nbytes)]
+            self._issue(i, 3, sum(self.vbytes.get(v, 0) for v in ins.values))
         elif k == "ALL_TO_ALL":
-            nbytes = sum(vbytes[v] for v in ins.values if v in plan.values)
-            out += [(posted[i], 4, nbytes), (end[i], 4, -nbytes)]
+            self._issue(i, 4, sum(self.vbytes.get(v, 0) for v in ins.values))
+        elif k in _COLLECTIVES and ins.bucket in self.buckets:
+            b = ins.bucket
+            if k == "ALL_REDUCE":
+                self._issue(i, 4, self._padded(b, self.gb))
+            elif k == "REDUCE_SCATTER":  # a flat copy of the gradients and the output shard
+                self._issue(i, 4, self._padded(b, self.gb) + self._shard(b, self.gb))
+                self._drop_grads(self.buckets[b].params)
+            else:
+                self._issue(i, 0 if self.buckets[b].zero == 3 else 4, self._padded(b, self.pb))
+        elif k == "WAIT":
+            self._wait(ins.target)
         elif k == "FREE":
             for key in ins.keys:
-                if key in alive:
-                    out.append((start[i], 3, -alive.pop(key)))
-                elif gathered.get(key):
-                    out.append((start[i], 0, -gathered[key].pop(0)))
+                kind, _, rest = key.partition(":")
+                if kind == "param":
+                    b = int(rest)
+                    if self.refs.get(b, 0) > 0:
+                        self.refs[b] -= 1
+                        if self.refs[b] == 0:
+                            self.level[0] -= self._padded(b, self.pb)
+                else:
+                    value, _, mb = rest.rpartition("@")
+                    table = self.acts if kind == "act" else self.vgrads
+                    self._let_go(table.pop((value, int(mb)), None))
+
+    def _wait(self, target: int) -> None:
+        kind, nbytes = self.pending.pop(target, (0, 0))
+        self.level[kind] -= nbytes
+        src = self.instrs[target]
+        k, b = src.kind, src.bucket
+        if k == "RECV":
+            for v in src.values:
+                if src.grad:
+                    self._add_grad(v, src.mb)
+                else:
+                    self._put(self.acts, (v, src.mb), _Buf(self.vbytes.get(v, 0)))
+        elif k not in _COLLECTIVES or b not in self.buckets:
+            return
+        elif k == "ALL_REDUCE":   # the gradients become views of the reduced flat bucket
+            self._param_grads(self.buckets[b].params)
+        elif k == "REDUCE_SCATTER":
+            shard = self._shard(b, self.gb)
+            self.level[1] += shard - self.grad_shards.get(b, 0)
+            self.grad_shards[b] = shard
+        elif k == "ALL_GATHER":
+            if self.buckets[b].zero == 3:
+                self.refs[b] = self.refs.get(b, 0) + 1
+                if self.refs[b] == 1:
+                    self.level[0] += self._padded(b, self.pb)
+            elif b in self.zero_shards:
+                self.level[4] -= self.zero_shards.pop(b)
+
+    def run(self, times: list[float], device: int) -> list[MemorySample]:
+        out = []
+        level = self.level
+        for i, ins in enumerate(self.instrs):
+            self.step(i, ins)
+            out.append(MemorySample(device, times[i], int(level[0]), int(level[1]),
+                                    int(level[2]), int(level[3]), int(level[4])))
+        return out
+
+
+def _sample_times(timing, d: int) -> list[float]:
+    """When each instruction of device d is done: compute at its end, an issue when posted,
+    WAIT when it passes, FREE when it happens; never before the previous instruction."""
+    instrs = timing.plan.devices[d].instrs
+    posted, end = timing.posted[d], timing.end[d]
+    out, now = [], 0.0
+    for i, ins in enumerate(instrs):
+        t = posted[i] if ins.is_issue else end[i]
+        if t > now:
+            now = t
+        out.append(now)
     return out
 
 
 def memory_samples(timing, settings: MemorySettings | None = None) -> list[MemorySample]:
-    """Memory over the step, one sample per device whenever its usage changes."""
+    """Memory over the step: one sample per device and instruction, after it ran."""
     settings = settings or MemorySettings()
     samples = []
     for d in range(timing.plan.world):
-        base = device_model_states(timing.plan, d, settings)
-        level = [base["params"], base["grads"], base["optim"], 0.0, 0.0]
-        samples.append(MemorySample(d, 0.0, *(int(x) for x in level)))   # before the step
-        deltas = sorted(_deltas(timing, d, settings), key=lambda x: (x[0], x[2] > 0))
-        for j, (t, kind, delta) in enumerate(deltas):
-            level[kind] += delta
-            if j + 1 == len(deltas) or deltas[j + 1][0] != t:
-                samples.append(MemorySample(d, t, *(int(x) for x in level)))
+        samples += _Device(timing.plan, d, settings).run(_sample_times(timing, d), d)
     return samples
 
 

@@ -81,7 +81,16 @@ class Designer:
 
     # ---- display ------------------------------------------------------------------------
     def _repr_mimebundle_(self, **kwargs):
-        return self.widget._repr_mimebundle_(**kwargs)
+        bundle = self.widget._repr_mimebundle_(**kwargs)
+        if isinstance(bundle, dict):
+            bundle["text/plain"] = repr(self)
+        return bundle
+
+    def __repr__(self) -> str:
+        plan = self.outcome.plan
+        what = (f"{plan.world} devices x {plan.microbatches} microbatches" if plan is not None
+                else f"{len(self.outcome.problems)} problems")
+        return f"Designer({type(self.state.model).__name__}, {len(self.state.rows)} directives, {what})"
 
     # ---- editing ------------------------------------------------------------------------
     def edit(self, fn: Callable[[DesignerState], DesignerState]) -> None:

@@ -14,6 +14,7 @@ import html
 from collections.abc import Callable
 
 import ipywidgets as W
+from torch import nn
 
 from piper_nb.ui.fields import parse_index, parse_tag_parts, tags_text
 from piper_nb.ui.state import DesignerState, cut, effective_tags, set_tags
@@ -21,7 +22,12 @@ from piper_nb.ui.widgets import set_class
 
 __all__ = ["LayersPanel", "LayerRow"]
 
-_BOX = W.Layout(width="52px")
+_BOX = W.Layout(width="44px")
+_NAME, _OTHER, _EFFECTIVE = "210px", "100px", "130px"
+
+
+def _count(n: int) -> str:
+    return f"{n / 1e6:.1f}M" if n >= 1e6 else f"{n / 1e3:.1f}k" if n >= 1e3 else str(n)
 
 
 class LayerRow:
@@ -34,14 +40,16 @@ class LayerRow:
         name = path.rsplit(".", 1)[-1]
         self.toggle = W.Button(description="▸" if has_children else "",
                                disabled=not has_children, layout=W.Layout(width="26px"))
-        self.name = W.HTML(f"<span style='margin-left:{depth * 14}px'><b>{html.escape(name)}</b> "
-                           f"<span class='pn-muted'>{type(mod).__name__}, {params:,} params</span>"
-                           "</span>", layout=W.Layout(width="260px"))
+        self.name = W.HTML(
+            f"<div style='margin-left:{depth * 12}px; white-space:nowrap; overflow:hidden; "
+            f"text-overflow:ellipsis' title='{html.escape(path)}: {type(mod).__name__}, "
+            f"{params:,} parameters'><b>{html.escape(name)}</b> <span class='pn-muted'>"
+            f"{type(mod).__name__} {_count(params)}</span></div>", layout=W.Layout(width=_NAME))
         self.pp = W.Text(placeholder="PP", layout=_BOX, continuous_update=False)
         self.ep = W.Text(placeholder="EP", layout=_BOX, continuous_update=False)
-        self.other = W.Text(placeholder="tag=index, ...", layout=W.Layout(width="120px"),
+        self.other = W.Text(placeholder="tag=index", layout=W.Layout(width=_OTHER),
                             continuous_update=False)
-        self.effective = W.HTML(layout=W.Layout(width="170px"))
+        self.effective = W.HTML(layout=W.Layout(width=_EFFECTIVE))
         self.row = W.HBox([self.toggle, self.name, self.pp, self.ep, self.other, self.effective])
         self.row.add_class("pn-layer")
         self.children_box = W.VBox(layout=W.Layout(display="none"))
@@ -94,14 +102,15 @@ class LayersPanel:
                                    tooltip="tag PP on the pipeline units (pn.cut_stages)")
         self.cut_button.on_click(lambda _: self.cut())
         self.message = W.HTML()
-        header = W.HTML("<span class='pn-muted' style='margin-left:290px'>PP &nbsp;&nbsp;&nbsp;&nbsp;"
-                        " EP &nbsp;&nbsp;&nbsp;&nbsp; other tags &nbsp;&nbsp;&nbsp;&nbsp;&nbsp;&nbsp;"
-                        "&nbsp;&nbsp;&nbsp;&nbsp;&nbsp;&nbsp;&nbsp; effective</span>")
+        header = W.HBox([W.HTML(f"<span class='pn-muted'>{text}</span>", layout=W.Layout(width=w))
+                         for text, w in (("", "26px"), ("module", _NAME), ("PP", _BOX.width),
+                                         ("EP", _BOX.width), ("other tags", _OTHER),
+                                         ("effective tags", _EFFECTIVE))])
         self.tree = W.VBox(self._build(""))
         self.widget = W.VBox([W.HBox([self.cut_n, self.cut_by, self.cut_button]), self.message,
                               header, self.tree])
-        for path, children in list(self.kids.items()):     # unfold containers at the top
-            if path and "." not in path and len(children) > 1 and path in self.rows:
+        for path in self.kids.get("", []):          # unfold the pipeline's lists of blocks
+            if isinstance(self.model.get_submodule(path), (nn.ModuleList, nn.Sequential)):
                 self.fold(self.rows[path])
         self.sync(state)
 

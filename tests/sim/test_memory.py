@@ -48,10 +48,30 @@ def test_activations_live_from_f_to_b_and_are_gone_at_the_end(compile_schedule):
     trace = simulate(plan, CostModel.uniform())
     for d in trace.devices:
         samples = [m for m in trace.memory if m.device == d]
-        assert samples[0].activations == 0 and samples[-1].activations == 0
+        assert len(samples) == len(plan.devices[d].instrs)     # one per instruction
+        assert [m.time for m in samples] == sorted(m.time for m in samples)
+        assert samples[-1].activations == 0
         peak = max(m.activations for m in samples)
         assert peak >= plan.saved[d] * trace.live_stashes(d)
         assert trace.peak_memory[d] == max(m.total for m in samples)
+
+
+def test_gradients_and_optimizer_state_are_counted_while_they_exist():
+    model = pn.models.MLP(dim=8, depth=4)
+    full = sum(p.numel() * 4 for p in model.parameters())
+    spec = pn.annotate(model, pn.cut_stages(model, 1))
+    plan = pn.compile(spec, [pn.split({}, "MB", 2), pn.replicate({}, [0, 1], zero=0)],
+                      model.example_batch(batch_size=8, seed=0))
+    kinds = [i.kind for i in plan.devices[0].instrs]
+    for first_step in (False, True):
+        settings = MemorySettings(optimizer="adamw", first_step=first_step)
+        mem = [m for m in simulate(plan, CostModel.uniform(), memory=settings).memory
+               if m.device == 0]
+        grads = [m.grads for m in mem]
+        assert grads[kinds.index("B") - 1] == 0 and grads[kinds.index("B")] == full
+        assert grads[-1] == 0                                   # the update dropped them
+        assert mem[-1].optim == 2 * full                        # AdamW: two fp32 states
+        assert mem[0].optim == (0 if first_step else 2 * full)  # steady state: held throughout
 
 
 def test_zero3_gathers_full_parameters_only_around_their_passes():
@@ -61,6 +81,11 @@ def test_zero3_gathers_full_parameters_only_around_their_passes():
                       model.example_batch(batch_size=8, seed=0))
     trace = simulate(plan, CostModel.uniform(comm=0.5))
     full = sum(p.numel() * 4 for p in model.parameters())
+    instrs = plan.devices[0].instrs
     params = [m.params for m in trace.memory if m.device == 0]
-    assert params[0] == full // 2 and params[-1] == full // 2      # the shard between uses
-    assert max(params) >= full // 2 + full                         # shard + a gathered bucket
+    assert params[-1] == full // 2                                  # the shard between uses
+    for i, ins in enumerate(instrs):
+        if ins.kind in ("F", "B"):    # gathered: the shard + the full bucket (+ a prefetch)
+            assert params[i] in (full // 2 + full, full // 2 + 2 * full)
+    # a gather in flight holds its receive buffer; overlapping gathers share one bucket
+    assert max(params) == full // 2 + 2 * full

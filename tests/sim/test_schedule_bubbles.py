@@ -68,7 +68,10 @@ def test_live_activations_are_pp_for_1f1b_and_pp_plus_1_for_dualpipe(pp):
 def test_dualpipe_holds_twice_the_parameters_of_1f1b(pp):
     def params(name):
         trace = simulate(plan_for(name, pp, 2 * pp), COST)
-        return {m.device: m.params for m in trace.memory if m.time == 0}
+        first = {}
+        for m in trace.memory:   # parameters held (no ZeRO-3: constant over the step)
+            first.setdefault(m.device, m.params)
+        return first
 
     one = params("1f1b")
     assert len(set(one.values())) == 1   # equal stages
