@@ -21,4 +21,12 @@ __all__ = ["annotate", "cut_stages", "region", "compile", "Plan", "DevicePlan", 
            "Program", "place", "replicate", "shard", "split", "order", "PlanError",
            "RuntimeFailure", "WorkerLost", "TrainingDAG", "Node", "Edge", "Op", "validate",
            "models", "schedules", "CostModel", "HardwareSpec", "MemorySettings", "Trace", "simulate",
-           "train", "reference_train", "LocalCluster", "optim", "Result"]
+           "train", "reference_train", "LocalCluster", "optim", "Result", "Designer"]
+
+
+def __getattr__(name: str):
+    # the notebook UI loads ipywidgets and plotly: only when asked for
+    if name == "Designer":
+        from piper_nb.ui import Designer
+        return Designer
+    raise AttributeError(f"module 'piper_nb' has no attribute {name!r}")

@@ -165,8 +165,13 @@ def _compile(spec, program, batch, loss_fn, world, check) -> Plan:
                             f"samples (batch {bsz} / {micro} microbatches); use a batch divisible "
                             f"by {micro * w}", directive=idx, op="replicate")
     part = bsz // micro // width
-    with torch.random.fork_rng(devices=[]):
-        values, saved, _ = propagate(capture, inputs[:part], targets[:part])
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny tensors: worker threads only get in each other's way
+    try:
+        with torch.random.fork_rng(devices=[]):
+            values, saved, _ = propagate(capture, inputs[:part], targets[:part])
+    finally:
+        torch.set_num_threads(threads)
     dag, _ = build_global_dag(capture, directives, values)
     used = dag.devices()
     n_world = world if world is not None else (max(used) + 1 if used else 1)

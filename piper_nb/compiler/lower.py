@@ -29,7 +29,9 @@ def _key(n: Node) -> tuple:
         return (0, 0, 0, 0, n.id)
     if n.op in COLLECTIVES:
         return (1, 0, n.mb if n.mb is not None else -1, 0, n.id)
-    return (2, _PASS_RANK[n.op], n.mb if n.mb is not None else -1, n.region, n.id)
+    # forwards in region order, backwards in reverse: the pass a peer waits on comes first
+    return (2, _PASS_RANK[n.op], n.mb if n.mb is not None else -1,
+            -n.region if n.op in (Op.B, Op.BI, Op.BW) else n.region, n.id)
 
 
 def _is_pulled(n: Node) -> bool:

@@ -193,7 +193,7 @@ class Worker:
             outs, grads = st.out_grads or ([], [])
             params = [self.store.params[p] for p in self.plan.regions[ins.region].params
                       if p in self.store.params]
-            if outs:
+            if outs and params:
                 torch.autograd.backward(outs, grads, inputs=params)
             del self.values.stash[key]
             return

@@ -4,8 +4,11 @@ Three ways to get one, all the same `CostModel` value:
 
 - `CostModel.uniform(F=1, B=2, W=1)`: unit costs, the way DualPipe's table and the
   zero-bubble paper count (BI = B - W, BW = W, an overlapped F&B slot = FB);
-- `CostModel.profile(plan)`: every region's F, B, BI and BW timed on this machine on one
-  microbatch slice, and latency + bytes/bandwidth fitted over gloo (`sim/profile.py`);
+- `CostModel.profile(plan)`: every region's F, B, BI, BW and U timed on this machine on
+  one microbatch slice the way a worker runs them (one thread), the worker's bookkeeping per
+  instruction, and latency + bytes/bandwidth fitted over gloo per kind of message and group
+  size (`sim/profile.py`). Such a model is host-synchronous (`sync`: a CPU worker waits
+  for each pass) and shares `cores` among the devices computing at once;
 - `CostModel.analytic(plan, "H100")`: FLOPs per region counted by
   `torch.utils.flop_counter.FlopCounterMode`, divided by the hardware's peak and an
   efficiency factor; messages cost bytes / NVLink bandwidth inside a node of 8 devices and
@@ -16,6 +19,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 from dataclasses import dataclass, field
 
 import torch
@@ -92,7 +96,15 @@ class CostModel:
 
     `passes` maps (region, pass) to a duration, region -1 being the default for every
     region; `fb` is the cost of an overlapped F&B slot (None: F + B, the sum of its
-    members); messages cost `comm` each when it is set, else latency + bytes/bandwidth.
+    members); messages cost `comm` each when it is set, else the fit in `links` for their
+    kind and group size ("p2p" for SEND/RECV; latency + full bytes / bandwidth), else the
+    alpha-beta ring formula with `latency` and `bandwidth`.
+
+    Host model: `overhead` is the time a device's host spends after every instruction
+    (a number, or device -> number); with `sync` the host waits for each pass, as CPU
+    workers do (an overlap slot then runs its passes one after another); with `cores`, the
+    devices computing at once share that many cores (a pass slows by active / cores when
+    more are active, found by re-simulating until the timeline settles).
     """
 
     name: str = "custom"
@@ -105,6 +117,10 @@ class CostModel:
     inter_latency: float | None = None             # across nodes (None: as inside)
     inter_bandwidth: float | None = None
     node_size: int = 1 << 30                       # devices per node
+    links: dict = field(default_factory=dict)      # (kind | "p2p", group size) -> (lat, bw)
+    overhead: float | dict = 0.0                   # host time after each instruction
+    sync: bool = False                             # the host waits for every pass (CPU)
+    cores: int | None = None                       # cores the devices share (None: own)
     meta: dict = field(default_factory=dict)
 
     # ---- constructors ---------------------------------------------------------------
@@ -119,12 +135,27 @@ class CostModel:
                    passes=passes, fb=FB, comm=comm)
 
     @classmethod
-    def profile(cls, plan, repeats: int = 3, comm: bool = True) -> CostModel:
-        """Time each region's passes here; fit messages over gloo (cached per process)."""
-        from piper_nb.sim.profile import profile_comm, profile_passes
-        passes = profile_passes(plan, repeats)
-        lat, bw = profile_comm() if comm else (0.0, math.inf)
+    def profile(cls, plan, repeats: int = 5, comm: bool = True, optimizer=None,
+                cores: int | None = None) -> CostModel:
+        """Measure `plan`'s costs here, as local CPU workers will see them.
+
+        Passes and the update (with `optimizer`, default SGD) are timed on one thread like a
+        worker runs them, plus the worker's bookkeeping per instruction; with `comm`, gloo
+        is fitted per message kind and group size between `plan.world` processes (cached
+        per process). `cores` (default: this machine's) are shared by the devices
+        computing at once.
+        """
+        from piper_nb.sim.profile import profile_links, profile_plan
+        passes, overhead = profile_plan(plan, repeats, optimizer)
+        links: dict = {}
+        lat, bw = 0.0, math.inf
+        if comm:
+            groups = {len(i.group) for dp in plan.devices for i in dp.instrs if i.group}
+            links = profile_links(max(plan.world, 2), groups)
+            lat, bw = links[("p2p", 2)]
+        cores = cores if cores is not None else (os.cpu_count() or 1)
         return cls(name="profiled", unit="s", passes=passes, latency=lat, bandwidth=bw,
+                   links=links, overhead=overhead, sync=True, cores=cores,
                    meta={"repeats": repeats})
 
     @classmethod
@@ -173,11 +204,26 @@ class CostModel:
         b = self.passes.get((-1, "B"), 0.0)
         return total - (f + b) + self.fb
 
+    def host(self, device: int) -> float:
+        """Host time `device` spends after each instruction."""
+        if isinstance(self.overhead, dict):
+            return self.overhead.get(device, self.overhead.get(-1, 0.0))
+        return self.overhead
+
     def message(self, plan, ins, device: int) -> float:
         """Duration of one SEND/RECV transfer or collective issued on `device`."""
         if self.comm is not None:
             return self.comm
         nbytes = message_bytes(plan, ins)
+        if self.links:
+            kind = ins.kind if ins.group else "p2p"
+            n = max(len(ins.group), 2)
+            fit = self.links.get((kind, n))
+            if fit is None:   # the nearest group size measured for this kind
+                sizes = sorted(k[1] for k in self.links if k[0] == kind)
+                fit = self.links[(kind, min(sizes, key=lambda g: abs(g - n)))] if sizes else None
+            if fit is not None:
+                return fit[0] + nbytes / fit[1]
         members = ins.group if ins.group else (device, ins.peer)
         lat, bw = self.latency, self.bandwidth
         if self.inter_bandwidth is not None and len({d // self.node_size for d in members}) > 1:

@@ -1,15 +1,27 @@
-"""Measure a Plan's costs on this machine: pass timings, FLOPs and a gloo link fit.
+"""Measure a Plan's costs on this machine, the way the workers run it.
 
-`profile_passes` runs each region's traced module (`plan.capture.modules[r]`) on inputs
-of the microbatch-slice shapes recorded in `plan.values` and times F, the full B, BI
-(gradients of the inputs only) and BW (of the parameters only) with `torch.autograd.grad`,
-so the model's `.grad` fields are never touched. `region_flops` counts forward FLOPs with
-`FlopCounterMode`. `profile_comm` starts a 2-process gloo group, ping-pongs a few message
-sizes and fits latency + bytes/bandwidth (least squares), once per process.
+- `profile_plan` (`profile_passes`, `profile_overhead`): a `runtime.worker.Worker` is built
+  here for a device that runs each region (from a fresh copy of the plan's modules, no
+  process group) and runs single passes exactly as a worker does, on one intra-op thread
+  (workers call `torch.set_num_threads(1)`): F (stash bookkeeping and saved-bytes hooks
+  included), B, or BI then BW where the plan splits backwards, and U with the optimizer;
+  one microbatch each, the median over repeats. The same worker times its bookkeeping
+  after every instruction (the memory count over parameters, gradients, optimizer state
+  and stashes, the clock, the recorder): the per-instruction host overhead.
+- `profile_links`: gloo between worker processes on this machine, per kind: point-to-point
+  (ping-pong, half the round trip) and ALL_REDUCE / REDUCE_SCATTER / ALL_GATHER over every
+  group size the plan uses, each fitted to latency + bytes / bandwidth (least squares),
+  once per process and world size (`python -m piper_nb.sim.profile` workers, one thread
+  each, issuing like `runtime/comm.py`: asynchronously, then waiting).
+- `region_flops`: forward FLOPs with `FlopCounterMode` (the analytic model).
+
+Medians everywhere: this machine runs other work too, and a median over repeats is what a
+step's median sees.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -22,10 +34,23 @@ import warnings
 
 import torch
 
-__all__ = ["profile_passes", "region_flops", "profile_comm", "region_inputs"]
+__all__ = ["profile_plan", "profile_passes", "profile_overhead", "profile_links", "profile_comm",
+           "region_flops", "region_inputs", "one_thread"]
 
-_COMM_CACHE: dict[str, tuple[float, float]] = {}
-_SIZES = (1 << 10, 1 << 14, 1 << 18, 1 << 20, 1 << 22)
+_LINK_CACHE: dict[tuple, dict] = {}
+_SIZES = (1 << 10, 1 << 14, 1 << 17, 1 << 20)
+_KINDS = ("ALL_REDUCE", "REDUCE_SCATTER", "ALL_GATHER")
+
+
+@contextlib.contextmanager
+def one_thread(threads: int = 1):
+    """Run the block with `threads` intra-op threads, as a worker process does."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(old)
 
 
 def region_inputs(plan, r: int, seed: int = 0) -> list[torch.Tensor]:
@@ -44,65 +69,229 @@ def region_inputs(plan, r: int, seed: int = 0) -> list[torch.Tensor]:
     return args
 
 
-def _median_time(fn, repeats: int) -> float:
-    fn()  # warm up
-    times = []
-    for _ in range(max(repeats, 1)):
+def _median(times: list[float]) -> float:
+    return statistics.median(times) if times else 0.0
+
+
+class _NoComm:
+    """A worker built here runs passes only: it makes no groups and sends nothing."""
+
+    def ensure_groups(self, groups) -> None:
+        pass
+
+    def barrier(self) -> None:
+        pass
+
+
+def _batch(plan) -> tuple[torch.Tensor, torch.Tensor]:
+    """A full batch shaped like the one the plan was compiled for (random floats, zero ids)."""
+    out = []
+    for v in ("inputs", "targets"):
+        info = plan.values[v]
+        dtype = getattr(torch, info.dtype)
+        shape = (plan.batch_size, *info.shape[1:])
+        out.append(torch.randn(shape).to(dtype) if dtype.is_floating_point else
+                   torch.zeros(shape, dtype=dtype))
+    return out[0], out[1]
+
+
+class _Bench:
+    """A `runtime.worker.Worker` for device d, built in this process from a fresh copy of
+    the plan's modules, that runs single passes exactly as a worker does."""
+
+    def __init__(self, plan, d: int, optimizer):
+        from piper_nb.runtime.bundle import load_bundle, make_bundle
+        from piper_nb.runtime.timing import Clock, Recorder
+        from piper_nb.runtime.worker import Worker
+        self.plan = plan
+        self.w = w = Worker(d, load_bundle(make_bundle(plan)), _NoComm(), torch.device("cpu"))
+        w.reset(optimizer)
+        w.step_no = 1
+        inputs, targets = _batch(plan)
+        w.batch = {"inputs": inputs, "targets": targets}
+        w.pending = {}
+        w.loss = torch.zeros((), dtype=torch.float64)
+        w.clock = Clock(torch.device("cpu"))
+        w.clock.start()
+        w.rec = Recorder(d, w.clock)
+        self.first = {}
+        for ins in w.instrs:
+            if ins.is_compute:
+                self.first.setdefault((ins.region, ins.kind), ins)
+
+    def _gather(self, r: int) -> None:
+        st = self.w.store
+        for b in self.w.needs.get(r, ()):
+            if not st.gathered(b):
+                st.acquire(b, torch.zeros(self.w.layouts[b].padded, dtype=st.full[b].dtype))
+
+    def _inputs(self, ins) -> None:
+        for v in self.plan.regions[ins.region].inputs:
+            if v not in ("inputs", "targets"):
+                info = self.plan.values[v]
+                dtype = getattr(torch, info.dtype)
+                self.w.values.acts[(v, ins.mb)] = (torch.randn(info.shape).to(dtype)
+                                                   if dtype.is_floating_point
+                                                   else torch.zeros(info.shape, dtype=dtype))
+
+    def _out_grads(self, ins) -> None:
+        for v in self.plan.regions[ins.region].outputs:
+            info = self.plan.values.get(v)
+            if v != "loss" and info is not None and info.requires_grad:
+                self.w.values.grads[(v, ins.mb)] = torch.ones(info.shape,
+                                                              dtype=getattr(torch, info.dtype))
+
+    def timed(self, ins) -> float:
         t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+        self.w._compute(ins)
+        return time.perf_counter() - t0
 
+    def passes(self, r: int, split_too: bool = False) -> dict[str, float]:
+        """One round of region r's passes as this device's plan runs them: F, then B, or
+        BI and BW where the plan splits backwards (`split_too`: BI and BW as well)."""
+        first, w = self.first, self.w
+        f = first.get((r, "F"))
+        if f is None:
+            return {}
+        got = {}
+        for split in ((False, True) if split_too else ((r, "BI") in first,)):
+            self._gather(r)
+            self._inputs(f)
+            got["F"] = self.timed(f)
+            self._out_grads(f)
+            if split:
+                got["BI"] = self.timed(replace_kind(f, "BI"))
+                got["BW"] = self.timed(replace_kind(f, "BW"))
+            else:
+                got["B"] = self.timed(replace_kind(f, "B"))
+            w.values.clear()
+        return got
 
-def _region_passes(plan, r: int, repeats: int) -> dict[tuple[int, str], float]:
-    mod = plan.capture.modules[r]
-    args = region_inputs(plan, r)
-    inputs = [a for a in args if a.requires_grad]
-    params = [p for p in mod.parameters() if p.requires_grad]
+    def update(self, r: int) -> float:
+        """One U of region r: gradients (or reduced shards) in place, the optimizer's step."""
+        ins = self.first.get((r, "U"))
+        if ins is None:
+            return 0.0
+        st = self.w.store
+        for n in ins.params:
+            p = st.params.get(n)
+            if p is not None:
+                p.grad = torch.zeros_like(p)
+        for b in ins.buckets:
+            lay = self.w.layouts[b]
+            st.grad_shards[b] = torch.zeros(lay.shard, dtype=st.params[lay.names[0]].dtype)
+        took = self.timed(ins)
+        for b in ins.buckets:
+            if self.w.layouts[b].zero != 3:
+                st.shards.pop(b, None)
+        return took
 
-    def forward():
-        outs = mod(*args)
-        outs = [o for o in outs if isinstance(o, torch.Tensor) and o.requires_grad]
-        return outs, [torch.ones_like(o) for o in outs]
-
-    def backward(wrt):
-        outs, grads = forward()
-        if not outs or not wrt:
-            return lambda: None
-        return lambda: torch.autograd.grad(outs, wrt, grads, allow_unused=True)
-
-    def timed_backward(wrt) -> float:
-        times = []
-        for _ in range(max(repeats, 1) + 1):
-            run = backward(wrt)
+    def bookkeeping(self, repeats: int) -> float:
+        """What the worker does after each instruction: poll, count memory, record; in a
+        mid-step state (every gradient present, the optimizer's state made, a stash alive)."""
+        w = self.w
+        for r, kind in list(self.first):
+            if kind == "U":
+                self.update(r)
+        for p in w.store.params.values():
+            p.grad = torch.zeros_like(p)
+        for (r, kind), ins in self.first.items():
+            if kind == "F":
+                self._gather(r)
+                self._inputs(ins)
+                w._compute(ins)
+        clock, rec, times = w.clock, w.rec, []
+        for _ in range(repeats):
             t0 = time.perf_counter()
-            run()
+            start = clock.mark()
+            rec.event(next(iter(self.first.values())), start, clock.mark())
+            for p in w.pending.values():
+                w.comm.poll(p, clock)
+            rec.memory(clock.mark(), *w._memory())
             times.append(time.perf_counter() - t0)
-        return statistics.median(times[1:])
+        w.values.clear()
+        for p in w.store.params.values():
+            p.grad = None
+        return _median(times)
 
-    out = {(r, "F"): _median_time(forward, repeats)}
-    out[(r, "B")] = timed_backward(inputs + params)
-    out[(r, "BI")] = timed_backward(inputs)
-    out[(r, "BW")] = timed_backward(params)
-    with torch.no_grad():
-        shadow = [p.detach().clone() for p in params]
-        grads = [torch.ones_like(p) for p in shadow]
-        out[(r, "U")] = _median_time(lambda: torch._foreach_add_(shadow, grads, alpha=-1e-3),
-                                     repeats) if shadow else 0.0
+
+def replace_kind(ins, kind: str):
+    import dataclasses
+    return dataclasses.replace(ins, kind=kind)
+
+
+def _devices_by_region(plan) -> dict[int, int]:
+    """Region -> the first device that runs its forward."""
+    out: dict[int, int] = {}
+    for dp in plan.devices:
+        for ins in dp.instrs:
+            if ins.kind == "F":
+                out.setdefault(ins.region, dp.device)
     return out
 
 
-def profile_passes(plan, repeats: int = 3) -> dict[tuple[int, str], float]:
-    """(region, pass) -> seconds for every region of the plan, measured here."""
+def profile_passes(plan, repeats: int = 5, optimizer=None) -> dict[tuple[int, str], float]:
+    """(region, pass) -> seconds for every region of the plan, timed here on one thread by a
+    worker built like the one that runs it (F, B, BI, BW, and U with `optimizer`)."""
+    return profile_plan(plan, repeats, optimizer)[0]
+
+
+def profile_overhead(plan, optimizer=None, repeats: int = 200) -> dict[int, float]:
+    """Device -> seconds of the worker's bookkeeping after each instruction (the memory
+    count over its parameters, gradients, optimizer state and stashes; the clock; the
+    recorder), timed on a worker built like that device's."""
+    return profile_plan(plan, 1, optimizer, overhead_repeats=repeats)[1]
+
+
+def profile_plan(plan, repeats: int = 7, optimizer=None, overhead_repeats: int = 200
+                 ) -> tuple[dict[tuple[int, str], float], dict[int, float]]:
+    """Both of the above with one worker per device kind: (passes, overhead)."""
+    from piper_nb.optim import SGD
     if plan.capture is None:
         from piper_nb.errors import PlanError
         raise PlanError("this plan has no captured model (it was loaded from JSON); profile the "
                         "plan returned by pn.compile, or use CostModel.uniform / analytic")
-    out: dict[tuple[int, str], float] = {}
-    with torch.random.fork_rng(devices=[]):
-        for r in range(len(plan.regions)):
-            out.update(_region_passes(plan, r, repeats))
-    return out
+    optimizer = optimizer if optimizer is not None else SGD(0.1)
+    times: dict[tuple[int, str], list[float]] = {}
+    overhead: dict[int, float] = {}
+    benches: dict[int, _Bench] = {}
+
+    def bench(d: int) -> _Bench:
+        if d not in benches:
+            benches[d] = _Bench(plan, d, optimizer)
+        return benches[d]
+    updates = {}   # region -> a device that updates it
+    for dp in plan.devices:
+        for ins in dp.instrs:
+            if ins.kind == "U":
+                updates.setdefault(ins.region, dp.device)
+    with torch.random.fork_rng(devices=[]), one_thread():
+        torch.manual_seed(0)
+        regions = sorted(_devices_by_region(plan).items())
+        # rounds over every pass of every region: a burst of other load on this machine
+        # hits a few rounds of everything, not all rounds of one pass (medians survive it)
+        for k in range(max(repeats, 1) + 1):   # round 0 warms up
+            for r, d in regions:
+                for kind, t in bench(d).passes(r, split_too=k == 0).items():
+                    if k:
+                        times.setdefault((r, kind), []).append(t)
+            for r, d in sorted(updates.items()):
+                t = bench(d).update(r)
+                if k:
+                    times.setdefault((r, "U"), []).append(t)
+        passes = {key: _median(v) for key, v in times.items()}
+        for r, d in regions:   # BI and BW where the plan does not split (one round)
+            if (r, "BI") not in passes:
+                for kind, t in bench(d).passes(r, split_too=True).items():
+                    passes.setdefault((r, kind), t)
+        seen: dict[tuple, float] = {}
+        for dp in plan.devices:   # devices with the same regions and buckets cost the same
+            key = (tuple(sorted({(i.region, i.kind) for i in dp.instrs if i.is_compute})),
+                   tuple(b.index for b in plan.buckets if dp.device in b.group))
+            if key not in seen:
+                seen[key] = bench(dp.device).bookkeeping(overhead_repeats)
+            overhead[dp.device] = seen[key]
+    return passes, overhead
 
 
 def region_flops(plan) -> dict[int, float]:
@@ -117,71 +306,135 @@ def region_flops(plan) -> dict[int, float]:
     return out
 
 
-def _pingpong(rank: int, port: int, sizes, repeats: int) -> list[tuple[int, float]]:
-    import torch.distributed as dist  # only in the worker processes this module starts
-    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
-    dist.init_process_group("gloo", rank=rank, world_size=2)
-    result = []
-    for size in sizes:
-        buf = torch.zeros(size // 4, dtype=torch.float32)
-        times = []
-        for _ in range(repeats + 1):
-            t0 = time.perf_counter()
-            if rank == 0:
-                dist.send(buf, 1)
-                dist.recv(buf, 1)
-            else:
-                dist.recv(buf, 0)
-                dist.send(buf, 0)
-            times.append((time.perf_counter() - t0) / 2)
-        result.append((size, statistics.median(times[1:])))
+# ---- links: gloo between processes ------------------------------------------------------
+
+def _timed(fn, repeats: int) -> float:
+    fn()  # warm up
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return _median(times)
+
+
+def _link_worker(rank: int, world: int, port: int, groups: list[int], repeats: int) -> dict:
+    """Run inside `python -m piper_nb.sim.profile`: time p2p and collectives like
+    `runtime/comm.py` issues them (async, then wait); rank 0 returns the times."""
+    import datetime
+
+    import torch.distributed as dist  # only in the processes this module starts
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world, timeout=datetime.timedelta(seconds=120))
+    rs = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    ag = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    pgs = {n: dist.new_group(list(range(n))) for n in groups}
+    out: dict[str, list] = {}
+    for size in _SIZES:
+        dist.barrier()
+        if rank < 2:
+            out.setdefault("p2p/2", []).append((size, _one_way(dist, rank, size, repeats)))
+        for n in groups:
+            dist.barrier()
+            if rank >= n:
+                continue
+            flat = torch.zeros(-(-size // (4 * n)) * n)
+            shard = torch.zeros(flat.numel() // n)
+            ops = {"ALL_REDUCE": lambda f=flat, g=pgs[n]: dist.all_reduce(
+                       f, group=g, async_op=True).wait(),
+                   "REDUCE_SCATTER": lambda f=flat, s=shard, g=pgs[n]: rs(
+                       s, f, group=g, async_op=True).wait(),
+                   "ALL_GATHER": lambda f=flat, s=shard, g=pgs[n]: ag(
+                       f, s, group=g, async_op=True).wait()}
+            for kind in _KINDS:
+                out.setdefault(f"{kind}/{n}", []).append((size, _timed(ops[kind], repeats)))
+    dist.barrier()
     dist.destroy_process_group()
-    return result
+    return out
+
+
+def _one_way(dist, rank: int, size: int, repeats: int) -> float:
+    """Median one-way time of a `size`-byte message between ranks 0 and 1, the receive
+    posted ahead (as a plan posts its RECVs): from the sender's issue until the receiver's
+    WAIT returns. `perf_counter` is one monotonic clock for every process on the machine."""
+    buf, stamp = torch.zeros(size // 4), torch.zeros(1, dtype=torch.float64)
+    times = []
+    for k in range(repeats + 1):
+        for src in (0, 1):   # both directions, in turn
+            if rank == src:
+                t0 = time.perf_counter()
+                dist.isend(buf, 1 - src, tag=2 * k + src).wait()
+                stamp[0] = t0
+                dist.isend(stamp, 1 - src, tag=1000 + 2 * k + src).wait()
+            else:
+                work = dist.irecv(buf, src, tag=2 * k + src)
+                work.wait()
+                t1 = time.perf_counter()
+                dist.irecv(stamp, src, tag=1000 + 2 * k + src).wait()
+                if k:
+                    times.append(t1 - float(stamp[0]))
+    return _median(times)   # rank 0 received in one direction: its times come back
 
 
 def _fit(points: list[tuple[int, float]]) -> tuple[float, float]:
-    n = len(points)
-    mx = sum(x for x, _ in points) / n
-    my = sum(y for _, y in points) / n
-    sxx = sum((x - mx) ** 2 for x, _ in points)
-    slope = sum((x - mx) * (y - my) for x, y in points) / sxx if sxx else 0.0
-    latency = max(my - slope * mx, 0.0)
-    return latency, (1.0 / slope if slope > 0 else math.inf)
+    """(latency s, bandwidth bytes/s) of time = latency + bytes / bandwidth: the latency is
+    the smallest message's time, the bandwidth the median slope to the larger ones (robust
+    to one noisy point, which a least-squares line on this loaded machine is not)."""
+    points = sorted(points)
+    s0, t0 = points[0]
+    slopes = [(t - t0) / (s - s0) for s, t in points[1:] if s > s0]
+    slope = statistics.median(slopes) if slopes else 0.0
+    return max(t0, 0.0), (1.0 / slope if slope > 0 else math.inf)
 
 
-def profile_comm(repeats: int = 5, timeout: float = 120.0) -> tuple[float, float]:
-    """(latency s, bandwidth bytes/s) of a gloo link on this machine, cached per process.
-
-    Two worker processes (`python -m piper_nb.sim.profile RANK PORT`) ping-pong messages of
-    a few sizes; on failure a warning names the reason and 50 us + 1 GB/s is assumed.
-    """
-    if "gloo" in _COMM_CACHE:
-        return _COMM_CACHE["gloo"]
+def profile_links(world: int = 2, groups=(2,), repeats: int = 15,
+                  timeout: float = 180.0) -> dict[tuple[str, int], tuple[float, float]]:
+    """(kind, group size) -> (latency s, bandwidth bytes/s) of gloo here; kind is "p2p" or a
+    collective. `world` processes (each one thread) run them; cached per process. On failure
+    a warning names the reason and 50 us + 1 GB/s is assumed for every kind."""
+    groups = tuple(sorted({g for g in groups if 2 <= g <= world}))
+    key = (world, groups)
+    if key in _LINK_CACHE:
+        return _LINK_CACHE[key]
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    cmd = [sys.executable, "-m", "piper_nb.sim.profile"]
-    procs = [subprocess.Popen([*cmd, str(r), str(port), str(repeats)], stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True) for r in range(2)]
+    cmd = [sys.executable, "-m", "piper_nb.sim.profile", str(world), str(port), str(repeats),
+           ",".join(map(str, groups))]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    procs = [subprocess.Popen([*cmd, str(r)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True, env=env) for r in range(world)]
     try:
         outs = [p.communicate(timeout=timeout) for p in procs]
         if procs[0].returncode:
             raise RuntimeError(outs[0][1].strip().splitlines()[-1:] or procs[0].returncode)
-        fitted = _fit([tuple(x) for x in json.loads(outs[0][0])])
+        raw = json.loads(outs[0][0])
+        fitted = {}
+        for name, points in raw.items():
+            kind, n = name.split("/")
+            fitted[(kind, int(n))] = _fit([tuple(x) for x in points])
     except Exception as err:  # no result: fall back, and say so
         warnings.warn(f"gloo link profile failed ({err}); assuming 50 us + 1 GB/s", stacklevel=2)
-        fitted = (50e-6, 1e9)
+        fitted = {(k, n): (50e-6, 1e9) for k in ("p2p", *_KINDS) for n in (2, *groups)}
     finally:
         for p in procs:
             if p.poll() is None:
                 p.kill()
                 p.wait()
-    _COMM_CACHE["gloo"] = fitted
+    _LINK_CACHE[key] = fitted
     return fitted
 
 
-if __name__ == "__main__":  # a ping-pong worker: RANK PORT REPEATS; rank 0 prints the times
-    _rank, _port, _repeats = (int(x) for x in sys.argv[1:4])
-    _times = _pingpong(_rank, _port, _SIZES, _repeats)
+def profile_comm(repeats: int = 15, timeout: float = 180.0) -> tuple[float, float]:
+    """(latency s, bandwidth bytes/s) of a point-to-point gloo link here (cached)."""
+    return profile_links(2, (), repeats, timeout)[("p2p", 2)]
+
+
+if __name__ == "__main__":  # a link worker: WORLD PORT REPEATS GROUPS RANK; rank 0 prints
+    _world, _port, _repeats = (int(x) for x in sys.argv[1:4])
+    _groups = [int(x) for x in sys.argv[4].split(",") if x]
+    _rank = int(sys.argv[5])
+    _times = _link_worker(_rank, _world, _port, _groups, _repeats)
     if _rank == 0:
         print(json.dumps(_times))

@@ -15,6 +15,11 @@ compute stream and one stream per communication stream name:
   became ready, each when its stream is free on every member (FIFO per stream), and end
   together on all of them.
 - FREE costs nothing; it happens once the passes before it have finished.
+- host model (`CostModel.overhead / sync / cores`): every instruction then costs the host
+  `cost.host(d)` after it; with `sync` the host waits for each pass (CPU workers) and an
+  overlap slot runs its passes in list order; with `cores`, passes that run while more
+  devices compute than there are cores stretch by active / cores (processor sharing,
+  approximated by re-simulating with the stretched durations until the step time settles).
 
 Ops live in a heap keyed by ready time, devices are indices and instructions integer
 positions, so a step of a thousand devices simulates in seconds.
@@ -22,6 +27,7 @@ positions, so a step of a thousand devices simulates in seconds.
 
 from __future__ import annotations
 
+import bisect
 import gc
 import heapq
 from collections import defaultdict
@@ -49,6 +55,7 @@ class Timing:
     posted: list[list[float]]
     start: list[list[float]]
     end: list[list[float]]
+    host_end: list[float] | None = None   # per device: when its host finished the list
 
 
 def overlap_steps(instrs) -> list[int | tuple[int, ...]]:
@@ -88,10 +95,14 @@ def overlap_steps(instrs) -> list[int | tuple[int, ...]]:
 
 
 class _Sim:
-    def __init__(self, plan: Plan, cost: CostModel):
+    def __init__(self, plan: Plan, cost: CostModel, stretch: list[dict[int, float]] | None = None):
         self.plan, self.cost = plan, cost
         self.instrs = [dp.instrs for dp in plan.devices]
-        self.steps = [overlap_steps(x) for x in self.instrs]
+        self.sync = cost.sync
+        self.steps = [list(range(len(x))) if cost.sync else overlap_steps(x)
+                      for x in self.instrs]
+        self.host = [cost.host(dp.device) for dp in plan.devices]
+        self.stretch = stretch or [{} for _ in self.instrs]
         w = plan.world
         self.pos, self.t, self.cfree = [0] * w, [0.0] * w, [0.0] * w
         self.blocked = [-1] * w
@@ -131,13 +142,15 @@ class _Sim:
         instrs, steps, cost = self.instrs[d], self.steps[d], self.cost
         posted, start, end = self.posted[d], self.start[d], self.end[d]
         p, t, cfree = self.pos[d], self.t[d], self.cfree[d]
+        host, sync, stretch = self.host[d], self.sync, self.stretch[d]
         while p < len(steps):
             s = steps[p]
             if s.__class__ is tuple:
                 st = t if t > cfree else cfree
-                cfree = st + cost.overlapped([instrs[k] for k in s])
+                cfree = st + cost.overlapped([instrs[k] for k in s]) * stretch.get(s[0], 1.0)
                 for k in s:
                     posted[k], start[k], end[k] = t, st, cfree
+                t += host * len(s)
                 p += 1
                 continue
             ins = instrs[s]
@@ -152,13 +165,16 @@ class _Sim:
                 posted[s] = start[s] = end[s] = t
             elif kind in _COMPUTE:
                 st = t if t > cfree else cfree
-                cfree = st + cost.compute(ins)
+                cfree = st + cost.compute(ins) * stretch.get(s, 1.0)
                 posted[s], start[s], end[s] = t, st, cfree
+                if sync:
+                    t = cfree
             elif kind == "FREE":
                 posted[s] = start[s] = end[s] = t if t > cfree else cfree
             else:
                 posted[s] = t
                 self._issue(d, s, ins, t if kind == "RECV" or t > cfree else cfree)
+            t += host
             p += 1
         self.pos[d], self.t[d], self.cfree[d] = p, t, cfree
 
@@ -199,7 +215,52 @@ def run_timing(plan: Plan, cost: CostModel) -> Timing:
     """Simulate `plan` under `cost`; the per-instruction times (see `Timing`)."""
     sim = _Sim(plan, cost)
     sim.run()
-    return Timing(plan, sim.posted, sim.start, sim.end)
+    if cost.cores and plan.world > cost.cores:
+        sim = _shared_cores(plan, cost, sim)
+    return Timing(plan, sim.posted, sim.start, sim.end, list(sim.t))
+
+
+def _shared_cores(plan: Plan, cost: CostModel, sim: _Sim, rounds: int = 8) -> _Sim:
+    """Processor sharing: stretch each pass by the mean number of devices computing during
+    it over `cost.cores` (at least 1), re-simulate, and repeat until the step settles."""
+    last = max(sim.t)
+    for _ in range(rounds):
+        spans = []   # (time, +1 / -1): the compute stream busy, over all devices
+        for d, instrs in enumerate(sim.instrs):
+            for i, ins in enumerate(instrs):
+                if ins.kind in _COMPUTE and sim.end[d][i] > sim.start[d][i]:
+                    spans += [(sim.start[d][i], 1), (sim.end[d][i], -1)]
+        spans.sort()
+        times = [x[0] for x in spans]
+        level, area, active = [], [], 0
+        acc, prev = 0.0, None
+        for tm, step in spans:   # cumulative area under active(t), at each change point
+            if prev is not None:
+                acc += active * (tm - prev)
+            active += step
+            prev = tm
+            level.append(active)
+            area.append(acc)
+
+        def integral(x: float, times=times, area=area, level=level) -> float:
+            k = bisect.bisect_right(times, x) - 1
+            return 0.0 if k < 0 else area[k] + level[k] * (x - times[k])
+        stretch: list[dict[int, float]] = []
+        for d, instrs in enumerate(sim.instrs):
+            own = {}
+            for i, ins in enumerate(instrs):
+                s0, s1 = sim.start[d][i], sim.end[d][i]
+                if ins.kind in _COMPUTE and s1 > s0:
+                    share = max(1.0, (integral(s1) - integral(s0)) / (s1 - s0) / cost.cores)
+                    own[i] = 0.5 * (share + sim.stretch[d].get(i, 1.0))   # damped
+            stretch.append(own)
+        new = _Sim(plan, cost, stretch)
+        new.run()
+        done = abs(max(new.t) - last) <= 1e-3 * last
+        sim, last = new, max(new.t)
+        if done:
+            break
+    return sim
 
 
 _TIMED = _COMPUTE | {"SEND", "RECV", *COLLECTIVE_KINDS}
@@ -236,5 +297,6 @@ def simulate(plan: Plan, cost_model: CostModel | None = None, *, memory=None) ->
     finally:
         if was_on:
             gc.enable()
-    meta = {"cost_model": cost.name, "world": plan.world, "microbatches": plan.microbatches}
+    meta = {"cost_model": cost.name, "world": plan.world, "microbatches": plan.microbatches,
+            "host_end": max(timing.host_end, default=0.0)}   # when the last host finished
     return Trace(tuple(events), tuple(samples), "simulated", cost.unit, meta)

@@ -6,15 +6,21 @@ with the library's readable message and no traceback. Checks run cheapest first:
 tags one module at a time, then each row on its own (JSON form, schedule builder), and
 only when all of those pass the whole program is compiled and simulated. Captures are
 cached per annotation set in the `cache` dict the caller owns (the Designer keeps one),
-so an edit of a directive recompiles in tens of milliseconds.
+so an edit of a directive recompiles in tens of milliseconds. Compiling runs the model on
+a slice of the batch to learn shapes; on tensors that small torch's worker threads only
+contend (10-20x slower on a loaded 2-core machine), so it runs on one intra-op thread.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
+
+import torch
 
 from piper_nb.capture.annotate import annotate
 from piper_nb.compiler.compile import compile as compile_plan
@@ -72,6 +78,17 @@ def _internal(err: Exception, stage: str) -> Problem:
                    "it with the program's JSON)", stage="internal")
 
 
+@contextlib.contextmanager
+def one_thread() -> Iterator[None]:
+    """torch on one intra-op thread inside the block (restored after)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
 def _spec(state: DesignerState, cache: dict):
     key = ("spec", json.dumps(state.annotations, sort_keys=True, default=str))
     if key not in cache:
@@ -116,7 +133,8 @@ def compile_state(state: DesignerState, cache: dict | None = None) -> tuple[Any,
         return None, [Problem("the program is empty: add directives or pick a schedule",
                               stage="directive")]
     try:
-        return compile_plan(_spec(state, cache), Program(state.rows), state.batch), []
+        with one_thread():
+            return compile_plan(_spec(state, cache), Program(state.rows), state.batch), []
     except PlanError as err:
         return None, [_from_error(err, "compile")]
     except Exception as err:  # a bug below us: show it as a problem, not a traceback

@@ -30,13 +30,18 @@ from piper_nb.ui.views import ViewsPanel
 __all__ = ["Designer", "default_design"]
 
 
-def default_design(model, stages: int = 2, microbatches: int = 4) -> tuple[dict, list[dict]]:
-    """Annotations cutting `model` into `stages` by parameters, and a 1F1B program."""
+def default_design(model, batch_size: int | None = None, stages: int = 2,
+                   microbatches: int = 4) -> tuple[dict, list[dict]]:
+    """Annotations cutting `model` into `stages` by parameters, each stage placed on its own
+    device, and a 1F1B schedule (a plain microbatch split when there is one stage)."""
     from piper_nb.capture.annotate import cut_stages, pipeline_units
-    stages = max(1, min(stages, len(pipeline_units(model)) or 1))
-    ann = cut_stages(model, stages) if stages > 1 else {}
+    if batch_size:
+        microbatches = next(m for m in (microbatches, 4, 2, 1) if batch_size % m == 0)
+    stages = max(1, min(stages, len(pipeline_units(model))))
+    if stages == 1:
+        return {}, [{"op": "split", "filter": {}, "dim_name": "MB", "num_microbatches": microbatches}]
     rows = [{"op": "place", "filter": {"PP": s}, "devices": [s]} for s in range(stages)]
-    return ann, [*rows, schedule_row("1f1b", stages, microbatches)]
+    return cut_stages(model, stages), [*rows, schedule_row("1f1b", stages, microbatches)]
 
 
 class Designer:
@@ -45,8 +50,8 @@ class Designer:
 
     def __init__(self, model, batch, cluster=None, *, program: Iterable | str | None = None,
                  annotations: Mapping[str, Mapping[str, int]] | None = None,
-                 debounce: float | None = 0.15, cost: str = "uniform"):
-        ann, rows = default_design(model)
+                 debounce: float | None = 0.15, cost: str = "uniform", lazy_views: bool = True):
+        ann, rows = default_design(model, batch[0].shape[0])
         if annotations is not None:
             ann = {k: dict(v) for k, v in annotations.items()}
         if program is not None:
@@ -66,7 +71,7 @@ class Designer:
         self.layers = LayersPanel(self.state, self.edit)
         self.directives = DirectivesPanel(self.state, self.edit)
         self.launcher = LaunchPanel(self._run_args, self._cluster_for)
-        self.views = ViewsPanel(self._option, self.launcher.widget)
+        self.views = ViewsPanel(self._option, self.launcher.widget, lazy=lazy_views)
         self.views.cost.value = cost
         self.message = W.HTML()
         editors = W.Tab(children=[self.layers.widget, self.directives.widget,

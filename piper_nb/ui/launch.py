@@ -20,7 +20,7 @@ import ipywidgets as W
 import plotly.graph_objects as go
 
 from piper_nb.errors import PlanError, RuntimeFailure
-from piper_nb.ui.render import loss_figure, placeholder_figure, timeline_figure
+from piper_nb.ui.render import comparison_figure, loss_figure
 from piper_nb.ui.widgets import replace_figure
 
 __all__ = ["StepReporter", "LaunchPanel"]
@@ -60,13 +60,9 @@ class LaunchPanel:
         self.status = W.HTML("<span class='pn-muted'>Runs the current plan on the cluster "
                              "(local worker processes unless the Designer was given one).</span>")
         self.loss = go.FigureWidget(loss_figure([], []))
-        self.predicted = go.FigureWidget(placeholder_figure("predicted timeline"))
-        self.measured = go.FigureWidget(placeholder_figure("measured timeline"))
-        half = W.Layout(width="50%")
+        self.timelines = go.FigureWidget(comparison_figure(None, None))
         self.widget = W.VBox([W.HBox([self.steps, self.lr, self.button, self.progress]),
-                              self.status, self.loss,
-                              W.HBox([W.Box([self.predicted], layout=half),
-                                      W.Box([self.measured], layout=half)])])
+                              self.status, self.loss, self.timelines])
         self.thread: threading.Thread | None = None
         self.result = None
         self.reference = None
@@ -124,8 +120,7 @@ class LaunchPanel:
                 self._set_losses(losses, ref, steps)
 
             self.result = train(plan, batch, steps, SGD(lr=lr), cluster=StepReporter(cluster, on_step))
-            replace_figure(self.predicted, timeline_figure(trace, "predicted"))
-            replace_figure(self.measured, timeline_figure(self.result.trace, "measured"))
+            replace_figure(self.timelines, comparison_figure(trace, self.result.trace))
             diff = max(abs(a - b) for a, b in zip(self.result.losses, ref, strict=True))
             self.status.value = (
                 f"<span class='pn-good'>done</span>: final loss {self.result.losses[-1]:.6g} "

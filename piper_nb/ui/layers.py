@@ -39,7 +39,7 @@ class LayerRow:
         params = sum(p.numel() for p in mod.parameters())
         name = path.rsplit(".", 1)[-1]
         self.toggle = W.Button(description="▸" if has_children else "",
-                               disabled=not has_children, layout=W.Layout(width="26px"))
+                               disabled=not has_children, layout=W.Layout(width="30px", padding="0px"))
         self.name = W.HTML(
             f"<div style='margin-left:{depth * 12}px; white-space:nowrap; overflow:hidden; "
             f"text-overflow:ellipsis' title='{html.escape(path)}: {type(mod).__name__}, "
@@ -103,7 +103,7 @@ class LayersPanel:
         self.cut_button.on_click(lambda _: self.cut())
         self.message = W.HTML()
         header = W.HBox([W.HTML(f"<span class='pn-muted'>{text}</span>", layout=W.Layout(width=w))
-                         for text, w in (("", "26px"), ("module", _NAME), ("PP", _BOX.width),
+                         for text, w in (("", "30px"), ("module", _NAME), ("PP", _BOX.width),
                                          ("EP", _BOX.width), ("other tags", _OTHER),
                                          ("effective tags", _EFFECTIVE))])
         self.tree = W.VBox(self._build(""))

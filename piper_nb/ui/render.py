@@ -3,7 +3,8 @@
 The widget layer copies these into long-lived widgets (an HTML's `value`, a
 `FigureWidget`'s traces and layout), so everything here is testable without a front end:
 the status line, the plan grid, the problems list, the memory figure (peak per device
-beside memory over time), an empty placeholder figure and the loss curve of a launch.
+beside memory over time), an empty placeholder figure, and for a launch the loss curve and
+the predicted and measured timelines side by side in one figure (each on its own clock).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from plotly.subplots import make_subplots
 from piper_nb.ui.compute import Outcome, Problem
 
 __all__ = ["summary_html", "grid_html", "problems_html", "memory_figure", "placeholder_figure",
-           "loss_figure", "timeline_figure", "bytes_text"]
+           "loss_figure", "timeline_figure", "comparison_figure", "bytes_text"]
 
 
 def bytes_text(n: float) -> str:
@@ -121,6 +122,38 @@ def loss_figure(losses: list[float], reference: list[float] | None = None,
         fig.add_trace(go.Scatter(x=list(range(1, len(reference) + 1)), y=list(reference),
                                  mode="lines", name="reference", line={"dash": "dash"}))
     xrange = [0.5, (steps or max(len(losses), 1)) + 0.5]
-    fig.update_layout(height=280, title="loss per step", xaxis={"title": "step", "range": xrange},
+    fig.update_layout(height=280, title="loss per step", xaxis={"title": "step", "range": xrange, "dtick": 1},
                       yaxis={"title": "loss"}, legend={"orientation": "h"})
+    return fig
+
+
+def comparison_figure(predicted, measured) -> go.Figure:
+    """Predicted (left) and measured (right) timelines side by side, one legend by kind."""
+    from piper_nb.viz.timeline import COLORS, timeline_data
+    if predicted is None or measured is None:
+        return placeholder_figure("predicted and measured timelines appear after a launch")
+    sides = [timeline_data(predicted), timeline_data(measured)]
+    fig = make_subplots(rows=1, cols=2, horizontal_spacing=0.1, subplot_titles=(
+        f"predicted: step {predicted.step_time:.4g} {predicted.unit}",
+        f"measured: step {measured.step_time * 1000:.3g} ms" if measured.unit == "s"
+        else f"measured: step {measured.step_time:.4g} {measured.unit}"))
+    shown: set[str] = set()
+    for col, data in enumerate(sides, start=1):
+        scale = 1000.0 if data.unit == "s" and col == 2 else 1.0
+        for kind, bars in data.bars.items():
+            fig.add_trace(go.Bar(
+                orientation="h", name=kind, legendgroup=kind, showlegend=kind not in shown,
+                marker_color=COLORS.get(kind, "#999999"), y=[b["row"] for b in bars],
+                x=[b["duration"] * scale for b in bars], base=[b["start"] * scale for b in bars],
+                width=[b["width"] for b in bars], offset=[b["offset"] for b in bars],
+                customdata=[[b["label"]] for b in bars],
+                hovertemplate="%{customdata[0]}: %{base:.4g} + %{x:.4g}<extra></extra>"),
+                row=1, col=col)
+            shown.add(kind)
+        fig.update_yaxes(type="category", categoryorder="array",
+                         categoryarray=list(reversed(data.rows)), row=1, col=col)
+        fig.update_xaxes(title_text="ms" if scale != 1.0 else data.unit, row=1, col=col)
+    rows = max(len(d.rows) for d in sides)
+    fig.update_layout(barmode="overlay", bargap=0.1, height=200 + 22 * rows,
+                      legend={"orientation": "h", "y": -0.2}, margin={"l": 90, "r": 20})
     return fig

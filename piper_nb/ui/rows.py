@@ -31,6 +31,7 @@ from piper_nb.ui.widgets import set_class
 
 __all__ = ["Field", "FIELDS", "DirectiveRow", "schedule_name"]
 
+_SMALL = W.Layout(width="34px", padding="0px")
 _NAMES = {v: k for k, v in SCHEDULES.items()}
 _ALIASES = {"one_f_one_b": "1f1b", "interleaved": "interleaved_1f1b", "zero_bubble": "zb1p",
             "zbh1": "zb1p"}
@@ -144,9 +145,9 @@ class DirectiveRow:
         self.fields = {f.key: (f, f.make()) for f in FIELDS.get(self.op, (RAW,))}
         self.label = W.HTML(f"<b>#{index}</b> {html.escape(str(self.op))}",
                             layout=W.Layout(width="95px"))
-        self.up = W.Button(description="↑", tooltip="move up", layout=W.Layout(width="30px"))
-        self.down = W.Button(description="↓", tooltip="move down", layout=W.Layout(width="30px"))
-        self.remove = W.Button(description="✕", tooltip="remove", layout=W.Layout(width="30px"))
+        self.up = W.Button(description="↑", tooltip="move up", layout=_SMALL)
+        self.down = W.Button(description="↓", tooltip="move down", layout=_SMALL)
+        self.remove = W.Button(description="✕", tooltip="remove", layout=_SMALL)
         self.error = W.HTML()
         self.error.add_class("pn-row-message")
         line = W.HBox([self.label, *(w for _, w in self.fields.values()), self.up, self.down,

@@ -4,8 +4,10 @@
 Every widget here is made once; `show(outcome, state)` copies a refresh's results into
 them (the SVG and the details of the selected node, FigureWidget traces and layout, HTML
 values, tab titles), so the page never re-creates a view and plotly keeps its zoom
-controls. The DAG view's `selected` trait (set by a click in the browser, or by a test)
-drives the node details panel.
+controls. The drawn views (DAG, Timeline, Memory) are drawn when their tab is shown: a
+refresh redraws the visible one and marks the others stale (`lazy=False` draws all), which
+keeps an edit's redraw fast and never draws plotly into a hidden tab. The DAG view's
+`selected` trait (set by a click in the browser, or by a test) drives the node details.
 """
 
 from __future__ import annotations
@@ -33,7 +35,10 @@ TABS = ("DAG", "Timeline", "Memory", "Plan", "Problems", "Run")
 class ViewsPanel:
     """`widget`: a status line, view options and the tabs; `show` fills them in place."""
 
-    def __init__(self, on_option, run_widget: W.Widget | None = None):
+    def __init__(self, on_option, run_widget: W.Widget | None = None, lazy: bool = True):
+        self.lazy = lazy
+        self.stale: set[str] = set()
+        self._outcome, self._state = Outcome(), None
         self.status = W.HTML()
         self.collapse = W.Dropdown(options=[("auto", "auto"), ("none", "none"),
                                             ("microbatches", "MB")], value="auto",
@@ -65,10 +70,12 @@ class ViewsPanel:
             W.VBox([self.problems]),
             run_widget if run_widget is not None else W.HTML("no launcher")])
         self.tabs.titles = TABS
+        self.tabs.observe(lambda _: self._draw_visible(), names=["selected_index"])
         self.widget = W.VBox([W.HBox([self.status]), W.HBox([self.collapse, self.cost]), self.tabs])
 
     # ---- DAG --------------------------------------------------------------------------
     def _selected(self, change) -> None:
+        self.draw("DAG")
         self.details.value = node_details(self._dag, change["new"], self._groups)
 
     def _show_dag(self, dag, collapse: str) -> None:
@@ -93,22 +100,46 @@ class ViewsPanel:
 
     # ---- everything -------------------------------------------------------------------
     def show(self, outcome: Outcome, state, refresh_seconds: float | None = None) -> None:
-        plan, trace = outcome.plan, outcome.trace
-        self._show_dag(plan.dag if plan is not None else None, state.collapse)
-        replace_figure(self.timeline, timeline_figure(trace, "predicted"))
-        if trace is not None:
-            self.timeline_info.value = (
-                f"<span class='pn-muted'>cost model {trace.meta.get('cost_model', '?')}; "
-                f"bubble per device: " + ", ".join(
-                    f"dev{d} {trace.bubble_fraction(d):.0%}" for d in trace.devices) + "</span>")
-        else:
-            self.timeline_info.value = "<span class='pn-bad'>no timeline: see Problems</span>"
-        replace_figure(self.memory, memory_figure(trace))
-        self.grid.value = grid_html(plan)
+        self._outcome, self._state = outcome, state
+        self.stale = {"DAG", "Timeline", "Memory"}
+        self.grid.value = grid_html(outcome.plan)
         self.problems.value = problems_html(outcome.problems)
         n = len(outcome.problems)
         self.tabs.set_title(TABS.index("Problems"), f"Problems ({n})" if n else "Problems")
         self.set_status(outcome, refresh_seconds)
+        if self.lazy:
+            self._draw_visible()
+        else:
+            self.draw_all()
+
+    def _draw_visible(self) -> None:
+        self.draw(TABS[self.tabs.selected_index or 0])
+
+    def draw_all(self) -> None:
+        for name in sorted(self.stale):
+            self.draw(name)
+
+    def draw(self, name: str) -> None:
+        """Draw view `name` from the last outcome if it is stale."""
+        if name not in self.stale:
+            return
+        self.stale.discard(name)
+        plan, trace = self._outcome.plan, self._outcome.trace
+        if name == "DAG":
+            self._show_dag(plan.dag if plan is not None else None, self._state.collapse)
+        elif name == "Timeline":
+            replace_figure(self.timeline, timeline_figure(trace, "predicted"))
+            self.timeline_info.value = _bubbles(trace)
+        elif name == "Memory":
+            replace_figure(self.memory, memory_figure(trace))
 
     def set_status(self, outcome: Outcome, refresh_seconds: float | None = None) -> None:
         self.status.value = summary_html(outcome, refresh_seconds)
+
+
+def _bubbles(trace) -> str:
+    if trace is None:
+        return "<span class='pn-bad'>no timeline: see Problems</span>"
+    per = ", ".join(f"dev{d} {trace.bubble_fraction(d):.0%}" for d in trace.devices)
+    return (f"<span class='pn-muted'>cost model {trace.meta.get('cost_model', '?')}; bubble per "
+            f"device: {per}</span>")

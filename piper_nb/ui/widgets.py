@@ -46,12 +46,23 @@ class DagView(anywidget.AnyWidget):
 
 
 def replace_figure(widget, fig) -> None:
-    """Make FigureWidget `widget` show `fig` (traces and layout), keeping the widget: the
-    front end gets delete/add-traces and relayout messages, the view is not recreated."""
+    """Make FigureWidget `widget` show `fig`, keeping the widget: the front end gets
+    delete/add-traces and one relayout of the layout keys that changed (re-validating an
+    unchanged template costs more than the rest together)."""
     widget.data = ()
     if fig.data:
         widget.add_traces(list(fig.data))
-    widget.layout = fig.layout
+    new, old = fig.layout.to_plotly_json(), widget.layout.to_plotly_json()
+    if new.get("template") != old.get("template"):
+        widget.layout = fig.layout
+        return
+    changed = {k: v for k, v in new.items() if k != "template" and old.get(k) != v}
+    gone = [k for k in old if k not in new and k != "template"]
+    with widget.batch_update():
+        if changed:
+            widget.update_layout(changed, overwrite=True)
+        for key in gone:
+            widget.layout[key] = None
 
 
 def set_class(widget, name: str, on: bool) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 import piper_nb as pn
 from piper_nb.compiler.compile import expand
@@ -144,3 +145,20 @@ def test_dag_drawing_carries_node_ids_and_details(state):
     html = node_details(plan.dag, "F[PP=1,MB=0]", merged)
     assert "Stands for 4 nodes" in html and "RECV" in html and "SEND" not in html.split("outputs")[0]
     assert "not in the current DAG" in node_details(plan.dag, "F[PP=9]", merged)
+
+
+def test_default_design_fits_the_model_and_batch():
+    ann, rows = default_design(torch.nn.Linear(4, 4), batch_size=6)     # one unit: no stages
+    assert ann == {} and rows == [{"op": "split", "filter": {}, "dim_name": "MB",
+                                   "num_microbatches": 2}]
+    ann, rows = default_design(pn.models.TinyGPT(layers=2), batch_size=6)
+    assert rows[-1]["microbatches"] == 2 and {t["PP"] for t in ann.values()} == {0, 1}
+
+
+def test_profiled_cost_model_is_measured_once_per_design(state):
+    from piper_nb.ui.compute import cost_model
+    plan, _ = compile_state(state)
+    cache: dict = {}
+    first = cost_model(state.replace(cost="profiled"), plan, cache)
+    assert first.unit == "s" and cost_model(state.replace(cost="profiled"), plan, cache) is first
+    assert cost_model(state, plan, cache).unit == "unit"

@@ -1,0 +1,129 @@
+"""The memory model equals the runtime's count, byte for byte, for every strategy.
+
+One rule on both sides (`sim/memory.py`, `runtime/stores.py`): bytes actually held after
+each instruction, each tensor once. The runtime samples after every instruction, and so
+does `pn.simulate`, so the two sequences are compared sample by sample per device and per
+category (params, grads, optim, activations, buffers); times differ and are not compared.
+Each plan trains 2 steps and the last one is compared: a steady-state step, where the
+optimizer state already exists (the first step is checked with `first_step=True`).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+import piper_nb as pn
+from piper_nb.sim import CostModel, MemorySettings
+
+pytestmark = pytest.mark.dist
+
+KINDS = ("params", "grads", "optim", "activations", "buffers")
+OPT = pn.optim.AdamW(1e-3)
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+
+
+def _mlp():
+    model = pn.models.MLP(dim=16, depth=4)
+    return model, model.example_batch(batch_size=8, seed=0)
+
+
+def _gpt(tied: bool = False, layers: int = 4, batch: int = 8):
+    model = pn.models.TinyGPT(vocab=64, dim=32, layers=layers, heads=2, seq=16,
+                              tie_embeddings=tied)
+    return model, model.example_batch(batch_size=batch, seed=0)
+
+
+def _pp(stages: int = 2) -> list:
+    return [pn.place({"PP": s}, [s]) for s in range(stages)]
+
+
+def _schedule(name: str) -> list:
+    return [*_pp(), pn.Program([{"op": "schedule", "name": name, "ranks": 2,
+                                 "microbatches": 4}])[0]]
+
+
+# name -> () -> (model, batch, annotation or None for 2 stages, program)
+STRATEGIES = {
+    **{f"zero{z}": (lambda z=z: (*_mlp(), {"layers": {"PP": 0}},
+                                 [pn.replicate({}, [0, 1], zero=z), pn.split({}, "MB", 2)]))
+       for z in range(4)},
+    "gpipe": lambda: (*_mlp(), None, _schedule("gpipe")),
+    "1f1b": lambda: (*_mlp(), None, _schedule("1f1b")),
+    "interleaved": lambda: (*_gpt(layers=6), 4,
+                            pn.schedules.interleaved_1f1b(2, 4, chunks=2, place=True)),
+    "zb1p": lambda: (*_gpt(layers=6), None,
+                     [*_pp(), *pn.schedules.zero_bubble(ranks=2, microbatches=4)]),
+    "dualpipev": lambda: (*_gpt(layers=6), 4,
+                          pn.schedules.dualpipev(ranks=2, microbatches=4, place=True)),
+    "dualpipe-4ranks": lambda: (*_gpt(layers=6, batch=16), 4,
+                                pn.schedules.dualpipe(ranks=4, microbatches=8, place=True)),
+    "pp2-dp2-zero3": lambda: (*_gpt(), None, pn.Program.from_json(
+        (EXAMPLES / "pp2_dp2_zero3.json").read_text())),
+    "tied-embeddings": lambda: (*_gpt(tied=True), None,
+                                [*_pp(), *pn.schedules.one_f_one_b(ranks=2, microbatches=4)]),
+}
+
+
+def _compile(name: str):
+    model, batch, annotation, program = STRATEGIES[name]()
+    if annotation is None or isinstance(annotation, int):
+        annotation = pn.cut_stages(model, annotation or 2)
+    return pn.compile(pn.annotate(model, annotation), program, batch), batch
+
+
+@pytest.fixture(scope="module")
+def clusters():
+    """One local cluster per world size, shared by the module's tests."""
+    made: dict[int, pn.LocalCluster] = {}
+
+    def get(n: int) -> pn.LocalCluster:
+        if n not in made:
+            made[n] = pn.LocalCluster(n).start()
+        return made[n]
+    yield get
+    for c in made.values():
+        c.close()
+
+
+def _by_device(memory, plan) -> dict[int, list[tuple]]:
+    out = {d: [] for d in range(plan.world)}
+    for m in memory:
+        out[m.device].append(tuple(getattr(m, k) for k in KINDS))
+    return out
+
+
+def _assert_equal(plan, measured, predicted) -> None:
+    meas, pred = _by_device(measured, plan), _by_device(predicted, plan)
+    for d in range(plan.world):
+        instrs = plan.devices[d].instrs
+        assert len(meas[d]) == len(pred[d]) == len(instrs), f"device {d}: one sample each"
+        for k, kind in enumerate(KINDS):   # the peaks first: the headline numbers
+            assert max(s[k] for s in meas[d]) == max(s[k] for s in pred[d]), (
+                f"device {d}: peak {kind}")
+        for i, (m, p) in enumerate(zip(meas[d], pred[d], strict=True)):
+            ins = instrs[i]
+            text = f"wait({instrs[ins.target]})" if ins.kind == "WAIT" else str(ins)
+            assert m == p, (f"device {d}, instruction {i} ({text}): measured "
+                            f"{dict(zip(KINDS, m, strict=True))}, predicted "
+                            f"{dict(zip(KINDS, p, strict=True))}")
+
+
+@pytest.mark.parametrize("name", sorted(STRATEGIES))
+def test_predicted_memory_equals_measured(clusters, name):
+    plan, batch = _compile(name)
+    result = pn.train(plan, batch, steps=2, optimizer=OPT, cluster=clusters(plan.world))
+    predicted = pn.simulate(plan, CostModel.uniform(), memory=MemorySettings(optimizer=OPT))
+    _assert_equal(plan, result.trace.memory, predicted.memory)
+    assert predicted.peak_memory == result.trace.peak_memory
+
+
+@pytest.mark.parametrize("name,optimizer", [("interleaved", pn.optim.SGD(0.1, momentum=0.9)),
+                                            ("zero2", OPT)])
+def test_first_step_optimizer_state_appears_at_the_update(clusters, name, optimizer):
+    plan, batch = _compile(name)
+    result = pn.train(plan, batch, steps=1, optimizer=optimizer, cluster=clusters(plan.world))
+    settings = MemorySettings(optimizer=optimizer, first_step=True)
+    _assert_equal(plan, result.trace.memory, pn.simulate(plan, CostModel.uniform(),
+                                                         memory=settings).memory)

@@ -1,0 +1,186 @@
+"""The Designer in a real browser: headless JupyterLab + chromium (Playwright).
+
+Opens a temp copy of notebooks/07_designer.ipynb, runs all cells from the Run menu, and
+checks what only a browser can show: the DAG SVG and the plotly timeline render, typing a
+new microbatch count into the schedule row redraws the timeline, clicking a DAG node shows
+its details (the anywidget front end posts the id back), and a screenshot is saved.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+NOTEBOOK = Path(__file__).resolve().parents[2] / "notebooks" / "07_designer.ipynb"
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking",
+        "--disable-component-update", "--disable-sync", "--no-first-run"]
+
+pytestmark = [pytest.mark.browser, pytest.mark.timeout(240)]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _api(base: str, token: str, path: str, method: str = "GET"):
+    req = urllib.request.Request(f"{base}{path}?token={token}", method=method)
+    with urllib.request.urlopen(req, timeout=5) as r:
+        body = r.read()
+    return json.loads(body) if body else None
+
+
+def _wait_for_server(base: str, token: str, proc, timeout: float = 90) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"jupyter lab exited with code {proc.returncode}")
+        try:
+            _api(base, token, "/api/status")
+            return
+        except OSError:
+            time.sleep(0.5)
+    raise TimeoutError(f"jupyter lab did not answer on {base} within {timeout} s")
+
+
+@pytest.fixture
+def lab(tmp_path):
+    if CHROMIUM is None:
+        pytest.skip("chromium is not installed (apt-get install chromium); the browser test needs it")
+    pytest.importorskip("playwright.sync_api", reason="playwright (python) is not installed")
+    root = tmp_path / "root"
+    root.mkdir()
+    shutil.copy(NOTEBOOK, root / NOTEBOOK.name)
+    port, token = _free_port(), secrets.token_hex(16)
+    env = dict(os.environ, JUPYTER_RUNTIME_DIR=str(tmp_path / "runtime"),
+               JUPYTER_CONFIG_DIR=str(tmp_path / "config"), IPYTHONDIR=str(tmp_path / "ipython"),
+               JUPYTER_PLATFORM_DIRS="1")
+    log = open(tmp_path / "jupyter.log", "w")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "jupyter", "lab", "--no-browser", "--ip", "127.0.0.1",
+         "--port", str(port), f"--ServerApp.token={token}", "--allow-root",
+         f"--ServerApp.root_dir={root}", "--LabApp.news_url=", "--ServerApp.port_retries=0",
+         "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate"],
+        cwd=root, env=env, stdout=log, stderr=subprocess.STDOUT)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        _wait_for_server(base, token, proc)
+        yield base, token
+    finally:
+        try:
+            for k in _api(base, token, "/api/kernels") or []:
+                _api(base, token, f"/api/kernels/{k['id']}", method="DELETE")
+        except OSError:
+            pass
+        proc.terminate()
+        try:
+            proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=5)
+        log.close()
+
+
+def _bar_count(page) -> int:
+    return page.locator(".js-plotly-plot:visible g.trace.bars g.point").count()
+
+
+def _accept_dialogs(page) -> None:
+    """Answer JupyterLab's "Select Kernel" (or any) dialog with its default button."""
+    dialog = page.locator(".jp-Dialog .jp-mod-accept")
+    if dialog.count():
+        dialog.first.click()
+
+
+def _wait_kernel_idle(page, timeout: float = 90) -> None:
+    deadline = time.monotonic() + timeout
+    status = page.locator(".jp-StatusBar-Widget", has_text="Idle")
+    while time.monotonic() < deadline:
+        _accept_dialogs(page)
+        if status.count() and page.locator(
+                ".jp-Notebook-ExecutionIndicator[data-status='idle']").count():
+            return
+        page.wait_for_timeout(250)
+    raise TimeoutError("the notebook's kernel did not become idle")
+
+
+def _wait_rendered(page, selector: str, timeout: float = 120) -> None:
+    """Wait for `selector`; fail at once with the cell's error if the notebook raised."""
+    deadline = time.monotonic() + timeout
+    errors = page.locator(".jp-OutputArea-output[data-mime-type='application/vnd.jupyter.stderr']")
+    while time.monotonic() < deadline:
+        if page.locator(selector).count():
+            return
+        if errors.count():
+            raise AssertionError("the notebook raised:\n" + errors.first.inner_text()[-2000:])
+        page.wait_for_timeout(250)
+    raise TimeoutError(f"{selector} did not render within {timeout} s")
+
+
+def _run_all(page) -> None:
+    _wait_kernel_idle(page)
+    page.locator(".lm-MenuBar-itemLabel", has_text="Run").first.click()
+    page.locator(".lm-Menu-itemLabel", has_text="Run All Cells").first.click()
+    page.wait_for_timeout(500)
+    _accept_dialogs(page)
+
+
+def test_designer_in_jupyterlab(lab, tmp_path):
+    from playwright.sync_api import sync_playwright
+    base, token = lab
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=ARGS, headless=True)
+        try:
+            page = browser.new_page(viewport={"width": 1700, "height": 1100})
+            page.set_default_timeout(60_000)
+            page.goto(f"{base}/lab/tree/{NOTEBOOK.name}?token={token}")
+            page.wait_for_selector(".jp-NotebookPanel .jp-Cell", timeout=90_000)
+            _run_all(page)
+
+            # the DAG renders as SVG with clickable nodes carrying DAG ids
+            _wait_rendered(page, ".pn-dag svg g.node")
+            assert page.locator('.pn-dag g.node[id="F[PP=0,MB=0]"]').count() == 1
+
+            # the timeline renders (plotly) once its tab is shown
+            page.locator(".widget-tab .lm-TabBar-tab", has_text="Timeline").first.click()
+            page.wait_for_selector(".js-plotly-plot:visible g.trace.bars g.point")
+            before = _bar_count(page)
+
+            # type a new microbatch count into the schedule row: the timeline redraws
+            page.locator(".widget-tab .lm-TabBar-tab", has_text="Directives").first.click()
+            box = page.locator(".pn-microbatches input").first
+            box.fill("8")
+            box.press("Enter")
+            deadline = time.monotonic() + 60
+            while _bar_count(page) <= before and time.monotonic() < deadline:
+                page.wait_for_timeout(250)
+            assert _bar_count(page) > before, "the timeline did not redraw after the edit"
+            page.wait_for_selector(".pn-summary:has-text('8 microbatches')")
+
+            # click a DAG node: its details appear beside the picture
+            page.locator(".widget-tab .lm-TabBar-tab", has_text="DAG").first.click()
+            node = page.locator('.pn-dag g.node[id="F[PP=1,MB=0]"]')
+            node.wait_for(state="visible")
+            node.click()
+            details = page.locator(".pn-details-panel")
+            details.locator("text=inputs").wait_for()
+            text = details.inner_text()
+            assert "F[PP=1,MB=0]" in text and "stream" in text and "outputs" in text
+            assert "selected: F[PP=1,MB=0]" in page.locator(".pn-dag-note").first.inner_text()
+            page.screenshot(path=str(tmp_path / "designer.png"), full_page=True)
+            page.locator(".pn-designer").first.screenshot(path=str(tmp_path / "designer_widget.png"))
+            assert (tmp_path / "designer.png").stat().st_size > 10_000
+        finally:
+            browser.close()

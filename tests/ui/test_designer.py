@@ -1,0 +1,240 @@
+"""The Designer's widgets driven from Python: set traits and values the way the front end
+would (a click on the DAG sets `selected`, typing sets a box's `value`, buttons are
+clicked with `.click()`) and check the views, rows and problems that follow."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+
+import piper_nb as pn
+from piper_nb.ui import Designer
+from piper_nb.ui.views import TABS
+from piper_nb.ui.widgets import DagView, asset_dir
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+
+
+@pytest.fixture(scope="module")
+def gpt():
+    model = pn.models.TinyGPT(layers=4)
+    return model, model.example_batch(batch_size=8, seed=0)
+
+
+@pytest.fixture
+def designer(gpt):
+    d = Designer(*gpt, debounce=None)       # every edit refreshes at once
+    yield d
+    d.close()
+
+
+def bars(fig) -> int:
+    return sum(len(t.x) for t in fig.data if t.type == "bar")
+
+
+def show(designer, tab: str) -> None:
+    """Select a view tab, as a click on it would."""
+    designer.views.tabs.selected_index = TABS.index(tab)
+
+
+def test_front_end_assets_are_found_and_loaded_by_path():
+    assert (asset_dir() / "dag_view.js").is_file() and (asset_dir() / "dag_view.css").is_file()
+    view = DagView()
+    assert "export default" in view._esm and "pn-selected" in view._css
+
+
+def test_opens_on_a_compiling_two_stage_1f1b(designer):
+    assert designer.problems == [] and designer.plan.world == 2
+    assert '<g id="F[PP=0,MB=0]" class="node">' in designer.views.dag.svg
+    assert designer.views.stale == {"Timeline", "Memory"}        # drawn when shown
+    show(designer, "Timeline")
+    show(designer, "Memory")
+    assert bars(designer.views.timeline) > 0 and len(designer.views.memory.data) == 3
+    assert designer.views.stale == set()
+    assert "0F0" in designer.views.grid.value and "1B3" in designer.views.grid.value
+    assert "plan checked" in designer.views.status.value
+    assert designer.last_refresh_seconds > 0
+    assert [r.op for r in designer.directives.rows] == ["place", "place", "schedule"]
+    assert designer.layers.rows["blocks.1"].pp.value == "0"
+
+
+def test_clicking_a_dag_node_shows_its_details(designer):
+    designer.views.dag.selected = "F[PP=1,MB=0]"       # what dag_view.js posts on a click
+    details = designer.views.details.value
+    for text in ("F[PP=1,MB=0]", "devices</td><td>1", "stream</td><td>compute", "inputs",
+                 "RECV(F[PP=0,MB=0]", "outputs", "B[PP=1,MB=0]"):
+        assert text in details
+    designer.views.dag.selected = "nonsense"
+    assert "not in the current DAG" in designer.views.details.value
+
+
+def test_microbatch_edit_recompiles_and_redraws_in_place(designer):
+    timeline, memory, dag = designer.views.timeline, designer.views.memory, designer.views.dag
+    show(designer, "Timeline")
+    before_bars, before_grid = bars(timeline), designer.views.grid.value
+    before_svg = dag.svg
+    designer.microbatches.value = 8
+    assert designer.plan.microbatches == 8 and designer.state.rows[2]["microbatches"] == 8
+    assert bars(designer.views.timeline) > before_bars and designer.views.grid.value != before_grid
+    assert "predicted" in timeline.layout.title.text
+    assert dag.svg == before_svg and "DAG" in designer.views.stale   # hidden: drawn on show
+    show(designer, "DAG")
+    assert "F[PP=0,MB=7]" in dag.svg
+    assert designer.views.timeline is timeline and designer.views.memory is memory
+    assert designer.views.dag is dag
+    assert "2 devices x 8 microbatches" in designer.views.status.value
+
+
+def test_bad_directive_is_a_problem_on_its_row(designer):
+    designer.directives.op.value = "place"
+    designer.directives.add.click()
+    row = designer.directives.rows[3]
+    row.widget("devices").value = "0,x"
+    assert [p.row for p in designer.problems] == [3]
+    assert "pn-row-error" in row.box._dom_classes and "devices" in row.error.value
+    assert "directive #3 (place)" in designer.views.problems.value
+    assert "Traceback" not in designer.views.problems.value
+    assert designer.views.tabs.titles[4] == "Problems (1)"
+    assert "No DAG" in designer.views.dag.message
+    row.widget("devices").value = "0"
+    assert designer.problems == [] and "pn-row-error" not in row.box._dom_classes
+    assert designer.views.dag.message == ""
+
+
+def test_whole_program_error_points_at_the_schedule_row(designer):
+    designer.microbatches.value = 3                    # does not divide the batch of 8
+    (problem,) = designer.problems
+    assert problem.row == 2 and "divide" in problem.message
+    assert "pn-row-error" in designer.directives.rows[2].box._dom_classes
+
+
+def test_rows_move_and_go(designer):
+    designer.directives.rows[2].up.click()
+    assert [r["op"] for r in designer.state.rows] == ["place", "schedule", "place"]
+    designer.directives.rows[1].remove.click()
+    assert [r.op for r in designer.directives.rows] == ["place", "place"]
+    assert "empty" not in designer.views.problems.value and designer.plan is not None
+    designer.directives.schedule.value = "interleaved_1f1b"
+    designer.directives.ranks.value = 2
+    designer.directives.micro.value = 4
+    designer.directives.add_schedule.click()
+    assert designer.state.rows[-1] == {"op": "schedule", "name": "interleaved_1f1b", "ranks": 2,
+                                       "microbatches": 4, "chunks": 2}
+    assert not designer.directives.rows[-1].widget("chunks").disabled
+
+
+def test_replicate_rows_set_the_zero_level():
+    model = pn.models.TinyGPT(layers=4, tie_embeddings=False)
+    d = Designer(model, model.example_batch(batch_size=8), debounce=None, program=[
+        pn.place({"PP": 0}, [0, 2]), pn.place({"PP": 1}, [1, 3]),
+        pn.replicate({"PP": 0}, [0, 2]), pn.replicate({"PP": 1}, [1, 3]),
+        *pn.schedules.one_f_one_b(ranks=2, microbatches=2)])
+    assert d.problems == [] and d.plan.world == 4
+    d.directives.rows[2].widget("zero").value = 3
+    assert d.state.rows[2]["zero"] == 3
+    assert d.problems == [] and "ALL_GATHER" in d.plan.dag.text()
+    d.directives.rows[3].widget("devices").value = "1, 2"
+    assert d.problems[0].row == 3 and "replicate" in d.problems[0].text()
+
+
+def test_order_and_shard_rows_edit_their_fields(designer):
+    designer.directives.op.value = "order"
+    designer.directives.add.click()
+    order = designer.directives.rows[3]
+    order.widget("filters").value = "PP=0,MB=0,PASS=F\nPP=0,MB=1,PASS=F | PP=0,MB=0,PASS=B"
+    assert designer.state.rows[3]["filters"] == [
+        [{"PP": 0, "MB": 0, "PASS": "F"}],
+        [{"PP": 0, "MB": 1, "PASS": "F"}, {"PP": 0, "MB": 0, "PASS": "B"}]]
+    designer.directives.op.value = "shard"
+    designer.directives.add.click()
+    shard = designer.directives.rows[4]
+    shard.widget("filter").value = "PP=1, EP=*"
+    shard.widget("stream").value = "ep"
+    assert designer.state.rows[4] == {"op": "shard", "filter": {"PP": 1, "EP": "*"},
+                                      "devices": [0, 1], "stream": "ep"}
+    assert any(p.row in (3, 4) for p in designer.problems)    # TinyGPT has no EP regions
+
+
+def test_json_export_import_round_trip(designer):
+    designer.directives.export()
+    exported = json.loads(designer.directives.json.value)
+    assert exported == [dict(r) for r in designer.state.rows]
+    designer.directives.json.value = (EXAMPLES / "pp2_1f1b.json").read_text().replace(
+        '"microbatches": 4', '"microbatches": 2')
+    designer.directives.import_button.click()
+    assert designer.state.rows[2]["microbatches"] == 2 and designer.plan.microbatches == 2
+    assert designer.microbatches.value == 2
+    designer.directives.json.value = "[{not json"
+    designer.directives.import_button.click()
+    assert "not imported" in designer.directives.json_status.value
+    assert designer.state.rows[2]["microbatches"] == 2
+    designer.directives.expand.value = True
+    designer.directives.export_button.click()
+    assert {r["op"] for r in json.loads(designer.directives.json.value)} == {"place", "split", "order"}
+
+
+def test_python_view_follows_edits(designer):
+    designer.microbatches.value = 8
+    assert "one_f_one_b(ranks=2, microbatches=8)" in designer.directives.python.value
+
+
+def test_layer_tags_and_cut(designer):
+    row = designer.layers.rows["blocks.1"]
+    row.pp.value = "x"
+    assert designer.problems[0].layer == "blocks.1"
+    assert "pn-layer-error" in row.row._dom_classes and "blocks.1" in designer.layers.message.value
+    row.pp.value = "1"
+    assert designer.state.annotations["blocks.1"] == {"PP": 1} and designer.problems == []
+    designer.layers.cut_n.value = 4
+    designer.layers.cut()
+    assert designer.layers.rows["blocks.3"].pp.value == "3"
+    assert designer.problems and designer.problems[0].stage in ("compile", "directive")
+    designer.layers.fold(designer.layers.rows["blocks.2"])     # unfold: children rows appear
+    assert "PP=2" in designer.layers.rows["blocks.2.attn"].effective.value
+
+
+def test_eager_views_draw_every_tab(gpt):
+    d = Designer(*gpt, debounce=None, lazy_views=False)
+    assert d.views.stale == set() and bars(d.views.timeline) > 0 and len(d.views.memory.data) == 3
+
+
+def test_collapse_and_cost_options_redraw(designer):
+    designer.views.collapse.value = "MB"
+    assert '<g id="F[PP=0,MB=1]"' not in designer.views.dag.svg
+    designer.views.cost.value = "analytic"
+    assert designer.trace.unit == "s"
+
+
+def test_edits_are_debounced_into_one_refresh(gpt):
+    d = Designer(*gpt, debounce=0.2)
+    try:
+        start = d.refreshes
+        for n in (2, 4, 8):
+            d.microbatches.value = n
+        assert d.refreshes == start
+        deadline = time.monotonic() + 10
+        while d.refreshes == start and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(0.3)
+        assert d.refreshes == start + 1 and d.plan.microbatches == 8
+    finally:
+        d.close()
+
+
+@pytest.mark.dist
+def test_launch_trains_and_matches_the_reference(gpt):
+    d = Designer(*gpt, debounce=None)
+    try:
+        d.launch(steps=2, wait=True)
+        run = d.launcher
+        assert run.error is None, run.status.value
+        assert run.progress.value == 2 and "done" in run.status.value
+        assert run.result.losses == pytest.approx(run.reference.losses, rel=1e-5, abs=4e-5)
+        assert list(run.loss.data[0].y) == pytest.approx(run.result.losses)
+        halves = {t.xaxis for t in run.timelines.data if t.type == "bar"}
+        assert halves == {"x", "x2"} and bars(run.timelines) > 0     # predicted | measured
+    finally:
+        d.close()
