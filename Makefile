@@ -26,6 +26,7 @@ $(STAMP): pyproject.toml | $(BIN)/python
 test: $(STAMP) $(SYSDEPS)
 	$(BIN)/ruff check piper_nb tests benchmarks
 	$(BIN)/python -m pytest -q -p no:cacheprovider tests
+	$(BIN)/python -m pytest -q -p no:cacheprovider --nbval-lax --nbval-current-env --nbval-cell-timeout=300 notebooks
 
 demo: $(STAMP) $(SYSDEPS)
 	$(BIN)/python -m piper_nb run examples/pp2_dp2_zero3.json --model tiny_gpt --devices 4 --steps 5 --out demo_out
