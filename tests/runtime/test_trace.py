@@ -42,6 +42,23 @@ def test_1f1b_trace_overlaps_comm_and_compute(cluster2):
     assert max(e.end for e in trace.events) <= result.step_times[-1]
 
 
+def test_zero3_prefetch_gathers_while_the_previous_pass_computes(cluster2):
+    """The all-gather for the next pass is issued before the current one and completes
+    (its future fires) while that pass runs: the gather's span overlaps a compute span."""
+    model, batch = _gpt()
+    spec = pn.annotate(model, pn.cut_stages(model, 2))
+    plan = pn.compile(spec, [pn.replicate({}, [0, 1], zero=3), pn.split({}, "MB", 2)], batch)
+    text = plan[0].text()
+    first_compute = next(i for i, t in enumerate(text) if t[1] == "F")
+    assert text[first_compute + 1].startswith("AG"), "the next gather is issued before 0F0 runs"
+    result = train(plan, batch, 2, optim.SGD(0.1), cluster=cluster2)
+    gathers = [e for e in result.trace.events if e.kind == "ALL_GATHER"]
+    compute = [e for e in result.trace.events if e.kind in ("F", "B", "BI", "BW")]
+    overlapping = [(g.label, c.label) for g in gathers for c in compute
+                   if g.device == c.device and g.start < c.end and c.start < g.end]
+    assert overlapping, "no ZeRO-3 gather ran while a pass computed"
+
+
 def _end_state(sample) -> int:
     return sample.params + sample.grads + sample.optim
 
