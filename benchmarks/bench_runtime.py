@@ -20,10 +20,11 @@ piper_nb runs on one `pn.LocalCluster` per world size, reused across cases: `res
 then the last worker's end). The peers (`_peers.py`) run in their own spawned gloo groups in
 this same script and are timed the same way (barrier, wall time per rank, max over ranks).
 All systems of a case stay up side by side and run in interleaved rounds (A B, then B A, ...)
-so machine noise hits them alike; after warm-up steps the median step is reported. The
-first-step losses of every system must agree (same work). A second table splits piper_nb's
-step on its busiest device into compute (F/B/BI/BW/U events of the measured trace) and the
-rest (waiting on peers, the pipeline bubble, runtime overhead).
+so machine noise hits them alike; after warm-up steps the median step is reported (and, as a
+check on noise, the ratio of the fastest steps). The first-step losses of every system must
+agree (same work). A second table splits piper_nb's step on its busiest device into compute
+(F/B/BI/BW/U events of the measured trace) and the rest (waiting on peers, the pipeline
+bubble, runtime overhead), and gives each system's CPU time per step (from /proc, all ranks).
 
     .venv/bin/python benchmarks/bench_runtime.py [--quick] [--steps N] [--only NAME]
 """
@@ -170,8 +171,10 @@ def run_case(case: Case, model, batch, clusters: dict, steps: int, warmup: int, 
         if kind.startswith("fsdp2"):
             label += ", 1 unit" if wrap == "root" else ", unit per layer"
         q_ms = statistics.median(times[kind]) * 1e3
+        best = min(times["piper"]) / min(times[kind])
         case.rows.append({"case": case.name, "ranks": case.world, "peer": label,
                           "piper_nb ms": p_ms, "peer ms": q_ms, "ratio": p_ms / q_ms,
+                          "best-step ratio": best,
                           "compute ms": busy, "steps": len(times["piper"]),
                           "piper_nb CPU ms": cpu_ms["piper"], "peer CPU ms": cpu_ms[kind]})
 
@@ -183,7 +186,7 @@ def _fmt(v) -> str:
 def table(rows: list[dict], keys: list[str], ratio_digits: int = 2) -> str:
     lines = ["| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
     for r in rows:
-        cells = [f"{r[k]:.{ratio_digits}f}" if k == "ratio" else _fmt(r[k]) for k in keys]
+        cells = [f"{r[k]:.{ratio_digits}f}" if "ratio" in k else _fmt(r[k]) for k in keys]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -191,7 +194,7 @@ def table(rows: list[dict], keys: list[str], ratio_digits: int = 2) -> str:
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="6 measured steps, 2 warm-up")
-    ap.add_argument("--steps", type=int, default=16, help="measured steps per system")
+    ap.add_argument("--steps", type=int, default=20, help="measured steps per system")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--chunk", type=int, default=1, help="steps per system per round")
     ap.add_argument("--fsdp-wrap", choices=("root", "layers"), default="root",
@@ -233,7 +236,7 @@ def main(argv: list[str] | None = None) -> None:
           f"SGD lr 0.01, gloo on CPU, 1 thread per rank; median of {args.steps} steps after "
           f"{args.warmup} warm-up, interleaved in rounds of {args.chunk}; "
           f"{time.perf_counter() - t0:.0f} s in all\n")
-    print(table(rows, ["case", "ranks", "piper_nb ms", "peer ms", "ratio"]))
+    print(table(rows, ["case", "ranks", "piper_nb ms", "peer ms", "ratio", "best-step ratio"]))
     print("\nWhere the time goes. compute: piper_nb's F/B/BI/BW/U events on its busiest device "
           "(median step); rest: the step minus that (waiting on transfers and peers, the bubble, "
           "runtime overhead). CPU: user + system CPU time of all ranks' processes per step "

@@ -7,7 +7,7 @@ Tag regions of a model (`annotate`), write a program of directives (`place`, `re
 
 from piper_nb import models, optim, schedules
 from piper_nb.capture import annotate, cut_stages, region
-from piper_nb.cluster import LocalCluster
+from piper_nb.cluster import IPyParallelCluster, LocalCluster
 from piper_nb.compiler.compile import compile
 from piper_nb.compiler.plan import DevicePlan, Instr, Plan
 from piper_nb.directives.spec import Program, order, place, replicate, shard, split
@@ -21,7 +21,8 @@ __all__ = ["annotate", "cut_stages", "region", "compile", "Plan", "DevicePlan", 
            "Program", "place", "replicate", "shard", "split", "order", "PlanError",
            "RuntimeFailure", "WorkerLost", "TrainingDAG", "Node", "Edge", "Op", "validate",
            "models", "schedules", "CostModel", "HardwareSpec", "MemorySettings", "Trace", "simulate",
-           "train", "reference_train", "LocalCluster", "optim", "Result", "Designer"]
+           "train", "reference_train", "LocalCluster", "IPyParallelCluster", "optim", "Result",
+           "Designer"]
 
 
 def __getattr__(name: str):

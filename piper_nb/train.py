@@ -9,6 +9,7 @@ nanoGPT-style codebases use for every parallel strategy. Both return a `Result`.
 from __future__ import annotations
 
 import copy
+import os
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -60,18 +61,37 @@ def _check_batch(batch, size: int, step: int) -> tuple[torch.Tensor, torch.Tenso
     return batch[0], batch[1]
 
 
-def train(plan, batch_or_loader, steps: int, optimizer, cluster=None) -> Result:
-    """Train `plan` for `steps` steps on local workers (or on `cluster`, left running)."""
+def train(plan, batch_or_loader, steps: int, optimizer, cluster=None, *,
+          progress: Callable[[int, int, float], None] | None = None,
+          checkpoint_dir: str | os.PathLike | None = None, checkpoint_every: int | None = None,
+          resume: bool = False) -> Result:
+    """Train `plan` for `steps` steps on local workers (or on `cluster`, left running).
+
+    `progress(step, steps, loss)` is called after every step (raise from it to stop the run).
+    With `checkpoint_dir`, the full training state is written there atomically every
+    `checkpoint_every` steps (default 1) and after the last step; `resume=True` continues from
+    the newest checkpoint there (a loader is advanced past the batches already used), so the
+    result equals an uninterrupted run's. See `piper_nb.cluster.checkpoint`.
+    """
+    from piper_nb.cluster.checkpoint import Checkpointer
     from piper_nb.cluster.local import LocalCluster
     if plan.capture is None:
         raise PlanError("this plan has no captured model; compile it with pn.compile to train it")
+    ckpt = Checkpointer.for_train(plan, optimizer, checkpoint_dir, checkpoint_every, resume)
     own = cluster is None
     cluster = LocalCluster(plan.world) if own else cluster
     losses, times, trace, leftover = [], [], None, set()
     try:
         cluster.reset(plan, optimizer)
+        start = 0
+        if ckpt is not None:
+            start, losses, times = ckpt.restore(cluster)
         it = iter(_batches(batch_or_loader, steps))
-        for s in range(1, steps + 1):
+        for s in range(1, start + 1):  # the data position: skip the batches already trained on
+            if next(it, None) is None:
+                raise PlanError(f"the loader ran out after {s - 1} batches while skipping the "
+                                f"{start} a checkpoint already trained on")
+        for s in range(start + 1, steps + 1):
             try:
                 batch = _check_batch(next(it), plan.batch_size, s)
             except StopIteration:
@@ -84,6 +104,10 @@ def train(plan, batch_or_loader, steps: int, optimizer, cluster=None) -> Result:
             trace = Trace(tuple(e for o in outs for e in o["events"]),
                           tuple(m for o in outs for m in o["memory"]), source="measured",
                           meta={"step": s, "world": plan.world})
+            if ckpt is not None:
+                ckpt.after_step(cluster, s, steps, losses, times)
+            if progress is not None:
+                progress(s, steps, losses[-1])
         params = cluster.state(plan)
     finally:
         if own:

@@ -4,11 +4,14 @@ Each engine spawns one runtime worker process (`runtime.process.serve`, the same
 `pn.LocalCluster` uses) and relays the driver's commands to it; the engine itself never
 blocks for long, so it keeps answering, and it can kill and respawn its worker to abort a
 job while the engine (and its id) stays. The driver calls these functions through
-ipyparallel (`view.apply_async`); every function returns within about `wait` seconds:
+ipyparallel (`view.apply_async`); each returns promptly (`send` and `result` within about
+`wait` seconds), so a request that goes unanswered means the engine is gone:
 
-- `hello(controller_ip)`: where this engine lives (host, a routable address, pid).
+- `hello(controller_ip)`: where this engine lives (host, machine identity, a routable
+  address, pid).
 - `free_port(ip)`: a free TCP port on `ip`, for the process group's rendezvous.
-- `spawn(kwargs, env)`: (re)start this engine's worker; its "ready" answer is sequence 0.
+- `spawn(kwargs, loopback)`: (re)start this engine's worker (`serve(**kwargs)`, gloo pinned
+  to the loopback interface if asked); its "ready" answer is sequence 0.
 - `send(seq, blob, wait)`: hand the worker one pickled `(op, key, payload)` command.
 - `result(seq, wait)`: the answer to command `seq`, `("pending", None)` while it runs,
   `("dead", exit code)` if the worker died. Idempotent: asking twice gives the same answer,
@@ -50,7 +53,8 @@ def hello(controller_ip: str | None, gpus: bool = False) -> dict:
     if gpus:
         import torch
         count = torch.cuda.device_count()
-    return {"host": socket.gethostname(), "ip": ip, "pid": os.getpid(),
+    host = socket.gethostname()
+    return {"host": host, "machine": f"{host}/{psutil.boot_time():.0f}", "ip": ip, "pid": os.getpid(),
             "created": psutil.Process().create_time(), "gpus": count, "python": sys.version.split()[0]}
 
 
@@ -74,10 +78,14 @@ def loopback_interface() -> str | None:
     return None
 
 
-def spawn(kwargs: dict, env: dict[str, str]) -> int:
-    """Start this engine's worker (killing the previous one): `serve(**kwargs)` after `env`."""
+def spawn(kwargs: dict, loopback: bool = False) -> int:
+    """Start this engine's worker (killing the previous one) running `serve(**kwargs)`; with
+    `loopback`, gloo's sockets stay on this machine's loopback interface."""
     import multiprocessing as mp
     kill()
+    env = {}
+    if loopback and (lo := loopback_interface()):
+        env["GLOO_SOCKET_IFNAME"] = lo
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
     results = ctx.Queue()
@@ -114,13 +122,14 @@ def result(seq: int, wait: float) -> tuple[str, object]:
         return "unknown", None
     deadline = time.monotonic() + wait
     while True:
+        proc = _SLOT["proc"]
         try:
             _, kind, blob = _SLOT["results"].get(timeout=max(deadline - time.monotonic(), 0.0))
         except queue.Empty:
-            proc = _SLOT["proc"]
-            if not proc.is_alive():
-                return "dead", proc.exitcode
-            return "pending", None
+            return ("pending", None) if proc.is_alive() else ("dead", proc.exitcode)
+        except (EOFError, OSError):   # the worker died while answering
+            proc.join(timeout=1)
+            return "dead", proc.exitcode
         answered = sent.popleft()
         done[answered] = (kind, blob)
         if answered == seq:

@@ -4,7 +4,8 @@
 `IPyParallelCluster.connect(...)` attaches to an `ipcluster` started elsewhere with any
 launcher (Slurm, MPI, SSH). Each engine keeps one runtime worker (`cluster.engine`), the
 same `runtime.process.serve` command loop `pn.LocalCluster` runs, and relays commands to it;
-the process group meets at engine 0's address on a port engine 0 picks. The cluster speaks
+the process group meets at engine 0's address on a port engine 0 picks. `cluster.roster`
+picks the engines and tells when one is gone. The cluster speaks
 `LocalCluster`'s protocol (`reset`, `step`, `state`, plus `train_state` / `load_train_state`
 for checkpoints), so `pn.train` and the Designer take either.
 
@@ -26,11 +27,11 @@ import inspect
 import logging
 import os
 import pickle
-import socket
 import time
 from typing import NoReturn
 
 from piper_nb.cluster import engine as eng
+from piper_nb.cluster.roster import Roster, engine_error
 from piper_nb.errors import PlanError, RuntimeFailure, WorkerLost
 from piper_nb.runtime.bundle import make_bundle
 from piper_nb.runtime.layout import assemble_state
@@ -42,14 +43,8 @@ __all__ = ["IPyParallelCluster"]
 _SERVE = set(inspect.signature(serve).parameters)
 
 
-class _Interrupted(Exception):
-    """Internal: Ctrl-C arrived while commands were being handed out."""
-
-
-def _engine_error(err: BaseException | None) -> bool:
-    """An ipyparallel error saying the engine died or left (raw, or wrapped as a RemoteError)."""
-    from ipyparallel.error import EngineError, RemoteError
-    return isinstance(err, EngineError) or (isinstance(err, RemoteError) and err.ename == "EngineError")
+class _Abandon(Exception):
+    """Internal: after Ctrl-C the running command cannot finish cleanly; kill the workers."""
 
 
 class IPyParallelCluster:
@@ -75,17 +70,17 @@ class IPyParallelCluster:
         self.n, self.device, self.timeout, self.start_timeout = n, device, timeout, start_timeout
         self.poll, self.lost_after, self.grace, self.threads = poll, lost_after, grace, threads
         self._ipp = None                       # the ipyparallel.Cluster when we started it
-        self.client = _client
-        if self.client is None:
+        client = _client
+        if client is None:
             import ipyparallel as ipp
             opts = {"engine_launcher_class": "local", "log_level": logging.ERROR, "delay": 0,
                     **cluster_options}
             self._ipp = ipp.Cluster(n=n, controller_ip=ip, **opts)
             self._ipp.start_cluster_sync()
-            self.client = self._ipp.connect_client_sync()
-            self.client.wait_for_engines(n, timeout=start_timeout, interactive=False)
-        self._dead: set[int] = set()           # engine ids known lost
-        self._hello: dict[int, dict] = {}      # engine id -> where it lives
+            client = self._ipp.connect_client_sync()
+            client.wait_for_engines(n, timeout=start_timeout, interactive=False)
+        self.client = client
+        self.roster = Roster(client, self._ipp)
         self.engine_ids: list[int] = []        # rank -> engine id, while workers are up
         self.info: list[dict] = []             # per rank: engine, host, pids, backend, device
         self._up = False
@@ -129,46 +124,47 @@ class IPyParallelCluster:
         """Start a worker on each of `n` engines and join them into one process group."""
         if self._up:
             return self
-        ids = self._engines()
-        hosts = [self._hello[e] for e in ids]
-        single = len({h["host"] for h in hosts}) == 1
+        ids = self.roster.pick(self.n, self.device == "cuda", self.start_timeout, self.poll)
+        hosts = [self.roster.hello[e] for e in ids]
+        single = len({h["machine"] for h in hosts}) == 1   # host name + boot time
         if not single and "host" not in _SERVE:
             raise RuntimeFailure("the engines span several machines, but this piper_nb's "
                                  "runtime.process.serve cannot rendezvous off this host (no host=)")
-        host = "127.0.0.1" if single else hosts[0]["ip"]
+        host = "127.0.0.1" if single else hosts[0]["ip"]   # engine 0's machine
         try:
-            port = self._call(ids[0], eng.free_port, host).result(self.poll + 10)
+            port = self.roster.call(ids[0], eng.free_port, host).result(self.poll + 10)
         except Exception as err:
-            self._dead.add(ids[0])
+            self.roster.dead.add(ids[0])
             raise WorkerLost(f"engine {ids[0]} (device 0) did not give a rendezvous port: {err}",
                              device=0) from err
-        local = [sum(h["host"] == hosts[r]["host"] for h in hosts[:r]) for r in range(self.n)]
-        env = {}
-        if single and (lo := eng.loopback_interface()):
-            env["GLOO_SOCKET_IFNAME"] = lo   # gloo's own sockets stay on loopback too
-        backend = None
-        if self.device == "cuda":
-            per_host = {h["host"]: sum(x["host"] == h["host"] for x in hosts) for h in hosts}
-            backend = "nccl" if all(h["gpus"] >= per_host[h["host"]] for h in hosts) else "gloo"
         self._seq, self._loaded, self.engine_ids = 0, [], ids
-        pids = {}
         try:
-            for r, e in enumerate(ids):
-                kwargs = {"rank": r, "world": self.n, "port": port, "device_kind": self.device,
-                          "timeout": self.timeout, "threads": self.threads, "host": host,
-                          "local_rank": local[r], "backend": backend}
-                pids[r] = self._call(e, eng.spawn, kwargs, env)
-            pids = {r: ar.result(self.start_timeout) for r, ar in pids.items()}
-            self._up = True
-            ready = self._gather(0, {r: self._call(e, eng.result, 0, self.poll)
+            spawned = [self.roster.call(e, eng.spawn, self._worker_args(r, hosts, host, port), single)
+                       for r, e in enumerate(ids)]   # one machine: gloo stays on loopback too
+            for ar in spawned:
+                ar.result(self.start_timeout)
+            ready = self._gather(0, {r: self.roster.call(e, eng.result, 0, self.poll)
                                      for r, e in enumerate(ids)}, "start-up", self.start_timeout)
         except BaseException:
             self._kill_workers()
             raise
-        self.info = [{"engine": e, "host": self._hello[e]["host"], "engine_pid": self._hello[e]["pid"],
-                      **ready[r]} for r, e in enumerate(ids)]
+        self._up = True
+        self.info = [{"engine": e, "host": h["host"], "engine_pid": h["pid"], **ready[r]}
+                     for r, (e, h) in enumerate(zip(ids, hosts, strict=True))]
         self.starts += 1
         return self
+
+    def _worker_args(self, rank: int, hosts: list[dict], host: str, port: int) -> dict:
+        """`runtime.process.serve`'s arguments for `rank`: the GPU by local rank (position among
+        the engines on its machine); NCCL only when every machine has a GPU per engine."""
+        local = sum(h["machine"] == hosts[rank]["machine"] for h in hosts[:rank])
+        backend = None
+        if self.device == "cuda":
+            per = {h["machine"]: sum(x["machine"] == h["machine"] for x in hosts) for h in hosts}
+            backend = "nccl" if all(h["gpus"] >= per[h["machine"]] for h in hosts) else "gloo"
+        return {"rank": rank, "world": self.n, "port": port, "device_kind": self.device,
+                "timeout": self.timeout, "threads": self.threads, "host": host, "local_rank": local,
+                "backend": backend}
 
     def restart(self) -> IPyParallelCluster:
         """Kill the workers, replace lost engines (when this cluster started them), start anew."""
@@ -178,8 +174,8 @@ class IPyParallelCluster:
     def close(self) -> None:
         """Stop the workers; stop the engines and controller too when this object started them."""
         if self._up:
-            live = [e for e in self.engine_ids if e not in self._dead]
-            ars = [self._call(e, eng.stop) for e in live]
+            live = [e for e in self.engine_ids if e not in self.roster.dead]
+            ars = [self.roster.call(e, eng.stop) for e in live]
             cf.wait(ars, timeout=10)
             self._up = False
         if self._ipp is not None:
@@ -200,100 +196,13 @@ class IPyParallelCluster:
         return (f"IPyParallelCluster(n={self.n}, device={self.device!r}, {where}, "
                 f"engines={self.engine_ids or None}, running={self.running})")
 
-    # ---- engines -----------------------------------------------------------------------
-    def _call(self, engine: int, fn, *args) -> cf.Future:
-        """`fn(*args)` on `engine`, as a future; already failed if the engine is unregistered."""
-        from ipyparallel.error import EngineError
-        if engine not in self.client.ids:
-            gone: cf.Future = cf.Future()
-            gone.set_exception(EngineError(f"engine {engine} is no longer registered"))
-            return gone
-        return self.client[engine].apply_async(fn, *args)
-
-    @staticmethod
-    def _gone(ar) -> bool:
-        """The engine behind this request went away (unanswered, or the controller says so)."""
-        return not ar.done() or _engine_error(ar.exception())
-
-    def _engines(self) -> list[int]:
-        """`n` engine ids that answer, lowest first (replacing lost ones when we own them).
-        Engines that never answer (dead, but not yet unregistered) are passed over."""
-        controller = getattr(self.client, "_config", {}).get("interface", "").partition("://")[2]
-        gpus = self.device == "cuda"
-        alive: list[int] = []
-        for attempt in range(3):
-            ids = [e for e in sorted(self.client.ids) if e not in self._dead]
-            probes = {e: self._call(e, eng.hello, controller or None, gpus) for e in ids}
-            fresh = any(e not in self._hello for e in ids)   # a first answer imports piper_nb
-            deadline = time.monotonic() + (self.start_timeout if fresh else self.poll + 10)
-            enough = None
-            while time.monotonic() < deadline:
-                pending = [ar for ar in probes.values() if not ar.done()]
-                ok = [ar for ar in probes.values() if ar.done() and ar.exception() is None]
-                if not pending:
-                    break
-                if len(ok) >= self.n:  # enough: give the rest one poll interval, then go on
-                    enough = enough or time.monotonic()
-                    if time.monotonic() - enough > self.poll:
-                        break
-                cf.wait(pending, timeout=0.25, return_when=cf.FIRST_COMPLETED)
-            timed_out = time.monotonic() >= deadline
-            alive = [e for e in ids if self._answered(e, probes[e], timed_out)]
-            if len(alive) >= self.n:
-                return alive[:self.n]
-            if not self.owned or attempt == 2:
-                break
-            before = set(self.client.ids)
-            self._ipp.start_engines_sync(self.n - len(alive))
-            deadline = time.monotonic() + self.start_timeout
-            while len(set(self.client.ids) - before) < self.n - len(alive):
-                if time.monotonic() > deadline:
-                    break
-                time.sleep(0.1)
-        raise WorkerLost(f"only {len(alive)} of {self.n} engines answer (lost: {sorted(self._dead)}); "
-                         "start more engines (`ipcluster engines -n ...`) or connect with a smaller n")
-
-    def _answered(self, engine: int, ar, timed_out: bool) -> bool:
-        """Record a `hello` answer. Silent past the deadline: lost; raised: broken."""
-        if not ar.done():
-            if timed_out:
-                self._dead.add(engine)
-            return False
-        err = ar.exception()
-        if err is None:
-            self._hello[engine] = ar.result()
-            return True
-        if _engine_error(err):
-            self._dead.add(engine)
-            return False
-        raise RuntimeFailure(f"engine {engine} cannot run piper_nb: {err}; every machine needs the "
-                             "same piper_nb, torch and ipyparallel as this kernel",
-                             original=str(err)) from err
-
-    def _local_dead(self) -> list[int]:
-        """Ranks whose engine runs on this machine and whose process is gone."""
-        import psutil
-        out = []
-        me = socket.gethostname()
-        for r, e in enumerate(self.engine_ids):
-            h = self._hello.get(e)
-            if not h or h["host"] != me:
-                continue
-            try:
-                p = psutil.Process(h["pid"])
-                gone = p.create_time() != h["created"] or p.status() == psutil.STATUS_ZOMBIE
-            except psutil.NoSuchProcess:
-                gone = True
-            if gone:
-                out.append(r)
-        return out
-
+    # ---- workers -----------------------------------------------------------------------
     def _kill_workers(self) -> None:
         """Kill every worker (engines stay); wait a moment for the engines to confirm."""
-        live = [e for e in self.engine_ids if e not in self._dead]
-        ars = {e: self._call(e, eng.kill) for e in live}
+        live = [e for e in self.engine_ids if e not in self.roster.dead]
+        ars = {e: self.roster.call(e, eng.kill) for e in live}
         cf.wait(list(ars.values()), timeout=self.poll + 10)
-        self._dead.update(e for e, ar in ars.items() if self._gone(ar))
+        self.roster.dead.update(e for e, ar in ars.items() if self.roster.gone(ar))
         self._up, self._loaded = False, []
 
     # ---- commands ----------------------------------------------------------------------
@@ -306,7 +215,7 @@ class IPyParallelCluster:
             for r, e in enumerate(self.engine_ids):
                 b = blob if payloads is None else pickle.dumps((op, key, payloads[r]))
                 size = max(size, len(b))
-                calls[r] = self._call(e, eng.send, seq, b, self.poll)
+                calls[r] = self.roster.call(e, eng.send, seq, b, self.poll)
         except BaseException:   # some ranks may have the command and others not: start over
             self._kill_workers()
             raise
@@ -341,7 +250,7 @@ class IPyParallelCluster:
                     continue
                 kind, payload = self._answer(r, ar, what)
                 if kind == "pending":
-                    calls[r] = self._call(self.engine_ids[r], eng.result, seq, self.poll)
+                    calls[r] = self.roster.call(self.engine_ids[r], eng.result, seq, self.poll)
                     asked[r] = now
                 elif kind == "error":
                     self._failure(r, payload, what)
@@ -349,7 +258,7 @@ class IPyParallelCluster:
                     got[r] = payload
             if now - checked > 0.5:
                 checked = now
-                dead = self._local_dead()
+                dead = self.roster.local_dead(self.engine_ids)
                 if dead:
                     self._lost(dead[0], "its engine process is gone", what)
             if now > deadline and len(got) < len(calls):
@@ -363,7 +272,7 @@ class IPyParallelCluster:
         try:
             kind, blob = ar.result(0)
         except Exception as err:
-            if _engine_error(err):  # the controller saw the engine go
+            if engine_error(err):  # the controller saw the engine go
                 self._lost(rank, "the controller reports its engine gone", what)
             self._kill_workers()
             raise RuntimeFailure(f"{self._where(rank)} raised while relaying {what}: {err}; the "
@@ -379,13 +288,11 @@ class IPyParallelCluster:
         return kind, pickle.loads(blob)
 
     def _where(self, rank: int) -> str:
-        e = self.engine_ids[rank]
-        h = self._hello.get(e, {})
-        return f"device {rank} (engine {e} on {h.get('host', '?')}, pid {h.get('pid', '?')})"
+        return f"device {rank} ({self.roster.where(self.engine_ids[rank])})"
 
     def _lost(self, rank: int, why: str, what: str, engine_gone: bool = True) -> NoReturn:
         if engine_gone:
-            self._dead.add(self.engine_ids[rank])
+            self.roster.dead.add(self.engine_ids[rank])
         self._kill_workers()
         raise WorkerLost(f"{self._where(rank)} was lost during {what}: {why}; the other workers were "
                          "stopped (the next call restarts them)", device=rank)
@@ -393,12 +300,12 @@ class IPyParallelCluster:
     def _failure(self, rank: int, info: dict, what: str) -> NoReturn:
         """A worker raised. A dead peer makes the others fail too: report a death instead."""
         time.sleep(0.3)
-        probes = {r: self._call(e, eng.status) for r, e in enumerate(self.engine_ids)}
+        probes = {r: self.roster.call(e, eng.status) for r, e in enumerate(self.engine_ids)}
         cf.wait(list(probes.values()), timeout=self.poll + 3)
-        gone = self._local_dead()
-        silent = sorted(set(gone) | {r for r, ar in probes.items() if self._gone(ar)})
+        gone = self.roster.local_dead(self.engine_ids)
+        silent = sorted(set(gone) | {r for r, ar in probes.items() if self.roster.gone(ar)})
         for r in silent:
-            self._dead.add(self.engine_ids[r])
+            self.roster.dead.add(self.engine_ids[r])
         if silent:
             why = "its engine process is gone" if silent[0] in gone else "its engine stopped answering"
             self._lost(silent[0], why, what)
@@ -429,14 +336,14 @@ class IPyParallelCluster:
                     if not ar.done():
                         continue
                     if ar.exception() is not None or ar.result()[0] in ("dead", "unknown", "error"):
-                        raise _Interrupted
+                        raise _Abandon
                     if ar.result()[0] == "pending":
-                        pending[r] = self._call(self.engine_ids[r], eng.result, seq, self.poll)
+                        pending[r] = self.roster.call(self.engine_ids[r], eng.result, seq, self.poll)
                     else:
                         del pending[r]
             if pending:
-                raise _Interrupted
-        except (KeyboardInterrupt, _Interrupted):
+                raise _Abandon
+        except (KeyboardInterrupt, _Abandon):
             self._kill_workers()
 
     def _key(self, plan) -> int:

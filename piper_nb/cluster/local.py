@@ -123,10 +123,10 @@ class LocalCluster:
         return f"LocalCluster(n={self.n}, device={self.device!r}, running={self.running})"
 
     # ---- commands ----------------------------------------------------------------------
-    def _send(self, op: str, key, payload) -> dict[int, object]:
+    def _send(self, op: str, key, payload, per_rank: list | None = None) -> dict[int, object]:
         try:
-            for c in self._conns:
-                c.send((op, key, payload))
+            for r, c in enumerate(self._conns):
+                c.send((op, key, payload if per_rank is None else per_rank[r]))
             return self._collect(op, self.timeout)
         except (RuntimeFailure, PlanError):
             raise
@@ -205,3 +205,14 @@ class LocalCluster:
         """Canonical parameter name -> full tensor, gathered from the workers."""
         out = self._send("state", self._key(plan), None)
         return assemble_state(plan, [out[r] for r in range(self.n)])
+
+    def train_state(self, plan) -> list[dict]:
+        """Per rank: parameters, optimizer state and step count (for `cluster.checkpoint`)."""
+        out = self._send("train_state", self._key(plan), None)
+        return [out[r] for r in range(self.n)]
+
+    def load_train_state(self, plan, states: list[dict]) -> None:
+        """Give every rank its part of a checkpoint (after `reset`)."""
+        if len(states) != self.n:
+            raise ValueError(f"load_train_state: {len(states)} states for {self.n} ranks")
+        self._send("load_train_state", self._key(plan), None, per_rank=list(states))

@@ -3,10 +3,11 @@
 A launcher (`pn.LocalCluster`, or an ipyparallel engine) starts `serve` once per rank. The
 driver sends `(op, key, payload)` over a pipe: `load` a pickled `Bundle` (once per plan,
 under `key`), `reset` parameters and optimizer, `step` on a batch, `state` to export the
-parameters, `stop`. Every answer goes to one shared results queue as
-`(rank, "ok" | "error" | "ready", pickled payload)`; an error names the instruction that
-was running. After an error the worker keeps listening: the driver decides (it stops or
-kills the whole group, since peers may be blocked in a transfer with this one).
+parameters, `train_state` / `load_train_state` for checkpoints, `stop`. Every answer goes
+to one shared results queue as `(rank, "ok" | "error" | "ready", pickled payload)`; an
+error names the instruction that was running. After an error the worker keeps listening:
+the driver decides (it stops or kills the whole group, since peers may be blocked in a
+transfer with this one).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from __future__ import annotations
 import datetime
 import os
 import pickle
+import socket
 import sys
 import traceback
 
@@ -26,18 +28,36 @@ from piper_nb.runtime.worker import Worker
 
 __all__ = ["serve", "pick_device"]
 
+_LISTENERS: list[socket.socket] = []
 
-def pick_device(kind: str, rank: int, world: int) -> tuple[torch.device, str]:
-    """(device, backend) for `rank`: CUDA ranks share GPUs round-robin; NCCL needs one each,
-    so several ranks on one GPU use gloo, which stages buffers through host memory."""
+
+def pick_device(kind: str, rank: int, world: int, local_rank: int | None = None,
+                backend: str | None = None) -> tuple[torch.device, str]:
+    """(device, backend) for `rank`: CUDA ranks share GPUs round-robin (by `local_rank` when
+    ranks span machines); NCCL needs one each, so several ranks on one GPU use gloo, which
+    stages buffers through host memory. `backend` overrides the choice (every rank of a group
+    must agree, so a launcher spanning machines decides it)."""
     if kind == "cuda":
         count = torch.cuda.device_count()
         if count == 0:
-            raise RuntimeError("LocalCluster(device='cuda') but this machine has no CUDA device")
-        device = torch.device("cuda", rank % count)
+            raise RuntimeError("device='cuda' but this machine has no CUDA device")
+        device = torch.device("cuda", (rank if local_rank is None else local_rank) % count)
         torch.cuda.set_device(device)
-        return device, "nccl" if count >= world else "gloo"
+        return device, backend or ("nccl" if count >= world else "gloo")
     return torch.device("cpu"), "gloo"
+
+
+def _store(host: str, port: int, rank: int, world: int, timeout: datetime.timedelta):
+    """The rendezvous store at `host:port`; rank 0 serves it on `host` only (a plain
+    `tcp://` init would listen on every interface)."""
+    if rank != 0:
+        return dist.TCPStore(host, port, world, False, timeout=timeout)
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen()
+    _LISTENERS.append(sock)  # the store serves on this socket's descriptor: keep it open
+    return dist.TCPStore(host, port, world, True, timeout=timeout, master_listen_fd=sock.fileno())
 
 
 def _warm_up() -> None:
@@ -60,14 +80,17 @@ def _put(results, rank: int, kind: str, payload) -> None:
 
 
 def serve(rank: int, world: int, port: int, device_kind: str, conn, results,
-          timeout: float, threads: int = 1) -> None:
-    """Run worker `rank` of `world` until the driver says stop or goes away."""
+          timeout: float, threads: int = 1, *, host: str = "127.0.0.1",
+          local_rank: int | None = None, backend: str | None = None) -> None:
+    """Run worker `rank` of `world` until the driver says stop or goes away. The group meets
+    at `host:port` (rank 0's machine); `local_rank` picks the GPU on this machine."""
     torch.set_num_threads(threads)
     _warm_up()
     try:
-        device, backend = pick_device(device_kind, rank, world)
-        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                                world_size=world, timeout=datetime.timedelta(seconds=timeout))
+        device, backend = pick_device(device_kind, rank, world, local_rank, backend)
+        limit = datetime.timedelta(seconds=timeout)
+        dist.init_process_group(backend, store=_store(host, port, rank, world, limit), rank=rank,
+                                world_size=world, timeout=limit)
         comm = Comm(rank, device, backend)
     except BaseException as err:  # report, then let the driver clean up
         _put(results, rank, "error", _describe(err, None))
@@ -96,6 +119,11 @@ def serve(rank: int, world: int, port: int, device_kind: str, conn, results,
                 out = worker.step(*payload)
             elif op == "state":
                 out = worker.export_state()
+            elif op == "train_state":
+                out = worker.train_state()
+            elif op == "load_train_state":
+                worker.load_train_state(payload)
+                out = None
             else:
                 raise ValueError(f"unknown command {op!r}")
             _put(results, rank, "ok", out)

@@ -158,6 +158,25 @@ class ParamStore:
                   for b, s in self.shards.items() if self.layouts[b].zero == 3}
         return {"full": full, "shards": shards}
 
+    def export_train_state(self) -> dict:
+        """`export()` plus the optimizer state (CPU copies), at a step boundary."""
+        out = self.export()
+        out["optim"] = {k: {n: v.detach().cpu().clone() if isinstance(v, torch.Tensor) else v
+                            for n, v in st.items()} for k, st in self.state.items()}
+        return out
+
+    def load_train_state(self, st: dict) -> None:
+        """Put `export_train_state()`'s output back (after `reset`): parameters held in full,
+        ZeRO-3 shards (their gathered buffers stay released) and optimizer state."""
+        with torch.no_grad():
+            for n, t in st["full"].items():
+                if n in self.params and n not in self.sharded:
+                    self.params[n].data.copy_(t)
+            for b, (_, t) in st["shards"].items():
+                self.shards[b].copy_(t)
+        self.state = {k: {n: v.to(self.device) if isinstance(v, torch.Tensor) else v
+                          for n, v in opt.items()} for k, opt in st["optim"].items()}
+
 
 @dataclass
 class Stash:

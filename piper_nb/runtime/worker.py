@@ -125,6 +125,16 @@ class Worker:
     def export_state(self) -> dict:
         return self.store.export()
 
+    def train_state(self) -> dict:
+        """Everything a step boundary holds, for a checkpoint: parameters (full, or ZeRO-3
+        shards), optimizer state and the step count; CPU copies."""
+        return {"step": self.step_no, **self.store.export_train_state()}
+
+    def load_train_state(self, state: dict) -> None:
+        """Continue from `train_state()`'s output (after `reset`)."""
+        self.store.load_train_state(state)
+        self.step_no = state["step"]
+
     # ---- compute -----------------------------------------------------------------------
     def _compute(self, ins) -> None:
         if ins.kind != "U":

@@ -101,10 +101,13 @@ class CostModel:
     alpha-beta ring formula with `latency` and `bandwidth`.
 
     Host model: `overhead` is the time a device's host spends after every instruction
-    (a number, or device -> number); with `sync` the host waits for each pass, as CPU
+    (a number, or device -> number), `issue` the time the call that posts a message of a
+    kind (SEND, RECV, a collective) keeps the host; with `sync` the host waits for each pass, as CPU
     workers do (an overlap slot then runs its passes one after another); with `cores`, the
-    devices computing at once share that many cores (a pass slows by active / cores when
-    more are active, found by re-simulating until the timeline settles).
+    devices computing at once share that many cores with `background` other runnable tasks
+    (processor sharing: a pass measured at a share of max(1, (1 + background) / cores)
+    runs at max(1, (active + background) / cores), active being the devices computing
+    meanwhile; found by re-simulating until the timeline settles).
     """
 
     name: str = "custom"
@@ -119,8 +122,10 @@ class CostModel:
     node_size: int = 1 << 30                       # devices per node
     links: dict = field(default_factory=dict)      # (kind | "p2p", group size) -> (lat, bw)
     overhead: float | dict = 0.0                   # host time after each instruction
+    issue: dict = field(default_factory=dict)      # kind -> host time of its issue call
     sync: bool = False                             # the host waits for every pass (CPU)
     cores: int | None = None                       # cores the devices share (None: own)
+    background: float = 0.0                        # other runnable tasks when profiled
     meta: dict = field(default_factory=dict)
 
     # ---- constructors ---------------------------------------------------------------
@@ -146,17 +151,21 @@ class CostModel:
         computing at once.
         """
         from piper_nb.sim.profile import profile_links, profile_plan
-        passes, overhead = profile_plan(plan, repeats, optimizer)
+        passes, overhead, background = profile_plan(plan, repeats, optimizer)
         links: dict = {}
+        issue: dict = {}
         lat, bw = 0.0, math.inf
-        if comm:
+        if comm:   # at most 8 processes; larger groups use the largest size measured
+            world = min(max(plan.world, 2), 8)
             groups = {len(i.group) for dp in plan.devices for i in dp.instrs if i.group}
-            links = profile_links(max(plan.world, 2), groups)
+            fitted = profile_links(world, {g for g in groups if g <= world})
+            issue = {k[1]: v[0] for k, v in fitted.items() if k[0] == "issue"}
+            links = {k: v for k, v in fitted.items() if k[0] != "issue"}
             lat, bw = links[("p2p", 2)]
         cores = cores if cores is not None else (os.cpu_count() or 1)
         return cls(name="profiled", unit="s", passes=passes, latency=lat, bandwidth=bw,
-                   links=links, overhead=overhead, sync=True, cores=cores,
-                   meta={"repeats": repeats})
+                   links=links, issue=issue, overhead=overhead, sync=True, cores=cores,
+                   background=background, meta={"repeats": repeats})
 
     @classmethod
     def analytic(cls, plan, hardware: str | HardwareSpec = "H100") -> CostModel:

@@ -5,18 +5,22 @@
   process group) and runs single passes exactly as a worker does, on one intra-op thread
   (workers call `torch.set_num_threads(1)`): F (stash bookkeeping and saved-bytes hooks
   included), B, or BI then BW where the plan splits backwards, and U with the optimizer;
-  one microbatch each, the median over repeats. The same worker times its bookkeeping
+  one microbatch each, a trimmed mean over repeats. The same worker times its bookkeeping
   after every instruction (the memory count over parameters, gradients, optimizer state
   and stashes, the clock, the recorder): the per-instruction host overhead.
 - `profile_links`: gloo between worker processes on this machine, per kind: point-to-point
-  (ping-pong, half the round trip) and ALL_REDUCE / REDUCE_SCATTER / ALL_GATHER over every
-  group size the plan uses, each fitted to latency + bytes / bandwidth (least squares),
-  once per process and world size (`python -m piper_nb.sim.profile` workers, one thread
-  each, issuing like `runtime/comm.py`: asynchronously, then waiting).
+  (one way, from the sender's issue until the waiting receiver's WAIT returns) and
+  ALL_REDUCE / REDUCE_SCATTER / ALL_GATHER over every group size the plan uses, each
+  fitted to latency + bytes / bandwidth, once per process and world size
+  (`python -m piper_nb.sim.profile` workers, one thread each, issuing like
+  `runtime/comm.py`: asynchronously, then waiting). Every timed message comes after half a
+  millisecond of compute, and the processes not in it compute meanwhile, as in a step:
+  woken from compute and sharing the cores, gloo is several times slower than in a tight
+  loop of messages.
 - `region_flops`: forward FLOPs with `FlopCounterMode` (the analytic model).
 
-Medians everywhere: this machine runs other work too, and a median over repeats is what a
-step's median sees.
+Every figure is a trimmed mean over repeats spread over time (`_typical`): this machine
+runs other work too, and a step's median time is near the sum of its parts' means.
 """
 
 from __future__ import annotations
@@ -29,13 +33,14 @@ import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 import warnings
 
 import torch
 
-__all__ = ["profile_plan", "profile_passes", "profile_overhead", "profile_links", "profile_comm",
-           "region_flops", "region_inputs", "one_thread"]
+__all__ = ["profile_plan", "runnable_others", "profile_passes", "profile_overhead",
+           "profile_links", "profile_comm", "region_flops", "region_inputs", "one_thread"]
 
 _LINK_CACHE: dict[tuple, dict] = {}
 _SIZES = (1 << 10, 1 << 14, 1 << 17, 1 << 20)
@@ -69,8 +74,15 @@ def region_inputs(plan, r: int, seed: int = 0) -> list[torch.Tensor]:
     return args
 
 
-def _median(times: list[float]) -> float:
-    return statistics.median(times) if times else 0.0
+def _typical(times: list[float]) -> float:
+    """The mean without the highest and lowest eighth. A step is a sum of many passes and
+    messages, so its median sits near the sum of their means, preemptions by other work on
+    this machine included; trimming drops only the rare extremes."""
+    if not times:
+        return 0.0
+    times = sorted(times)
+    k = len(times) // 8
+    return statistics.fmean(times[k:len(times) - k])
 
 
 class _NoComm:
@@ -99,12 +111,12 @@ class _Bench:
     """A `runtime.worker.Worker` for device d, built in this process from a fresh copy of
     the plan's modules, that runs single passes exactly as a worker does."""
 
-    def __init__(self, plan, d: int, optimizer):
-        from piper_nb.runtime.bundle import load_bundle, make_bundle
+    def __init__(self, plan, d: int, optimizer, blob: bytes):
+        from piper_nb.runtime.bundle import load_bundle
         from piper_nb.runtime.timing import Clock, Recorder
         from piper_nb.runtime.worker import Worker
         self.plan = plan
-        self.w = w = Worker(d, load_bundle(make_bundle(plan)), _NoComm(), torch.device("cpu"))
+        self.w = w = Worker(d, load_bundle(blob), _NoComm(), torch.device("cpu"))
         w.reset(optimizer)
         w.step_no = 1
         inputs, targets = _batch(plan)
@@ -212,7 +224,7 @@ class _Bench:
         w.values.clear()
         for p in w.store.params.values():
             p.grad = None
-        return _median(times)
+        return _typical(times)
 
 
 def replace_kind(ins, kind: str):
@@ -243,9 +255,21 @@ def profile_overhead(plan, optimizer=None, repeats: int = 200) -> dict[int, floa
     return profile_plan(plan, 1, optimizer, overhead_repeats=repeats)[1]
 
 
+def runnable_others() -> float | None:
+    """Tasks runnable on this machine right now besides the caller (`/proc/loadavg`'s
+    running count minus one); None where the system does not say."""
+    try:
+        with open("/proc/loadavg") as f:
+            return max(int(f.read().split()[3].split("/")[0]) - 1, 0)
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 def profile_plan(plan, repeats: int = 7, optimizer=None, overhead_repeats: int = 200
-                 ) -> tuple[dict[tuple[int, str], float], dict[int, float]]:
-    """Both of the above with one worker per device kind: (passes, overhead)."""
+                 ) -> tuple[dict[tuple[int, str], float], dict[int, float], float]:
+    """Both of the above with one worker per device kind: (passes, overhead, background):
+    background is the mean number of other tasks runnable on this machine meanwhile (the
+    load the times were measured under)."""
     from piper_nb.optim import SGD
     if plan.capture is None:
         from piper_nb.errors import PlanError
@@ -256,9 +280,12 @@ def profile_plan(plan, repeats: int = 7, optimizer=None, overhead_repeats: int =
     overhead: dict[int, float] = {}
     benches: dict[int, _Bench] = {}
 
+    from piper_nb.runtime.bundle import make_bundle
+    blob = make_bundle(plan)   # what the driver ships: each bench unpickles its own copy
+
     def bench(d: int) -> _Bench:
         if d not in benches:
-            benches[d] = _Bench(plan, d, optimizer)
+            benches[d] = _Bench(plan, d, optimizer, blob)
         return benches[d]
     updates = {}   # region -> a device that updates it
     for dp in plan.devices:
@@ -269,9 +296,13 @@ def profile_plan(plan, repeats: int = 7, optimizer=None, overhead_repeats: int =
         torch.manual_seed(0)
         regions = sorted(_devices_by_region(plan).items())
         # rounds over every pass of every region: a burst of other load on this machine
-        # hits a few rounds of everything, not all rounds of one pass (medians survive it)
+        # hits a few rounds of everything, not all rounds of one pass
+        load: list[int] = []
         for k in range(max(repeats, 1) + 1):   # round 0 warms up
             for r, d in regions:
+                others = runnable_others()
+                if others is not None:
+                    load.append(others)
                 for kind, t in bench(d).passes(r, split_too=k == 0).items():
                     if k:
                         times.setdefault((r, kind), []).append(t)
@@ -279,7 +310,7 @@ def profile_plan(plan, repeats: int = 7, optimizer=None, overhead_repeats: int =
                 t = bench(d).update(r)
                 if k:
                     times.setdefault((r, "U"), []).append(t)
-        passes = {key: _median(v) for key, v in times.items()}
+        passes = {key: _typical(v) for key, v in times.items()}
         for r, d in regions:   # BI and BW where the plan does not split (one round)
             if (r, "BI") not in passes:
                 for kind, t in bench(d).passes(r, split_too=True).items():
@@ -291,7 +322,7 @@ def profile_plan(plan, repeats: int = 7, optimizer=None, overhead_repeats: int =
             if key not in seen:
                 seen[key] = bench(dp.device).bookkeeping(overhead_repeats)
             overhead[dp.device] = seen[key]
-    return passes, overhead
+    return passes, overhead, (statistics.fmean(load) if load else 0.0)
 
 
 def region_flops(plan) -> dict[int, float]:
@@ -308,14 +339,30 @@ def region_flops(plan) -> dict[int, float]:
 
 # ---- links: gloo between processes ------------------------------------------------------
 
-def _timed(fn, repeats: int) -> float:
-    fn()  # warm up
-    times = []
+_BUSY = 5e-4   # seconds of compute before each timed message, as a pass comes before it
+
+
+def _busy(seconds: float) -> None:
+    """Compute for `seconds` (small matmuls), the way a worker reaches its next message:
+    busy, with gloo's threads idle, rather than in a tight loop of messages."""
+    a, t0 = torch.full((32, 32), 0.01), time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        a = (a @ a).tanh_()
+
+
+def _collective(issue, repeats: int) -> tuple[float, list[float]]:
+    """(typical time from issue to completion, the issue calls' times) of a collective
+    issued after some compute, as a worker issues it; fresh buffers each time."""
+    issue()[0].wait()   # warm up
+    total, posting = [], []
     for _ in range(repeats):
+        _busy(_BUSY)
         t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return _median(times)
+        work, _ = issue()
+        posting.append(time.perf_counter() - t0)
+        work.wait()
+        total.append(time.perf_counter() - t0)
+    return _typical(total), posting
 
 
 def _link_worker(rank: int, world: int, port: int, groups: list[int], repeats: int) -> dict:
@@ -334,47 +381,84 @@ def _link_worker(rank: int, world: int, port: int, groups: list[int], repeats: i
     for size in _SIZES:
         dist.barrier()
         if rank < 2:
-            out.setdefault("p2p/2", []).append((size, _one_way(dist, rank, size, repeats)))
+            one_way, sends, recvs = _one_way(dist, rank, size, 3 * repeats)   # cheap
+            out.setdefault("p2p/2", []).append((size, one_way))
+            out.setdefault("issue/SEND", []).extend(sends)
+            out.setdefault("issue/RECV", []).extend(recvs)
+        _stop_or_spin(dist, rank, world, 2, f"p2p_{size}")
         for n in groups:
             dist.barrier()
             if rank >= n:
+                _stop_or_spin(dist, rank, world, n, f"{n}_{size}")
                 continue
-            flat = torch.zeros(-(-size // (4 * n)) * n)
-            shard = torch.zeros(flat.numel() // n)
-            ops = {"ALL_REDUCE": lambda f=flat, g=pgs[n]: dist.all_reduce(
-                       f, group=g, async_op=True).wait(),
-                   "REDUCE_SCATTER": lambda f=flat, s=shard, g=pgs[n]: rs(
-                       s, f, group=g, async_op=True).wait(),
-                   "ALL_GATHER": lambda f=flat, s=shard, g=pgs[n]: ag(
-                       f, s, group=g, async_op=True).wait()}
+            numel = -(-size // (4 * n)) * n
+            g = pgs[n]
+            ops = {"ALL_REDUCE": lambda numel=numel, g=g: (dist.all_reduce(
+                       torch.zeros(numel), group=g, async_op=True), None),
+                   "REDUCE_SCATTER": lambda numel=numel, g=g, n=n: (rs(
+                       torch.empty(numel // n), torch.zeros(numel), group=g, async_op=True), None),
+                   "ALL_GATHER": lambda numel=numel, g=g, n=n: (ag(
+                       torch.empty(numel), torch.zeros(numel // n), group=g, async_op=True),
+                       None)}
             for kind in _KINDS:
-                out.setdefault(f"{kind}/{n}", []).append((size, _timed(ops[kind], repeats)))
+                total, posting = _collective(ops[kind], repeats)
+                out.setdefault(f"{kind}/{n}", []).append((size, total))
+                out.setdefault(f"issue/{kind}", []).extend(posting)
+            _stop_or_spin(dist, rank, world, n, f"{n}_{size}")
     dist.barrier()
     dist.destroy_process_group()
     return out
 
 
-def _one_way(dist, rank: int, size: int, repeats: int) -> float:
-    """Median one-way time of a `size`-byte message between ranks 0 and 1, the receive
-    posted ahead (as a plan posts its RECVs): from the sender's issue until the receiver's
-    WAIT returns. `perf_counter` is one monotonic clock for every process on the machine."""
-    buf, stamp = torch.zeros(size // 4), torch.zeros(1, dtype=torch.float64)
-    times = []
+def _stop_or_spin(dist, rank: int, world: int, members: int, tag: str) -> None:
+    """Ranks past the first `members` compute until rank 0 says the measurement is over
+    (a marker file: gloo's point-to-point work cannot be polled), so that every worker
+    process is busy, as in a step."""
+    if world <= members:
+        return
+    marker = os.path.join(tempfile.gettempdir(), f"piper_nb_link_{os.getppid()}_{tag}")
+    if rank == 0:
+        with open(marker, "w"):
+            pass
+    elif rank >= members:
+        while not os.path.exists(marker):
+            _busy(2e-3)
+    dist.barrier()
+    if rank == 0:
+        os.remove(marker)
+
+
+def _one_way(dist, rank: int, size: int, repeats: int) -> tuple[float, list, list]:
+    """One-way time of a `size`-byte message between ranks 0 and 1, the receive posted
+    ahead (as a plan posts its RECVs), each message from a fresh tensor into a fresh buffer
+    (as a worker sends and receives): from the sender's issue until the receiver's WAIT
+    returns (`perf_counter` is one monotonic clock for every process on the machine). Also
+    the times the send and the receive calls themselves took on this rank."""
+    stamp = torch.zeros(1, dtype=torch.float64)
+    times, sends, recvs = [], [], []
     for k in range(repeats + 1):
         for src in (0, 1):   # both directions, in turn
             if rank == src:
+                buf = torch.zeros(size // 4)
+                _busy(_BUSY)   # the receiver waits meanwhile, as a pipeline stage does
                 t0 = time.perf_counter()
-                dist.isend(buf, 1 - src, tag=2 * k + src).wait()
+                work = dist.isend(buf, 1 - src, tag=2 * k + src)
+                if k:
+                    sends.append(time.perf_counter() - t0)
+                work.wait()
                 stamp[0] = t0
                 dist.isend(stamp, 1 - src, tag=1000 + 2 * k + src).wait()
             else:
-                work = dist.irecv(buf, src, tag=2 * k + src)
+                t0 = time.perf_counter()
+                work = dist.irecv(torch.empty(size // 4), src, tag=2 * k + src)
+                if k:
+                    recvs.append(time.perf_counter() - t0)
                 work.wait()
                 t1 = time.perf_counter()
                 dist.irecv(stamp, src, tag=1000 + 2 * k + src).wait()
                 if k:
                     times.append(t1 - float(stamp[0]))
-    return _median(times)   # rank 0 received in one direction: its times come back
+    return _typical(times), sends, recvs   # rank 0 received in one direction: its times
 
 
 def _fit(points: list[tuple[int, float]]) -> tuple[float, float]:
@@ -388,7 +472,7 @@ def _fit(points: list[tuple[int, float]]) -> tuple[float, float]:
     return max(t0, 0.0), (1.0 / slope if slope > 0 else math.inf)
 
 
-def profile_links(world: int = 2, groups=(2,), repeats: int = 15,
+def profile_links(world: int = 2, groups=(2,), repeats: int = 21,
                   timeout: float = 180.0) -> dict[tuple[str, int], tuple[float, float]]:
     """(kind, group size) -> (latency s, bandwidth bytes/s) of gloo here; kind is "p2p" or a
     collective. `world` processes (each one thread) run them; cached per process. On failure
@@ -413,7 +497,10 @@ def profile_links(world: int = 2, groups=(2,), repeats: int = 15,
         fitted = {}
         for name, points in raw.items():
             kind, n = name.split("/")
-            fitted[(kind, int(n))] = _fit([tuple(x) for x in points])
+            if kind == "issue":   # host time of the call: ("issue", kind) -> (seconds, 0)
+                fitted[("issue", n)] = (_typical(points), 0.0)
+            else:
+                fitted[(kind, int(n))] = _fit([tuple(x) for x in points])
     except Exception as err:  # no result: fall back, and say so
         warnings.warn(f"gloo link profile failed ({err}); assuming 50 us + 1 GB/s", stacklevel=2)
         fitted = {(k, n): (50e-6, 1e9) for k in ("p2p", *_KINDS) for n in (2, *groups)}
@@ -426,7 +513,7 @@ def profile_links(world: int = 2, groups=(2,), repeats: int = 15,
     return fitted
 
 
-def profile_comm(repeats: int = 15, timeout: float = 180.0) -> tuple[float, float]:
+def profile_comm(repeats: int = 21, timeout: float = 180.0) -> tuple[float, float]:
     """(latency s, bandwidth bytes/s) of a point-to-point gloo link here (cached)."""
     return profile_links(2, (), repeats, timeout)[("p2p", 2)]
 

@@ -15,11 +15,13 @@ compute stream and one stream per communication stream name:
   became ready, each when its stream is free on every member (FIFO per stream), and end
   together on all of them.
 - FREE costs nothing; it happens once the passes before it have finished.
-- host model (`CostModel.overhead / sync / cores`): every instruction then costs the host
-  `cost.host(d)` after it; with `sync` the host waits for each pass (CPU workers) and an
-  overlap slot runs its passes in list order; with `cores`, passes that run while more
-  devices compute than there are cores stretch by active / cores (processor sharing,
-  approximated by re-simulating with the stretched durations until the step time settles).
+- host model (`CostModel.overhead / issue / sync / cores`): every instruction then costs
+  the host `cost.host(d)` after it, an issue also `cost.issue[kind]` (its call); with
+  `sync` the host waits for each pass (CPU workers) and an overlap slot runs its passes in
+  list order; with `cores`, the devices computing at once and `cost.background` other
+  tasks share the cores: a pass stretches by its share then over its share when profiled
+  (processor sharing, approximated by re-simulating with the stretched durations until
+  the step time settles).
 
 Ops live in a heap keyed by ready time, devices are indices and instructions integer
 positions, so a step of a thousand devices simulates in seconds.
@@ -142,7 +144,7 @@ class _Sim:
         instrs, steps, cost = self.instrs[d], self.steps[d], self.cost
         posted, start, end = self.posted[d], self.start[d], self.end[d]
         p, t, cfree = self.pos[d], self.t[d], self.cfree[d]
-        host, sync, stretch = self.host[d], self.sync, self.stretch[d]
+        host, sync, stretch, issue = self.host[d], self.sync, self.stretch[d], cost.issue
         while p < len(steps):
             s = steps[p]
             if s.__class__ is tuple:
@@ -174,6 +176,7 @@ class _Sim:
             else:
                 posted[s] = t
                 self._issue(d, s, ins, t if kind == "RECV" or t > cfree else cfree)
+                t += issue.get(kind, 0.0)
             t += host
             p += 1
         self.pos[d], self.t[d], self.cfree[d] = p, t, cfree
@@ -215,14 +218,18 @@ def run_timing(plan: Plan, cost: CostModel) -> Timing:
     """Simulate `plan` under `cost`; the per-instruction times (see `Timing`)."""
     sim = _Sim(plan, cost)
     sim.run()
-    if cost.cores and plan.world > cost.cores:
+    if cost.cores and plan.world + cost.background > cost.cores:
         sim = _shared_cores(plan, cost, sim)
     return Timing(plan, sim.posted, sim.start, sim.end, list(sim.t))
 
 
 def _shared_cores(plan: Plan, cost: CostModel, sim: _Sim, rounds: int = 8) -> _Sim:
-    """Processor sharing: stretch each pass by the mean number of devices computing during
-    it over `cost.cores` (at least 1), re-simulate, and repeat until the step settles."""
+    """Processor sharing: a pass profiled at a slowdown of max(1, (1 + bg) / cores) runs at
+    max(1, (active + bg) / cores), active being the mean number of devices computing during
+    it (itself included) and bg the other tasks the profile saw; stretch, re-simulate, and
+    repeat until the step settles."""
+    bg, cores = cost.background, cost.cores
+    measured_at = max(1.0, (1 + bg) / cores)
     last = max(sim.t)
     for _ in range(rounds):
         spans = []   # (time, +1 / -1): the compute stream busy, over all devices
@@ -251,7 +258,8 @@ def _shared_cores(plan: Plan, cost: CostModel, sim: _Sim, rounds: int = 8) -> _S
             for i, ins in enumerate(instrs):
                 s0, s1 = sim.start[d][i], sim.end[d][i]
                 if ins.kind in _COMPUTE and s1 > s0:
-                    share = max(1.0, (integral(s1) - integral(s0)) / (s1 - s0) / cost.cores)
+                    active = (integral(s1) - integral(s0)) / (s1 - s0)
+                    share = max(1.0, (active + bg) / cores) / measured_at
                     own[i] = 0.5 * (share + sim.stretch[d].get(i, 1.0))   # damped
             stretch.append(own)
         new = _Sim(plan, cost, stretch)

@@ -24,6 +24,7 @@ import piper_nb as pn
 from piper_nb import optim
 from piper_nb.cluster import ipp as ipp_module
 from piper_nb.cluster.ipp import IPyParallelCluster
+from piper_nb.cluster.local import LocalCluster
 from piper_nb.errors import RuntimeFailure, WorkerLost
 from piper_nb.train import reference_train, train
 
@@ -214,6 +215,56 @@ def test_connect_to_a_running_cluster(cluster, setup):
     assert set(other.engine_ids) <= set(cluster.client.ids)   # close left the engines up
     cluster.restart()
     _trains(cluster, setup)
+
+
+def test_engines_on_two_machines_meet_at_engine_0(cluster, setup, monkeypatch):
+    """The cross-machine path, on one machine: the engines are told they live on two hosts, so
+    the group meets at engine 0's reported address instead of a loopback shortcut."""
+    if "host" not in ipp_module._SERVE:
+        pytest.skip("needs runtime.process.serve(host=...)")
+    real = cluster.roster.pick
+
+    def two_hosts(*args):
+        ids = real(*args)
+        for i, e in enumerate(ids):
+            cluster.roster.hello[e] = {**cluster.roster.hello[e], "host": f"node{i}", "machine": f"node{i}"}
+        return ids
+    monkeypatch.setattr(cluster.roster, "pick", two_hosts)
+    cluster.restart()
+    assert [i["host"] for i in cluster.info] == ["node0", "node1"]
+    _trains(cluster, setup)
+    monkeypatch.undo()
+    cluster.restart()
+    _trains(cluster, setup)
+
+
+@pytest.mark.skipif(not hasattr(LocalCluster, "train_state"), reason="needs the checkpoint hooks")
+def test_a_checkpoint_moves_between_clusters(cluster, setup, tmp_path):
+    """Written on ipyparallel engines, resumed on local workers: the same numbers, bit for bit."""
+    _, batch, plan, _ = setup
+    opt = optim.AdamW(1e-2)
+    full = train(plan, batch, 6, opt, cluster=cluster)
+    train(plan, batch, 3, opt, cluster=cluster, checkpoint_dir=tmp_path)
+    with LocalCluster(2) as local:
+        resumed = train(plan, batch, 6, opt, cluster=local, checkpoint_dir=tmp_path, resume=True)
+    assert resumed.losses == full.losses
+    assert all(torch.equal(resumed.params[k], v) for k, v in full.params.items())
+
+
+def _layout(hosts: list[tuple[str, int]], device: str = "cuda") -> list[dict]:
+    c = object.__new__(IPyParallelCluster)
+    c.n, c.device, c.timeout, c.threads = len(hosts), device, 60.0, 1
+    info = [{"host": h, "machine": h, "gpus": g} for h, g in hosts]
+    return [c._worker_args(r, info, "10.0.0.1", 1234) for r in range(len(hosts))]
+
+
+def test_gpus_by_local_rank_and_one_backend_for_all():
+    args = _layout([("a", 2), ("a", 2), ("b", 2), ("b", 2)])
+    assert [a["local_rank"] for a in args] == [0, 1, 0, 1]
+    assert {a["backend"] for a in args} == {"nccl"} and {a["host"] for a in args} == {"10.0.0.1"}
+    args = _layout([("a", 2), ("a", 2), ("b", 1), ("b", 1)])   # b has one GPU for two engines
+    assert {a["backend"] for a in args} == {"gloo"}
+    assert {a["backend"] for a in _layout([("a", 0)], device="cpu")} == {None}
 
 
 def test_bad_arguments():

@@ -1,0 +1,163 @@
+"""Benchmark: predicted vs measured step time, profiled cost model, every runtime strategy.
+
+For each strategy of the runtime's matrix (DP, ZeRO-1/2/3 on 2 ranks; GPipe, 1F1B,
+interleaved 1F1B, ZB1P, DualPipeV on 2 ranks; DualPipe on 4 ranks; PP 2 x DP 2 with ZeRO-3;
+TinyGPT with embeddings tied across stages) the plan is profiled here
+(`pn.CostModel.profile(plan, optimizer=...)`: passes timed by a worker built in this
+process on one thread, the worker's bookkeeping per instruction, gloo fitted per message
+kind between processes, gloo's links measured again for each strategy; host-synchronous,
+`cores` shared among the devices computing at once and the other tasks the profile saw)
+and simulated, then trained on local CPU workers (one cluster per world size, AdamW).
+
+Predicted: the simulated step, until the last device's host is done (`trace.meta
+["host_end"]`, which is what a measured step time is). Measured: the median step time
+(`Result.step_times`: step start to the last device's end) over `--steps` steps after
+`--warmup`. Each strategy is profiled right before it is measured, so both see the same
+load. Prints a markdown table; `--verbose` adds the worst instructions of
+`predicted.compare(measured)` for each.
+
+    .venv/bin/python benchmarks/bench_accuracy.py [--steps 10] [--warmup 3] [--only zb1p ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+from pathlib import Path
+
+import piper_nb as pn
+from piper_nb.sim.profile import _LINK_CACHE
+
+__all__ = ["STRATEGIES", "compile_strategy", "run"]
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+TOLERANCE = 0.15
+
+
+def _mlp():
+    model = pn.models.MLP(dim=16, depth=4)
+    return model, model.example_batch(batch_size=8, seed=0)
+
+
+def _gpt(tied: bool = False, layers: int = 4, batch: int = 8):
+    model = pn.models.TinyGPT(vocab=64, dim=32, layers=layers, heads=2, seq=16,
+                              tie_embeddings=tied)
+    return model, model.example_batch(batch_size=batch, seed=0)
+
+
+def _pp(stages: int = 2) -> list:
+    return [pn.place({"PP": s}, [s]) for s in range(stages)]
+
+
+def _schedule(name: str) -> list:
+    return [*_pp(), pn.Program([{"op": "schedule", "name": name, "ranks": 2,
+                                 "microbatches": 4}])[0]]
+
+
+# name -> () -> (model, batch, annotation: dict | stages (None: 2), program)
+STRATEGIES = {
+    "DP": lambda: (*_mlp(), {"layers": {"PP": 0}},
+                   [pn.replicate({}, [0, 1], zero=0), pn.split({}, "MB", 2)]),
+    **{f"ZeRO-{z}": (lambda z=z: (*_mlp(), {"layers": {"PP": 0}},
+                                  [pn.replicate({}, [0, 1], zero=z), pn.split({}, "MB", 2)]))
+       for z in (1, 2, 3)},
+    "GPipe": lambda: (*_mlp(), None, _schedule("gpipe")),
+    "1F1B": lambda: (*_mlp(), None, _schedule("1f1b")),
+    "interleaved 1F1B": lambda: (*_gpt(layers=6), 4,
+                                 pn.schedules.interleaved_1f1b(2, 4, chunks=2, place=True)),
+    "ZB1P": lambda: (*_gpt(layers=6), None,
+                     [*_pp(), *pn.schedules.zero_bubble(ranks=2, microbatches=4)]),
+    "DualPipeV": lambda: (*_gpt(layers=6), 4,
+                          pn.schedules.dualpipev(ranks=2, microbatches=4, place=True)),
+    "DualPipe": lambda: (*_gpt(layers=6, batch=16), 4,
+                         pn.schedules.dualpipe(ranks=4, microbatches=8, place=True)),
+    "PP2 x DP2 ZeRO-3": lambda: (*_gpt(), None, pn.Program.from_json(
+        (EXAMPLES / "pp2_dp2_zero3.json").read_text())),
+    "tied embeddings": lambda: (*_gpt(tied=True), None,
+                                [*_pp(), *pn.schedules.one_f_one_b(ranks=2, microbatches=4)]),
+}
+
+
+def compile_strategy(name: str):
+    """-> (plan, batch) of one strategy of the matrix."""
+    model, batch, annotation, program = STRATEGIES[name]()
+    if annotation is None or isinstance(annotation, int):
+        annotation = pn.cut_stages(model, annotation or 2)
+    return pn.compile(pn.annotate(model, annotation), program, batch), batch
+
+
+def run(name: str, cluster, steps: int, warmup: int, optimizer, verbose: bool = False) -> dict:
+    plan, batch = compile_strategy(name)
+    t0 = time.perf_counter()
+    _LINK_CACHE.clear()   # gloo fitted again right before this run: the same load as it
+    cost = pn.CostModel.profile(plan, optimizer=optimizer)
+    profile_s = time.perf_counter() - t0
+    predicted = pn.simulate(plan, cost)
+    result = pn.train(plan, batch, steps=warmup + steps, optimizer=optimizer, cluster=cluster)
+    measured = statistics.median(result.step_times[warmup:])
+    pred = predicted.meta["host_end"]
+    row = {"strategy": name, "ranks": plan.world, "predicted ms": pred * 1e3,
+           "measured ms": measured * 1e3, "ratio": measured / pred,
+           "spread ms": (min(result.step_times[warmup:]) * 1e3,
+                         max(result.step_times[warmup:]) * 1e3),
+           "profile s": profile_s}
+    if verbose:
+        print(f"\n### {name}\n")
+        print("overhead per instruction (us):",
+              {d: round(v * 1e6, 1) for d, v in cost.overhead.items()})
+        print("links (latency us, MB/s):",
+              {f"{k}/{n}": (round(a * 1e6, 1), round(min(b, 1e15) / 1e6, 1))
+               for (k, n), (a, b) in cost.links.items()})
+        print("issue calls (us):", {k: round(v * 1e6, 1) for k, v in cost.issue.items()},
+              "background tasks:", round(cost.background, 2))
+        print()
+        print(predicted.compare(result.trace).table(12))
+    return row
+
+
+def table(rows: list[dict]) -> str:
+    lines = ["| strategy | ranks | predicted ms | measured ms (median) | measured / predicted "
+             "| within 15% | measured min-max ms |", "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        ok = "yes" if abs(r["ratio"] - 1) <= TOLERANCE else "no"
+        lo, hi = r["spread ms"]
+        lines.append(f"| {r['strategy']} | {r['ranks']} | {r['predicted ms']:.2f} | "
+                     f"{r['measured ms']:.2f} | {r['ratio']:.2f} | {ok} | {lo:.1f}-{hi:.1f} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--steps", type=int, default=10, help="measured steps (median)")
+    ap.add_argument("--warmup", type=int, default=3, help="steps left out first")
+    ap.add_argument("--only", nargs="*", default=None, help="strategy names")
+    ap.add_argument("--verbose", action="store_true", help="per-instruction comparisons")
+    args = ap.parse_args()
+    names = args.only or list(STRATEGIES)
+    optimizer = pn.optim.AdamW(1e-3)
+    clusters: dict[int, pn.LocalCluster] = {}
+    rows = []
+    load0 = os.getloadavg()
+    try:
+        for name in names:
+            plan_world = compile_strategy(name)[0].world
+            if plan_world not in clusters:
+                clusters[plan_world] = pn.LocalCluster(plan_world).start()
+            rows.append(run(name, clusters[plan_world], args.steps, args.warmup, optimizer,
+                            args.verbose))
+            print(f"done {name}: {rows[-1]['ratio']:.2f}", flush=True)
+    finally:
+        for c in clusters.values():
+            c.close()
+    load1 = os.getloadavg()
+    print(f"\n## predicted vs measured step time, profiled cost model ({os.cpu_count()} cores; "
+          f"load average {load0[0]:.1f} at the start, {load1[0]:.1f} at the end)\n")
+    print(table(rows))
+    inside = sum(abs(r["ratio"] - 1) <= TOLERANCE for r in rows)
+    print(f"\n{inside} of {len(rows)} within {TOLERANCE:.0%}")
+
+
+if __name__ == "__main__":
+    main()
