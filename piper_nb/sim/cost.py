@@ -102,7 +102,8 @@ class CostModel:
 
     Host model: `overhead` is the time a device's host spends after every instruction
     (a number, or device -> number), `issue` the time the call that posts a message of a
-    kind (SEND, RECV, a collective) keeps the host; with `sync` the host waits for each pass, as CPU
+    kind (SEND, RECV, a collective) keeps the host, and under "WAIT" what a WAIT costs once
+    its op is done; with `sync` the host waits for each pass, as CPU
     workers do (an overlap slot then runs its passes one after another); with `cores`, the
     devices computing at once share that many cores with `background` other runnable tasks
     (processor sharing: a pass measured at a share of max(1, (1 + background) / cores)
@@ -122,7 +123,7 @@ class CostModel:
     node_size: int = 1 << 30                       # devices per node
     links: dict = field(default_factory=dict)      # (kind | "p2p", group size) -> (lat, bw)
     overhead: float | dict = 0.0                   # host time after each instruction
-    issue: dict = field(default_factory=dict)      # kind -> host time of its issue call
+    issue: dict = field(default_factory=dict)      # kind | "WAIT" -> host time of the call
     sync: bool = False                             # the host waits for every pass (CPU)
     cores: int | None = None                       # cores the devices share (None: own)
     background: float = 0.0                        # other runnable tasks when profiled

@@ -5,7 +5,7 @@
   process group) and runs single passes exactly as a worker does, on one intra-op thread
   (workers call `torch.set_num_threads(1)`): F (stash bookkeeping and saved-bytes hooks
   included), B, or BI then BW where the plan splits backwards, and U with the optimizer;
-  one microbatch each, a trimmed mean over repeats. The same worker times its bookkeeping
+  one microbatch each, a mean over repeats. The same worker times its bookkeeping
   after every instruction (the memory count over parameters, gradients, optimizer state
   and stashes, the clock, the recorder): the per-instruction host overhead.
 - `profile_links`: gloo between worker processes on this machine, per kind: point-to-point
@@ -19,8 +19,8 @@
   loop of messages.
 - `region_flops`: forward FLOPs with `FlopCounterMode` (the analytic model).
 
-Every figure is a trimmed mean over repeats spread over time (`_typical`): this machine
-runs other work too, and a step's median time is near the sum of its parts' means.
+Every figure is a mean over repeats spread over time, less the largest (`_typical`): a
+step's median time is near the sum of its parts' means, their stalls included.
 """
 
 from __future__ import annotations
@@ -75,14 +75,14 @@ def region_inputs(plan, r: int, seed: int = 0) -> list[torch.Tensor]:
 
 
 def _typical(times: list[float]) -> float:
-    """The mean without the highest and lowest eighth. A step is a sum of many passes and
-    messages, so its median sits near the sum of their means, preemptions by other work on
-    this machine included; trimming drops only the rare extremes."""
+    """The mean without the single largest time. A step is a sum of many passes, calls and
+    messages, so its median sits near the sum of their means: the occasional stall of a
+    few milliseconds (a gloo call, a preemption by other work here) belongs in it; one
+    outlier among the repeats (a collection, a page fault) does not."""
     if not times:
         return 0.0
     times = sorted(times)
-    k = len(times) // 8
-    return statistics.fmean(times[k:len(times) - k])
+    return statistics.fmean(times[:-1] if len(times) >= 5 else times)
 
 
 class _NoComm:
@@ -406,8 +406,28 @@ def _link_worker(rank: int, world: int, port: int, groups: list[int], repeats: i
                 out.setdefault(f"issue/{kind}", []).extend(posting)
             _stop_or_spin(dist, rank, world, n, f"{n}_{size}")
     dist.barrier()
+    if rank < 2:
+        out["issue/WAIT"] = _wait_calls(dist, rank, repeats)
+    _stop_or_spin(dist, rank, world, 2, "wait")
+    dist.barrier()
     dist.destroy_process_group()
     return out
+
+
+def _wait_calls(dist, rank: int, repeats: int) -> list[float]:
+    """Times of WAIT calls on messages already complete (a receive, then a send): what a
+    WAIT costs the host when nothing is left to wait for."""
+    times = []
+    for k in range(repeats):
+        recv = dist.irecv(torch.empty(256), 1 - rank, tag=5000 + k)
+        send = dist.isend(torch.zeros(256), 1 - rank, tag=5000 + k)
+        _busy(4 * _BUSY)   # long enough for both to be done
+        t0 = time.perf_counter()
+        recv.wait()
+        t1 = time.perf_counter()
+        send.wait()
+        times += [t1 - t0, time.perf_counter() - t1]
+    return times
 
 
 def _stop_or_spin(dist, rank: int, world: int, members: int, tag: str) -> None:
@@ -429,35 +449,37 @@ def _stop_or_spin(dist, rank: int, world: int, members: int, tag: str) -> None:
 
 
 def _one_way(dist, rank: int, size: int, repeats: int) -> tuple[float, list, list]:
-    """One-way time of a `size`-byte message between ranks 0 and 1, the receive posted
-    ahead (as a plan posts its RECVs), each message from a fresh tensor into a fresh buffer
-    (as a worker sends and receives): from the sender's issue until the receiver's WAIT
-    returns (`perf_counter` is one monotonic clock for every process on the machine). Also
-    the times the send and the receive calls themselves took on this rank."""
-    stamp = torch.zeros(1, dtype=torch.float64)
-    times, sends, recvs = [], [], []
+    """One-way time of a `size`-byte message between ranks 0 and 1, in both directions in
+    turn, as a pipeline sends: the receive posted ahead, the sender computing first, each
+    message a fresh tensor into a fresh buffer, sends left in flight and waited for in
+    batches. Timed from the sender's issue (stamped into the message: `perf_counter` is
+    one monotonic clock for every process on the machine) until the receiver's WAIT
+    returns. Also the times the send and receive calls themselves took on this rank."""
+    numel = max(size // 8, 1)
+    times, sends, recvs, pending = [], [], [], []
     for k in range(repeats + 1):
-        for src in (0, 1):   # both directions, in turn
+        for src in (0, 1):
             if rank == src:
-                buf = torch.zeros(size // 4)
                 _busy(_BUSY)   # the receiver waits meanwhile, as a pipeline stage does
+                buf = torch.zeros(numel, dtype=torch.float64)
                 t0 = time.perf_counter()
-                work = dist.isend(buf, 1 - src, tag=2 * k + src)
+                buf[0] = t0
+                pending.append(dist.isend(buf, 1 - src, tag=2 * k + src))
                 if k:
                     sends.append(time.perf_counter() - t0)
-                work.wait()
-                stamp[0] = t0
-                dist.isend(stamp, 1 - src, tag=1000 + 2 * k + src).wait()
             else:
                 t0 = time.perf_counter()
-                work = dist.irecv(torch.empty(size // 4), src, tag=2 * k + src)
+                work = dist.irecv(got := torch.empty(numel, dtype=torch.float64), src,
+                                  tag=2 * k + src)
                 if k:
                     recvs.append(time.perf_counter() - t0)
                 work.wait()
-                t1 = time.perf_counter()
-                dist.irecv(stamp, src, tag=1000 + 2 * k + src).wait()
                 if k:
-                    times.append(t1 - float(stamp[0]))
+                    times.append(time.perf_counter() - float(got[0]))
+        if k % 4 == 3 or k == repeats:
+            for w in pending:
+                w.wait()
+            pending = []
     return _typical(times), sends, recvs   # rank 0 received in one direction: its times
 
 

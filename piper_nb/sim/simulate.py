@@ -16,12 +16,12 @@ compute stream and one stream per communication stream name:
   together on all of them.
 - FREE costs nothing; it happens once the passes before it have finished.
 - host model (`CostModel.overhead / issue / sync / cores`): every instruction then costs
-  the host `cost.host(d)` after it, an issue also `cost.issue[kind]` (its call); with
-  `sync` the host waits for each pass (CPU workers) and an overlap slot runs its passes in
-  list order; with `cores`, the devices computing at once and `cost.background` other
-  tasks share the cores: a pass stretches by its share then over its share when profiled
-  (processor sharing, approximated by re-simulating with the stretched durations until
-  the step time settles).
+  the host `cost.host(d)` after it, an issue also `cost.issue[kind]` (its call), a WAIT
+  `cost.issue["WAIT"]` once its op is done; with `sync` the host waits for each pass (CPU
+  workers) and an overlap slot runs its passes in list order; with `cores`, the devices
+  computing at once and `cost.background` other tasks share the cores: a pass stretches by
+  its share then over its share when profiled (processor sharing, approximated by
+  re-simulating with the stretched durations until the step time settles).
 
 Ops live in a heap keyed by ready time, devices are indices and instructions integer
 positions, so a step of a thousand devices simulates in seconds.
@@ -145,6 +145,7 @@ class _Sim:
         posted, start, end = self.posted[d], self.start[d], self.end[d]
         p, t, cfree = self.pos[d], self.t[d], self.cfree[d]
         host, sync, stretch, issue = self.host[d], self.sync, self.stretch[d], cost.issue
+        wait = issue.get("WAIT", 0.0)
         while p < len(steps):
             s = steps[p]
             if s.__class__ is tuple:
@@ -165,6 +166,7 @@ class _Sim:
                 if e > t:
                     t = e
                 posted[s] = start[s] = end[s] = t
+                t += wait
             elif kind in _COMPUTE:
                 st = t if t > cfree else cfree
                 cfree = st + cost.compute(ins) * stretch.get(s, 1.0)

@@ -69,12 +69,23 @@ def _dp_plan_args():
 
 def test_a_profiled_cost_model_times_every_pass_and_fits_the_link():
     plan = plan2()
-    cost = CostModel.profile(plan, repeats=2)
+    grads = [p.grad for p in plan.capture.model.parameters()]
+    cost = CostModel.profile(plan, repeats=2, optimizer=pn.optim.AdamW(1e-3))
     assert cost.unit == "s" and cost.name == "profiled"
     for r in range(len(plan.regions)):
         assert all(cost.passes[(r, p)] >= 0 for p in ("F", "B", "BI", "BW", "U"))
-        assert cost.passes[(r, "F")] > 0
+        assert cost.passes[(r, "F")] > 0 and cost.passes[(r, "U")] > 0
     assert cost.latency >= 0 and cost.bandwidth > 0 and not math.isnan(cost.bandwidth)
-    assert all(p.grad is None for p in plan.capture.model.parameters())  # .grad untouched
+    assert cost.links[("p2p", 2)] == (cost.latency, cost.bandwidth)
+    assert {"SEND", "RECV"} <= set(cost.issue) and all(v >= 0 for v in cost.issue.values())
+    assert cost.sync and cost.cores >= 1 and cost.background >= 0
+    assert set(cost.overhead) == {0, 1} and all(0 < v < 0.1 for v in cost.overhead.values())
+    assert [p.grad for p in plan.capture.model.parameters()] == grads   # the model untouched
     trace = simulate(plan)                      # the default cost model is the profiled one
     assert trace.unit == "s" and trace.step_time > 0
+    assert trace.meta["host_end"] >= max(e.end for e in trace.events)
+
+
+def test_a_profile_without_links_runs_in_process():
+    cost = CostModel.profile(plan2(), repeats=1, comm=False)
+    assert cost.links == {} and cost.issue == {} and cost.bandwidth == math.inf

@@ -67,3 +67,59 @@ def test_every_instruction_of_a_compiled_plan_gets_a_time(compile_schedule):
     assert all(t >= 0 for row in timing.end for t in row)
     assert all(s <= e for rs, re_ in zip(timing.start, timing.end, strict=True)
                for s, e in zip(rs, re_, strict=True))
+
+
+def _host_model(**kw) -> CostModel:
+    """Unit costs plus the CPU host model of a profiled cost model."""
+    base = CostModel.uniform(F=1, B=2, W=1, comm=0.5)
+    return CostModel(name="host", unit="unit", passes=base.passes, comm=0.5, **kw)
+
+
+def test_a_host_synchronous_device_pays_its_overhead_and_issue_calls(hand_plan, spans):
+    plan = hand_plan("0F0 0SEND_F0>1 0F1 wait(0SEND_F0>1)",
+                     "1RECV_F0<0 wait(1RECV_F0<0) 1F0")
+    trace = simulate(plan, _host_model(sync=True, overhead=0.25, issue={"SEND": 0.5}))
+    # F0, its bookkeeping; the send posts at 1.25 and keeps the host 0.5 more; F1 after
+    assert spans(trace, 0) == ["0F0@0-1", "0SEND_F0>1@1.25-1.75", "0F1@2-3"]
+    # the receiver posts at 0 and pays 0.25 per instruction: F0 after its WAIT's bookkeeping
+    assert spans(trace, 1) == ["1RECV_F0<0@1.25-1.75", "1F0@2-3"]
+    assert trace.meta["host_end"] == 3.5              # F1's and the last WAIT's bookkeeping
+
+
+def test_a_synchronous_host_runs_an_overlap_slot_one_pass_after_the_other(hand_plan, spans):
+    plan = hand_plan("0F0 (0F1;0B0) 0B1")
+    slot = simulate(plan, CostModel.uniform(F=1, B=2, FB=2))
+    assert spans(slot, 0) == ["0F0@0-1", "0B0@1-3", "0F1@1-3", "0B1@3-5"]
+    sync = simulate(plan, _host_model(sync=True))
+    assert spans(sync, 0) == ["0F0@0-1", "0F1@1-2", "0B0@2-4", "0B1@4-6"]
+
+
+def test_devices_computing_at_once_share_the_cores(hand_plan, spans):
+    plan = hand_plan("0F0", "0F0", "0F0", "0F0")
+    assert simulate(plan, _host_model(sync=True)).step_time == 1
+    shared = simulate(plan, _host_model(sync=True, cores=2))
+    assert shared.step_time == pytest.approx(2, rel=0.01)          # 4 passes on 2 cores
+    two = hand_plan("0F0", "0F0")
+    assert simulate(two, _host_model(sync=True, cores=2)).step_time == 1
+    busy = simulate(two, _host_model(sync=True, cores=2, background=2))   # 2 other tasks:
+    assert busy.step_time == pytest.approx(2 / 1.5, rel=0.01)    # 4 on 2 cores, profiled at 3
+    staggered = hand_plan("0F0 0SEND_F0>1 wait(0SEND_F0>1)",      # never two at once
+                          "1RECV_F0<0 wait(1RECV_F0<0) 1F0")
+    assert simulate(staggered, _host_model(sync=True, cores=1)).step_time == 2.5
+
+
+def test_messages_cost_the_fit_of_their_kind_and_group_size():
+    from piper_nb.sim.cost import message_bytes
+    plan = pn.compile(*_dp_plan_args())
+    ar = next(i for i in plan[0].instrs if i.kind == "ALL_REDUCE")
+    nbytes = message_bytes(plan, ar)
+    cost = CostModel(links={("ALL_REDUCE", 2): (1.0, 100.0), ("p2p", 2): (5.0, 1.0)})
+    assert cost.message(plan, ar, 0) == pytest.approx(1.0 + nbytes / 100.0)  # nearest size
+    assert cost.message(plan, Instr("SEND", peer=1), 0) == 5.0
+
+
+def _dp_plan_args():
+    model = pn.models.MLP(dim=8, depth=2)
+    spec = pn.annotate(model, pn.cut_stages(model, 1))
+    return spec, [pn.split({}, "MB", 2), pn.replicate({}, [0, 1, 2, 3])], \
+        model.example_batch(batch_size=8, seed=0)
