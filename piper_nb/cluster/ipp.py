@@ -25,18 +25,16 @@ from __future__ import annotations
 import concurrent.futures as cf
 import inspect
 import logging
-import os
 import pickle
 import time
 from typing import NoReturn
 
 from piper_nb.cluster import engine as eng
+from piper_nb.cluster.protocol import ClusterCommands
 from piper_nb.cluster.roster import Roster, engine_error
 from piper_nb.errors import PlanError, RuntimeFailure, WorkerLost
 from piper_nb.runtime.bundle import make_bundle
-from piper_nb.runtime.layout import assemble_state
 from piper_nb.runtime.process import serve
-from piper_nb.runtime.worker import FAIL_ENV
 
 __all__ = ["IPyParallelCluster"]
 
@@ -47,7 +45,7 @@ class _Abandon(Exception):
     """Internal: after Ctrl-C the running command cannot finish cleanly; kill the workers."""
 
 
-class IPyParallelCluster:
+class IPyParallelCluster(ClusterCommands):
     """`n` ipyparallel engines, one device each. See the module docstring.
 
     `device`: "cpu" (gloo) or "cuda" (one GPU per engine by local rank; NCCL when every host
@@ -363,29 +361,5 @@ class IPyParallelCluster:
         return key
 
     # ---- the protocol pn.train uses ----------------------------------------------------
-    def reset(self, plan, optimizer) -> None:
-        """Ship `plan` if it is new to these workers; parameters back to the model's, fresh
-        optimizer state."""
-        self._command("reset", self._key(plan), None, optimizer)
-
-    def step(self, plan, batch) -> list[dict]:
-        """One training step of `plan` on `batch`; per rank: loss, end, events, memory."""
-        key = self._key(plan)
-        out = self._command("step", key, None, (tuple(batch), os.environ.get(FAIL_ENV)))
-        return [out[r] for r in range(self.n)]
-
-    def state(self, plan) -> dict:
-        """Canonical parameter name -> full tensor, gathered from the workers."""
-        out = self._command("state", self._key(plan), None)
-        return assemble_state(plan, [out[r] for r in range(self.n)])
-
-    def train_state(self, plan) -> list[dict]:
-        """Per rank: parameters, optimizer state and step count (for `cluster.checkpoint`)."""
-        out = self._command("train_state", self._key(plan), None)
-        return [out[r] for r in range(self.n)]
-
-    def load_train_state(self, plan, states: list[dict]) -> None:
-        """Give every rank its part of a checkpoint (after `reset`)."""
-        if len(states) != self.n:
-            raise ValueError(f"load_train_state: {len(states)} states for {self.n} ranks")
-        self._command("load_train_state", self._key(plan), list(states))
+    def _run(self, op: str, key, payload=None, per_rank: list | None = None) -> dict[int, object]:
+        return self._command(op, key, per_rank, payload)

@@ -15,7 +15,6 @@ guard (workers are spawned, which re-imports the main module).
 
 from __future__ import annotations
 
-import os
 import pickle
 import queue
 import socket
@@ -23,11 +22,10 @@ import time
 
 import torch.multiprocessing as mp
 
+from piper_nb.cluster.protocol import ClusterCommands
 from piper_nb.errors import PlanError, RuntimeFailure, WorkerLost
 from piper_nb.runtime.bundle import make_bundle
-from piper_nb.runtime.layout import assemble_state
 from piper_nb.runtime.process import serve
-from piper_nb.runtime.worker import FAIL_ENV
 
 __all__ = ["LocalCluster"]
 
@@ -38,7 +36,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-class LocalCluster:
+class LocalCluster(ClusterCommands):
     """`n` local workers. `device` is "cpu" or "cuda"; `timeout` bounds every command (s)."""
 
     def __init__(self, n: int, *, device: str = "cpu", timeout: float = 300.0,
@@ -191,28 +189,5 @@ class LocalCluster:
         self._loaded.append((plan, key))
         return key
 
-    def reset(self, plan, optimizer) -> None:
-        """Ship `plan` if it is new to this group; parameters back to the model's, fresh
-        optimizer state."""
-        self._send("reset", self._key(plan), optimizer)
-
-    def step(self, plan, batch) -> list[dict]:
-        """One training step of `plan` on `batch`; per rank: loss, end, events, memory."""
-        out = self._send("step", self._key(plan), (tuple(batch), os.environ.get(FAIL_ENV)))
-        return [out[r] for r in range(self.n)]
-
-    def state(self, plan) -> dict:
-        """Canonical parameter name -> full tensor, gathered from the workers."""
-        out = self._send("state", self._key(plan), None)
-        return assemble_state(plan, [out[r] for r in range(self.n)])
-
-    def train_state(self, plan) -> list[dict]:
-        """Per rank: parameters, optimizer state and step count (for `cluster.checkpoint`)."""
-        out = self._send("train_state", self._key(plan), None)
-        return [out[r] for r in range(self.n)]
-
-    def load_train_state(self, plan, states: list[dict]) -> None:
-        """Give every rank its part of a checkpoint (after `reset`)."""
-        if len(states) != self.n:
-            raise ValueError(f"load_train_state: {len(states)} states for {self.n} ranks")
-        self._send("load_train_state", self._key(plan), None, per_rank=list(states))
+    def _run(self, op: str, key, payload=None, per_rank: list | None = None) -> dict[int, object]:
+        return self._send(op, key, payload, per_rank=per_rank)

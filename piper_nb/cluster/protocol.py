@@ -1,0 +1,52 @@
+"""The commands every cluster answers, the protocol `pn.train` and the Designer use.
+
+A cluster (`LocalCluster`, `IPyParallelCluster`) only knows how to start its workers, ship
+a plan once (`_key(plan)`) and run one command on every rank (`_run`); the commands
+themselves, `reset`, `step`, `state` and the checkpoint pair, are the same for all.
+"""
+
+from __future__ import annotations
+
+import os
+
+from piper_nb.runtime.layout import assemble_state
+from piper_nb.runtime.worker import FAIL_ENV
+
+__all__ = ["ClusterCommands"]
+
+
+class ClusterCommands:
+    n: int
+
+    def _key(self, plan) -> int:
+        raise NotImplementedError
+
+    def _run(self, op: str, key, payload=None, per_rank: list | None = None) -> dict[int, object]:
+        """Send `op` to every rank (`per_rank[r]`, or `payload` to all); answers by rank."""
+        raise NotImplementedError
+
+    def reset(self, plan, optimizer) -> None:
+        """Ship `plan` if the workers do not have it yet; parameters back to the model's,
+        fresh optimizer state."""
+        self._run("reset", self._key(plan), optimizer)
+
+    def step(self, plan, batch) -> list[dict]:
+        """One training step of `plan` on `batch`; per rank: loss, end, events, memory."""
+        out = self._run("step", self._key(plan), (tuple(batch), os.environ.get(FAIL_ENV)))
+        return [out[r] for r in range(self.n)]
+
+    def state(self, plan) -> dict:
+        """Canonical parameter name -> full tensor, gathered from the workers."""
+        out = self._run("state", self._key(plan))
+        return assemble_state(plan, [out[r] for r in range(self.n)])
+
+    def train_state(self, plan) -> list[dict]:
+        """Per rank: parameters, optimizer state and step count (for `cluster.checkpoint`)."""
+        out = self._run("train_state", self._key(plan))
+        return [out[r] for r in range(self.n)]
+
+    def load_train_state(self, plan, states: list[dict]) -> None:
+        """Give every rank its part of a checkpoint (after `reset`)."""
+        if len(states) != self.n:
+            raise ValueError(f"load_train_state: {len(states)} states for {self.n} ranks")
+        self._run("load_train_state", self._key(plan), per_rank=list(states))
