@@ -123,7 +123,7 @@ class _Piper:
     def run(self, steps: int) -> tuple[list[float], list[float]]:
         times, losses = [], []
         for _ in range(steps):
-            outs = self.cluster.step(self.plan, self.batch)
+            outs = self.cluster.step(self.plan, self.batch, trace=False)  # as pn.train steps
             losses.append(sum(o["loss"] for o in outs))
             times.append(max(o["end"] for o in outs))
             compute = [sum(e.end - e.start for e in o["events"] if e.kind in _COMPUTE)

@@ -96,7 +96,7 @@ def train(plan, batch_or_loader, steps: int, optimizer, cluster=None, *,
                 batch = _check_batch(next(it), plan.batch_size, s)
             except StopIteration:
                 raise PlanError(f"the loader ran out after {s - 1} of {steps} steps") from None
-            outs = cluster.step(plan, batch)
+            outs = cluster.step(plan, batch, trace=s == steps)  # memory is counted on the kept step
             losses.append(sum(o["loss"] for o in outs))
             times.append(max(o["end"] for o in outs))
             for o in outs:

@@ -30,9 +30,10 @@ class ClusterCommands:
         fresh optimizer state."""
         self._run("reset", self._key(plan), optimizer)
 
-    def step(self, plan, batch) -> list[dict]:
-        """One training step of `plan` on `batch`; per rank: loss, end, events, memory."""
-        out = self._run("step", self._key(plan), (tuple(batch), os.environ.get(FAIL_ENV)))
+    def step(self, plan, batch, trace: bool = True) -> list[dict]:
+        """One training step of `plan` on `batch`; per rank: loss, end, events and (when
+        `trace`) memory samples."""
+        out = self._run("step", self._key(plan), (tuple(batch), os.environ.get(FAIL_ENV), trace))
         return [out[r] for r in range(self.n)]
 
     def state(self, plan) -> dict:

@@ -13,6 +13,7 @@ The idea is Piper's: the strategy lives in the plan, the runtime only executes i
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import torch
@@ -58,6 +59,7 @@ class Worker:
                       for r in regions}  # ZeRO-3 buckets each region's passes must have gathered
         comm.ensure_groups(i.group for dp in plan.devices for i in dp.instrs if i.group)
         self.optimizer = None
+        self.tracing = True
         self.step_no = 0
         self.current = -1
 
@@ -71,9 +73,13 @@ class Worker:
         ins = self.instrs[idx]
         return f"wait({self.instrs[ins.target]})" if ins.kind == "WAIT" else str(ins)
 
-    def step(self, batch, fail_at: str | None = None) -> dict:
-        """Run the plan once on `batch` (inputs, targets); times relative to the step start."""
+    def step(self, batch, fail_at: str | None = None, trace: bool = True) -> dict:
+        """Run the plan once on `batch` (inputs, targets); times relative to the step start.
+
+        With `trace=False` the step is timed but memory is not counted (no per-instruction
+        accounting, no saved-tensor hooks): what `pn.train` does on all but the last step."""
         self.step_no += 1
+        self.tracing = trace
         self.batch = {BATCH_INPUT: batch[0].to(self.device), BATCH_TARGET: batch[1].to(self.device)}
         self.pending: dict[int, Pending] = {}
         self.exchange.reset()
@@ -101,7 +107,8 @@ class Worker:
                 self._free(ins)
             else:
                 raise RuntimeError(f"unknown instruction kind {ins.kind!r}")
-            rec.memory(self.clock.mark(), *self._memory())
+            if trace:
+                rec.memory(self.clock.mark(), *self._memory())
         self.current = -1
         end = self.clock.mark()
         leftover = self._leftover()
@@ -170,7 +177,7 @@ class Worker:
             args.append(t)
         exclude = {p.untyped_storage().data_ptr() for p in self.store.params.values()}
         exclude |= {a.untyped_storage().data_ptr() for a in args}
-        with SavedBytes(exclude) as saved:
+        with SavedBytes(exclude) if self.tracing else _NoCount() as saved:
             outs = self.modules[ins.region](*args)
         outputs = dict(zip(info.outputs, outs, strict=True))
         for name, out in outputs.items():
@@ -305,6 +312,15 @@ class Worker:
         for p in self.store.params.values():
             p.grad = None
         return sorted(out)
+
+
+class _NoCount(contextlib.nullcontext):
+    """Stands in for `SavedBytes` on untraced steps."""
+
+    bytes = 0
+
+    def __enter__(self):
+        return self
 
 
 def _parse_fail(spec: str | None, rank: int) -> tuple[str, str] | None:

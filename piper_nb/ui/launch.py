@@ -35,8 +35,8 @@ class StepReporter:
     def reset(self, plan, optimizer) -> None:
         self.cluster.reset(plan, optimizer)
 
-    def step(self, plan, batch) -> list[dict]:
-        outs = self.cluster.step(plan, batch)
+    def step(self, plan, batch, trace: bool = True) -> list[dict]:
+        outs = self.cluster.step(plan, batch, trace)
         self.on_step(outs)
         return outs
 
