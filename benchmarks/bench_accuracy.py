@@ -25,67 +25,27 @@ import argparse
 import os
 import statistics
 import time
-from pathlib import Path
 
 import piper_nb as pn
+from piper_nb import strategies
 from piper_nb.sim.profile import _LINK_CACHE
 
 __all__ = ["STRATEGIES", "compile_strategy", "run"]
 
-EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 TOLERANCE = 0.15
 
 
-def _mlp():
-    model = pn.models.MLP(dim=16, depth=4)
-    return model, model.example_batch(batch_size=8, seed=0)
-
-
-def _gpt(tied: bool = False, layers: int = 4, batch: int = 8):
-    model = pn.models.TinyGPT(vocab=64, dim=32, layers=layers, heads=2, seq=16,
-                              tie_embeddings=tied)
-    return model, model.example_batch(batch_size=batch, seed=0)
-
-
-def _pp(stages: int = 2) -> list:
-    return [pn.place({"PP": s}, [s]) for s in range(stages)]
-
-
-def _schedule(name: str) -> list:
-    return [*_pp(), pn.Program([{"op": "schedule", "name": name, "ranks": 2,
-                                 "microbatches": 4}])[0]]
-
-
-# name -> () -> (model, batch, annotation: dict | stages (None: 2), program)
-STRATEGIES = {
-    "DP": lambda: (*_mlp(), {"layers": {"PP": 0}},
-                   [pn.replicate({}, [0, 1], zero=0), pn.split({}, "MB", 2)]),
-    **{f"ZeRO-{z}": (lambda z=z: (*_mlp(), {"layers": {"PP": 0}},
-                                  [pn.replicate({}, [0, 1], zero=z), pn.split({}, "MB", 2)]))
-       for z in (1, 2, 3)},
-    "GPipe": lambda: (*_mlp(), None, _schedule("gpipe")),
-    "1F1B": lambda: (*_mlp(), None, _schedule("1f1b")),
-    "interleaved 1F1B": lambda: (*_gpt(layers=6), 4,
-                                 pn.schedules.interleaved_1f1b(2, 4, chunks=2, place=True)),
-    "ZB1P": lambda: (*_gpt(layers=6), None,
-                     [*_pp(), *pn.schedules.zero_bubble(ranks=2, microbatches=4)]),
-    "DualPipeV": lambda: (*_gpt(layers=6), 4,
-                          pn.schedules.dualpipev(ranks=2, microbatches=4, place=True)),
-    "DualPipe": lambda: (*_gpt(layers=6, batch=16), 4,
-                         pn.schedules.dualpipe(ranks=4, microbatches=8, place=True)),
-    "PP2 x DP2 ZeRO-3": lambda: (*_gpt(), None, pn.Program.from_json(
-        (EXAMPLES / "pp2_dp2_zero3.json").read_text())),
-    "tied embeddings": lambda: (*_gpt(tied=True), None,
-                                [*_pp(), *pn.schedules.one_f_one_b(ranks=2, microbatches=4)]),
-}
+# display name -> name in piper_nb.strategies.MATRIX
+STRATEGIES = {"DP": "zero0", "ZeRO-1": "zero1", "ZeRO-2": "zero2", "ZeRO-3": "zero3",
+              "GPipe": "gpipe", "1F1B": "1f1b", "interleaved 1F1B": "interleaved", "ZB1P": "zb1p",
+              "DualPipeV": "dualpipev", "DualPipe": "dualpipe-4ranks",
+              "PP2 x DP2 ZeRO-3": "pp2-dp2-zero3", "tied embeddings": "tied-embeddings"}
 
 
 def compile_strategy(name: str):
-    """-> (plan, batch) of one strategy of the matrix."""
-    model, batch, annotation, program = STRATEGIES[name]()
-    if annotation is None or isinstance(annotation, int):
-        annotation = pn.cut_stages(model, annotation or 2)
-    return pn.compile(pn.annotate(model, annotation), program, batch), batch
+    """-> (plan, batch) of one strategy of the matrix, by display name."""
+    return strategies.compile_strategy(STRATEGIES[name])
+
 
 
 def run(name: str, cluster, steps: int, warmup: int, optimizer, verbose: bool = False) -> dict:

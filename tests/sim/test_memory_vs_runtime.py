@@ -10,67 +10,24 @@ optimizer state already exists (the first step is checked with `first_step=True`
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
 import piper_nb as pn
 from piper_nb.sim import CostModel, MemorySettings
+from piper_nb.strategies import MATRIX, compile_strategy
 
 pytestmark = pytest.mark.dist
 
 KINDS = ("params", "grads", "optim", "activations", "buffers")
 OPT = pn.optim.AdamW(1e-3)
-EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
 
-def _mlp():
-    model = pn.models.MLP(dim=16, depth=4)
-    return model, model.example_batch(batch_size=8, seed=0)
-
-
-def _gpt(tied: bool = False, layers: int = 4, batch: int = 8):
-    model = pn.models.TinyGPT(vocab=64, dim=32, layers=layers, heads=2, seq=16,
-                              tie_embeddings=tied)
-    return model, model.example_batch(batch_size=batch, seed=0)
-
-
-def _pp(stages: int = 2) -> list:
-    return [pn.place({"PP": s}, [s]) for s in range(stages)]
-
-
-def _schedule(name: str) -> list:
-    return [*_pp(), pn.Program([{"op": "schedule", "name": name, "ranks": 2,
-                                 "microbatches": 4}])[0]]
-
-
-# name -> () -> (model, batch, annotation or None for 2 stages, program)
-STRATEGIES = {
-    **{f"zero{z}": (lambda z=z: (*_mlp(), {"layers": {"PP": 0}},
-                                 [pn.replicate({}, [0, 1], zero=z), pn.split({}, "MB", 2)]))
-       for z in range(4)},
-    "gpipe": lambda: (*_mlp(), None, _schedule("gpipe")),
-    "1f1b": lambda: (*_mlp(), None, _schedule("1f1b")),
-    "interleaved": lambda: (*_gpt(layers=6), 4,
-                            pn.schedules.interleaved_1f1b(2, 4, chunks=2, place=True)),
-    "zb1p": lambda: (*_gpt(layers=6), None,
-                     [*_pp(), *pn.schedules.zero_bubble(ranks=2, microbatches=4)]),
-    "dualpipev": lambda: (*_gpt(layers=6), 4,
-                          pn.schedules.dualpipev(ranks=2, microbatches=4, place=True)),
-    "dualpipe-4ranks": lambda: (*_gpt(layers=6, batch=16), 4,
-                                pn.schedules.dualpipe(ranks=4, microbatches=8, place=True)),
-    "pp2-dp2-zero3": lambda: (*_gpt(), None, pn.Program.from_json(
-        (EXAMPLES / "pp2_dp2_zero3.json").read_text())),
-    "tied-embeddings": lambda: (*_gpt(tied=True), None,
-                                [*_pp(), *pn.schedules.one_f_one_b(ranks=2, microbatches=4)]),
-}
+STRATEGIES = MATRIX
 
 
 def _compile(name: str):
-    model, batch, annotation, program = STRATEGIES[name]()
-    if annotation is None or isinstance(annotation, int):
-        annotation = pn.cut_stages(model, annotation or 2)
-    return pn.compile(pn.annotate(model, annotation), program, batch), batch
+    return compile_strategy(name)
+
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,75 @@
+"""The strategy matrix piper_nb checks itself against, built by name.
+
+Small models (an MLP, TinyGPT) with every ZeRO level and every pipeline schedule on 2-4
+devices: the runtime's equivalence tier, the memory-model-equals-runtime test and the
+accuracy benchmark all use these, so they speak of the same plans.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from piper_nb import models, schedules
+from piper_nb.capture import annotate, cut_stages
+from piper_nb.compiler.compile import compile
+from piper_nb.directives.spec import Program, place, replicate, split
+
+__all__ = ["MATRIX", "compile_strategy"]
+
+
+def _mlp():
+    model = models.MLP(dim=16, depth=4)
+    return model, model.example_batch(batch_size=8, seed=0)
+
+
+def _gpt(tied: bool = False, layers: int = 4, batch: int = 8):
+    model = models.TinyGPT(vocab=64, dim=32, layers=layers, heads=2, seq=16, tie_embeddings=tied)
+    return model, model.example_batch(batch_size=batch, seed=0)
+
+
+def _pp(stages: int = 2) -> list:
+    return [place({"PP": s}, [s]) for s in range(stages)]
+
+
+def _schedule(name: str) -> list:
+    return [*_pp(), Program([{"op": "schedule", "name": name, "ranks": 2, "microbatches": 4}])[0]]
+
+
+def _zero(z: int) -> Callable:
+    return lambda: (*_mlp(), {"layers": {"PP": 0}},
+                    [replicate({}, [0, 1], zero=z), split({}, "MB", 2)])
+
+
+PP2_DP2_ZERO3 = [  # the same program as examples/pp2_dp2_zero3.json
+    {"op": "place", "filter": {"PP": 0}, "devices": [0, 2]},
+    {"op": "place", "filter": {"PP": 1}, "devices": [1, 3]},
+    {"op": "replicate", "filter": {"PP": 0}, "devices": [0, 2], "zero": 3},
+    {"op": "replicate", "filter": {"PP": 1}, "devices": [1, 3], "zero": 3},
+    {"op": "schedule", "name": "1f1b", "ranks": 2, "microbatches": 4},
+]
+
+# name -> () -> (model, batch, annotation (None: 2 stages; an int: that many), program)
+MATRIX: dict[str, Callable[[], tuple]] = {
+    **{f"zero{z}": _zero(z) for z in range(4)},
+    "gpipe": lambda: (*_mlp(), None, _schedule("gpipe")),
+    "1f1b": lambda: (*_mlp(), None, _schedule("1f1b")),
+    "interleaved": lambda: (*_gpt(layers=6), 4,
+                            schedules.interleaved_1f1b(2, 4, chunks=2, place=True)),
+    "zb1p": lambda: (*_gpt(layers=6), None,
+                     [*_pp(), *schedules.zero_bubble(ranks=2, microbatches=4)]),
+    "dualpipev": lambda: (*_gpt(layers=6), 4,
+                          schedules.dualpipev(ranks=2, microbatches=4, place=True)),
+    "dualpipe-4ranks": lambda: (*_gpt(layers=6, batch=16), 4,
+                                schedules.dualpipe(ranks=4, microbatches=8, place=True)),
+    "pp2-dp2-zero3": lambda: (*_gpt(), None, Program(PP2_DP2_ZERO3)),
+    "tied-embeddings": lambda: (*_gpt(tied=True), None,
+                                [*_pp(), *schedules.one_f_one_b(ranks=2, microbatches=4)]),
+}
+
+
+def compile_strategy(name: str):
+    """-> (plan, batch) of one strategy of the matrix."""
+    model, batch, annotation, program = MATRIX[name]()
+    if annotation is None or isinstance(annotation, int):
+        annotation = cut_stages(model, annotation or 2)
+    return compile(annotate(model, annotation), program, batch), batch
