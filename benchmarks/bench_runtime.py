@@ -108,7 +108,10 @@ def cases(model, microbatches: int) -> list[Case]:
                     {"ddp": "DDP + no_sync"}))
     out.append(Case("replicate zero=3", 2, whole,
                     [pn.replicate({}, [0, 1], zero=3), pn.split({}, "MB", m)],
-                    {"fsdp2": "FSDP2, sync every mb", "fsdp2_acc": "FSDP2, accumulate"}))
+                    {"fsdp2": "FSDP2, sync every mb"}))
+    out.append(Case("replicate zero=3 reshard=False", 2, whole,
+                    [pn.replicate({}, [0, 1], zero=3, reshard=False), pn.split({}, "MB", m)],
+                    {"fsdp2_acc": "FSDP2, accumulate"}))
     return out
 
 

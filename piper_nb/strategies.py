@@ -35,9 +35,9 @@ def _schedule(name: str) -> list:
     return [*_pp(), Program([{"op": "schedule", "name": name, "ranks": 2, "microbatches": 4}])[0]]
 
 
-def _zero(z: int) -> Callable:
+def _zero(z: int, reshard: bool = True) -> Callable:
     return lambda: (*_mlp(), {"layers": {"PP": 0}},
-                    [replicate({}, [0, 1], zero=z), split({}, "MB", 2)])
+                    [replicate({}, [0, 1], zero=z, reshard=reshard), split({}, "MB", 2)])
 
 
 PP2_DP2_ZERO3 = [  # the same program as examples/pp2_dp2_zero3.json
@@ -51,6 +51,7 @@ PP2_DP2_ZERO3 = [  # the same program as examples/pp2_dp2_zero3.json
 # name -> () -> (model, batch, annotation (None: 2 stages; an int: that many), program)
 MATRIX: dict[str, Callable[[], tuple]] = {
     **{f"zero{z}": _zero(z) for z in range(4)},
+    "zero3-noreshard": _zero(3, reshard=False),
     "gpipe": lambda: (*_mlp(), None, _schedule("gpipe")),
     "1f1b": lambda: (*_mlp(), None, _schedule("1f1b")),
     "interleaved": lambda: (*_gpt(layers=6), 4,

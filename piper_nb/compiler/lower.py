@@ -259,10 +259,15 @@ def _gathered(dag) -> dict[str, list[str]]:
     cache = dag._idx()
     if "gathered" not in cache:
         out: dict[str, list[str]] = defaultdict(list)
+        kept: set[str] = set()
         for n in dag.nodes:
             if n.op == Op.ALL_GATHER and n.attr("before") is not None:
-                out[n.attr("before")].append(f"param:{n.attr('bucket')}")
-        cache["gathered"] = dict(out)
+                key = f"param:{n.attr('bucket')}"
+                for consumer in n.attr("consumers") or (n.attr("before"),):
+                    out[consumer].append(key)
+                if n.attr("consumers"):
+                    kept.add(key)
+        cache["gathered"] = (dict(out), kept)
     return cache["gathered"]
 
 
@@ -271,7 +276,7 @@ def _add_frees(instrs: list[Instr], regions, dag) -> tuple[Instr, ...]:
     last: dict[str, int] = {}
     now: dict[int, list[str]] = defaultdict(list)
     grad_values = _grad_values(dag)
-    gathered = _gathered(dag)
+    gathered, kept = _gathered(dag)
     for i, ins in enumerate(instrs):
         reads: list[str] = []
         if ins.kind == "F":
@@ -288,11 +293,11 @@ def _add_frees(instrs: list[Instr], regions, dag) -> tuple[Instr, ...]:
             reads += gathered.get(ins.node, ())
         for k in reads:
             last[k] = i
-            if k.startswith("param:"):  # a ZeRO-3 gather is freed right after its pass
+            if k.startswith("param:") and k not in kept:  # freed right after its pass
                 now[i].append(k)
     after: dict[int, list[str]] = now
     for k, i in last.items():
-        if not k.startswith("param:"):
+        if not k.startswith("param:") or k in kept:
             after[i].append(k)
     if not after:
         return tuple(instrs)

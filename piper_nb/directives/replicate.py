@@ -11,7 +11,9 @@ regions form buckets (cut by `bucket_size` MB). Per bucket:
 - zero 2: REDUCE_SCATTER after every microbatch's backward (gradients stay sharded),
   U on the shard, ALL_GATHER of the parameters;
 - zero 3: parameters stay sharded: ALL_GATHER before every pass that needs them (freed
-  after it), REDUCE_SCATTER after every backward, U on the shard.
+  after it), REDUCE_SCATTER after every backward, U on the shard; with `reshard=False`,
+  one ALL_GATHER before the region's first pass (freed after its last) and one
+  REDUCE_SCATTER after its last backward.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ class ReplicaConfig:
     reduce_stream: str
     gather_stream: str
     directive: int
+    reshard: bool = True
 
 
 @dataclass(frozen=True)
@@ -46,6 +49,7 @@ class Bucket:
     regions: tuple[int, ...]
     reduce_stream: str = "dp"
     gather_stream: str = "dp"
+    reshard: bool = True      # zero 3: False keeps parameters gathered across the step's passes
 
 
 def replica_configs(dag: TrainingDAG, replicates: list[tuple[int, object]]) -> dict[int, ReplicaConfig]:
@@ -58,7 +62,7 @@ def replica_configs(dag: TrainingDAG, replicates: list[tuple[int, object]]) -> d
                             directive=idx, op="replicate")
         for r in regions:
             configs[r] = ReplicaConfig(d.devices, d.zero, d.bucket_size, d.reduce_stream or "dp",
-                                       d.gather_stream or "dp", idx)
+                                       d.gather_stream or "dp", idx, d.reshard)
     return configs
 
 
@@ -97,12 +101,13 @@ def _buckets(dag, region_params, param_bytes, configs) -> list[Bucket]:
         for p in params:
             if chunk and limit is not None and size + param_bytes[p] > limit:
                 out.append(Bucket(len(out), tuple(chunk), devs, zero, rs,
-                                  cfg.reduce_stream, cfg.gather_stream))
+                                  cfg.reduce_stream, cfg.gather_stream, cfg.reshard))
                 chunk, size = [], 0
             chunk.append(p)
             size += param_bytes[p]
         out.append(Bucket(len(out), tuple(chunk), devs, zero, rs,
-                          cfg.reduce_stream if cfg else "dp", cfg.gather_stream if cfg else "dp"))
+                          cfg.reduce_stream if cfg else "dp", cfg.gather_stream if cfg else "dp",
+                          cfg.reshard if cfg else True))
     return out
 
 
@@ -125,7 +130,8 @@ def insert_grad_sync(dag: TrainingDAG, region_params: dict[int, tuple[str, ...]]
     for b in buckets:
         base = dict(regions[b.regions[0]].tags)
         producers = [n for r in b.regions for n in _last_backward(dag, r)]
-        if b.zero in (0, 1):
+        once = b.zero in (0, 1) or (b.zero == 3 and not b.reshard)
+        if once:
             op = Op.ALL_REDUCE if b.zero == 0 else Op.REDUCE_SCATTER
             c = coll(op, b, base, "", b.reduce_stream, "grad")
             edges += [Edge(p.id, c.id) for p in producers]
@@ -139,7 +145,14 @@ def insert_grad_sync(dag: TrainingDAG, region_params: dict[int, tuple[str, ...]]
         if b.zero in (1, 2):
             g = coll(Op.ALL_GATHER, b, base, "", b.gather_stream, "param")
             edges += [Edge(u_of[r].id, g.id) for r in b.regions]
-        if b.zero == 3:
+        if b.zero == 3 and not b.reshard:
+            # one gather per device and step: pulled before the first pass, freed after the last
+            passes = [n for n in dag.nodes if n.region in b.regions
+                      and n.op in (Op.F, Op.B, Op.BI, Op.BW)]
+            g = coll(Op.ALL_GATHER, b, base, ".step", b.gather_stream, "param")
+            nodes[-1] = g.with_attrs(before=passes[0].id, consumers=tuple(p.id for p in passes))
+            edges += [Edge(g.id, p.id) for p in passes]
+        elif b.zero == 3:
             for n in dag.nodes:
                 if n.region in b.regions and n.op in (Op.F, Op.B, Op.BI, Op.BW):
                     tags = {**base, "MB": n.mb} if n.mb is not None else base

@@ -75,6 +75,10 @@ class Replicate(Directive):
     shard, all-gather parameters); 2 also shards gradients (reduce-scatter after each
     microbatch's backward); 3 also shards parameters (all-gather before each pass that
     needs them, freed after). `bucket_size` is in MB (None: one bucket per region).
+    `reshard=False` (zero 3 only) keeps a region's parameters gathered from its first pass
+    to its last in the step and reduce-scatters gradients once after the last backward
+    (FSDP's no-reshard + no-sync accumulation): fewer collectives, full parameters and
+    gradients held within the step.
     """
 
     filter: Mapping[str, Any]
@@ -83,6 +87,7 @@ class Replicate(Directive):
     bucket_size: float | None = None
     reduce_stream: str | None = None
     gather_stream: str | None = None
+    reshard: bool = True
     op = "replicate"
 
     def __post_init__(self):
@@ -94,6 +99,11 @@ class Replicate(Directive):
                 isinstance(self.bucket_size, bool) or not isinstance(self.bucket_size, (int, float))
                 or self.bucket_size <= 0):
             raise PlanError(f"replicate: bucket_size is a positive number of MB, got {self.bucket_size!r}")
+        if not isinstance(self.reshard, bool):
+            raise PlanError(f"replicate: reshard is true or false, got {self.reshard!r}")
+        if not self.reshard and self.zero != 3:
+            raise PlanError("replicate: reshard=false only applies to zero=3 (parameters are "
+                            "sharded between uses only there); drop it or use zero=3")
         object.__setattr__(self, "reduce_stream", _stream(self.reduce_stream, "replicate"))
         object.__setattr__(self, "gather_stream", _stream(self.gather_stream, "replicate"))
 
@@ -107,6 +117,8 @@ class Replicate(Directive):
         for key in ("bucket_size", "reduce_stream", "gather_stream"):
             if getattr(self, key) is not None:
                 out[key] = getattr(self, key)
+        if not self.reshard:
+            out["reshard"] = False
         return out
 
 
@@ -198,8 +210,8 @@ def place(filter: Mapping[str, Any], devices: Sequence[int] | int, stream: str |
 
 def replicate(filter: Mapping[str, Any], devices: Sequence[int], zero: int = 0,
               bucket_size: float | None = None, reduce_stream: str | None = None,
-              gather_stream: str | None = None) -> Replicate:
-    return Replicate(filter, devices, zero, bucket_size, reduce_stream, gather_stream)
+              gather_stream: str | None = None, reshard: bool = True) -> Replicate:
+    return Replicate(filter, devices, zero, bucket_size, reduce_stream, gather_stream, reshard)
 
 
 def shard(filter: Mapping[str, Any], devices: Sequence[int], stream: str | None = None) -> Shard:
@@ -218,7 +230,7 @@ def order(groups: Sequence[Any]) -> Order:
 _FIELDS = {
     "place": {"op", "filter", "devices", "stream"},
     "replicate": {"op", "filter", "devices", "zero", "shard_grads", "shard_params", "bucket_size",
-                  "reduce_stream", "gather_stream"},
+                  "reduce_stream", "gather_stream", "reshard"},
     "shard": {"op", "filter", "devices", "stream"},
     "split": {"op", "filter", "dim_name", "num_microbatches"},
     "order": {"op", "filters"},
@@ -265,7 +277,7 @@ def directive_from_json(obj: Any) -> Directive:
     elif obj.get("shard_params") and zero != 3 or obj.get("shard_grads") and zero < 2:
         raise PlanError(f"replicate: zero={zero!r} contradicts shard_grads/shard_params; give one")
     return Replicate(need("filter"), need("devices"), zero, obj.get("bucket_size"),
-                     obj.get("reduce_stream"), obj.get("gather_stream"))
+                     obj.get("reduce_stream"), obj.get("gather_stream"), obj.get("reshard", True))
 
 
 class Program:

@@ -1,5 +1,7 @@
 """Plans read like schedules: expected per-device instruction lists in text form."""
 
+import pytest
+
 import piper_nb as pn
 from piper_nb.compiler.plan import Plan
 
@@ -66,3 +68,13 @@ def test_dag_text_and_json_round_trip(mlp):
     again = dag_from_json(dag.to_json())
     assert (again.nodes, again.edges) == (dag.nodes, dag.edges)
     pn.validate(again, placed=True)
+
+
+def test_zero3_without_reshard_gathers_once_and_reduces_once(mlp):
+    model, batch = mlp
+    plan = pn.compile(stages(model, 1), [pn.replicate({}, [0, 1], zero=3, reshard=False),
+                                         pn.split({}, "MB", 2)], batch)
+    assert plan[0].text(waits=True) == [
+        "AG0", "wait(AG0)", "0F0", "0F1", "0B0", "0B1", "free(param:0)", "RS0", "wait(RS0)", "0U"]
+    with pytest.raises(pn.PlanError, match="only applies to zero=3"):
+        pn.replicate({}, [0, 1], zero=2, reshard=False)
