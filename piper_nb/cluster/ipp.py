@@ -32,8 +32,7 @@ from typing import NoReturn
 from piper_nb.cluster import engine as eng
 from piper_nb.cluster.protocol import ClusterCommands
 from piper_nb.cluster.roster import Roster, engine_error
-from piper_nb.errors import PlanError, RuntimeFailure, WorkerLost
-from piper_nb.runtime.bundle import make_bundle
+from piper_nb.errors import RuntimeFailure, WorkerLost
 from piper_nb.runtime.process import serve
 
 __all__ = ["IPyParallelCluster"]
@@ -343,22 +342,6 @@ class IPyParallelCluster(ClusterCommands):
                 raise _Abandon
         except (KeyboardInterrupt, _Abandon):
             self._kill_workers()
-
-    def _key(self, plan) -> int:
-        """Start the workers if needed and ship `plan` unless they have it already."""
-        if plan.world > self.n:
-            raise PlanError(f"the plan needs {plan.world} devices but the cluster has {self.n} "
-                            f"engines; use pn.IPyParallelCluster({plan.world})")
-        self.start()
-        for p, key in self._loaded:
-            if p is plan:
-                return key
-        blob = make_bundle(plan)
-        key = self._next_key
-        self._next_key += 1
-        self._command("load", key, None, blob)
-        self._loaded.append((plan, key))
-        return key
 
     # ---- the protocol pn.train uses ----------------------------------------------------
     def _run(self, op: str, key, payload=None, per_rank: list | None = None) -> dict[int, object]:

@@ -24,7 +24,6 @@ import torch.multiprocessing as mp
 
 from piper_nb.cluster.protocol import ClusterCommands
 from piper_nb.errors import PlanError, RuntimeFailure, WorkerLost
-from piper_nb.runtime.bundle import make_bundle
 from piper_nb.runtime.process import serve
 
 __all__ = ["LocalCluster"]
@@ -172,22 +171,6 @@ class LocalCluster(ClusterCommands):
             f"--- worker traceback ---\n{info['traceback']}"
             "(the cluster was stopped; the next call restarts it)",
             device=rank, instruction=instr, original=info["error"])
-
-    def _key(self, plan) -> int:
-        """Start the group if needed and ship `plan` unless this group has it already."""
-        if plan.world > self.n:
-            raise PlanError(f"the plan needs {plan.world} devices but the cluster has {self.n}; "
-                            f"use pn.LocalCluster({plan.world})")
-        self.start()
-        for p, key in self._loaded:
-            if p is plan:
-                return key
-        blob = make_bundle(plan)
-        key = self._next_key
-        self._next_key += 1
-        self._send("load", key, blob)
-        self._loaded.append((plan, key))
-        return key
 
     def _run(self, op: str, key, payload=None, per_rank: list | None = None) -> dict[int, object]:
         return self._send(op, key, payload, per_rank=per_rank)

@@ -1,14 +1,17 @@
 """The commands every cluster answers, the protocol `pn.train` and the Designer use.
 
-A cluster (`LocalCluster`, `IPyParallelCluster`) only knows how to start its workers, ship
-a plan once (`_key(plan)`) and run one command on every rank (`_run`); the commands
-themselves, `reset`, `step`, `state` and the checkpoint pair, are the same for all.
+A cluster (`LocalCluster`, `IPyParallelCluster`) only knows how to start its workers
+(`start`) and run one command on every rank (`_run`); shipping each plan once (`_key`) and
+the commands themselves, `reset`, `step`, `state` and the checkpoint pair, are the same
+for all.
 """
 
 from __future__ import annotations
 
 import os
 
+from piper_nb.errors import PlanError
+from piper_nb.runtime.bundle import make_bundle
 from piper_nb.runtime.layout import assemble_state
 from piper_nb.runtime.worker import FAIL_ENV
 
@@ -18,8 +21,27 @@ __all__ = ["ClusterCommands"]
 class ClusterCommands:
     n: int
 
-    def _key(self, plan) -> int:
+    _loaded: list[tuple[object, int]]   # (plan, key) the running workers have
+    _next_key: int
+
+    def start(self):
         raise NotImplementedError
+
+    def _key(self, plan) -> int:
+        """Start the workers if needed and ship `plan` unless they have it already."""
+        if plan.world > self.n:
+            raise PlanError(f"the plan needs {plan.world} devices but the cluster has {self.n}; "
+                            f"use pn.{type(self).__name__}({plan.world})")
+        self.start()
+        for p, key in self._loaded:
+            if p is plan:
+                return key
+        blob = make_bundle(plan)
+        key = self._next_key
+        self._next_key += 1
+        self._run("load", key, blob)
+        self._loaded.append((plan, key))
+        return key
 
     def _run(self, op: str, key, payload=None, per_rank: list | None = None) -> dict[int, object]:
         """Send `op` to every rank (`per_rank[r]`, or `payload` to all); answers by rank."""
