@@ -177,10 +177,11 @@ def _compile(spec, program, batch, loss_fn, world, check) -> Plan:
     n_world = world if world is not None else (max(used) + 1 if used else 1)
     outside = [d for d in used if d >= n_world]
     if outside:
-        where = next(i for i, d in directives if hasattr(d, "devices") and set(d.devices) & set(outside))
+        idx, culprit = next((i, d) for i, d in directives
+                            if set(getattr(d, "devices", ())) & set(outside))
         raise PlanError(f"device {outside[0]} is outside the world of {n_world} devices "
                         f"(ids 0..{n_world - 1}); use smaller ids or a larger world",
-                        directive=where, op=directives[[i for i, _ in directives].index(where)][1].op)
+                        directive=idx, op=culprit.op)
     idle = [d for d in range(n_world) if d not in used]
     if idle:
         raise PlanError(f"devices {idle} get no work in a world of {n_world}; place something on "
