@@ -175,9 +175,13 @@ class Worker:
                     t = t.detach().requires_grad_(True)
                     leaves.append((v, t))
             args.append(t)
-        exclude = {p.untyped_storage().data_ptr() for p in self.store.params.values()}
-        exclude |= {a.untyped_storage().data_ptr() for a in args}
-        with SavedBytes(exclude) if self.tracing else _NoCount() as saved:
+        if self.tracing:
+            exclude = {p.untyped_storage().data_ptr() for p in self.store.params.values()}
+            exclude |= {a.untyped_storage().data_ptr() for a in args}
+            counter = SavedBytes(exclude)
+        else:
+            counter = _NoCount()
+        with counter as saved:
             outs = self.modules[ins.region](*args)
         outputs = dict(zip(info.outputs, outs, strict=True))
         for name, out in outputs.items():
