@@ -10,7 +10,7 @@ from __future__ import annotations
 from piper_nb.errors import PlanError
 from piper_nb.ir.dag import COMPUTE, Edge, TrainingDAG
 
-__all__ = ["apply_order", "apply_orders"]
+__all__ = ["apply_orders"]
 
 
 def apply_orders(dag: TrainingDAG, orders: list[tuple[int, object]]) -> TrainingDAG:
@@ -27,12 +27,6 @@ def apply_orders(dag: TrainingDAG, orders: list[tuple[int, object]]) -> Training
     nodes = [patched.get(n.id, n) for n in dag.nodes] if patched else dag.nodes
     return dag.replace(nodes=nodes, edges=(*dag.edges, *edges),
                        step=f"order ({len(orders)} directives)")
-
-
-def apply_order(dag: TrainingDAG, directive, index: int, first_overlap: int = 0) -> tuple[TrainingDAG, int]:
-    edges, patched, overlap = _order_edges(dag, directive, index, first_overlap)
-    nodes = [patched.get(n.id, n) for n in dag.nodes] if patched else dag.nodes
-    return dag.replace(nodes=nodes, edges=(*dag.edges, *edges), step=f"order #{index}"), overlap
 
 
 def _order_edges(dag: TrainingDAG, directive, index: int, first_overlap: int):

@@ -11,7 +11,7 @@ import dataclasses
 from piper_nb.errors import PlanError
 from piper_nb.ir.dag import Op, TrainingDAG
 
-__all__ = ["apply_place", "apply_places", "finish_placement"]
+__all__ = ["apply_places", "finish_placement"]
 
 
 def apply_places(dag: TrainingDAG, places: list[tuple[int, object]]) -> TrainingDAG:
@@ -35,22 +35,6 @@ def apply_places(dag: TrainingDAG, places: list[tuple[int, object]]) -> Training
                 n = n.with_attrs(comm_stream=d.stream)
         nodes.append(n)
     return dag.replace(nodes=nodes, step=f"place ({len(places)} directives)")
-
-
-def apply_place(dag: TrainingDAG, directive) -> TrainingDAG:
-    chosen = {n.id for n in dag.select(directive.filter, (Op.F, Op.B, Op.BI, Op.BW, Op.U))}
-    hit = len(chosen)
-    nodes = []
-    for n in dag.nodes:
-        if n.id in chosen:
-            n = dataclasses.replace(n, devices=directive.devices)
-            if directive.stream:
-                n = n.with_attrs(comm_stream=directive.stream)
-        nodes.append(n)
-    if not hit:
-        raise PlanError(f"place filter {dict(directive.filter)} matches no compute node; "
-                        f"the regions are {_region_names(dag)}")
-    return dag.replace(nodes=nodes, step=f"place {dict(directive.filter)} -> {list(directive.devices)}")
 
 
 def _region_names(dag: TrainingDAG) -> str:
