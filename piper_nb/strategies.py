@@ -14,7 +14,16 @@ from piper_nb.capture import annotate, cut_stages
 from piper_nb.compiler.compile import compile
 from piper_nb.directives.spec import Program, place, replicate, split
 
-__all__ = ["MATRIX", "compile_strategy"]
+__all__ = ["MATRIX", "compile_strategy", "moe_annotation"]
+
+
+def moe_annotation(layers: int, experts: int, stages: int) -> dict[str, dict[str, int]]:
+    """TinyMoE's blocks cut evenly into `stages` PP stages, expert e of every block EP=e."""
+    per = layers // stages
+    mapping = {"embed": {"PP": 0}, "head": {"PP": stages - 1}}
+    mapping |= {f"blocks.{i}": {"PP": i // per} for i in range(layers)}
+    mapping |= {f"blocks.*.moe.experts.{e}": {"EP": e} for e in range(experts)}
+    return mapping
 
 
 def _mlp():

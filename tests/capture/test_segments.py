@@ -9,15 +9,12 @@ import piper_nb as pn
 from piper_nb.capture import run_reference
 from piper_nb.capture.split import pack_size, unpack_size
 from piper_nb.ir.filters import matches
+from piper_nb.strategies import moe_annotation
 
 
 def moe_spec(layers=2, experts=2, stages=2):
     model = pn.models.TinyMoE(layers=layers, experts=experts)
-    per = layers // stages
-    mapping = {"embed": {"PP": 0}, "head": {"PP": stages - 1}}
-    mapping |= {f"blocks.{i}": {"PP": i // per} for i in range(layers)}
-    mapping |= {f"blocks.*.moe.experts.{e}": {"EP": e} for e in range(experts)}
-    return model, pn.annotate(model, mapping)
+    return model, pn.annotate(model, moe_annotation(layers, experts, stages))
 
 
 def region_edges(cap):

@@ -6,15 +6,12 @@ import torch
 import piper_nb as pn
 from piper_nb.ir.dag import Op
 from piper_nb.ir.text import dag_from_text
+from piper_nb.strategies import moe_annotation
 
 
 def moe(layers=2, experts=2, stages=2):
     model = pn.models.TinyMoE(layers=layers, experts=experts)
-    per = layers // stages
-    mapping = {"embed": {"PP": 0}, "head": {"PP": stages - 1}}
-    mapping |= {f"blocks.{i}": {"PP": i // per} for i in range(layers)}
-    mapping |= {f"blocks.*.moe.experts.{e}": {"EP": e} for e in range(experts)}
-    return model, pn.annotate(model, mapping)
+    return model, pn.annotate(model, moe_annotation(layers, experts, stages))
 
 
 def pp2_dp2_ep2(mb=4, zero=0, stream=None):

@@ -17,6 +17,7 @@ from piper_nb import optim
 from piper_nb.capture.split import RegionTracer
 from piper_nb.cluster.local import LocalCluster
 from piper_nb.runtime.bundle import load_bundle, make_bundle
+from piper_nb.strategies import moe_annotation
 from piper_nb.train import reference_train, train
 
 pytestmark = pytest.mark.dist
@@ -27,11 +28,8 @@ STEPS = 3
 
 def _moe(stages: int = 2, experts: int = 2, top_k: int = 1):
     model = pn.models.TinyMoE(layers=2, experts=experts, top_k=top_k)
-    per = 2 // stages
-    mapping = {"embed": {"PP": 0}, "head": {"PP": stages - 1}}
-    mapping |= {f"blocks.{i}": {"PP": i // per} for i in range(2)}
-    mapping |= {f"blocks.*.moe.experts.{e}": {"EP": e} for e in range(experts)}
-    return model, pn.annotate(model, mapping), model.example_batch(batch_size=8, seed=0)
+    spec = pn.annotate(model, moe_annotation(2, experts, stages))
+    return model, spec, model.example_batch(batch_size=8, seed=0)
 
 
 def _pp2_dp2_ep2(mb: int, zero: int, order: bool) -> list:
