@@ -37,17 +37,22 @@ def tags_text(tags: Mapping[str, Any], skip: Sequence[str] = ()) -> str:
     return ", ".join(f"{k}={v}" for k, v in tags.items() if k not in skip)
 
 
+def _json_of(text: str, kind: type, fallback: str):
+    """`text` read as JSON when it is a `kind`, else `fallback` (shown back to the user)."""
+    try:
+        obj = json.loads(text)
+    except json.JSONDecodeError:
+        return fallback
+    return obj if isinstance(obj, kind) else fallback
+
+
 def parse_tags(text: str) -> dict[str, Any] | str:
     """`TP=1, X=2` -> {"TP": 1, "X": 2}; '' -> {}; malformed text comes back as is."""
     text = text.strip()
     if not text:
         return {}
     if text.startswith("{"):
-        try:
-            obj = json.loads(text)
-        except json.JSONDecodeError:
-            return text
-        return obj if isinstance(obj, dict) else text
+        return _json_of(text, dict, text)
     out: dict[str, Any] = {}
     for part in text.split(","):
         key, eq, value = part.partition("=")
@@ -112,11 +117,7 @@ def parse_slots(text: str) -> list[list[dict[str, Any]]] | str:
     """Slots from `slots_text` (or a JSON list); malformed text comes back as is."""
     stripped = text.strip()
     if stripped.startswith("["):
-        try:
-            obj = json.loads(stripped)
-        except json.JSONDecodeError:
-            return text
-        return obj if isinstance(obj, list) else text
+        return _json_of(stripped, list, text)
     slots = []
     for line in stripped.splitlines():
         if not line.strip():
