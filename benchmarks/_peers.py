@@ -26,22 +26,17 @@ from __future__ import annotations
 import contextlib
 import datetime
 import os
-import socket
 import time
 import traceback
 
 import torch
 import torch.multiprocessing as mp
 
+from piper_nb.runtime.process import free_port
+
 __all__ = ["PeerGroup", "KINDS"]
 
 KINDS = ("eager", "1f1b", "dualpipev", "ddp", "fsdp2", "fsdp2_acc")
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _model_and_batch(case: dict):
@@ -165,7 +160,7 @@ class PeerGroup:
             raise ValueError(f"unknown peer kind {case['kind']!r}; the kinds are {KINDS}")
         self.case, self.world, self.timeout = case, world, timeout
         ctx = mp.get_context("spawn")
-        port = _free_port()
+        port = free_port()
         self.procs, self.conns = [], []
         for rank in range(world):
             parent, child = ctx.Pipe()

@@ -36,6 +36,8 @@ import socket
 import sys
 import time
 
+from piper_nb.runtime.process import free_port
+
 __all__ = ["hello", "free_port", "spawn", "send", "result", "kill", "stop", "status"]
 
 _SLOT: dict = {}   # this engine's worker: proc, conn, results, sent (seqs awaiting answers), done
@@ -61,12 +63,6 @@ def hello(controller_ip: str | None, gpus: bool = False) -> dict:
 def status() -> int | None:
     """None while the worker lives (or none was started); its exit code once it died."""
     return _SLOT["proc"].exitcode if _SLOT else None
-
-
-def free_port(ip: str) -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((ip, 0))
-        return s.getsockname()[1]
 
 
 def loopback_interface() -> str | None:

@@ -17,22 +17,15 @@ from __future__ import annotations
 
 import pickle
 import queue
-import socket
 import time
 
 import torch.multiprocessing as mp
 
 from piper_nb.cluster.protocol import ClusterCommands
 from piper_nb.errors import PlanError, RuntimeFailure, WorkerLost
-from piper_nb.runtime.process import serve
+from piper_nb.runtime.process import free_port, serve
 
 __all__ = ["LocalCluster"]
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class LocalCluster(ClusterCommands):
@@ -63,7 +56,7 @@ class LocalCluster(ClusterCommands):
             return self
         self._kill()
         ctx = mp.get_context("spawn")
-        port = _free_port()
+        port = free_port()
         self._results = ctx.Queue()
         for rank in range(self.n):
             parent, child = ctx.Pipe()

@@ -26,9 +26,16 @@ from piper_nb.runtime.bundle import load_bundle
 from piper_nb.runtime.comm import Comm
 from piper_nb.runtime.worker import Worker
 
-__all__ = ["serve", "pick_device"]
+__all__ = ["serve", "pick_device", "free_port"]
 
 _LISTENERS: list[socket.socket] = []
+
+
+def free_port(ip: str = "127.0.0.1") -> int:
+    """A TCP port free on `ip` right now, for a process group's rendezvous."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((ip, 0))
+        return s.getsockname()[1]
 
 
 def pick_device(kind: str, rank: int, world: int, local_rank: int | None = None,

@@ -29,7 +29,6 @@ import contextlib
 import json
 import math
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -503,9 +502,8 @@ def profile_links(world: int = 2, groups=(2,), repeats: int = 21,
     key = (world, groups)
     if key in _LINK_CACHE:
         return _LINK_CACHE[key]
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    from piper_nb.runtime.process import free_port
+    port = free_port()
     cmd = [sys.executable, "-m", "piper_nb.sim.profile", str(world), str(port), str(repeats),
            ",".join(map(str, groups))]
     env = dict(os.environ, OMP_NUM_THREADS="1")

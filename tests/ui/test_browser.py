@@ -12,7 +12,6 @@ import json
 import os
 import secrets
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -21,18 +20,14 @@ from pathlib import Path
 
 import pytest
 
+from piper_nb.runtime.process import free_port
+
 NOTEBOOK = Path(__file__).resolve().parents[2] / "notebooks" / "07_designer.ipynb"
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking",
         "--disable-component-update", "--disable-sync", "--no-first-run"]
 
 pytestmark = [pytest.mark.browser, pytest.mark.timeout(240)]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _api(base: str, token: str, path: str, method: str = "GET"):
@@ -63,7 +58,7 @@ def lab(tmp_path):
     root = tmp_path / "root"
     root.mkdir()
     shutil.copy(NOTEBOOK, root / NOTEBOOK.name)
-    port, token = _free_port(), secrets.token_hex(16)
+    port, token = free_port(), secrets.token_hex(16)
     env = dict(os.environ, JUPYTER_RUNTIME_DIR=str(tmp_path / "runtime"),
                JUPYTER_CONFIG_DIR=str(tmp_path / "config"), IPYTHONDIR=str(tmp_path / "ipython"),
                JUPYTER_PLATFORM_DIRS="1")
