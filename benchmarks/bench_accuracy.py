@@ -42,14 +42,15 @@ STRATEGIES = {"DP": "zero0", "ZeRO-1": "zero1", "ZeRO-2": "zero2", "ZeRO-3": "ze
               "PP2 x DP2 ZeRO-3": "pp2-dp2-zero3", "tied embeddings": "tied-embeddings"}
 
 
-def compile_strategy(name: str):
+def compile_strategy(name: str, size: str = "bench"):
     """-> (plan, batch) of one strategy of the matrix, by display name."""
-    return strategies.compile_strategy(STRATEGIES[name])
+    return strategies.compile_strategy(STRATEGIES[name], size)
 
 
 
-def run(name: str, cluster, steps: int, warmup: int, optimizer, verbose: bool = False) -> dict:
-    plan, batch = compile_strategy(name)
+def run(name: str, cluster, steps: int, warmup: int, optimizer, verbose: bool = False,
+        size: str = "bench") -> dict:
+    plan, batch = compile_strategy(name, size)
     t0 = time.perf_counter()
     _LINK_CACHE.clear()   # gloo fitted again right before this run: the same load as it
     cost = pn.CostModel.profile(plan, optimizer=optimizer)
@@ -94,6 +95,8 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=3, help="steps left out first")
     ap.add_argument("--only", nargs="*", default=None, help="strategy names")
     ap.add_argument("--verbose", action="store_true", help="per-instruction comparisons")
+    ap.add_argument("--size", choices=sorted(strategies.SIZES), default="bench",
+                    help="the matrix's model size (test: steps of a few ms, all overhead)")
     args = ap.parse_args()
     names = args.only or list(STRATEGIES)
     optimizer = pn.optim.AdamW(1e-3)
@@ -102,17 +105,18 @@ def main() -> None:
     load0 = os.getloadavg()
     try:
         for name in names:
-            plan_world = compile_strategy(name)[0].world
+            plan_world = compile_strategy(name, args.size)[0].world
             if plan_world not in clusters:
                 clusters[plan_world] = pn.LocalCluster(plan_world).start()
             rows.append(run(name, clusters[plan_world], args.steps, args.warmup, optimizer,
-                            args.verbose))
+                            args.verbose, args.size))
             print(f"done {name}: {rows[-1]['ratio']:.2f}", flush=True)
     finally:
         for c in clusters.values():
             c.close()
     load1 = os.getloadavg()
-    print(f"\n## predicted vs measured step time, profiled cost model ({os.cpu_count()} cores; "
+    print(f"\n## predicted vs measured step time, profiled cost model, size {args.size} "
+          f"({os.cpu_count()} cores; "
           f"load average {load0[0]:.1f} at the start, {load1[0]:.1f} at the end)\n")
     print(table(rows))
     inside = sum(abs(r["ratio"] - 1) <= TOLERANCE for r in rows)

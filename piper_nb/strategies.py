@@ -2,7 +2,10 @@
 
 Small models (an MLP, TinyGPT) with every ZeRO level and every pipeline schedule on 2-4
 devices: the runtime's equivalence tier, the memory-model-equals-runtime test and the
-accuracy benchmark all use these, so they speak of the same plans.
+accuracy benchmark all use these, so they speak of the same plans. Each strategy comes in
+two sizes: `"test"` (the default; steps of a few milliseconds, all overhead) and `"bench"`
+(the same plans over wider layers and bigger batches, so that a step is mostly compute,
+as in real training).
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ from piper_nb.capture import annotate, cut_stages
 from piper_nb.compiler.compile import compile
 from piper_nb.directives.spec import Program, place, replicate, split
 
-__all__ = ["MATRIX", "compile_strategy", "moe_annotation"]
+__all__ = ["MATRIX", "SIZES", "compile_strategy", "moe_annotation"]
 
 
 def moe_annotation(layers: int, experts: int, stages: int) -> dict[str, dict[str, int]]:
@@ -26,14 +29,23 @@ def moe_annotation(layers: int, experts: int, stages: int) -> dict[str, dict[str
     return mapping
 
 
-def _mlp():
-    model = models.MLP(dim=16, depth=4)
-    return model, model.example_batch(batch_size=8, seed=0)
+SIZES = {  # size -> (MLP dim, MLP batch, TinyGPT vocab, dim, seq, batch per 8 of "test")
+    "test": (16, 8, 64, 32, 16, 8),
+    "bench": (512, 512, 512, 192, 64, 16),
+}
 
 
-def _gpt(tied: bool = False, layers: int = 4, batch: int = 8):
-    model = models.TinyGPT(vocab=64, dim=32, layers=layers, heads=2, seq=16, tie_embeddings=tied)
+def _mlp(size: str):
+    dim, batch = SIZES[size][:2]
+    model = models.MLP(dim=dim, depth=4)
     return model, model.example_batch(batch_size=batch, seed=0)
+
+
+def _gpt(size: str, tied: bool = False, layers: int = 4, batch: int = 8):
+    vocab, dim, seq, per8 = SIZES[size][2:]
+    model = models.TinyGPT(vocab=vocab, dim=dim, layers=layers, heads=2, seq=seq,
+                           tie_embeddings=tied)
+    return model, model.example_batch(batch_size=batch * per8 // 8, seed=0)
 
 
 def _pp(stages: int = 2) -> list:
@@ -45,7 +57,7 @@ def _schedule(name: str) -> list:
 
 
 def _zero(z: int, reshard: bool = True) -> Callable:
-    return lambda: (*_mlp(), {"layers": {"PP": 0}},
+    return lambda size="test": (*_mlp(size), {"layers": {"PP": 0}},
                     [replicate({}, [0, 1], zero=z, reshard=reshard), split({}, "MB", 2)])
 
 
@@ -57,29 +69,32 @@ PP2_DP2_ZERO3 = [  # the same program as examples/pp2_dp2_zero3.json
     {"op": "schedule", "name": "1f1b", "ranks": 2, "microbatches": 4},
 ]
 
-# name -> () -> (model, batch, annotation (None: 2 stages; an int: that many), program)
-MATRIX: dict[str, Callable[[], tuple]] = {
+# name -> (size) -> (model, batch, annotation (None: 2 stages; an int: that many), program)
+MATRIX: dict[str, Callable[..., tuple]] = {
     **{f"zero{z}": _zero(z) for z in range(4)},
     "zero3-noreshard": _zero(3, reshard=False),
-    "gpipe": lambda: (*_mlp(), None, _schedule("gpipe")),
-    "1f1b": lambda: (*_mlp(), None, _schedule("1f1b")),
-    "interleaved": lambda: (*_gpt(layers=6), 4,
-                            schedules.interleaved_1f1b(2, 4, chunks=2, place=True)),
-    "zb1p": lambda: (*_gpt(layers=6), None,
-                     [*_pp(), *schedules.zero_bubble(ranks=2, microbatches=4)]),
-    "dualpipev": lambda: (*_gpt(layers=6), 4,
-                          schedules.dualpipev(ranks=2, microbatches=4, place=True)),
-    "dualpipe-4ranks": lambda: (*_gpt(layers=6, batch=16), 4,
-                                schedules.dualpipe(ranks=4, microbatches=8, place=True)),
-    "pp2-dp2-zero3": lambda: (*_gpt(), None, Program(PP2_DP2_ZERO3)),
-    "tied-embeddings": lambda: (*_gpt(tied=True), None,
-                                [*_pp(), *schedules.one_f_one_b(ranks=2, microbatches=4)]),
+    "gpipe": lambda size="test": (*_mlp(size), None, _schedule("gpipe")),
+    "1f1b": lambda size="test": (*_mlp(size), None, _schedule("1f1b")),
+    "interleaved": lambda size="test": (
+        *_gpt(size, layers=6), 4, schedules.interleaved_1f1b(2, 4, chunks=2, place=True)),
+    "zb1p": lambda size="test": (
+        *_gpt(size, layers=6), None, [*_pp(), *schedules.zero_bubble(ranks=2, microbatches=4)]),
+    "dualpipev": lambda size="test": (
+        *_gpt(size, layers=6), 4, schedules.dualpipev(ranks=2, microbatches=4, place=True)),
+    "dualpipe-4ranks": lambda size="test": (
+        *_gpt(size, layers=6, batch=16), 4,
+        schedules.dualpipe(ranks=4, microbatches=8, place=True)),
+    "pp2-dp2-zero3": lambda size="test": (*_gpt(size), None, Program(PP2_DP2_ZERO3)),
+    "tied-embeddings": lambda size="test": (
+        *_gpt(size, tied=True), None, [*_pp(), *schedules.one_f_one_b(ranks=2, microbatches=4)]),
 }
 
 
-def compile_strategy(name: str):
-    """-> (plan, batch) of one strategy of the matrix."""
-    model, batch, annotation, program = MATRIX[name]()
+def compile_strategy(name: str, size: str = "test"):
+    """-> (plan, batch) of one strategy of the matrix, at `size` ("test" or "bench")."""
+    if size not in SIZES:
+        raise ValueError(f"size must be one of {sorted(SIZES)}, got {size!r}")
+    model, batch, annotation, program = MATRIX[name](size)
     if annotation is None or isinstance(annotation, int):
         annotation = cut_stages(model, annotation or 2)
     return compile(annotate(model, annotation), program, batch), batch

@@ -22,16 +22,38 @@ from piper_nb.ir.dag import COLLECTIVES, COMPUTE, Node, Op, TrainingDAG
 __all__ = ["lower", "owned_params"]
 
 _PASS_RANK = {Op.F: 0, Op.B: 1, Op.BI: 1, Op.BW: 2, Op.U: 3}
+_BACKWARDS = (Op.B, Op.BI, Op.BW)
 
 
-def _key(n: Node) -> tuple:
+def _key(n: Node, remote: bool = True) -> tuple:
+    """Heap priority on one device. Forwards run in region order and backwards in reverse
+    (the pass a peer waits on comes first). Without an order directive a backward that
+    waits on a peer (`remote`: a RECV or an all-to-all upstream on this device) comes after
+    every ready forward (GPipe's fill), while one this device can finish alone runs as soon
+    as its microbatch's forward is done: F0 B0 F1 B1, gradient accumulation's order, which
+    frees each microbatch's activations before the next forward."""
     if n.op == Op.SEND:
-        return (0, 0, 0, 0, n.id)
+        return (0, 0, 0, 0, 0, n.id)
     if n.op in COLLECTIVES:
-        return (1, 0, n.mb if n.mb is not None else -1, 0, n.id)
-    # forwards in region order, backwards in reverse: the pass a peer waits on comes first
-    return (2, _PASS_RANK[n.op], n.mb if n.mb is not None else -1,
-            -n.region if n.op in (Op.B, Op.BI, Op.BW) else n.region, n.id)
+        return (1, 0, n.mb if n.mb is not None else -1, 0, 0, n.id)
+    mb = n.mb if n.mb is not None else -1
+    if n.op in _BACKWARDS:
+        if remote:
+            return (2, _PASS_RANK[n.op], mb, 0, -n.region, n.id)
+        return (2, 0, mb, _PASS_RANK[n.op], -n.region, n.id)
+    return (2, _PASS_RANK[n.op], mb, 0, n.region, n.id)
+
+
+def _waits_on_peers(dag: TrainingDAG, nodes: list[Node], ids: set[str]) -> set[str]:
+    """Ids of this device's nodes downstream (on this device) of a RECV or an all-to-all."""
+    todo = [n.id for n in nodes if n.op in (Op.RECV, Op.ALL_TO_ALL)]
+    seen = set(todo)
+    while todo:
+        for e in dag.out_edges(todo.pop()):
+            if e.dst in ids and e.dst not in seen:
+                seen.add(e.dst)
+                todo.append(e.dst)
+    return seen
 
 
 def _is_pulled(n: Node) -> bool:
@@ -98,7 +120,8 @@ def _order_device(dag: TrainingDAG, d: int, nodes: list[Node]) -> tuple[list[Nod
                 pulled_of[e.dst].append(n)
             elif e.dst in indeg:
                 indeg[e.dst] += 1
-    heap = [(_key(dag[i]), i) for i, k in indeg.items() if k == 0]
+    remote = _waits_on_peers(dag, nodes, ids)
+    heap = [(_key(dag[i], i in remote), i) for i, k in indeg.items() if k == 0]
     heapq.heapify(heap)
     seq = []
     while heap:
@@ -108,7 +131,7 @@ def _order_device(dag: TrainingDAG, d: int, nodes: list[Node]) -> tuple[list[Nod
             if e.dst in indeg:
                 indeg[e.dst] -= 1
                 if indeg[e.dst] == 0:
-                    heapq.heappush(heap, (_key(dag[e.dst]), e.dst))
+                    heapq.heappush(heap, (_key(dag[e.dst], e.dst in remote), e.dst))
     if len(seq) != len(indeg):
         raise _cycle_error(dag, {i for i in indeg if indeg[i] > 0}, d)
     return seq, pulled_of
