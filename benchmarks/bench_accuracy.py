@@ -74,8 +74,27 @@ def run(name: str, cluster, steps: int, warmup: int, optimizer, verbose: bool = 
         print("issue calls (us):", {k: round(v * 1e6, 1) for k, v in cost.issue.items()},
               "background tasks:", round(cost.background, 2))
         print()
+        print(pass_sums(predicted, result.trace))
+        print()
         print(predicted.compare(result.trace).table(12))
     return row
+
+
+def pass_sums(predicted, measured) -> str:
+    """Per device and pass kind: predicted and measured (the last, traced step) total ms."""
+    def sums(trace):
+        out: dict = {}
+        for e in trace.events:
+            if e.kind in ("F", "B", "BI", "BW", "U"):
+                out[(e.device, e.kind)] = out.get((e.device, e.kind), 0.0) + e.end - e.start
+        return out
+    p, m = sums(predicted), sums(measured)
+    lines = ["| device | pass | predicted ms | measured ms | measured / predicted |",
+             "|---|---|---|---|---|"]
+    for k in sorted(p):
+        lines.append(f"| {k[0]} | {k[1]} | {p[k] * 1e3:.2f} | {m.get(k, 0.0) * 1e3:.2f} | "
+                     f"{m.get(k, 0.0) / p[k] if p[k] else float('nan'):.2f} |")
+    return "\n".join(lines)
 
 
 def table(rows: list[dict]) -> str:

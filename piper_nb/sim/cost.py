@@ -108,7 +108,10 @@ class CostModel:
     devices computing at once share that many cores with `background` other runnable tasks
     (processor sharing: a pass measured at a share of max(1, (1 + background) / cores)
     runs at max(1, (active + background) / cores), active being the devices computing
-    meanwhile; found by re-simulating until the timeline settles).
+    meanwhile; found by re-simulating until the timeline settles). `comm_cores` is what a
+    collective in flight takes of the cores on each of its members (a CPU transport such
+    as gloo copies, sends and reduces on host threads, which preempt compute): it counts
+    among the active. A point-to-point message's host work is its issue call.
     """
 
     name: str = "custom"
@@ -127,6 +130,7 @@ class CostModel:
     sync: bool = False                             # the host waits for every pass (CPU)
     cores: int | None = None                       # cores the devices share (None: own)
     background: float = 0.0                        # other runnable tasks when profiled
+    comm_cores: float = 0.0                        # cores a collective in flight takes
     meta: dict = field(default_factory=dict)
 
     # ---- constructors ---------------------------------------------------------------
@@ -159,14 +163,17 @@ class CostModel:
         if comm:   # at most 8 processes; larger groups use the largest size measured
             world = min(max(plan.world, 2), 8)
             groups = {len(i.group) for dp in plan.devices for i in dp.instrs if i.group}
-            fitted = profile_links(world, {g for g in groups if g <= world})
+            largest = max((message_bytes(plan, i) for dp in plan.devices for i in dp.instrs
+                           if i.is_issue), default=0)
+            fitted = profile_links(world, {g for g in groups if g <= world}, largest=largest)
             issue = {k[1]: v[0] for k, v in fitted.items() if k[0] == "issue"}
             links = {k: v for k, v in fitted.items() if k[0] != "issue"}
             lat, bw = links[("p2p", 2)]
         cores = cores if cores is not None else (os.cpu_count() or 1)
         return cls(name="profiled", unit="s", passes=passes, latency=lat, bandwidth=bw,
                    links=links, issue=issue, overhead=overhead, sync=True, cores=cores,
-                   background=background, meta={"repeats": repeats})
+                   background=background, comm_cores=1.0 if comm else 0.0,
+                   meta={"repeats": repeats})
 
     @classmethod
     def analytic(cls, plan, hardware: str | HardwareSpec = "H100") -> CostModel:

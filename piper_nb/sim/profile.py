@@ -39,10 +39,22 @@ import warnings
 import torch
 
 __all__ = ["profile_plan", "runnable_others", "profile_passes", "profile_overhead",
-           "profile_links", "profile_comm", "region_flops", "region_inputs", "one_thread"]
+           "profile_links", "profile_comm", "link_sizes", "region_flops", "region_inputs",
+           "one_thread"]
 
 _LINK_CACHE: dict[tuple, dict] = {}
 _SIZES = (1 << 10, 1 << 14, 1 << 17, 1 << 20)
+_MAX_SIZE = 1 << 26     # the largest message timed (64 MiB); larger ones extrapolate
+
+
+def link_sizes(largest: int = 0) -> tuple[int, ...]:
+    """Message sizes (bytes) to time: 1 KiB to 1 MiB, then x4 until `largest` (the plan's
+    largest message) is covered, up to 64 MiB; a bandwidth fitted below the sizes a plan
+    sends is no bandwidth for it (latency noise dominates small messages)."""
+    sizes = list(_SIZES)
+    while sizes[-1] < min(largest, _MAX_SIZE):
+        sizes.append(sizes[-1] * 4)
+    return tuple(sizes)
 _KINDS = ("ALL_REDUCE", "REDUCE_SCATTER", "ALL_GATHER")
 
 
@@ -158,14 +170,16 @@ class _Bench:
         return time.perf_counter() - t0
 
     def passes(self, r: int, split_too: bool = False) -> dict[str, float]:
-        """One round of region r's passes as this device's plan runs them: F, then B, or
-        BI and BW where the plan splits backwards (`split_too`: BI and BW as well)."""
+        """One round of region r's passes as this device's plan runs them: F, then B, and
+        F then BI and BW where the plan splits backwards (DualPipe runs both kinds for one
+        region; `split_too`: both whatever the plan runs)."""
         first, w = self.first, self.w
         f = first.get((r, "F"))
         if f is None:
             return {}
         got = {}
-        for split in ((False, True) if split_too else ((r, "BI") in first,)):
+        modes = [m for m, kind in ((False, "B"), (True, "BI")) if (r, kind) in first]
+        for split in ((False, True) if split_too or not modes else modes):
             self._gather(r)
             self._inputs(f)
             got["F"] = self.timed(f)
@@ -364,7 +378,8 @@ def _collective(issue, repeats: int) -> tuple[float, list[float]]:
     return _typical(total), posting
 
 
-def _link_worker(rank: int, world: int, port: int, groups: list[int], repeats: int) -> dict:
+def _link_worker(rank: int, world: int, port: int, groups: list[int], repeats: int,
+                 sizes: tuple[int, ...] = _SIZES) -> dict:
     """Run inside `python -m piper_nb.sim.profile`: time p2p and collectives like
     `runtime/comm.py` issues them (async, then wait); rank 0 returns the times."""
     import datetime
@@ -377,7 +392,7 @@ def _link_worker(rank: int, world: int, port: int, groups: list[int], repeats: i
     ag = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     pgs = {n: dist.new_group(list(range(n))) for n in groups}
     out: dict[str, list] = {}
-    for size in _SIZES:
+    for size in sizes:
         dist.barrier()
         if rank < 2:
             one_way, sends, recvs = _one_way(dist, rank, size, 3 * repeats)   # cheap
@@ -484,28 +499,34 @@ def _one_way(dist, rank: int, size: int, repeats: int) -> tuple[float, list, lis
 
 def _fit(points: list[tuple[int, float]]) -> tuple[float, float]:
     """(latency s, bandwidth bytes/s) of time = latency + bytes / bandwidth: the latency is
-    the smallest message's time, the bandwidth the median slope to the larger ones (robust
-    to one noisy point, which a least-squares line on this loaded machine is not)."""
+    the smallest message's time, the bandwidth the median slope to the largest messages
+    (those of at least 1/16 of the largest size: below that the latency's noise is larger
+    than the transfer), robust to one noisy point, which a least-squares line on this
+    loaded machine is not."""
     points = sorted(points)
     s0, t0 = points[0]
-    slopes = [(t - t0) / (s - s0) for s, t in points[1:] if s > s0]
+    big = points[-1][0] / 16
+    slopes = [(t - t0) / (s - s0) for s, t in points[1:] if s > s0 and s >= big]
     slope = statistics.median(slopes) if slopes else 0.0
     return max(t0, 0.0), (1.0 / slope if slope > 0 else math.inf)
 
 
 def profile_links(world: int = 2, groups=(2,), repeats: int = 21,
-                  timeout: float = 180.0) -> dict[tuple[str, int], tuple[float, float]]:
+                  timeout: float = 180.0, largest: int = 0
+                  ) -> dict[tuple[str, int], tuple[float, float]]:
     """(kind, group size) -> (latency s, bandwidth bytes/s) of gloo here; kind is "p2p" or a
-    collective. `world` processes (each one thread) run them; cached per process. On failure
-    a warning names the reason and 50 us + 1 GB/s is assumed for every kind."""
+    collective. `world` processes (each one thread) run them over `link_sizes(largest)`;
+    cached per process. On failure a warning names the reason and 50 us + 1 GB/s is
+    assumed for every kind."""
     groups = tuple(sorted({g for g in groups if 2 <= g <= world}))
-    key = (world, groups)
+    sizes = link_sizes(largest)
+    key = (world, groups, sizes)
     if key in _LINK_CACHE:
         return _LINK_CACHE[key]
     from piper_nb.runtime.process import free_port
     port = free_port()
     cmd = [sys.executable, "-m", "piper_nb.sim.profile", str(world), str(port), str(repeats),
-           ",".join(map(str, groups))]
+           ",".join(map(str, groups)), ",".join(map(str, sizes))]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     procs = [subprocess.Popen([*cmd, str(r)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                               text=True, env=env) for r in range(world)]
@@ -538,10 +559,11 @@ def profile_comm(repeats: int = 21, timeout: float = 180.0) -> tuple[float, floa
     return profile_links(2, (), repeats, timeout)[("p2p", 2)]
 
 
-if __name__ == "__main__":  # a link worker: WORLD PORT REPEATS GROUPS RANK; rank 0 prints
+if __name__ == "__main__":  # a link worker: WORLD PORT REPEATS GROUPS SIZES RANK; rank 0 prints
     _world, _port, _repeats = (int(x) for x in sys.argv[1:4])
     _groups = [int(x) for x in sys.argv[4].split(",") if x]
-    _rank = int(sys.argv[5])
-    _times = _link_worker(_rank, _world, _port, _groups, _repeats)
+    _sizes = tuple(int(x) for x in sys.argv[5].split(","))
+    _rank = int(sys.argv[6])
+    _times = _link_worker(_rank, _world, _port, _groups, _repeats, _sizes)
     if _rank == 0:
         print(json.dumps(_times))

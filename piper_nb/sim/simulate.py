@@ -21,7 +21,8 @@ compute stream and one stream per communication stream name:
   workers) and an overlap slot runs its passes in list order; with `cores`, the devices
   computing at once and `cost.background` other tasks share the cores: a pass stretches by
   its share then over its share when profiled (processor sharing, approximated by
-  re-simulating with the stretched durations until the step time settles).
+  re-simulating with the stretched durations until the step time settles); a collective
+  in flight takes `cost.comm_cores` of them on each member.
 
 Ops live in a heap keyed by ready time, devices are indices and instructions integer
 positions, so a step of a thousand devices simulates in seconds.
@@ -43,6 +44,8 @@ from piper_nb.sim.trace import Event, Trace
 __all__ = ["simulate", "Timing", "run_timing", "overlap_steps"]
 
 _COMPUTE = frozenset({"F", "B", "BI", "BW", "U"})
+_MESSAGES = frozenset({"SEND", "RECV", *COLLECTIVE_KINDS})
+_COLLECTIVES = frozenset(COLLECTIVE_KINDS)
 
 
 @dataclass
@@ -220,28 +223,35 @@ def run_timing(plan: Plan, cost: CostModel) -> Timing:
     """Simulate `plan` under `cost`; the per-instruction times (see `Timing`)."""
     sim = _Sim(plan, cost)
     sim.run()
-    if cost.cores and plan.world + cost.background > cost.cores:
+    # the most load there could be; the sharing pass finds whether it exceeds the cores
+    if cost.cores and plan.world * (1 + cost.comm_cores) + cost.background > cost.cores:
         sim = _shared_cores(plan, cost, sim)
     return Timing(plan, sim.posted, sim.start, sim.end, list(sim.t))
 
 
 def _shared_cores(plan: Plan, cost: CostModel, sim: _Sim, rounds: int = 8) -> _Sim:
     """Processor sharing: a pass profiled at a slowdown of max(1, (1 + bg) / cores) runs at
-    max(1, (active + bg) / cores), active being the mean number of devices computing during
-    it (itself included) and bg the other tasks the profile saw; stretch, re-simulate, and
-    repeat until the step settles."""
-    bg, cores = cost.background, cost.cores
+    max(1, (active + bg) / cores), active being the mean load during it (the devices
+    computing, itself included, plus `cost.comm_cores` for each member of a collective in
+    flight) and bg the other tasks the profile saw. Stretch, re-simulate, and repeat until
+    the step settles. Messages keep their profiled time: the threads that move them sleep
+    on sockets and, woken, run ahead of compute (so the compute pays for them)."""
+    bg, cores, comm = cost.background, cost.cores, cost.comm_cores
     measured_at = max(1.0, (1 + bg) / cores)
     last = max(sim.t)
     for _ in range(rounds):
-        spans = []   # (time, +1 / -1): the compute stream busy, over all devices
+        spans = []   # (time, load change): the busy compute streams and collectives
         for d, instrs in enumerate(sim.instrs):
+            start, end = sim.start[d], sim.end[d]
             for i, ins in enumerate(instrs):
-                if ins.kind in _COMPUTE and sim.end[d][i] > sim.start[d][i]:
-                    spans += [(sim.start[d][i], 1), (sim.end[d][i], -1)]
+                if end[i] > start[i]:
+                    if ins.kind in _COMPUTE:
+                        spans += [(start[i], 1.0), (end[i], -1.0)]
+                    elif comm and ins.kind in _COLLECTIVES:
+                        spans += [(start[i], comm), (end[i], -comm)]
         spans.sort()
         times = [x[0] for x in spans]
-        level, area, active = [], [], 0
+        level, area, active = [], [], 0.0
         acc, prev = 0.0, None
         for tm, step in spans:   # cumulative area under active(t), at each change point
             if prev is not None:
@@ -273,7 +283,7 @@ def _shared_cores(plan: Plan, cost: CostModel, sim: _Sim, rounds: int = 8) -> _S
     return sim
 
 
-_TIMED = _COMPUTE | {"SEND", "RECV", *COLLECTIVE_KINDS}
+_TIMED = _COMPUTE | _MESSAGES
 
 
 def _events(timing: Timing) -> list[Event]:

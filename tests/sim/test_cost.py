@@ -89,3 +89,28 @@ def test_a_profiled_cost_model_times_every_pass_and_fits_the_link():
 def test_a_profile_without_links_runs_in_process():
     cost = CostModel.profile(plan2(), repeats=1, comm=False)
     assert cost.links == {} and cost.issue == {} and cost.bandwidth == math.inf
+
+
+def test_links_are_timed_up_to_the_plans_largest_message_and_fitted_on_the_large_ones():
+    from piper_nb.sim.profile import _fit, link_sizes
+    assert link_sizes() == (1 << 10, 1 << 14, 1 << 17, 1 << 20)
+    assert link_sizes(5 << 20)[-2:] == (4 << 20, 16 << 20)
+    assert link_sizes(1 << 40)[-1] == 1 << 26                      # capped at 64 MiB
+    # 1 ms latency, 1 GB/s; the small sizes' noise (a 3 ms stall at 16 KiB) is ignored
+    points = [(s, 1e-3 + s / 1e9) for s in link_sizes(16 << 20)]
+    points[1] = (points[1][0], 4e-3)
+    lat, bw = _fit(points)
+    assert lat == pytest.approx(1e-3, rel=0.01) and bw == pytest.approx(1e9, rel=0.01)
+
+
+def test_a_profile_times_full_and_split_backwards_where_the_plan_runs_both():
+    model = pn.models.TinyGPT(vocab=32, dim=16, layers=4, heads=2, seq=8)
+    batch = model.example_batch(batch_size=8, seed=0)
+    plan = pn.compile(pn.annotate(model, pn.cut_stages(model, 4)),
+                      pn.schedules.dualpipev(ranks=2, microbatches=4, place=True), batch)
+    kinds = {(i.region, i.kind) for dp in plan.devices for i in dp.instrs}
+    both = {r for r, k in kinds if k == "B" and (r, "BI") in kinds}
+    assert both   # DualPipeV splits some of a region's backwards and not others
+    cost = CostModel.profile(plan, repeats=1, comm=False)
+    for r in both:
+        assert {(r, "B"), (r, "BI"), (r, "BW")} <= set(cost.passes)

@@ -123,3 +123,14 @@ def _dp_plan_args():
     spec = pn.annotate(model, pn.cut_stages(model, 1))
     return spec, [pn.split({}, "MB", 2), pn.replicate({}, [0, 1, 2, 3])], \
         model.example_batch(batch_size=8, seed=0)
+
+
+def test_a_collective_in_flight_takes_cores_from_the_passes_it_overlaps(hand_plan):
+    plan = hand_plan("AR 0F1 wait(AR)", "AR 0F1 wait(AR)")
+    assert simulate(plan, _host_model(sync=True, cores=2)).step_time == 1
+    # 2 passes and, for their first 0.5, the collective on both members: 4 loads, 2 cores.
+    # A pass of length x then runs at a share of (2x + 2 * 0.5) / x / 2: x = 1 + 1 / (2x)
+    loaded = simulate(plan, _host_model(sync=True, cores=2, comm_cores=1.0))
+    assert loaded.step_time == pytest.approx((2 + 12 ** 0.5) / 4, rel=0.01)
+    ar = [e for e in loaded.events if e.kind == "ALL_REDUCE"]
+    assert [(e.start, e.end) for e in ar] == [(0, 0.5)] * 2   # the message keeps its time
