@@ -111,7 +111,9 @@ class CostModel:
     meanwhile; found by re-simulating until the timeline settles). `comm_cores` is what a
     collective in flight takes of the cores on each of its members (a CPU transport such
     as gloo copies, sends and reduces on host threads, which preempt compute): it counts
-    among the active. A point-to-point message's host work is its issue call.
+    among the active. A point-to-point message's host work is its issue call. The links
+    were timed with `link_world` processes up, those outside a message computing: a
+    collective stretches relative to that load.
     """
 
     name: str = "custom"
@@ -131,6 +133,7 @@ class CostModel:
     cores: int | None = None                       # cores the devices share (None: own)
     background: float = 0.0                        # other runnable tasks when profiled
     comm_cores: float = 0.0                        # cores a collective in flight takes
+    link_world: int = 0                            # processes up when `links` were timed
     meta: dict = field(default_factory=dict)
 
     # ---- constructors ---------------------------------------------------------------
@@ -159,7 +162,7 @@ class CostModel:
         passes, overhead, background = profile_plan(plan, repeats, optimizer)
         links: dict = {}
         issue: dict = {}
-        lat, bw = 0.0, math.inf
+        lat, bw, world = 0.0, math.inf, 0
         if comm:   # at most 8 processes; larger groups use the largest size measured
             world = min(max(plan.world, 2), 8)
             groups = {len(i.group) for dp in plan.devices for i in dp.instrs if i.group}
@@ -172,7 +175,7 @@ class CostModel:
         cores = cores if cores is not None else (os.cpu_count() or 1)
         return cls(name="profiled", unit="s", passes=passes, latency=lat, bandwidth=bw,
                    links=links, issue=issue, overhead=overhead, sync=True, cores=cores,
-                   background=background, comm_cores=1.0 if comm else 0.0,
+                   background=background, comm_cores=1.0 if comm else 0.0, link_world=world,
                    meta={"repeats": repeats})
 
     @classmethod

@@ -196,7 +196,8 @@ class _Sim:
             first = self.instrs[d0][i0]
             keys = [(d, self.instrs[d][i].stream) for d, i in members]
             st = max([ready] + [sfree[k] for k in keys])
-            en = st + cost.message(plan, first, d0)
+            en = st + cost.message(plan, first, d0) * max(
+                self.stretch[d].get(i, 1.0) for d, i in members)
             resume = []
             for (d, i), k in zip(members, keys, strict=True):
                 sfree[k] = en
@@ -233,9 +234,11 @@ def _shared_cores(plan: Plan, cost: CostModel, sim: _Sim, rounds: int = 8) -> _S
     """Processor sharing: a pass profiled at a slowdown of max(1, (1 + bg) / cores) runs at
     max(1, (active + bg) / cores), active being the mean load during it (the devices
     computing, itself included, plus `cost.comm_cores` for each member of a collective in
-    flight) and bg the other tasks the profile saw. Stretch, re-simulate, and repeat until
-    the step settles. Messages keep their profiled time: the threads that move them sleep
-    on sockets and, woken, run ahead of compute (so the compute pays for them)."""
+    flight) and bg the other tasks the profile saw; a collective runs at max(1, active /
+    cores) over the load it was profiled at (its members, plus the other processes of the
+    link profile, which computed meanwhile). Stretch, re-simulate, and repeat until the
+    step settles. Point-to-point messages keep their profiled time (their host work is
+    the issue call, on the host's own time)."""
     bg, cores, comm = cost.background, cost.cores, cost.comm_cores
     measured_at = max(1.0, (1 + bg) / cores)
     last = max(sim.t)
@@ -269,10 +272,18 @@ def _shared_cores(plan: Plan, cost: CostModel, sim: _Sim, rounds: int = 8) -> _S
             own = {}
             for i, ins in enumerate(instrs):
                 s0, s1 = sim.start[d][i], sim.end[d][i]
-                if ins.kind in _COMPUTE and s1 > s0:
+                if s1 <= s0:
+                    continue
+                if ins.kind in _COMPUTE:
                     active = (integral(s1) - integral(s0)) / (s1 - s0)
                     share = max(1.0, (active + bg) / cores) / measured_at
-                    own[i] = 0.5 * (share + sim.stretch[d].get(i, 1.0))   # damped
+                elif comm and ins.kind in _COLLECTIVES:
+                    n = len(ins.group)   # profiled while link_world - n processes computed
+                    profiled = max(1.0, (max(cost.link_world - n, 0) + n * comm) / cores)
+                    share = max(1.0, (integral(s1) - integral(s0)) / (s1 - s0) / cores) / profiled
+                else:
+                    continue
+                own[i] = 0.5 * (share + sim.stretch[d].get(i, 1.0))   # damped
             stretch.append(own)
         new = _Sim(plan, cost, stretch)
         new.run()

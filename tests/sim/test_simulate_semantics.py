@@ -125,12 +125,16 @@ def _dp_plan_args():
         model.example_batch(batch_size=8, seed=0)
 
 
-def test_a_collective_in_flight_takes_cores_from_the_passes_it_overlaps(hand_plan):
+def test_a_collective_in_flight_shares_the_cores_with_the_passes_it_overlaps(hand_plan):
     plan = hand_plan("AR 0F1 wait(AR)", "AR 0F1 wait(AR)")
     assert simulate(plan, _host_model(sync=True, cores=2)).step_time == 1
-    # 2 passes and, for their first 0.5, the collective on both members: 4 loads, 2 cores.
-    # A pass of length x then runs at a share of (2x + 2 * 0.5) / x / 2: x = 1 + 1 / (2x)
+    # 2 passes and the collective's 2 members: 4 loads on 2 cores while it runs. It was
+    # profiled with the cores to itself, so it takes 2 x 0.5; a pass of length x runs at a
+    # share of (2x + 2 * 1) / x / 2, so x = 1 + 1 / x: the golden ratio
     loaded = simulate(plan, _host_model(sync=True, cores=2, comm_cores=1.0))
-    assert loaded.step_time == pytest.approx((2 + 12 ** 0.5) / 4, rel=0.01)
     ar = [e for e in loaded.events if e.kind == "ALL_REDUCE"]
-    assert [(e.start, e.end) for e in ar] == [(0, 0.5)] * 2   # the message keeps its time
+    assert [(e.start, e.end) for e in ar] == [(0, pytest.approx(1.0, rel=0.01))] * 2
+    assert loaded.step_time == pytest.approx((1 + 5 ** 0.5) / 2, rel=0.01)
+    # timed while 2 more processes computed (a link profile of 4), it was already slowed 2x
+    four = simulate(plan, _host_model(sync=True, cores=2, comm_cores=1.0, link_world=4))
+    assert [e.end for e in four.events if e.kind == "ALL_REDUCE"] == [pytest.approx(0.5)] * 2
