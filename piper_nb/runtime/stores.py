@@ -28,7 +28,7 @@ from torch import nn
 
 from piper_nb.runtime.layout import Layout
 
-__all__ = ["ParamStore", "ValueStore", "Stash", "nbytes"]
+__all__ = ["ParamStore", "ValueStore", "Stash", "nbytes", "parse_free"]
 
 
 def nbytes(t: torch.Tensor | None) -> int:
@@ -178,6 +178,15 @@ class ParamStore:
                           for n, v in opt.items()} for k, opt in st["optim"].items()}
 
 
+def parse_free(key: str) -> tuple[str, object]:
+    """A FREE key -> ("param", bucket) | ("act" | "grad", (value, microbatch))."""
+    kind, _, rest = key.partition(":")
+    if kind == "param":
+        return kind, int(rest)
+    value, _, mb = rest.rpartition("@")
+    return kind, (value, int(mb))
+
+
 @dataclass
 class Stash:
     """The autograd state of one forward, kept until its backward."""
@@ -199,10 +208,11 @@ class ValueStore:
         self.grads[(value, mb)] = g if old is None else old + g
 
     def free(self, key: str) -> None:
-        kind, _, rest = key.partition(":")
-        value, _, mb = rest.rpartition("@")
-        table = self.acts if kind == "act" else self.grads
-        table.pop((value, int(mb)), None)
+        """Drop the buffer a FREE key ("act:x@1", "grad:x@1") names, if held."""
+        self.drop(*parse_free(key))
+
+    def drop(self, kind: str, key: tuple[str, int]) -> None:
+        (self.acts if kind == "act" else self.grads).pop(key, None)
 
     def clear(self) -> None:
         self.acts.clear()

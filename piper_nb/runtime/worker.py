@@ -13,7 +13,6 @@ The idea is Piper's: the strategy lives in the plan, the runtime only executes i
 
 from __future__ import annotations
 
-import contextlib
 import os
 
 import torch
@@ -24,7 +23,7 @@ from piper_nb.runtime.bundle import Bundle, bind_params
 from piper_nb.runtime.comm import Comm, Pending
 from piper_nb.runtime.exchange import TokenExchange
 from piper_nb.runtime.layout import batch_part, bucket_layouts
-from piper_nb.runtime.stores import ParamStore, Stash, ValueStore
+from piper_nb.runtime.stores import ParamStore, Stash, ValueStore, parse_free
 from piper_nb.runtime.timing import Clock, Recorder
 
 __all__ = ["Worker", "FAIL_ENV"]
@@ -32,6 +31,7 @@ __all__ = ["Worker", "FAIL_ENV"]
 FAIL_ENV = "PIPER_NB_FAIL_AT"   # test hook: "<device>:<instruction text>[:exit]"
 _PASSES = ("F", "B", "BI", "BW")
 _BATCH = (BATCH_INPUT, BATCH_TARGET)
+_COMPUTE, _ISSUE, _WAIT, _FREE = range(4)    # how the step loop dispatches an instruction
 
 
 class Worker:
@@ -58,6 +58,16 @@ class Worker:
                                  if set(self.layouts[b].names) & set(plan.regions[r].params)})
                       for r in regions}  # ZeRO-3 buckets each region's passes must have gathered
         comm.ensure_groups(i.group for dp in plan.devices for i in dp.instrs if i.group)
+        # decoded once, not on every step: how each instruction dispatches, what every
+        # RECV allocates, and what every FREE drops
+        self.dispatch = [_COMPUTE if i.is_compute else _ISSUE if i.is_issue else
+                         _WAIT if i.kind == "WAIT" else _FREE if i.kind == "FREE" else -1
+                         for i in self.instrs]
+        self.recv_specs = {k: [(tuple(plan.values[v].shape), getattr(torch, plan.values[v].dtype))
+                               for v in i.values]
+                           for k, i in enumerate(self.instrs) if i.kind == "RECV"}
+        self.frees = {k: [parse_free(key) for key in i.keys]
+                      for k, i in enumerate(self.instrs) if i.kind == "FREE"}
         self.optimizer = None
         self.tracing = True
         self.step_no = 0
@@ -89,22 +99,23 @@ class Worker:
         self.clock = Clock(self.device)
         self.clock.start()
         rec = self.rec = Recorder(self.rank, self.clock)
-        for idx, ins in enumerate(self.instrs):
+        mark = self.clock.mark
+        for idx, (ins, how) in enumerate(zip(self.instrs, self.dispatch, strict=True)):
             self.current = idx
             if fail is not None and self.text(idx) == fail[0]:
                 if fail[1] == "exit":
                     os._exit(17)
                 raise RuntimeError(f"injected failure ({FAIL_ENV}={fail_at})")
-            if ins.is_compute:
-                start = self.clock.mark()
+            if how == _COMPUTE:
+                start = mark()
                 self._compute(ins)
-                rec.event(ins, start, self.clock.mark())
-            elif ins.is_issue:
+                rec.event(ins, start, mark())
+            elif how == _ISSUE:
                 self._issue(idx, ins)
-            elif ins.kind == "WAIT":
+            elif how == _WAIT:
                 self._wait(ins)
-            elif ins.kind == "FREE":
-                self._free(ins)
+            elif how == _FREE:
+                self._free(idx)
             else:
                 raise RuntimeError(f"unknown instruction kind {ins.kind!r}")
             if trace:
@@ -175,13 +186,14 @@ class Worker:
                     t = t.detach().requires_grad_(True)
                     leaves.append((v, t))
             args.append(t)
+        saved = 0
         if self.tracing:
             exclude = {p.untyped_storage().data_ptr() for p in self.store.params.values()}
             exclude |= {a.untyped_storage().data_ptr() for a in args}
-            counter = SavedBytes(exclude)
+            with SavedBytes(exclude) as counter:
+                outs = self.modules[ins.region](*args)
+            saved = counter.bytes
         else:
-            counter = _NoCount()
-        with counter as saved:
             outs = self.modules[ins.region](*args)
         outputs = dict(zip(info.outputs, outs, strict=True))
         for name, out in outputs.items():
@@ -189,7 +201,7 @@ class Worker:
                 self.loss += out.detach().double() * plan.loss_scale
             else:
                 self.values.acts[(name, mb)] = out
-        self.values.stash[(ins.region, mb)] = Stash(leaves, outputs, saved.bytes)
+        self.values.stash[(ins.region, mb)] = Stash(leaves, outputs, saved)
 
     def _out_grads(self, st: Stash, mb: int) -> tuple[list, list]:
         outs, grads = [], []
@@ -248,9 +260,7 @@ class Worker:
                                     ins.stream)
             memory, new = "buffers", []       # the values themselves are already counted
         elif ins.kind == "RECV":
-            specs = [(tuple(self.plan.values[v].shape), getattr(torch, self.plan.values[v].dtype))
-                     for v in ins.values]
-            works, bufs = comm.recv(specs, ins.peer, ins.tag, ins.stream)
+            works, bufs = comm.recv(self.recv_specs[idx], ins.peer, ins.tag, ins.stream)
             memory, new = "activations", bufs  # received act:/grad: buffers, as the simulator
         elif ins.kind == "ALL_REDUCE":
             works, bufs = comm.all_reduce(store.flat_grads(ins.bucket), ins.group, ins.stream)
@@ -298,12 +308,12 @@ class Worker:
         elif src.kind == "ALL_TO_ALL":
             self.exchange.finish(src, results[0], p.meta)
 
-    def _free(self, ins) -> None:
-        for key in ins.keys:
-            if key.startswith("param:"):
-                self.store.free(int(key.partition(":")[2]))
+    def _free(self, idx: int) -> None:
+        for kind, key in self.frees[idx]:
+            if kind == "param":
+                self.store.free(key)
             else:
-                self.values.free(key)
+                self.values.drop(kind, key)
 
     def _leftover(self) -> list[str]:
         """Buffers still held at the step end (the plan never freed them); dropped now."""
@@ -316,15 +326,6 @@ class Worker:
         for p in self.store.params.values():
             p.grad = None
         return sorted(out)
-
-
-class _NoCount(contextlib.nullcontext):
-    """Stands in for `SavedBytes` on untraced steps."""
-
-    bytes = 0
-
-    def __enter__(self):
-        return self
 
 
 def _parse_fail(spec: str | None, rank: int) -> tuple[str, str] | None:

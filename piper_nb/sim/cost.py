@@ -111,7 +111,9 @@ class CostModel:
     meanwhile; found by re-simulating until the timeline settles). `comm_cores` is what a
     collective in flight takes of the cores on each of its members (a CPU transport such
     as gloo copies, sends and reduces on host threads, which preempt compute): it counts
-    among the active. A point-to-point message's host work is its issue call. The links
+    among the active. A point-to-point message's host work is its issue call; a
+    collective's also `packing[(kind, bucket)]`: host time before the call (flattening
+    the bucket) and after its wait (putting the result back). The links
     were timed with `link_world` processes up, those outside a message computing: a
     collective stretches relative to that load.
     """
@@ -134,6 +136,7 @@ class CostModel:
     background: float = 0.0                        # other runnable tasks when profiled
     comm_cores: float = 0.0                        # cores a collective in flight takes
     link_world: int = 0                            # processes up when `links` were timed
+    packing: dict = field(default_factory=dict)    # (kind, bucket) -> (before call, after wait)
     meta: dict = field(default_factory=dict)
 
     # ---- constructors ---------------------------------------------------------------
@@ -158,8 +161,9 @@ class CostModel:
         per process). `cores` (default: this machine's) are shared by the devices
         computing at once.
         """
-        from piper_nb.sim.profile import profile_links, profile_plan
+        from piper_nb.sim.profile import profile_links, profile_packing, profile_plan
         passes, overhead, background = profile_plan(plan, repeats, optimizer)
+        packing = profile_packing(plan, repeats, optimizer)
         links: dict = {}
         issue: dict = {}
         lat, bw, world = 0.0, math.inf, 0
@@ -176,6 +180,7 @@ class CostModel:
         return cls(name="profiled", unit="s", passes=passes, latency=lat, bandwidth=bw,
                    links=links, issue=issue, overhead=overhead, sync=True, cores=cores,
                    background=background, comm_cores=1.0 if comm else 0.0, link_world=world,
+                   packing=packing,
                    meta={"repeats": repeats})
 
     @classmethod

@@ -17,6 +17,8 @@
   millisecond of compute, and the processes not in it compute meanwhile, as in a step:
   woken from compute and sharing the cores, gloo is several times slower than in a tight
   loop of messages.
+- `profile_packing`: what the worker's own host does around a collective on each bucket:
+  flatten gradients into the buffer it sends, and put the result back.
 - `region_flops`: forward FLOPs with `FlopCounterMode` (the analytic model).
 
 Every figure is a mean over repeats spread over time, less the largest (`_typical`): a
@@ -39,8 +41,8 @@ import warnings
 import torch
 
 __all__ = ["profile_plan", "runnable_others", "profile_passes", "profile_overhead",
-           "profile_links", "profile_comm", "link_sizes", "region_flops", "region_inputs",
-           "one_thread"]
+           "profile_links", "profile_comm", "profile_packing", "link_sizes", "region_flops",
+           "region_inputs", "one_thread"]
 
 _LINK_CACHE: dict[tuple, dict] = {}
 _SIZES = (1 << 10, 1 << 14, 1 << 17, 1 << 20)
@@ -243,6 +245,78 @@ class _Bench:
         return _typical(times)
 
 
+def _timed_call(fn, *args) -> tuple[float, object]:
+    """(seconds, result) of fn(*args)."""
+    t0 = time.perf_counter()
+    got = fn(*args)
+    return time.perf_counter() - t0, got
+
+
+def _bucket_host_times(bench: _Bench, b: int, kinds: set[str], repeats: int
+                       ) -> dict[str, tuple[float, float]]:
+    """Collective kind -> (seconds before the call, seconds after its wait) the worker's
+    own host spends on bucket b: flattening gradients into the buffer it sends, and
+    putting the result back (summed gradients as views, a gradient shard added, gathered
+    parameters copied in or, for ZeRO-3, their storage refilled)."""
+    st, lay = bench.w.store, bench.w.layouts[b]
+    gen = torch.Generator().manual_seed(b)
+    out: dict[str, list[tuple[float, float]]] = {}
+    for _ in range(repeats):
+        for kind in sorted(kinds):
+            for n in lay.names:
+                st.params[n].grad = torch.randn(st.params[n].shape, generator=gen) * 1e-3
+            if kind == "ALL_REDUCE":
+                pack, flat = _timed_call(st.flat_grads, b)
+                unpack = _timed_call(st.set_grads, b, flat)[0]
+            elif kind == "REDUCE_SCATTER":
+                pack = _timed_call(st.flat_grads, b)[0] + _timed_call(st.clear_grads, b)[0]
+                shard = torch.randn(lay.shard, generator=gen) * 1e-3
+                st.grad_shards[b] = shard.clone()   # a later microbatch adds to the first
+                unpack = _timed_call(st.add_grad_shard, b, shard)[0]
+                st.grad_shards.pop(b, None)
+            elif kind == "ALL_GATHER":
+                full = torch.zeros(lay.padded, dtype=st._like(b).dtype)
+                pack = 0.0
+                if lay.zero == 3:
+                    if st.gathered(b):
+                        st._release(b)
+                    st.refs[b] = 0
+                    unpack = _timed_call(st.acquire, b, full)[0]
+                    st.free(b)
+                else:
+                    unpack = _timed_call(st.write_params, b, full)[0]
+            else:
+                continue
+            out.setdefault(kind, []).append((pack, unpack))
+    for n in lay.names:
+        st.params[n].grad = None
+    return {k: (_typical([x[0] for x in v]), _typical([x[1] for x in v])) for k, v in out.items()}
+
+
+def profile_packing(plan, repeats: int = 5, optimizer=None
+                    ) -> dict[tuple[str, int], tuple[float, float]]:
+    """(collective kind, bucket) -> (seconds before the call, seconds after the wait) that a
+    worker's host spends packing the bucket and unpacking the result (see
+    `_bucket_host_times`), timed on a worker of the bucket's first device."""
+    from piper_nb.optim import SGD
+    from piper_nb.runtime.bundle import make_bundle
+    kinds: dict[int, set[str]] = {}
+    for dp in plan.devices:
+        for ins in dp.instrs:
+            if ins.kind in _KINDS and ins.bucket >= 0:
+                kinds.setdefault(ins.bucket, set()).add(ins.kind)
+    if not kinds:
+        return {}
+    blob = make_bundle(plan)
+    out = {}
+    with torch.random.fork_rng(devices=[]), one_thread():
+        for b, ks in sorted(kinds.items()):
+            bench = _Bench(plan, plan.buckets[b].group[0], optimizer or SGD(0.1), blob)
+            for kind, times in _bucket_host_times(bench, b, ks, repeats).items():
+                out[(kind, b)] = times
+    return out
+
+
 def replace_kind(ins, kind: str):
     import dataclasses
     return dataclasses.replace(ins, kind=kind)
@@ -366,15 +440,17 @@ def _busy(seconds: float) -> None:
         a = (a @ a).tanh_()
 
 
-def _collective(issue, repeats: int) -> tuple[float, list[float]]:
+def _collective(make, call, repeats: int) -> tuple[float, list[float]]:
     """(typical time from issue to completion, the issue calls' times) of a collective
-    issued after some compute, as a worker issues it; fresh buffers each time."""
-    issue()[0].wait()   # warm up
+    issued after some compute, as a worker issues it: fresh buffers each time, made
+    before the clock starts (the worker's own packing is `profile_packing`'s)."""
+    call(*make()).wait()   # warm up
     total, posting = [], []
     for _ in range(repeats):
+        bufs = make()
         _busy(_BUSY)
         t0 = time.perf_counter()
-        work, _ = issue()
+        work = call(*bufs)
         posting.append(time.perf_counter() - t0)
         work.wait()
         total.append(time.perf_counter() - t0)
@@ -410,15 +486,17 @@ def _link_worker(rank: int, world: int, port: int, groups: list[int], repeats: i
                 continue
             numel = -(-size // (4 * n)) * n
             g = pgs[n]
-            ops = {"ALL_REDUCE": lambda numel=numel, g=g: (dist.all_reduce(
-                       torch.zeros(numel), group=g, async_op=True), None),
-                   "REDUCE_SCATTER": lambda numel=numel, g=g, n=n: (rs(
-                       torch.empty(numel // n), torch.zeros(numel), group=g, async_op=True), None),
-                   "ALL_GATHER": lambda numel=numel, g=g, n=n: (ag(
-                       torch.empty(numel), torch.zeros(numel // n), group=g, async_op=True),
-                       None)}
+            # (buffers, as the worker holds them before the call; the call)
+            ops = {"ALL_REDUCE": (lambda numel=numel: (torch.zeros(numel),),
+                                  lambda t, g=g: dist.all_reduce(t, group=g, async_op=True)),
+                   "REDUCE_SCATTER": (lambda numel=numel, n=n: (torch.empty(numel // n),
+                                                                torch.zeros(numel)),
+                                      lambda o, t, g=g: rs(o, t, group=g, async_op=True)),
+                   "ALL_GATHER": (lambda numel=numel, n=n: (torch.empty(numel),
+                                                            torch.zeros(numel // n)),
+                                  lambda o, t, g=g: ag(o, t, group=g, async_op=True))}
             for kind in _KINDS:
-                total, posting = _collective(ops[kind], repeats)
+                total, posting = _collective(*ops[kind], repeats)
                 out.setdefault(f"{kind}/{n}", []).append((size, total))
                 out.setdefault(f"issue/{kind}", []).extend(posting)
             _stop_or_spin(dist, rank, world, n, f"{n}_{size}")

@@ -17,7 +17,8 @@ compute stream and one stream per communication stream name:
 - FREE costs nothing; it happens once the passes before it have finished.
 - host model (`CostModel.overhead / issue / sync / cores`): every instruction then costs
   the host `cost.host(d)` after it, an issue also `cost.issue[kind]` (its call), a WAIT
-  `cost.issue["WAIT"]` once its op is done; with `sync` the host waits for each pass (CPU
+  `cost.issue["WAIT"]` once its op is done, and a collective `cost.packing[(kind,
+  bucket)]` before its call and after its wait; with `sync` the host waits for each pass (CPU
   workers) and an overlap slot runs its passes in list order; with `cores`, the devices
   computing at once and `cost.background` other tasks share the cores: a pass stretches by
   its share then over its share when profiled (processor sharing, approximated by
@@ -46,6 +47,7 @@ __all__ = ["simulate", "Timing", "run_timing", "overlap_steps"]
 _COMPUTE = frozenset({"F", "B", "BI", "BW", "U"})
 _MESSAGES = frozenset({"SEND", "RECV", *COLLECTIVE_KINDS})
 _COLLECTIVES = frozenset(COLLECTIVE_KINDS)
+_NONE = (0.0, 0.0)
 
 
 @dataclass
@@ -148,7 +150,7 @@ class _Sim:
         posted, start, end = self.posted[d], self.start[d], self.end[d]
         p, t, cfree = self.pos[d], self.t[d], self.cfree[d]
         host, sync, stretch, issue = self.host[d], self.sync, self.stretch[d], cost.issue
-        wait = issue.get("WAIT", 0.0)
+        wait, packing = issue.get("WAIT", 0.0), cost.packing
         while p < len(steps):
             s = steps[p]
             if s.__class__ is tuple:
@@ -170,6 +172,9 @@ class _Sim:
                     t = e
                 posted[s] = start[s] = end[s] = t
                 t += wait
+                if packing:
+                    src = instrs[ins.target]
+                    t += packing.get((src.kind, src.bucket), _NONE)[1]
             elif kind in _COMPUTE:
                 st = t if t > cfree else cfree
                 cfree = st + cost.compute(ins) * stretch.get(s, 1.0)
@@ -179,6 +184,8 @@ class _Sim:
             elif kind == "FREE":
                 posted[s] = start[s] = end[s] = t if t > cfree else cfree
             else:
+                if packing:
+                    t += packing.get((kind, ins.bucket), _NONE)[0]
                 posted[s] = t
                 self._issue(d, s, ins, t if kind == "RECV" or t > cfree else cfree)
                 t += issue.get(kind, 0.0)

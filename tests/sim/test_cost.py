@@ -114,3 +114,18 @@ def test_a_profile_times_full_and_split_backwards_where_the_plan_runs_both():
     cost = CostModel.profile(plan, repeats=1, comm=False)
     for r in both:
         assert {(r, "B"), (r, "BI"), (r, "BW")} <= set(cost.passes)
+
+
+def test_a_profile_times_the_hosts_packing_around_each_buckets_collectives():
+    from piper_nb.sim.profile import profile_packing
+    plan = pn.compile(*_dp_plan_args())
+    kinds = {(i.kind, i.bucket) for dp in plan.devices for i in dp.instrs if i.group}
+    packing = profile_packing(plan, repeats=2)
+    assert set(packing) == kinds and kinds
+    assert all(before > 0 and after > 0 for before, after in packing.values())
+    zero3 = pn.compile(_dp_plan_args()[0], [pn.split({}, "MB", 2),
+                                            pn.replicate({}, [0, 1], zero=3)],
+                       _dp_plan_args()[2])
+    assert set(profile_packing(zero3, repeats=2)) == {("ALL_GATHER", 0), ("REDUCE_SCATTER", 0)}
+    assert CostModel.profile(zero3, repeats=1, comm=False).packing.keys() == \
+        {("ALL_GATHER", 0), ("REDUCE_SCATTER", 0)}

@@ -138,3 +138,11 @@ def test_a_collective_in_flight_shares_the_cores_with_the_passes_it_overlaps(han
     # timed while 2 more processes computed (a link profile of 4), it was already slowed 2x
     four = simulate(plan, _host_model(sync=True, cores=2, comm_cores=1.0, link_world=4))
     assert [e.end for e in four.events if e.kind == "ALL_REDUCE"] == [pytest.approx(0.5)] * 2
+
+
+def test_a_collective_pays_its_packing_before_the_call_and_its_unpacking_after_the_wait(
+        hand_plan, spans):
+    plan = hand_plan("AR wait(AR) 0F0", "AR wait(AR) 0F0")
+    trace = simulate(plan, _host_model(sync=True, packing={("ALL_REDUCE", -1): (0.25, 0.5)}))
+    # flattened by 0.25, moved in 0.5, put back by 1.25: the pass starts then
+    assert spans(trace, 0) == ["AR@0.25-0.75", "0F0@1.25-2.25"]
