@@ -53,7 +53,7 @@ def run(name: str, cluster, steps: int, warmup: int, optimizer, verbose: bool = 
     plan, batch = compile_strategy(name, size)
     t0 = time.perf_counter()
     _LINK_CACHE.clear()   # gloo fitted again right before this run: the same load as it
-    cost = pn.CostModel.profile(plan, optimizer=optimizer)
+    cost = pn.CostModel.profile(plan, repeats=9, optimizer=optimizer)
     profile_s = time.perf_counter() - t0
     predicted = pn.simulate(plan, cost)
     result = pn.train(plan, batch, steps=warmup + steps, optimizer=optimizer, cluster=cluster)
@@ -71,7 +71,9 @@ def run(name: str, cluster, steps: int, warmup: int, optimizer, verbose: bool = 
         print("links (latency us, MB/s):",
               {f"{k}/{n}": (round(a * 1e6, 1), round(min(b, 1e15) / 1e6, 1))
                for (k, n), (a, b) in cost.links.items()})
-        print("issue calls (us):", {k: round(v * 1e6, 1) for k, v in cost.issue.items()},
+        print("issue calls (latency us, MB/s):",
+              {k: (round(a * 1e6, 1), round(min(b, 1e15) / 1e6, 1)) for k, (a, b) in
+               cost.issue.items()},
               "background tasks:", round(cost.background, 2))
         print()
         print(pass_sums(predicted, result.trace))

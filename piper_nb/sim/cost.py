@@ -102,8 +102,9 @@ class CostModel:
 
     Host model: `overhead` is the time a device's host spends after every instruction
     (a number, or device -> number), `issue` the time the call that posts a message of a
-    kind (SEND, RECV, a collective) keeps the host, and under "WAIT" what a WAIT costs once
-    its op is done; with `sync` the host waits for each pass, as CPU
+    kind (SEND, RECV, a collective) keeps the host (seconds, or (latency, bytes/s): gloo
+    writes a message into its socket inside the call), and under "WAIT" what a WAIT costs
+    once its op is done; with `sync` the host waits for each pass, as CPU
     workers do (an overlap slot then runs its passes one after another); with `cores`, the
     devices computing at once share that many cores with `background` other runnable tasks
     (processor sharing: a pass measured at a share of max(1, (1 + background) / cores)
@@ -130,7 +131,7 @@ class CostModel:
     node_size: int = 1 << 30                       # devices per node
     links: dict = field(default_factory=dict)      # (kind | "p2p", group size) -> (lat, bw)
     overhead: float | dict = 0.0                   # host time after each instruction
-    issue: dict = field(default_factory=dict)      # kind | "WAIT" -> host time of the call
+    issue: dict = field(default_factory=dict)      # kind | "WAIT" -> call's host time (fit)
     sync: bool = False                             # the host waits for every pass (CPU)
     cores: int | None = None                       # cores the devices share (None: own)
     background: float = 0.0                        # other runnable tasks when profiled
@@ -173,7 +174,7 @@ class CostModel:
             largest = max((message_bytes(plan, i) for dp in plan.devices for i in dp.instrs
                            if i.is_issue), default=0)
             fitted = profile_links(world, {g for g in groups if g <= world}, largest=largest)
-            issue = {k[1]: v[0] for k, v in fitted.items() if k[0] == "issue"}
+            issue = {k[1]: v for k, v in fitted.items() if k[0] == "issue"}
             links = {k: v for k, v in fitted.items() if k[0] != "issue"}
             lat, bw = links[("p2p", 2)]
         cores = cores if cores is not None else (os.cpu_count() or 1)
@@ -228,6 +229,15 @@ class CostModel:
         f = self.passes.get((-1, "F"), 0.0)
         b = self.passes.get((-1, "B"), 0.0)
         return total - (f + b) + self.fb
+
+    def issue_time(self, plan, ins) -> float:
+        """Host time of the call that posts `ins` (or, for "WAIT", of a WAIT)."""
+        fit = self.issue.get(ins if isinstance(ins, str) else ins.kind)
+        if fit is None:
+            return 0.0
+        if not isinstance(fit, tuple):
+            return fit
+        return fit[0] + (0.0 if isinstance(ins, str) else message_bytes(plan, ins) / fit[1])
 
     def host(self, device: int) -> float:
         """Host time `device` spends after each instruction."""

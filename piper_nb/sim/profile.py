@@ -476,8 +476,8 @@ def _link_worker(rank: int, world: int, port: int, groups: list[int], repeats: i
         if rank < 2:
             one_way, sends, recvs = _one_way(dist, rank, size, 3 * repeats)   # cheap
             out.setdefault("p2p/2", []).append((size, one_way))
-            out.setdefault("issue/SEND", []).extend(sends)
-            out.setdefault("issue/RECV", []).extend(recvs)
+            out.setdefault("issue/SEND", []).append((size, _typical(sends)))
+            out.setdefault("issue/RECV", []).append((size, _typical(recvs)))
         _stop_or_spin(dist, rank, world, 2, f"p2p_{size}")
         for n in groups:
             dist.barrier()
@@ -498,7 +498,7 @@ def _link_worker(rank: int, world: int, port: int, groups: list[int], repeats: i
             for kind in _KINDS:
                 total, posting = _collective(*ops[kind], repeats)
                 out.setdefault(f"{kind}/{n}", []).append((size, total))
-                out.setdefault(f"issue/{kind}", []).extend(posting)
+                out.setdefault(f"issue/{kind}", []).append((size, _typical(posting)))
             _stop_or_spin(dist, rank, world, n, f"{n}_{size}")
     dist.barrier()
     if rank < 2:
@@ -619,8 +619,10 @@ def profile_links(world: int = 2, groups=(2,), repeats: int = 21,
         fitted = {}
         for name, points in raw.items():
             kind, n = name.split("/")
-            if kind == "issue":   # host time of the call: ("issue", kind) -> (seconds, 0)
-                fitted[("issue", n)] = (_typical(points), 0.0)
+            if kind == "issue" and n == "WAIT":   # host time of a WAIT: (seconds, inf)
+                fitted[("issue", n)] = (_typical(points), math.inf)
+            elif kind == "issue":   # host time of the call, fitted like a link
+                fitted[("issue", n)] = _fit([tuple(x) for x in points])
             else:
                 fitted[(kind, int(n))] = _fit([tuple(x) for x in points])
     except Exception as err:  # no result: fall back, and say so

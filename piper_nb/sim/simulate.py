@@ -16,7 +16,7 @@ compute stream and one stream per communication stream name:
   together on all of them.
 - FREE costs nothing; it happens once the passes before it have finished.
 - host model (`CostModel.overhead / issue / sync / cores`): every instruction then costs
-  the host `cost.host(d)` after it, an issue also `cost.issue[kind]` (its call), a WAIT
+  the host `cost.host(d)` after it, an issue also `cost.issue_time` (its call), a WAIT
   `cost.issue["WAIT"]` once its op is done, and a collective `cost.packing[(kind,
   bucket)]` before its call and after its wait; with `sync` the host waits for each pass (CPU
   workers) and an overlap slot runs its passes in list order; with `cores`, the devices
@@ -149,8 +149,8 @@ class _Sim:
         instrs, steps, cost = self.instrs[d], self.steps[d], self.cost
         posted, start, end = self.posted[d], self.start[d], self.end[d]
         p, t, cfree = self.pos[d], self.t[d], self.cfree[d]
-        host, sync, stretch, issue = self.host[d], self.sync, self.stretch[d], cost.issue
-        wait, packing = issue.get("WAIT", 0.0), cost.packing
+        host, sync, stretch, plan = self.host[d], self.sync, self.stretch[d], self.plan
+        wait, packing = cost.issue_time(plan, "WAIT"), cost.packing
         while p < len(steps):
             s = steps[p]
             if s.__class__ is tuple:
@@ -188,7 +188,7 @@ class _Sim:
                     t += packing.get((kind, ins.bucket), _NONE)[0]
                 posted[s] = t
                 self._issue(d, s, ins, t if kind == "RECV" or t > cfree else cfree)
-                t += issue.get(kind, 0.0)
+                t += cost.issue_time(plan, ins)
             t += host
             p += 1
         self.pos[d], self.t[d], self.cfree[d] = p, t, cfree

@@ -77,7 +77,11 @@ def test_a_profiled_cost_model_times_every_pass_and_fits_the_link():
         assert cost.passes[(r, "F")] > 0 and cost.passes[(r, "U")] > 0
     assert cost.latency >= 0 and cost.bandwidth > 0 and not math.isnan(cost.bandwidth)
     assert cost.links[("p2p", 2)] == (cost.latency, cost.bandwidth)
-    assert {"SEND", "RECV"} <= set(cost.issue) and all(v >= 0 for v in cost.issue.values())
+    assert {"SEND", "RECV", "WAIT"} <= set(cost.issue)
+    assert all(lat >= 0 and bw > 0 for lat, bw in cost.issue.values())
+    send = next(i for dp in plan.devices for i in dp.instrs if i.kind == "SEND")
+    lat, bw = cost.issue["SEND"]    # gloo writes the message into its socket in the call
+    assert cost.issue_time(plan, send) == pytest.approx(lat + message_bytes(plan, send) / bw)
     assert cost.sync and cost.cores >= 1 and cost.background >= 0
     assert set(cost.overhead) == {0, 1} and all(0 < v < 0.1 for v in cost.overhead.values())
     assert [p.grad for p in plan.capture.model.parameters()] == grads   # the model untouched
