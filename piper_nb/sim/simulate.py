@@ -151,6 +151,7 @@ class _Sim:
         p, t, cfree = self.pos[d], self.t[d], self.cfree[d]
         host, sync, stretch, plan = self.host[d], self.sync, self.stretch[d], self.plan
         wait, packing = cost.issue_time(plan, "WAIT"), cost.packing
+        issued = cost.issue_time if cost.issue else None
         while p < len(steps):
             s = steps[p]
             if s.__class__ is tuple:
@@ -188,7 +189,8 @@ class _Sim:
                     t += packing.get((kind, ins.bucket), _NONE)[0]
                 posted[s] = t
                 self._issue(d, s, ins, t if kind == "RECV" or t > cfree else cfree)
-                t += cost.issue_time(plan, ins)
+                if issued is not None:
+                    t += issued(plan, ins)
             t += host
             p += 1
         self.pos[d], self.t[d], self.cfree[d] = p, t, cfree
