@@ -7,6 +7,10 @@ gets its own CUDA stream that first waits for the compute stream, and a WAIT mak
 compute stream wait for the transfer. Gloo with CUDA tensors (one GPU shared by several
 ranks) stages buffers through host memory. Groups are created once, in one global order.
 `gather_counts` (blocking) and `all_to_all` serve the token exchange of `exchange`.
+Receive buffers on CPU are recycled across steps, as PyTorch's pipeline stages keep
+theirs: after a step (`recycle`), a buffer nothing references any more is handed to the
+next receive of its shape instead of a fresh allocation, whose page faults land on gloo's
+thread while compute runs.
 """
 
 from __future__ import annotations
@@ -25,6 +29,12 @@ __all__ = ["Comm", "Pending"]
 _RS = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 _AG = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _SORT_RANKS = "sort_ranks" in inspect.signature(dist.new_group).parameters
+_USE_COUNT = getattr(torch._C, "_storage_Use_Count", None)
+
+
+def _unused(t: torch.Tensor) -> bool:
+    """Nothing but `t` holds its storage (the query's own storage object counts one)."""
+    return _USE_COUNT is not None and _USE_COUNT(t.untyped_storage()._cdata) <= 2
 
 
 @dataclass
@@ -51,6 +61,8 @@ class Comm:
         self.stage = device.type == "cuda" and backend == "gloo"
         self.groups: dict[tuple[int, ...], object] = {}
         self.streams: dict[str, torch.cuda.Stream] = {}
+        self.pool: dict[tuple, list[torch.Tensor]] = {}   # (shape, dtype) -> spare buffers
+        self.lent: list[torch.Tensor] = []                # receive buffers of this step
 
     def ensure_groups(self, groups) -> None:
         """Create the process groups not made yet; every rank calls this with the same list."""
@@ -94,9 +106,28 @@ class Comm:
             works = [dist.isend(b, peer, tag=tag * 64 + k) for k, b in enumerate(bufs)]
         return works, bufs
 
+    def _recv_buf(self, shape, dtype) -> torch.Tensor:
+        if self.device.type != "cpu":   # CUDA has its caching allocator
+            return self._buf(shape, dtype)
+        spare = self.pool.get((shape, dtype))
+        while spare:
+            buf = spare.pop()
+            if _unused(buf):   # else something still holds it: let it go
+                self.lent.append(buf)
+                return buf
+        buf = self._buf(shape, dtype)
+        self.lent.append(buf)
+        return buf
+
+    def recycle(self) -> None:
+        """Step over: this step's receive buffers become spares for the next one."""
+        for buf in self.lent:
+            self.pool.setdefault((tuple(buf.shape), buf.dtype), []).append(buf)
+        self.lent = []
+
     def recv(self, specs: list[tuple], peer: int, tag: int, stream: str) -> tuple:
         with self.on_stream(stream):
-            bufs = [self._buf(shape, dtype) for shape, dtype in specs]
+            bufs = [self._recv_buf(shape, dtype) for shape, dtype in specs]
             works = [dist.irecv(b, peer, tag=tag * 64 + k) for k, b in enumerate(bufs)]
         return works, bufs
 

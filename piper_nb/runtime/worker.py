@@ -325,6 +325,7 @@ class Worker:
         self.pending.clear()
         for p in self.store.params.values():
             p.grad = None
+        self.comm.recycle()
         return sorted(out)
 
 

@@ -107,6 +107,9 @@ class _NoComm:
     def barrier(self) -> None:
         pass
 
+    def recycle(self) -> None:
+        pass
+
 
 def _batch(plan) -> tuple[torch.Tensor, torch.Tensor]:
     """A full batch shaped like the one the plan was compiled for (random floats, zero ids)."""

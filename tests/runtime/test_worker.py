@@ -111,6 +111,9 @@ class _NoComm:
     def poll(self, pending, clock):
         raise AssertionError("a single-device plan issues no communication")
 
+    def recycle(self):
+        pass
+
 
 def _single_device():
     model = pn.models.TinyGPT(vocab=32, dim=16, layers=2, heads=2, seq=8)
@@ -155,3 +158,17 @@ def test_a_plan_from_json_cannot_be_shipped():
     _, _, plan = _single_device()
     with pytest.raises(pn.PlanError, match="pn.compile"):
         make_bundle(pn.Plan.from_json(plan.to_json()))
+
+
+def test_receive_buffers_are_recycled_across_steps_once_nothing_holds_them():
+    from piper_nb.runtime.comm import Comm
+    comm = Comm(0, torch.device("cpu"), "gloo")
+    free = comm._recv_buf((4, 8), torch.float32)
+    kept = comm._recv_buf((4, 8), torch.float32).detach()   # a stash's leaf still holds it
+    assert comm._recv_buf((4, 8), torch.float32) is not free  # within a step: all new
+    comm.recycle()                                           # the step is over
+    first, second = (comm._recv_buf((4, 8), torch.float32) for _ in range(2))
+    assert first is free or second is free                   # reused, not reallocated
+    for got in (first, second):                              # the held one never comes back
+        assert got.untyped_storage().data_ptr() != kept.untyped_storage().data_ptr()
+    assert comm._recv_buf((2, 8), torch.float32).shape == (2, 8)   # other shapes: new
