@@ -47,6 +47,7 @@ __all__ = ["profile_plan", "runnable_others", "profile_passes", "profile_overhea
 _LINK_CACHE: dict[tuple, dict] = {}
 _SIZES = (1 << 10, 1 << 14, 1 << 17, 1 << 20)
 _MAX_SIZE = 1 << 26     # the largest message timed (64 MiB); larger ones extrapolate
+_KINDS = ("ALL_REDUCE", "REDUCE_SCATTER", "ALL_GATHER")
 
 
 def link_sizes(largest: int = 0) -> tuple[int, ...]:
@@ -57,7 +58,6 @@ def link_sizes(largest: int = 0) -> tuple[int, ...]:
     while sizes[-1] < min(largest, _MAX_SIZE):
         sizes.append(sizes[-1] * 4)
     return tuple(sizes)
-_KINDS = ("ALL_REDUCE", "REDUCE_SCATTER", "ALL_GATHER")
 
 
 @contextlib.contextmanager
