@@ -133,3 +133,16 @@ def test_a_profile_times_the_hosts_packing_around_each_buckets_collectives():
     assert set(profile_packing(zero3, repeats=2)) == {("ALL_GATHER", 0), ("REDUCE_SCATTER", 0)}
     assert CostModel.profile(zero3, repeats=1, comm=False).packing.keys() == \
         {("ALL_GATHER", 0), ("REDUCE_SCATTER", 0)}
+
+
+def test_a_profiled_update_steps_on_gradients_like_trainings_not_zeros():
+    # all-zero gradients keep AdamW's second moments at zero, a slow path training never takes
+    seen = []
+
+    class Spy(pn.optim.AdamW):
+        def step(self, param, grad, state, step):
+            seen.append(grad.abs().max().item())
+            super().step(param, grad, state, step)
+    plan = pn.compile(*_dp_plan_args())
+    CostModel.profile(plan, repeats=1, comm=False, optimizer=Spy(1e-3))
+    assert seen and all(0 < g < 1e-1 for g in seen)
