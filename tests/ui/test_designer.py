@@ -18,12 +18,6 @@ from piper_nb.ui.widgets import DagView, asset_dir
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
 
-@pytest.fixture(scope="module")
-def gpt():
-    model = pn.models.TinyGPT(layers=4)
-    return model, model.example_batch(batch_size=8, seed=0)
-
-
 @pytest.fixture
 def designer(gpt):
     d = Designer(*gpt, debounce=None)       # every edit refreshes at once

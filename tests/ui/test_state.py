@@ -33,12 +33,6 @@ from piper_nb.ui.state import (
 )
 
 
-@pytest.fixture(scope="module")
-def gpt():
-    model = pn.models.TinyGPT(layers=4)
-    return model, model.example_batch(batch_size=8, seed=0)
-
-
 @pytest.fixture
 def state(gpt):
     ann, rows = default_design(gpt[0])
