@@ -16,7 +16,9 @@ each joining its own gloo group on 127.0.0.1 with one intra-op thread, and build
                `set_reshard_after_backward(False)` on all but the last microbatch (FSDP2's
                gradient-accumulation recipe: unsharded params and grads between microbatches)
 
-All with `torch.optim.SGD(lr)`. `run(k)` trains k steps; every step is timed like piper_nb's
+All with `torch.optim.SGD(lr)`. Processes are pinned to cores exactly as `pn.LocalCluster`
+pins its workers (`runtime.process.core_plan`, same `pin` argument), so placement is no
+difference between the systems. `run(k)` trains k steps; every step is timed like piper_nb's
 workers do it: a barrier, then wall time on each rank from there to the end of its
 optimizer step; the step time is the maximum over ranks.
 """
@@ -32,7 +34,7 @@ import traceback
 import torch
 import torch.multiprocessing as mp
 
-from piper_nb.runtime.process import free_port
+from piper_nb.runtime.process import core_plan, free_port, pin_threads
 
 __all__ = ["PeerGroup", "KINDS"]
 
@@ -120,7 +122,8 @@ def _data_parallel(case: dict, rank: int, world: int, model, batch):
     return step
 
 
-def _serve(rank: int, world: int, port: int, case: dict, conn) -> None:
+def _serve(rank: int, world: int, port: int, case: dict, conn, cores=None) -> None:
+    pin_threads(cores)
     torch.set_num_threads(1)
     import torch.distributed as dist
     try:
@@ -155,17 +158,18 @@ def _serve(rank: int, world: int, port: int, case: dict, conn) -> None:
 class PeerGroup:
     """`world` spawned ranks training `case` with PyTorch's own parallelism."""
 
-    def __init__(self, case: dict, world: int, timeout: float = 300.0):
+    def __init__(self, case: dict, world: int, timeout: float = 300.0, pin: bool | None = None):
         if case["kind"] not in KINDS:
             raise ValueError(f"unknown peer kind {case['kind']!r}; the kinds are {KINDS}")
         self.case, self.world, self.timeout = case, world, timeout
         ctx = mp.get_context("spawn")
         port = free_port()
+        cores = core_plan(world, pin)
         self.procs, self.conns = [], []
         for rank in range(world):
             parent, child = ctx.Pipe()
-            p = ctx.Process(target=_serve, args=(rank, world, port, case, child), daemon=True,
-                            name=f"peer-{case['kind']}-{rank}")
+            p = ctx.Process(target=_serve, args=(rank, world, port, case, child, cores[rank]),
+                            daemon=True, name=f"peer-{case['kind']}-{rank}")
             p.start()
             child.close()
             self.procs.append(p)

@@ -2,7 +2,8 @@
 
 The same model (an MLP of 8 Linear+tanh layers, dim 256), the same batch, the same
 microbatches, the same SGD (lr 0.01), the same stage cut, on gloo over 127.0.0.1 with one
-intra-op thread per process:
+intra-op thread per process, every process of both systems pinned the same way (one core
+each where there are enough, as `pn.LocalCluster` does; `--no-pin` pins none):
 
 0. one device, no parallelism vs a plain eager loop (the runtime's own overhead, no comm)
 1. piper_nb 1F1B            vs `torch.distributed.pipelining.Schedule1F1B`, 2 and 4 ranks
@@ -136,7 +137,7 @@ class _Piper:
 
 
 def run_case(case: Case, model, batch, clusters: dict, steps: int, warmup: int, chunk: int,
-             lr: float, wrap: str = "root") -> None:
+             lr: float, wrap: str = "root", pin: bool | None = None) -> None:
     spec = pn.annotate(model, case.annotation)
     plan = pn.compile(spec, case.program, batch)
     systems: dict[str, object] = {"piper": _Piper(plan, clusters[case.world], batch,
@@ -145,7 +146,7 @@ def run_case(case: Case, model, batch, clusters: dict, steps: int, warmup: int, 
                 microbatches=plan.microbatches, lr=lr, stages=case.stages, wrap=wrap)
     try:
         for kind in case.peers:
-            systems[kind] = PeerGroup(dict(base, kind=kind), case.world)
+            systems[kind] = PeerGroup(dict(base, kind=kind), case.world, pin=pin)
         first = {name: sys_.run(warmup)[1][0] for name, sys_ in systems.items()}
         pids = {name: [p.pid for p in sys_.procs] for name, sys_ in systems.items()
                 if name != "piper"}
@@ -207,6 +208,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--batch", type=int, default=2048)
     ap.add_argument("--microbatches", type=int, default=8)
     ap.add_argument("--only", default="", help="run only cases whose name contains this")
+    ap.add_argument("--no-pin", dest="pin", action="store_const", const=False, default=None,
+                    help="pin no process to a core (default: as LocalCluster, both systems)")
     args = ap.parse_args(argv)
     if args.quick:
         args.steps, args.warmup = 6, 2
@@ -219,9 +222,9 @@ def main(argv: list[str] | None = None) -> None:
     try:
         for case in todo:
             if case.world not in clusters:
-                clusters[case.world] = pn.LocalCluster(case.world).start()
+                clusters[case.world] = pn.LocalCluster(case.world, pin=args.pin).start()
             run_case(case, model, batch, clusters, args.steps, args.warmup, args.chunk, 0.01,
-                     args.fsdp_wrap)
+                     args.fsdp_wrap, args.pin)
             if all(c.world != case.world for c in todo[todo.index(case) + 1:]):
                 clusters.pop(case.world).close()   # no later case needs this world size
             for r in case.rows:
@@ -235,8 +238,10 @@ def main(argv: list[str] | None = None) -> None:
         r["case"] = f"{r['case']} vs {r['peer']}"
         r["rest ms"] = r["piper_nb ms"] - r["compute ms"]
         r["compute %"] = 100.0 * r["compute ms"] / r["piper_nb ms"]
+    pinned = "not pinned" if args.pin is False else "pinned one per core where there are enough"
     print(f"MLP {args.depth} x {args.dim}, batch {args.batch}, {args.microbatches} microbatches, "
-          f"SGD lr 0.01, gloo on CPU, 1 thread per rank; median of {args.steps} steps after "
+          f"SGD lr 0.01, gloo on CPU, 1 thread per rank, processes {pinned}; "
+          f"median of {args.steps} steps after "
           f"{args.warmup} warm-up, interleaved in rounds of {args.chunk}; "
           f"{time.perf_counter() - t0:.0f} s in all\n")
     print(table(rows, ["case", "ranks", "piper_nb ms", "peer ms", "ratio", "best-step ratio"]))

@@ -9,7 +9,8 @@ whole group is killed at once, since its peers may be blocked in a transfer with
 next call starts a fresh group: the cluster is usable again. Test hook: with the
 environment variable `PIPER_NB_FAIL_AT="<device>:<instruction text>"` set in the driver
 (e.g. `1:1B2`, or `0:wait(0RECV_B1<1)`), that worker raises there; append `:exit` to make
-its process die instead. Scripts that start a cluster need an `if __name__ == "__main__":`
+its process die instead. CPU workers are pinned one per core when there are enough cores
+(`pin`, see `runtime.process.core_plan`). Scripts that start a cluster need an `if __name__ == "__main__":`
 guard (workers are spawned, which re-imports the main module).
 """
 
@@ -23,21 +24,24 @@ import torch.multiprocessing as mp
 
 from piper_nb.cluster.protocol import ClusterCommands
 from piper_nb.errors import PlanError, RuntimeFailure, WorkerLost
-from piper_nb.runtime.process import free_port, serve
+from piper_nb.runtime.process import core_plan, free_port, serve
 
 __all__ = ["LocalCluster"]
 
 
 class LocalCluster(ClusterCommands):
-    """`n` local workers. `device` is "cpu" or "cuda"; `timeout` bounds every command (s)."""
+    """`n` local workers. `device` is "cpu" or "cuda"; `timeout` bounds every command (s).
+    `pin`: None pins each CPU worker to a core of its own when there are at least `n`
+    cores, True pins them round-robin in any case, False never pins."""
 
     def __init__(self, n: int, *, device: str = "cpu", timeout: float = 300.0,
-                 start_timeout: float = 120.0):
+                 start_timeout: float = 120.0, pin: bool | None = None):
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
             raise ValueError(f"LocalCluster: n is a positive number of workers, got {n!r}")
         if device not in ("cpu", "cuda"):
             raise ValueError(f"LocalCluster: device is 'cpu' or 'cuda', got {device!r}")
         self.n, self.device, self.timeout, self.start_timeout = n, device, timeout, start_timeout
+        self.cores = core_plan(n, pin, device)         # per rank: pinned cores, or None
         self._procs: list = []
         self._conns: list = []
         self._results = None
@@ -62,7 +66,7 @@ class LocalCluster(ClusterCommands):
             parent, child = ctx.Pipe()
             p = ctx.Process(target=serve, name=f"piper_nb-worker-{rank}", daemon=True,
                             args=(rank, self.n, port, self.device, child, self._results,
-                                  self.timeout))
+                                  self.timeout), kwargs={"cores": self.cores[rank]})
             p.start()
             child.close()
             self._procs.append(p)

@@ -8,6 +8,11 @@ to one shared results queue as `(rank, "ok" | "error" | "ready", pickled payload
 error names the instruction that was running. After an error the worker keeps listening:
 the driver decides (it stops or kills the whole group, since peers may be blocked in a
 transfer with this one).
+
+On CPU, `core_plan` gives each worker a core of its own when there are enough
+(`pin_threads` at start-up, so gloo's threads, made later, inherit it): two ranks then
+never share a core while another sits idle, which the scheduler otherwise does for a few
+milliseconds at a time when a rank wakes from a transfer.
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ from piper_nb.runtime.bundle import load_bundle
 from piper_nb.runtime.comm import Comm
 from piper_nb.runtime.worker import Worker
 
-__all__ = ["serve", "pick_device", "free_port"]
+__all__ = ["serve", "pick_device", "free_port", "core_plan", "pin_threads"]
 
 _LISTENERS: list[socket.socket] = []
 
@@ -36,6 +41,40 @@ def free_port(ip: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((ip, 0))
         return s.getsockname()[1]
+
+
+def usable_cores() -> list[int]:
+    """The cores this process may run on (all of them where the OS does not say)."""
+    if hasattr(os, "sched_getaffinity"):
+        return sorted(os.sched_getaffinity(0))
+    return list(range(os.cpu_count() or 1))
+
+
+def core_plan(n: int, pin: bool | None = None, device: str = "cpu") -> list[tuple[int, ...] | None]:
+    """Per rank, the cores its process is pinned to (None: not pinned). `pin=None` pins
+    CPU workers when each can have a core of its own (rank r on the r-th usable core);
+    `pin=True` also shares them out round-robin when there are more workers than cores;
+    `pin=False`, or a CUDA cluster, leaves placement to the OS."""
+    cores = usable_cores()
+    if pin is False or (pin is None and (device != "cpu" or n > len(cores))):
+        return [None] * n
+    if not hasattr(os, "sched_setaffinity"):
+        if pin:
+            raise ValueError("pin=True: this OS cannot pin processes to cores "
+                             "(os.sched_setaffinity is Linux only); use pin=None or False")
+        return [None] * n
+    return [(cores[r % len(cores)],) for r in range(n)]
+
+
+def pin_threads(cores) -> None:
+    """Pin every thread of this process to `cores` (threads made later inherit it)."""
+    if not cores:
+        return
+    for tid in os.listdir("/proc/self/task") if os.path.isdir("/proc/self/task") else [0]:
+        try:
+            os.sched_setaffinity(int(tid), set(cores))
+        except (ProcessLookupError, OSError):  # a thread that just ended
+            pass
 
 
 def pick_device(kind: str, rank: int, world: int, local_rank: int | None = None,
@@ -88,9 +127,12 @@ def _put(results, rank: int, kind: str, payload) -> None:
 
 def serve(rank: int, world: int, port: int, device_kind: str, conn, results,
           timeout: float, threads: int = 1, *, host: str = "127.0.0.1",
-          local_rank: int | None = None, backend: str | None = None) -> None:
+          local_rank: int | None = None, backend: str | None = None,
+          cores: tuple[int, ...] | None = None) -> None:
     """Run worker `rank` of `world` until the driver says stop or goes away. The group meets
-    at `host:port` (rank 0's machine); `local_rank` picks the GPU on this machine."""
+    at `host:port` (rank 0's machine); `local_rank` picks the GPU on this machine; `cores`
+    (from `core_plan`) pins the process before any of torch's or gloo's threads start."""
+    pin_threads(cores)
     torch.set_num_threads(threads)
     _warm_up()
     try:
@@ -102,7 +144,8 @@ def serve(rank: int, world: int, port: int, device_kind: str, conn, results,
     except BaseException as err:  # report, then let the driver clean up
         _put(results, rank, "error", _describe(err, None))
         return
-    _put(results, rank, "ready", {"backend": backend, "device": str(device), "pid": os.getpid()})
+    _put(results, rank, "ready", {"backend": backend, "device": str(device), "pid": os.getpid(),
+                                  "cores": list(cores) if cores else None})
     workers: dict[int, Worker] = {}
     while True:
         try:

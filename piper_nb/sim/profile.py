@@ -13,7 +13,8 @@
   ALL_REDUCE / REDUCE_SCATTER / ALL_GATHER over every group size the plan uses, each
   fitted to latency + bytes / bandwidth, once per process and world size
   (`python -m piper_nb.sim.profile` workers, one thread each, issuing like
-  `runtime/comm.py`: asynchronously, then waiting). Every timed message comes after half a
+  `runtime/comm.py`: asynchronously, then waiting, pinned to cores as a `LocalCluster`
+  pins its workers). Every timed message comes after half a
   millisecond of compute, and the processes not in it compute meanwhile, as in a step:
   woken from compute and sharing the cores, gloo is several times slower than in a tight
   loop of messages.
@@ -607,13 +608,15 @@ def profile_links(world: int = 2, groups=(2,), repeats: int = 21,
     key = (world, groups, sizes)
     if key in _LINK_CACHE:
         return _LINK_CACHE[key]
-    from piper_nb.runtime.process import free_port
+    from piper_nb.runtime.process import core_plan, free_port
     port = free_port()
     cmd = [sys.executable, "-m", "piper_nb.sim.profile", str(world), str(port), str(repeats),
            ",".join(map(str, groups)), ",".join(map(str, sizes))]
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    procs = [subprocess.Popen([*cmd, str(r)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                              text=True, env=env) for r in range(world)]
+    cores = core_plan(world)   # placed as a LocalCluster of `world` places its workers
+    procs = [subprocess.Popen([*cmd, str(r), ",".join(map(str, cores[r] or ()))],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+             for r in range(world)]
     try:
         outs = [p.communicate(timeout=timeout) for p in procs]
         if procs[0].returncode:
@@ -645,7 +648,9 @@ def profile_comm(repeats: int = 21, timeout: float = 180.0) -> tuple[float, floa
     return profile_links(2, (), repeats, timeout)[("p2p", 2)]
 
 
-if __name__ == "__main__":  # a link worker: WORLD PORT REPEATS GROUPS SIZES RANK; rank 0 prints
+if __name__ == "__main__":  # a link worker: WORLD PORT REPEATS GROUPS SIZES RANK CORES; rank 0 prints
+    from piper_nb.runtime.process import pin_threads
+    pin_threads(tuple(int(x) for x in sys.argv[7].split(",") if x))
     _world, _port, _repeats = (int(x) for x in sys.argv[1:4])
     _groups = [int(x) for x in sys.argv[4].split(",") if x]
     _sizes = tuple(int(x) for x in sys.argv[5].split(","))

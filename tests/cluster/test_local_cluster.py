@@ -101,3 +101,31 @@ def test_bad_arguments():
         LocalCluster(0)
     with pytest.raises(ValueError, match="'cpu' or 'cuda'"):
         LocalCluster(2, device="tpu")
+
+
+def test_core_plan_gives_each_worker_its_own_core_when_there_are_enough(monkeypatch):
+    import piper_nb.runtime.process as proc
+    monkeypatch.setattr(proc, "usable_cores", lambda: [2, 5])
+    assert proc.core_plan(2) == [(2,), (5,)]
+    assert proc.core_plan(1) == [(2,)]
+    assert proc.core_plan(3) == [None] * 3             # more workers than cores: the OS places
+    assert proc.core_plan(3, pin=True) == [(2,), (5,), (2,)]
+    assert proc.core_plan(2, pin=False) == [None, None]
+    assert proc.core_plan(2, device="cuda") == [None, None]
+
+
+@pytest.mark.skipif(not hasattr(__import__("os"), "sched_getaffinity"), reason="Linux only")
+def test_workers_and_all_their_threads_are_pinned():
+    import os
+    from piper_nb.runtime.process import core_plan
+    expected = core_plan(2)
+    with LocalCluster(2) as c:
+        infos = c.info
+        threads = {r: os.listdir(f"/proc/{i['pid']}/task") for r, i in enumerate(infos)}
+        affinity = {r: [os.sched_getaffinity(int(t)) for t in threads[r]] for r in threads}
+    for rank, info in enumerate(infos):
+        assert info["cores"] == (list(expected[rank]) if expected[rank] else None)
+        if expected[rank] is None:
+            continue
+        assert len(threads[rank]) > 1    # gloo's threads, started after pinning, included
+        assert all(a == set(expected[rank]) for a in affinity[rank])
