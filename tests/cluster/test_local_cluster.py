@@ -8,6 +8,7 @@ forwards with every step.
 from __future__ import annotations
 
 import copy
+import os
 import time
 
 import pytest
@@ -17,6 +18,8 @@ import piper_nb as pn
 from piper_nb import optim
 from piper_nb.cluster.local import LocalCluster
 from piper_nb.errors import RuntimeFailure, WorkerLost
+from piper_nb.runtime import process
+from piper_nb.runtime.process import core_plan
 from piper_nb.train import reference_train, train
 
 pytestmark = pytest.mark.dist
@@ -104,20 +107,17 @@ def test_bad_arguments():
 
 
 def test_core_plan_gives_each_worker_its_own_core_when_there_are_enough(monkeypatch):
-    import piper_nb.runtime.process as proc
-    monkeypatch.setattr(proc, "usable_cores", lambda: [2, 5])
-    assert proc.core_plan(2) == [(2,), (5,)]
-    assert proc.core_plan(1) == [(2,)]
-    assert proc.core_plan(3) == [None] * 3             # more workers than cores: the OS places
-    assert proc.core_plan(3, pin=True) == [(2,), (5,), (2,)]
-    assert proc.core_plan(2, pin=False) == [None, None]
-    assert proc.core_plan(2, device="cuda") == [None, None]
+    monkeypatch.setattr(process, "usable_cores", lambda: [2, 5])
+    assert core_plan(2) == [(2,), (5,)]
+    assert core_plan(1) == [(2,)]
+    assert core_plan(3) == [None] * 3             # more workers than cores: the OS places
+    assert core_plan(3, pin=True) == [(2,), (5,), (2,)]
+    assert core_plan(2, pin=False) == [None, None]
+    assert core_plan(2, device="cuda") == [None, None]
 
 
-@pytest.mark.skipif(not hasattr(__import__("os"), "sched_getaffinity"), reason="Linux only")
+@pytest.mark.skipif(not hasattr(os, "sched_getaffinity"), reason="Linux only")
 def test_workers_and_all_their_threads_are_pinned():
-    import os
-    from piper_nb.runtime.process import core_plan
     expected = core_plan(2)
     with LocalCluster(2) as c:
         infos = c.info
