@@ -159,8 +159,10 @@ class CostModel:
         Passes and the update (with `optimizer`, default SGD) are timed on one thread like a
         worker runs them, plus the worker's bookkeeping per instruction; with `comm`, gloo
         is fitted per message kind and group size between `plan.world` processes (cached
-        per process). `cores` (default: this machine's) are shared by the devices
-        computing at once.
+        per process), with more repeats when there are more processes than cores (their
+        messages then wait on the scheduler, a heavy-tailed delay whose mean needs more
+        samples). `cores` (default: this machine's) are shared by the devices computing at
+        once.
         """
         from piper_nb.sim.profile import profile_links, profile_packing, profile_plan
         passes, overhead, background = profile_plan(plan, repeats, optimizer)
@@ -168,16 +170,17 @@ class CostModel:
         links: dict = {}
         issue: dict = {}
         lat, bw, world = 0.0, math.inf, 0
+        cores = cores if cores is not None else (os.cpu_count() or 1)
         if comm:   # at most 8 processes; larger groups use the largest size measured
             world = min(max(plan.world, 2), 8)
             groups = {len(i.group) for dp in plan.devices for i in dp.instrs if i.group}
             largest = max((message_bytes(plan, i) for dp in plan.devices for i in dp.instrs
                            if i.is_issue), default=0)
-            fitted = profile_links(world, {g for g in groups if g <= world}, largest=largest)
+            fitted = profile_links(world, {g for g in groups if g <= world}, largest=largest,
+                                   repeats=21 * -(-world // cores))
             issue = {k[1]: v for k, v in fitted.items() if k[0] == "issue"}
             links = {k: v for k, v in fitted.items() if k[0] != "issue"}
             lat, bw = links[("p2p", 2)]
-        cores = cores if cores is not None else (os.cpu_count() or 1)
         return cls(name="profiled", unit="s", passes=passes, latency=lat, bandwidth=bw,
                    links=links, issue=issue, overhead=overhead, sync=True, cores=cores,
                    background=background, comm_cores=1.0 if comm else 0.0, link_world=world,

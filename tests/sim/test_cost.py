@@ -95,6 +95,22 @@ def test_a_profile_without_links_runs_in_process():
     assert cost.links == {} and cost.issue == {} and cost.bandwidth == math.inf
 
 
+def test_links_get_more_repeats_when_processes_outnumber_cores(monkeypatch):
+    import piper_nb.sim.profile as prof
+    asked = []
+
+    def links(world, groups, repeats=21, timeout=180.0, largest=0):
+        asked.append((world, repeats))
+        return {("p2p", 2): (1e-4, 1e9), **{(k, g): (1e-4, 1e9) for k in prof._KINDS
+                                             for g in groups}}
+    monkeypatch.setattr(prof, "profile_links", links)
+    spec, program, batch = _dp_plan_args()
+    plan = pn.compile(spec, program, batch)               # 4 devices
+    for cores, repeats in ((4, 21), (2, 42), (1, 84)):
+        CostModel.profile(plan, repeats=1, cores=cores)
+        assert asked[-1] == (4, repeats)
+
+
 def test_links_are_timed_up_to_the_plans_largest_message_and_fitted_on_the_large_ones():
     from piper_nb.sim.profile import _fit, link_sizes
     assert link_sizes() == (1 << 10, 1 << 14, 1 << 17, 1 << 20)
