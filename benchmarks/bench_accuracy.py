@@ -3,7 +3,7 @@
 For each strategy of the runtime's matrix (DP, ZeRO-1/2/3 on 2 ranks; GPipe, 1F1B,
 interleaved 1F1B, ZB1P, DualPipeV on 2 ranks; DualPipe on 4 ranks; PP 2 x DP 2 with ZeRO-3;
 TinyGPT with embeddings tied across stages) the plan is profiled here
-(`pn.CostModel.profile(plan, optimizer=...)`: passes timed by a worker built in this
+(`pn.CostModel.profile(plan, repeats=25, optimizer=...)`: passes timed by a worker built in this
 process on one thread, the worker's bookkeeping per instruction, gloo fitted per message
 kind between processes, gloo's links measured again for each strategy; host-synchronous,
 `cores` shared among the devices computing at once and the other tasks the profile saw)
@@ -33,6 +33,7 @@ from piper_nb.sim.profile import _LINK_CACHE
 __all__ = ["STRATEGIES", "compile_strategy", "run"]
 
 TOLERANCE = 0.15
+REPEATS = 25   # profile rounds; with 9, 1F1B's prediction moved 9% between profiles, here 1%
 
 
 # display name -> name in piper_nb.strategies.MATRIX
@@ -53,7 +54,7 @@ def run(name: str, cluster, steps: int, warmup: int, optimizer, verbose: bool = 
     plan, batch = compile_strategy(name, size)
     t0 = time.perf_counter()
     _LINK_CACHE.clear()   # gloo fitted again right before this run: the same load as it
-    cost = pn.CostModel.profile(plan, repeats=9, optimizer=optimizer)
+    cost = pn.CostModel.profile(plan, repeats=REPEATS, optimizer=optimizer)
     profile_s = time.perf_counter() - t0
     predicted = pn.simulate(plan, cost)
     result = pn.train(plan, batch, steps=warmup + steps, optimizer=optimizer, cluster=cluster)

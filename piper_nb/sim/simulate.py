@@ -23,7 +23,8 @@ compute stream and one stream per communication stream name:
   computing at once and `cost.background` other tasks share the cores: a pass stretches by
   its share then over its share when profiled (processor sharing, approximated by
   re-simulating with the stretched durations until the step time settles); a collective
-  in flight takes `cost.comm_cores` of them on each member.
+  in flight takes `cost.comm_cores` of them on each member, a point-to-point message on
+  its receiver.
 
 Ops live in a heap keyed by ready time, devices are indices and instructions integer
 positions, so a step of a thousand devices simulates in seconds.
@@ -245,9 +246,10 @@ def _shared_cores(plan: Plan, cost: CostModel, sim: _Sim, rounds: int = 8) -> _S
     computing, itself included, plus `cost.comm_cores` for each member of a collective in
     flight) and bg the other tasks the profile saw; a collective runs at max(1, active /
     cores) over the load it was profiled at (its members, plus the other processes of the
-    link profile, which computed meanwhile). Stretch, re-simulate, and repeat until the
-    step settles. Point-to-point messages keep their profiled time (their host work is
-    the issue call, on the host's own time)."""
+    link profile, which computed meanwhile). A point-to-point message in flight takes
+    `cost.comm_cores` on its receiver, where gloo's thread reads it off the socket while
+    the device computes (its sender's work is the issue call, on the host's own time), and
+    keeps its profiled time. Stretch, re-simulate, and repeat until the step settles."""
     bg, cores, comm = cost.background, cost.cores, cost.comm_cores
     measured_at = max(1.0, (1 + bg) / cores)
     last = max(sim.t)
@@ -259,7 +261,7 @@ def _shared_cores(plan: Plan, cost: CostModel, sim: _Sim, rounds: int = 8) -> _S
                 if end[i] > start[i]:
                     if ins.kind in _COMPUTE:
                         spans += [(start[i], 1.0), (end[i], -1.0)]
-                    elif comm and ins.kind in _COLLECTIVES:
+                    elif comm and (ins.kind in _COLLECTIVES or ins.kind == "RECV"):
                         spans += [(start[i], comm), (end[i], -comm)]
         spans.sort()
         times = [x[0] for x in spans]

@@ -140,6 +140,17 @@ def test_a_collective_in_flight_shares_the_cores_with_the_passes_it_overlaps(han
     assert [e.end for e in four.events if e.kind == "ALL_REDUCE"] == [pytest.approx(0.5)] * 2
 
 
+def test_a_message_in_flight_takes_a_core_on_its_receiver(hand_plan):
+    plan = hand_plan("0SEND_F0>1 wait(0SEND_F0>1)", "1RECV_F0<0 1F1 wait(1RECV_F0<0)", "2F1")
+    assert simulate(plan, _host_model(sync=True, cores=2)).step_time == 1
+    # two passes and the message's reader (0.5 long): a pass of length x runs at a share
+    # of (2x + 0.5) / x / 2, so x = 1 + 0.25 / x = (1 + sqrt 2) / 2; the message keeps 0.5
+    loaded = simulate(plan, _host_model(sync=True, cores=2, comm_cores=1.0))
+    recv = next(e for e in loaded.events if e.kind == "RECV")
+    assert (recv.start, recv.end) == (0, 0.5)
+    assert loaded.step_time == pytest.approx((1 + 2 ** 0.5) / 2, rel=0.01)
+
+
 def test_a_collective_pays_its_packing_before_the_call_and_its_unpacking_after_the_wait(
         hand_plan, spans):
     plan = hand_plan("AR wait(AR) 0F0", "AR wait(AR) 0F0")
