@@ -23,8 +23,8 @@ compute stream and one stream per communication stream name:
   computing at once and `cost.background` other tasks share the cores: a pass stretches by
   its share then over its share when profiled (processor sharing, approximated by
   re-simulating with the stretched durations until the step time settles); a collective
-  in flight takes `cost.comm_cores` of them on each member, a point-to-point message on
-  its receiver.
+  in flight takes `cost.comm_cores` of them on each member, a point-to-point message as
+  much of one on its receiver as reading it off the socket takes.
 
 Ops live in a heap keyed by ready time, devices are indices and instructions integer
 positions, so a step of a thousand devices simulates in seconds.
@@ -35,12 +35,13 @@ from __future__ import annotations
 import bisect
 import gc
 import heapq
+import math
 from collections import defaultdict
 from dataclasses import dataclass
 
 from piper_nb.compiler.plan import COLLECTIVE_KINDS, Plan
 from piper_nb.errors import PlanError
-from piper_nb.sim.cost import CostModel
+from piper_nb.sim.cost import CostModel, message_bytes
 from piper_nb.sim.trace import Event, Trace
 
 __all__ = ["simulate", "Timing", "run_timing", "overlap_steps"]
@@ -246,12 +247,23 @@ def _shared_cores(plan: Plan, cost: CostModel, sim: _Sim, rounds: int = 8) -> _S
     computing, itself included, plus `cost.comm_cores` for each member of a collective in
     flight) and bg the other tasks the profile saw; a collective runs at max(1, active /
     cores) over the load it was profiled at (its members, plus the other processes of the
-    link profile, which computed meanwhile). A point-to-point message in flight takes
-    `cost.comm_cores` on its receiver, where gloo's thread reads it off the socket while
-    the device computes (its sender's work is the issue call, on the host's own time), and
-    keeps its profiled time. Stretch, re-simulate, and repeat until the step settles."""
+    link profile, which computed meanwhile). A point-to-point message in flight loads its
+    receiver, where gloo's thread reads it off the socket while the device computes, by
+    `cost.comm_cores` times the share of its span that copy takes (its sender's work is
+    the issue call, on the host's own time); it keeps its profiled time. Stretch,
+    re-simulate, and repeat until the step settles."""
     bg, cores, comm = cost.background, cost.cores, cost.comm_cores
     measured_at = max(1.0, (1 + bg) / cores)
+    send = cost.issue.get("SEND")
+    copy_rate = send[1] if isinstance(send, tuple) and 0 < send[1] < math.inf else None
+
+    def reading(d: int, i: int, ins) -> float:
+        """The load of receiving `ins`: its copy off the socket (at the rate the sender's
+        call writes it on) spread over its span; the whole span without that rate."""
+        if copy_rate is None:
+            return comm
+        span = sim.end[d][i] - sim.start[d][i]
+        return comm * min(1.0, message_bytes(plan, ins) / copy_rate / span)
     last = max(sim.t)
     for _ in range(rounds):
         spans = []   # (time, load change): the busy compute streams and collectives
@@ -261,8 +273,11 @@ def _shared_cores(plan: Plan, cost: CostModel, sim: _Sim, rounds: int = 8) -> _S
                 if end[i] > start[i]:
                     if ins.kind in _COMPUTE:
                         spans += [(start[i], 1.0), (end[i], -1.0)]
-                    elif comm and (ins.kind in _COLLECTIVES or ins.kind == "RECV"):
+                    elif comm and ins.kind in _COLLECTIVES:
                         spans += [(start[i], comm), (end[i], -comm)]
+                    elif comm and ins.kind == "RECV":
+                        load = reading(d, i, ins)
+                        spans += [(start[i], load), (end[i], -load)]
         spans.sort()
         times = [x[0] for x in spans]
         level, area, active = [], [], 0.0

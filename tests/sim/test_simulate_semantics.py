@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import importlib
+
 import pytest
 
 import piper_nb as pn
@@ -140,7 +142,7 @@ def test_a_collective_in_flight_shares_the_cores_with_the_passes_it_overlaps(han
     assert [e.end for e in four.events if e.kind == "ALL_REDUCE"] == [pytest.approx(0.5)] * 2
 
 
-def test_a_message_in_flight_takes_a_core_on_its_receiver(hand_plan):
+def test_a_message_in_flight_takes_a_core_on_its_receiver(hand_plan, monkeypatch):
     plan = hand_plan("0SEND_F0>1 wait(0SEND_F0>1)", "1RECV_F0<0 1F1 wait(1RECV_F0<0)", "2F1")
     assert simulate(plan, _host_model(sync=True, cores=2)).step_time == 1
     # two passes and the message's reader (0.5 long): a pass of length x runs at a share
@@ -149,6 +151,13 @@ def test_a_message_in_flight_takes_a_core_on_its_receiver(hand_plan):
     recv = next(e for e in loaded.events if e.kind == "RECV")
     assert (recv.start, recv.end) == (0, 0.5)
     assert loaded.step_time == pytest.approx((1 + 2 ** 0.5) / 2, rel=0.01)
+    # with the rate the sender's call writes at, the reader is busy only while it copies:
+    # 1000 bytes at 4000 per unit, half the span, so x = 1 + 0.125 / x
+    module = importlib.import_module("piper_nb.sim.simulate")  # (pn.sim.simulate: the function)
+    monkeypatch.setattr(module, "message_bytes", lambda plan, ins: 1000)
+    copying = simulate(plan, _host_model(sync=True, cores=2, comm_cores=1.0,
+                                         issue={"SEND": (0.0, 4000.0)}))
+    assert copying.step_time == pytest.approx((1 + 1.5 ** 0.5) / 2, rel=0.01)
 
 
 def test_a_collective_pays_its_packing_before_the_call_and_its_unpacking_after_the_wait(
