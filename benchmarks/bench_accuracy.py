@@ -16,7 +16,7 @@ Predicted: the simulated step, until the last device's host is done (`trace.meta
 load. Prints a markdown table; `--verbose` adds the worst instructions of
 `predicted.compare(measured)` for each.
 
-    .venv/bin/python benchmarks/bench_accuracy.py [--steps 10] [--warmup 3] [--only zb1p ...]
+    .venv/bin/python benchmarks/bench_accuracy.py [--steps 20] [--warmup 3] [--only zb1p ...]
 """
 
 from __future__ import annotations
@@ -113,7 +113,7 @@ def table(rows: list[dict]) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--steps", type=int, default=10, help="measured steps (median)")
+    ap.add_argument("--steps", type=int, default=20, help="measured steps (median)")
     ap.add_argument("--warmup", type=int, default=3, help="steps left out first")
     ap.add_argument("--only", nargs="*", default=None, help="strategy names")
     ap.add_argument("--verbose", action="store_true", help="per-instruction comparisons")
