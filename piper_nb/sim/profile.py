@@ -14,10 +14,9 @@
   fitted to latency + bytes / bandwidth, once per process and world size
   (`python -m piper_nb.sim.profile` workers, one thread each, issuing like
   `runtime/comm.py`: asynchronously, then waiting, pinned to cores as a `LocalCluster`
-  pins its workers). Every timed message comes after half a
-  millisecond of compute, and the processes not in it compute meanwhile, as in a step:
-  woken from compute and sharing the cores, gloo is several times slower than in a tight
-  loop of messages.
+  pins its workers). Every timed message comes after half a millisecond of compute, and
+  the processes not in it compute meanwhile, as in a step: woken from compute and sharing
+  the cores, gloo is several times slower than in a tight loop of messages.
 - `profile_packing`: what the worker's own host does around a collective on each bucket:
   flatten gradients into the buffer it sends, and put the result back.
 - `region_flops`: forward FLOPs with `FlopCounterMode` (the analytic model).

@@ -258,15 +258,15 @@ def _shared_cores(plan: Plan, cost: CostModel, sim: _Sim, rounds: int = 8) -> _S
     copy_rate = send[1] if isinstance(send, tuple) and 0 < send[1] < math.inf else None
 
     def reading(d: int, i: int, ins) -> float:
-        """The load of receiving `ins`: its copy off the socket (at the rate the sender's
-        call writes it on) spread over its span; the whole span without that rate."""
+        """The load of receiving `ins`: its copy off the socket (timed at the rate the
+        sender's call writes it) spread over its span; the whole span without that rate."""
         if copy_rate is None:
             return comm
         span = sim.end[d][i] - sim.start[d][i]
         return comm * min(1.0, message_bytes(plan, ins) / copy_rate / span)
     last = max(sim.t)
     for _ in range(rounds):
-        spans = []   # (time, load change): the busy compute streams and collectives
+        spans = []   # (time, load change): busy compute streams, collectives, receives
         for d, instrs in enumerate(sim.instrs):
             start, end = sim.start[d], sim.end[d]
             for i, ins in enumerate(instrs):
