@@ -14,10 +14,15 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import piper_nb as pn
 from piper_nb import strategies
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_runtime import table  # noqa: E402  (next to this script)
 
 __all__ = ["run"]
 
@@ -59,15 +64,9 @@ def main(argv: list[str] | None = None) -> None:
             rows.append(run(name, {True: pinned, False: free}, args.steps, args.warmup))
             r = rows[-1]
             print(f"  {name}: {r['pinned ms']:.1f} vs {r['unpinned ms']:.1f} ms", flush=True)
-    keys = list(rows[0])
     print(f"2 ranks, size bench, SGD; median and 90th percentile of {args.steps} steps after "
           f"{args.warmup} warm-up, interleaved; {time.perf_counter() - t0:.0f} s in all\n")
-    print("| " + " | ".join(keys) + " |")
-    print("|" + "---|" * len(keys))
-    for r in rows:
-        print("| " + " | ".join(f"{r[k]:.2f}" if "ratio" in k else
-                                f"{r[k]:.1f}" if isinstance(r[k], float) else r[k]
-                                for k in keys) + " |")
+    print(table(rows, list(rows[0])))
 
 
 if __name__ == "__main__":
