@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 from dataclasses import dataclass, field
 
 import torch
@@ -161,8 +160,8 @@ class CostModel:
         is fitted per message kind and group size between `plan.world` processes (cached
         per process), with more repeats when there are more processes than cores (their
         messages then wait on the scheduler, a heavy-tailed delay whose mean needs more
-        samples). `cores` (default: this machine's) are shared by the devices computing at
-        once.
+        samples). `cores` (default: those this process may run on) are shared by the
+        devices computing at once.
         """
         from piper_nb.sim.profile import profile_links, profile_packing, profile_plan
         passes, overhead, background = profile_plan(plan, repeats, optimizer)
@@ -170,7 +169,9 @@ class CostModel:
         links: dict = {}
         issue: dict = {}
         lat, bw, world = 0.0, math.inf, 0
-        cores = cores if cores is not None else (os.cpu_count() or 1)
+        if cores is None:   # the cores this process (and the workers it starts) may use
+            from piper_nb.runtime.process import usable_cores
+            cores = len(usable_cores())
         if comm:   # at most 8 processes; larger groups use the largest size measured
             world = min(max(plan.world, 2), 8)
             groups = {len(i.group) for dp in plan.devices for i in dp.instrs if i.group}

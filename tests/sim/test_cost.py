@@ -95,6 +95,12 @@ def test_a_profile_without_links_runs_in_process():
     assert cost.links == {} and cost.issue == {} and cost.bandwidth == math.inf
 
 
+def test_a_profile_counts_the_cores_this_process_may_use(monkeypatch):
+    import piper_nb.runtime.process as proc
+    monkeypatch.setattr(proc, "usable_cores", lambda: [4, 5, 6])   # e.g. a cgroup's cpuset
+    assert CostModel.profile(plan2(), repeats=1, comm=False).cores == 3
+
+
 def test_links_get_more_repeats_when_processes_outnumber_cores(monkeypatch):
     import piper_nb.sim.profile as prof
     asked = []
