@@ -19,6 +19,7 @@ from __future__ import annotations
 import pickle
 import queue
 import time
+from collections import Counter
 
 import torch.multiprocessing as mp
 
@@ -28,11 +29,14 @@ from piper_nb.runtime.process import core_plan, free_port, serve
 
 __all__ = ["LocalCluster"]
 
+_PINNED: Counter = Counter()   # core -> workers of running clusters in this process on it
+
 
 class LocalCluster(ClusterCommands):
     """`n` local workers. `device` is "cpu" or "cuda"; `timeout` bounds every command (s).
     `pin`: None pins each CPU worker to a core of its own when there are at least `n`
-    cores, True pins them round-robin in any case, False never pins."""
+    cores, True pins them round-robin in any case, False never pins; cores that other
+    running clusters of this process hold are taken last."""
 
     def __init__(self, n: int, *, device: str = "cpu", timeout: float = 300.0,
                  start_timeout: float = 120.0, pin: bool | None = None):
@@ -41,7 +45,9 @@ class LocalCluster(ClusterCommands):
         if device not in ("cpu", "cuda"):
             raise ValueError(f"LocalCluster: device is 'cpu' or 'cuda', got {device!r}")
         self.n, self.device, self.timeout, self.start_timeout = n, device, timeout, start_timeout
-        self.cores = core_plan(n, pin, device)         # per rank: pinned cores, or None
+        self.pin = pin
+        self.cores: list = [None] * n                  # per rank: pinned cores, or None
+        self._held: list[int] = []                     # cores counted in _PINNED for us
         self._procs: list = []
         self._conns: list = []
         self._results = None
@@ -61,6 +67,9 @@ class LocalCluster(ClusterCommands):
         self._kill()
         ctx = mp.get_context("spawn")
         port = free_port()
+        self.cores = core_plan(self.n, self.pin, self.device, busy=_PINNED)
+        self._held = [c for cores in self.cores for c in cores or ()]
+        _PINNED.update(self._held)
         self._results = ctx.Queue()
         for rank in range(self.n):
             parent, child = ctx.Pipe()
@@ -99,6 +108,8 @@ class LocalCluster(ClusterCommands):
         if self._results is not None:
             self._results.cancel_join_thread()
             self._results.close()
+        _PINNED.subtract(self._held)
+        self._held = []
         self._procs, self._conns, self._results, self._loaded = [], [], None, []
 
     def __enter__(self) -> LocalCluster:

@@ -50,11 +50,13 @@ def usable_cores() -> list[int]:
     return list(range(os.cpu_count() or 1))
 
 
-def core_plan(n: int, pin: bool | None = None, device: str = "cpu") -> list[tuple[int, ...] | None]:
+def core_plan(n: int, pin: bool | None = None, device: str = "cpu",
+              busy: dict[int, int] | None = None) -> list[tuple[int, ...] | None]:
     """Per rank, the cores its process is pinned to (None: not pinned). `pin=None` pins
-    CPU workers when each can have a core of its own (rank r on the r-th usable core);
-    `pin=True` also shares them out round-robin when there are more workers than cores;
-    `pin=False`, or a CUDA cluster, leaves placement to the OS."""
+    CPU workers when each can have a core of its own; `pin=True` also shares them out
+    round-robin when there are more workers than cores; `pin=False`, or a CUDA cluster,
+    leaves placement to the OS. Cores are taken least `busy` first (how many workers of
+    other clusters already hold each), then in order."""
     cores = usable_cores()
     if pin is False or (pin is None and (device != "cpu" or n > len(cores))):
         return [None] * n
@@ -63,6 +65,8 @@ def core_plan(n: int, pin: bool | None = None, device: str = "cpu") -> list[tupl
             raise ValueError("pin=True: this OS cannot pin processes to cores "
                              "(os.sched_setaffinity is Linux only); use pin=None or False")
         return [None] * n
+    busy = busy or {}
+    cores = sorted(cores, key=lambda c: busy.get(c, 0))   # stable: in order among equals
     return [(cores[r % len(cores)],) for r in range(n)]
 
 

@@ -114,18 +114,27 @@ def test_core_plan_gives_each_worker_its_own_core_when_there_are_enough(monkeypa
     assert core_plan(3, pin=True) == [(2,), (5,), (2,)]
     assert core_plan(2, pin=False) == [None, None]
     assert core_plan(2, device="cuda") == [None, None]
+    assert core_plan(1, busy={2: 1}) == [(5,)]          # another cluster holds core 2
+    assert core_plan(3, pin=True, busy={2: 1}) == [(5,), (2,), (5,)]
 
 
-@pytest.mark.skipif(not hasattr(os, "sched_getaffinity"), reason="Linux only")
-def test_workers_and_all_their_threads_are_pinned():
-    expected = core_plan(2)
+@pytest.mark.skipif(len(process.usable_cores()) < 2, reason="needs 2 cores")
+def test_workers_and_all_their_threads_are_pinned_one_core_each():
     with LocalCluster(2) as c:
         infos = c.info
         threads = {r: os.listdir(f"/proc/{i['pid']}/task") for r, i in enumerate(infos)}
         affinity = {r: [os.sched_getaffinity(int(t)) for t in threads[r]] for r in threads}
-    for rank, info in enumerate(infos):
-        assert info["cores"] == (list(expected[rank]) if expected[rank] else None)
-        if expected[rank] is None:
-            continue
+    cores = [info["cores"] for info in infos]
+    assert all(len(c) == 1 for c in cores) and cores[0] != cores[1]
+    for rank in range(2):
         assert len(threads[rank]) > 1    # gloo's threads, started after pinning, included
-        assert all(a == set(expected[rank]) for a in affinity[rank])
+        assert all(a == set(cores[rank]) for a in affinity[rank])
+
+
+@pytest.mark.skipif(len(process.usable_cores()) < 2, reason="needs 2 cores")
+def test_two_clusters_at_once_take_different_cores_and_give_them_back():
+    from piper_nb.cluster.local import _PINNED
+    before = +_PINNED                     # cores that running clusters (fixtures) hold
+    with LocalCluster(1) as a, LocalCluster(1) as b:
+        assert a.info[0]["cores"] != b.info[0]["cores"]
+    assert +_PINNED == before
