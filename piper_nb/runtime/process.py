@@ -10,9 +10,9 @@ the driver decides (it stops or kills the whole group, since peers may be blocke
 transfer with this one).
 
 On CPU, `core_plan` gives each worker a core of its own when there are enough
-(`pin_threads` at start-up, so gloo's threads, made later, inherit it): two ranks then
-never share a core while another sits idle, which the scheduler otherwise does for a few
-milliseconds at a time when a rank wakes from a transfer.
+(`pin_threads` at start-up, so gloo's threads, made later, inherit it): each rank's main
+thread and gloo's threads then share its core and no other rank's, and steps come out
+steadier (`benchmarks/bench_pinning.py`).
 """
 
 from __future__ import annotations
