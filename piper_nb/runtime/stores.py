@@ -207,11 +207,8 @@ class ValueStore:
         old = self.grads.get((value, mb))
         self.grads[(value, mb)] = g if old is None else old + g
 
-    def free(self, key: str) -> None:
-        """Drop the buffer a FREE key ("act:x@1", "grad:x@1") names, if held."""
-        self.drop(*parse_free(key))
-
     def drop(self, kind: str, key: tuple[str, int]) -> None:
+        """Drop the buffer a parsed FREE key (`parse_free("act:x@1")`) names, if held."""
         (self.acts if kind == "act" else self.grads).pop(key, None)
 
     def clear(self) -> None:

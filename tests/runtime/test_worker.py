@@ -13,7 +13,7 @@ import piper_nb as pn
 from piper_nb import optim
 from piper_nb.runtime.bundle import bind_params, load_bundle, make_bundle, param_aliases
 from piper_nb.runtime.layout import Layout, assemble_state, batch_part, bucket_layouts
-from piper_nb.runtime.stores import ParamStore, ValueStore
+from piper_nb.runtime.stores import ParamStore, ValueStore, parse_free
 from piper_nb.runtime.worker import Worker
 from piper_nb.train import reference_train
 
@@ -76,8 +76,8 @@ def test_value_store_frees_by_key():
     v.add_grad("x", 1, torch.ones(2))
     v.add_grad("x", 1, torch.ones(2))
     assert v.grads[("x", 1)].tolist() == [2.0, 2.0] and v.bytes() == 16
-    v.free("act:x@1")
-    v.free("grad:x@1")
+    v.drop(*parse_free("act:x@1"))
+    v.drop(*parse_free("grad:x@1"))
     assert v.bytes() == 0
 
 
