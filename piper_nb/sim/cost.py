@@ -111,8 +111,9 @@ class CostModel:
     meanwhile; found by re-simulating until the timeline settles). `comm_cores` is what a
     collective in flight takes of the cores on each of its members (a CPU transport such
     as gloo copies, sends and reduces on host threads, which preempt compute): it counts
-    among the active. A point-to-point message's host work is its issue call; a
-    collective's also `packing[(kind, bucket)]`: host time before the call (flattening
+    among the active, and so does a point-to-point message on its receiver, for the share
+    of its span that reading it takes. A point-to-point message's host work is its issue
+    call; a collective's also `packing[(kind, bucket)]`: host time before the call (flattening
     the bucket) and after its wait (putting the result back). The links
     were timed with `link_world` processes up, those outside a message computing: a
     collective stretches relative to that load.
