@@ -90,10 +90,7 @@ class Worker:
         accounting, no saved-tensor hooks): what `pn.train` does on all but the last step."""
         self.step_no += 1
         self.tracing = trace
-        self.batch = {BATCH_INPUT: batch[0].to(self.device), BATCH_TARGET: batch[1].to(self.device)}
-        self.pending: dict[int, Pending] = {}
-        self.exchange.reset()
-        self.loss = torch.zeros((), dtype=torch.float64, device=self.device)
+        self.begin(batch)
         fail = _parse_fail(fail_at, self.rank)
         self.comm.barrier()
         self.clock = Clock(self.device)
@@ -121,11 +118,28 @@ class Worker:
             if trace:
                 rec.memory(self.clock.mark(), *self._memory())
         self.current = -1
+        loss = self._step_loss()
         end = self.clock.mark()
         leftover = self._leftover()
         events, memory = rec.resolve()
-        return {"loss": float(self.loss), "end": self.clock.resolve(end), "events": events,
+        return {"loss": loss, "end": self.clock.resolve(end), "events": events,
                 "memory": memory, "leftover": leftover}
+
+    def begin(self, batch) -> None:
+        """The per-step state, empty, for a step on `batch` (inputs, targets)."""
+        self.batch = {BATCH_INPUT: batch[0].to(self.device), BATCH_TARGET: batch[1].to(self.device)}
+        self.parts: dict[tuple[str, int], tuple[torch.Tensor, ...]] = {}
+        self.pending: dict[int, Pending] = {}
+        self.exchange.reset()
+        self.losses: list[torch.Tensor] = []   # each forward's detached loss, summed at the end
+
+    def _step_loss(self) -> float:
+        """This device's share of the step's loss: every microbatch's loss times the plan's
+        loss scale, summed in float64 (one reduction per step, not one per forward)."""
+        if not self.losses:
+            return 0.0
+        total = torch.stack([t.reshape(()) for t in self.losses]).double().sum()
+        return float(total) * self.plan.loss_scale
 
     def _memory(self) -> tuple[int, int, int, int, int]:
         """(params, grads, optim, activations, buffers) bytes held right now."""
@@ -175,7 +189,7 @@ class Worker:
         args, leaves = [], []
         for v in info.inputs:
             if v in _BATCH:
-                t = batch_part(self.batch[v], plan.microbatches, mb, ins.replica, ins.replicas)
+                t = self._batch_part(v, mb, ins.replica, ins.replicas)
             else:
                 t = self.values.acts.get((v, mb))
                 if t is None:
@@ -198,10 +212,22 @@ class Worker:
         outputs = dict(zip(info.outputs, outs, strict=True))
         for name, out in outputs.items():
             if name == LOSS:
-                self.loss += out.detach().double() * plan.loss_scale
+                self.losses.append(out.detach())
             else:
                 self.values.acts[(name, mb)] = out
         self.values.stash[(ins.region, mb)] = Stash(leaves, outputs, saved)
+
+    def _batch_part(self, v: str, mb: int, replica: int, replicas: int) -> torch.Tensor:
+        """`batch_part` of batch input `v`, from views cut once per step (one split per
+        input and replica count instead of a slice per forward)."""
+        parts = self.parts.get((v, replicas))
+        if parts is None:
+            t, m = self.batch[v], self.plan.microbatches
+            chunk = t.shape[0] // m
+            if chunk * m != t.shape[0] or chunk % replicas:  # uneven: slice as batch_part does
+                return batch_part(t, m, mb, replica, replicas)
+            parts = self.parts[(v, replicas)] = t.split(chunk // replicas)
+        return parts[mb * replicas + replica]
 
     def _out_grads(self, st: Stash, mb: int) -> tuple[list, list]:
         outs, grads = [], []

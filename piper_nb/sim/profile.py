@@ -135,10 +135,7 @@ class _Bench:
         self.w = w = Worker(d, load_bundle(blob), _NoComm(), torch.device("cpu"))
         w.reset(optimizer)
         w.step_no = 1
-        inputs, targets = _batch(plan)
-        w.batch = {"inputs": inputs, "targets": targets}
-        w.pending = {}
-        w.loss = torch.zeros((), dtype=torch.float64)
+        w.begin(_batch(plan))
         w.clock = Clock(torch.device("cpu"))
         w.clock.start()
         w.rec = Recorder(d, w.clock)
@@ -195,6 +192,7 @@ class _Bench:
             else:
                 got["B"] = self.timed(replace_kind(f, "B"))
             w.values.clear()
+            w.losses.clear()
         return got
 
     def update(self, r: int) -> float:
