@@ -108,7 +108,9 @@ class CostModel:
     devices computing at once share that many cores with `background` other runnable tasks
     (processor sharing: a pass measured at a share of max(1, (1 + background) / cores)
     runs at max(1, (active + background) / cores), active being the devices computing
-    meanwhile; found by re-simulating until the timeline settles). `comm_cores` is what a
+    meanwhile; found by re-simulating until the timeline settles), times `slicing` where
+    tasks outnumber cores: what time-slicing costs beyond the fair share (caches refilled
+    after the others ran, migrations; `sim.slicing`). `comm_cores` is what a
     collective in flight takes of the cores on each of its members (a CPU transport such
     as gloo copies, sends and reduces on host threads, which preempt compute): it counts
     among the active, and so does a point-to-point message on its receiver, for the share
@@ -136,6 +138,7 @@ class CostModel:
     cores: int | None = None                       # cores the devices share (None: own)
     background: float = 0.0                        # other runnable tasks when profiled
     comm_cores: float = 0.0                        # cores a collective in flight takes
+    slicing: float = 1.0                           # time-slicing cost beyond the fair share
     link_world: int = 0                            # processes up when `links` were timed
     packing: dict = field(default_factory=dict)    # (kind, bucket) -> (before call, after wait)
     meta: dict = field(default_factory=dict)
@@ -162,14 +165,16 @@ class CostModel:
         per process), with more repeats when there are more processes than cores (their
         messages then wait on the scheduler, a heavy-tailed delay whose mean needs more
         samples). `cores` (default: those this process may run on) are shared by the
-        devices computing at once.
+        devices computing at once; with more devices than cores (and `comm`), one process
+        per device also measures what time-slicing costs on top (`sim.slicing`).
         """
         from piper_nb.sim.profile import profile_links, profile_packing, profile_plan
+        from piper_nb.sim.slicing import profile_slicing
         passes, overhead, background = profile_plan(plan, repeats, optimizer)
         packing = profile_packing(plan, repeats, optimizer)
         links: dict = {}
         issue: dict = {}
-        lat, bw, world = 0.0, math.inf, 0
+        lat, bw, world, slicing = 0.0, math.inf, 0, 1.0
         if cores is None:   # the cores this process (and the workers it starts) may use
             from piper_nb.runtime.process import usable_cores
             cores = len(usable_cores())
@@ -183,9 +188,11 @@ class CostModel:
             issue = {k[1]: v for k, v in fitted.items() if k[0] == "issue"}
             links = {k: v for k, v in fitted.items() if k[0] != "issue"}
             lat, bw = links[("p2p", 2)]
+            slicing = profile_slicing(plan, optimizer, cores=cores)
         return cls(name="profiled", unit="s", passes=passes, latency=lat, bandwidth=bw,
                    links=links, issue=issue, overhead=overhead, sync=True, cores=cores,
                    background=background, comm_cores=1.0 if comm else 0.0, link_world=world,
+                   slicing=slicing,
                    packing=packing,
                    meta={"repeats": repeats})
 

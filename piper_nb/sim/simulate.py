@@ -21,7 +21,8 @@ compute stream and one stream per communication stream name:
   bucket)]` before its call and after its wait; with `sync` the host waits for each pass (CPU
   workers) and an overlap slot runs its passes in list order; with `cores`, the devices
   computing at once and `cost.background` other tasks share the cores: a pass stretches by
-  its share then over its share when profiled (processor sharing, approximated by
+  its share then over its share when profiled, times what time-slicing costs where tasks
+  outnumber cores (`cost.slicing`) (processor sharing, approximated by
   re-simulating with the stretched durations until the step time settles); a collective
   in flight takes `cost.comm_cores` of them on each member, a point-to-point message as
   much of one on its receiver as reading it off the socket takes.
@@ -42,6 +43,7 @@ from dataclasses import dataclass
 from piper_nb.compiler.plan import COLLECTIVE_KINDS, Plan
 from piper_nb.errors import PlanError
 from piper_nb.sim.cost import CostModel, message_bytes
+from piper_nb.sim.slicing import slicing_slowdown
 from piper_nb.sim.trace import Event, Trace
 
 __all__ = ["simulate", "Timing", "run_timing", "overlap_steps"]
@@ -242,18 +244,19 @@ def run_timing(plan: Plan, cost: CostModel) -> Timing:
 
 
 def _shared_cores(plan: Plan, cost: CostModel, sim: _Sim, rounds: int = 8) -> _Sim:
-    """Processor sharing: a pass profiled at a slowdown of max(1, (1 + bg) / cores) runs at
-    max(1, (active + bg) / cores), active being the mean load during it (the devices
-    computing, itself included, plus `cost.comm_cores` for each member of a collective in
-    flight) and bg the other tasks the profile saw; a collective runs at max(1, active /
+    """Processor sharing: a pass profiled at a slowdown of s((1 + bg) / cores) runs at
+    s((active + bg) / cores), active being the mean load during it (the devices computing,
+    itself included, plus `cost.comm_cores` for each member of a collective in flight) and
+    bg the other tasks the profile saw; s(x) is max(1, x), times `cost.slicing` once tasks
+    outnumber cores (`slicing.slicing_slowdown`). A collective runs at max(1, active /
     cores) over the load it was profiled at (its members, plus the other processes of the
     link profile, which computed meanwhile). A point-to-point message in flight loads its
     receiver, where gloo's thread reads it off the socket while the device computes, by
     `cost.comm_cores` times the share of its span that copy takes (its sender's work is
     the issue call, on the host's own time); it keeps its profiled time. Stretch,
     re-simulate, and repeat until the step settles."""
-    bg, cores, comm = cost.background, cost.cores, cost.comm_cores
-    measured_at = max(1.0, (1 + bg) / cores)
+    bg, cores, comm, slicing = cost.background, cost.cores, cost.comm_cores, cost.slicing
+    measured_at = slicing_slowdown((1 + bg) / cores, slicing)
     send = cost.issue.get("SEND")
     copy_rate = send[1] if isinstance(send, tuple) and 0 < send[1] < math.inf else None
 
@@ -302,7 +305,7 @@ def _shared_cores(plan: Plan, cost: CostModel, sim: _Sim, rounds: int = 8) -> _S
                     continue
                 if ins.kind in _COMPUTE:
                     active = (integral(s1) - integral(s0)) / (s1 - s0)
-                    share = max(1.0, (active + bg) / cores) / measured_at
+                    share = slicing_slowdown((active + bg) / cores, slicing) / measured_at
                 elif comm and ins.kind in _COLLECTIVES:
                     n = len(ins.group)   # profiled while link_world - n processes computed
                     profiled = max(1.0, (max(cost.link_world - n, 0) + n * comm) / cores)

@@ -110,6 +110,17 @@ def test_devices_computing_at_once_share_the_cores(hand_plan, spans):
     assert simulate(staggered, _host_model(sync=True, cores=1)).step_time == 2.5
 
 
+def test_tasks_outnumbering_cores_also_pay_what_time_slicing_costs(hand_plan):
+    four = hand_plan("0F0", "0F0", "0F0", "0F0")
+    sliced = simulate(four, _host_model(sync=True, cores=2, slicing=1.1))
+    assert sliced.step_time == pytest.approx(2 * 1.1, rel=0.01)     # 2 a core, sliced
+    two = hand_plan("0F0", "0F0")
+    assert simulate(two, _host_model(sync=True, cores=2, slicing=1.1)).step_time == 1
+    three = hand_plan("0F0", "0F0", "0F0")       # 1.5 a core: half of the slicing cost
+    assert simulate(three, _host_model(sync=True, cores=2, slicing=1.1)).step_time == \
+        pytest.approx(1.5 * 1.05, rel=0.01)
+
+
 def test_messages_cost_the_fit_of_their_kind_and_group_size():
     from piper_nb.sim.cost import message_bytes
     plan = pn.compile(*_dp_plan_args())
