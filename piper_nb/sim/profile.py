@@ -41,7 +41,8 @@ import warnings
 import torch
 
 __all__ = ["profile_plan", "runnable_others", "profile_passes", "profile_overhead",
-           "profile_links", "profile_comm", "profile_packing", "link_sizes", "region_flops",
+           "profile_links", "fit_links", "profile_comm", "profile_packing", "link_sizes",
+           "region_flops",
            "region_inputs", "one_thread"]
 
 _LINK_CACHE: dict[tuple, dict] = {}
@@ -441,8 +442,8 @@ def _busy(seconds: float) -> None:
         a = (a @ a).tanh_()
 
 
-def _collective(make, call, repeats: int) -> tuple[float, list[float]]:
-    """(typical time from issue to completion, the issue calls' times) of a collective
+def _collective(make, call, repeats: int) -> tuple[tuple[float, float], list[float]]:
+    """(`_both` of the times from issue to completion, the issue calls' times) of a collective
     issued after some compute, as a worker issues it: fresh buffers each time, made
     before the clock starts (the worker's own packing is `profile_packing`'s)."""
     call(*make()).wait()   # warm up
@@ -455,7 +456,7 @@ def _collective(make, call, repeats: int) -> tuple[float, list[float]]:
         posting.append(time.perf_counter() - t0)
         work.wait()
         total.append(time.perf_counter() - t0)
-    return _typical(total), posting
+    return _both(total), posting
 
 
 def _link_worker(rank: int, world: int, port: int, groups: list[int], repeats: int,
@@ -471,14 +472,15 @@ def _link_worker(rank: int, world: int, port: int, groups: list[int], repeats: i
     rs = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
     ag = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     pgs = {n: dist.new_group(list(range(n))) for n in groups}
+    pair = pgs[2] if 2 in pgs else dist.new_group([0, 1])   # every rank makes each group
     out: dict[str, list] = {}
     for size in sizes:
         dist.barrier()
         if rank < 2:
             one_way, sends, recvs = _one_way(dist, rank, size, 3 * repeats)   # cheap
-            out.setdefault("p2p/2", []).append((size, one_way))
-            out.setdefault("issue/SEND", []).append((size, _typical(sends)))
-            out.setdefault("issue/RECV", []).append((size, _typical(recvs)))
+            out.setdefault("p2p/2", []).append((size, *one_way))
+            out.setdefault("issue/SEND", []).append((size, *_both(sends)))
+            out.setdefault("issue/RECV", []).append((size, *_both(recvs)))
         _stop_or_spin(dist, rank, world, 2, f"p2p_{size}")
         for n in groups:
             dist.barrier()
@@ -498,23 +500,26 @@ def _link_worker(rank: int, world: int, port: int, groups: list[int], repeats: i
                                   lambda o, t, g=g: ag(o, t, group=g, async_op=True))}
             for kind in _KINDS:
                 total, posting = _collective(*ops[kind], repeats)
-                out.setdefault(f"{kind}/{n}", []).append((size, total))
-                out.setdefault(f"issue/{kind}", []).append((size, _typical(posting)))
+                out.setdefault(f"{kind}/{n}", []).append((size, *total))
+                out.setdefault(f"issue/{kind}", []).append((size, *_both(posting)))
             _stop_or_spin(dist, rank, world, n, f"{n}_{size}")
     dist.barrier()
     if rank < 2:
-        out["issue/WAIT"] = _wait_calls(dist, rank, repeats)
+        out["issue/WAIT"] = _wait_calls(dist, rank, repeats, pair)
     _stop_or_spin(dist, rank, world, 2, "wait")
     dist.barrier()
     dist.destroy_process_group()
     return out
 
 
-def _wait_calls(dist, rank: int, repeats: int) -> list[float]:
+def _wait_calls(dist, rank: int, repeats: int, pair=None) -> list[float]:
     """Times of WAIT calls on messages already complete (a receive, then a send): what a
-    WAIT costs the host when nothing is left to wait for."""
+    WAIT costs the host when nothing is left to wait for. A barrier of the two (`pair`)
+    first each time: a rank that starts late would otherwise make its peer's WAIT wait for its message, and
+    the two would stay out of step, so that every WAIT timed a wait."""
     times = []
     for k in range(repeats):
+        dist.barrier(group=pair)
         recv = dist.irecv(torch.empty(256), 1 - rank, tag=5000 + k)
         send = dist.isend(torch.zeros(256), 1 - rank, tag=5000 + k)
         _busy(4 * _BUSY)   # long enough for both to be done
@@ -544,7 +549,7 @@ def _stop_or_spin(dist, rank: int, world: int, members: int, tag: str) -> None:
         os.remove(marker)
 
 
-def _one_way(dist, rank: int, size: int, repeats: int) -> tuple[float, list, list]:
+def _one_way(dist, rank: int, size: int, repeats: int) -> tuple[tuple[float, float], list, list]:
     """One-way time of a `size`-byte message between ranks 0 and 1, in both directions in
     turn, as a pipeline sends: the receive posted ahead, the sender computing first, each
     message a fresh tensor into a fresh buffer, sends left in flight and waited for in
@@ -576,7 +581,23 @@ def _one_way(dist, rank: int, size: int, repeats: int) -> tuple[float, list, lis
             for w in pending:
                 w.wait()
             pending = []
-    return _typical(times), sends, recvs   # rank 0 received in one direction: its times
+    return _both(times), sends, recvs   # rank 0 received in one direction: its times
+
+
+def _both(times: list[float]) -> tuple[float, float]:
+    """(`_typical`, median) of one size's times: what `_fit_stalls` fits."""
+    return _typical(times), statistics.median(times)
+
+
+def _fit_stalls(points: list[tuple[int, float, float]]) -> tuple[float, float]:
+    """`_fit` of (size, typical, median) points: the line through the medians, its latency
+    raised by the stalls' mean cost (typical - median), pooled over all sizes. Gloo's
+    stalls (and, with more processes than cores, waits for a core) do not grow with the
+    message, and are rare and long: the mean of one size's repeats moves by tens of percent
+    between profiles, the pooled excess over all sizes much less."""
+    lat, bw = _fit([(p[0], p[2]) for p in points])
+    excess = statistics.fmean(max(p[1] - p[2], 0.0) for p in points)
+    return lat + excess, bw
 
 
 def _fit(points: list[tuple[int, float]]) -> tuple[float, float]:
@@ -591,6 +612,23 @@ def _fit(points: list[tuple[int, float]]) -> tuple[float, float]:
     slopes = [(t - t0) / (s - s0) for s, t in points[1:] if s > s0 and s >= big]
     slope = statistics.median(slopes) if slopes else 0.0
     return max(t0, 0.0), (1.0 / slope if slope > 0 else math.inf)
+
+
+def fit_links(raw: dict) -> dict[tuple[str, int | str], tuple[float, float]]:
+    """The link workers' times ("p2p/2", "ALL_REDUCE/2", "issue/SEND": (size, typical,
+    median) per size; "issue/WAIT": seconds) -> (kind, n) -> (latency s, bandwidth B/s)."""
+    fitted: dict = {}
+    for name, points in raw.items():
+        kind, n = name.split("/")
+        if kind == "issue" and n == "WAIT":   # host time of a WAIT: (seconds, inf)
+            # the median: in a tenth of the calls gloo had not delivered the message yet
+            # (its stalls, 1-5 ms), which the link's own time already counts
+            fitted[("issue", n)] = (statistics.median(points), math.inf)
+        elif kind == "issue":   # host time of the call, fitted like a link
+            fitted[("issue", n)] = _fit_stalls([tuple(x) for x in points])
+        else:
+            fitted[(kind, int(n))] = _fit_stalls([tuple(x) for x in points])
+    return fitted
 
 
 def profile_links(world: int = 2, groups=(2,), repeats: int = 21,
@@ -618,16 +656,7 @@ def profile_links(world: int = 2, groups=(2,), repeats: int = 21,
         outs = [p.communicate(timeout=timeout) for p in procs]
         if procs[0].returncode:
             raise RuntimeError(outs[0][1].strip().splitlines()[-1:] or procs[0].returncode)
-        raw = json.loads(outs[0][0])
-        fitted = {}
-        for name, points in raw.items():
-            kind, n = name.split("/")
-            if kind == "issue" and n == "WAIT":   # host time of a WAIT: (seconds, inf)
-                fitted[("issue", n)] = (_typical(points), math.inf)
-            elif kind == "issue":   # host time of the call, fitted like a link
-                fitted[("issue", n)] = _fit([tuple(x) for x in points])
-            else:
-                fitted[(kind, int(n))] = _fit([tuple(x) for x in points])
+        fitted = fit_links(json.loads(outs[0][0]))
     except Exception as err:  # no result: fall back, and say so
         warnings.warn(f"gloo link profile failed ({err}); assuming 50 us + 1 GB/s", stacklevel=2)
         fitted = {(k, n): (50e-6, 1e9) for k in ("p2p", *_KINDS) for n in (2, *groups)}

@@ -117,6 +117,42 @@ def test_links_get_more_repeats_when_processes_outnumber_cores(monkeypatch):
         assert asked[-1] == (4, repeats)
 
 
+def test_links_fit_their_medians_plus_the_stalls_pooled_over_all_sizes():
+    from piper_nb.sim.profile import fit_links
+    line = [(s, 1e-4 + s / 1e9) for s in (1 << 10, 1 << 20, 1 << 22)]   # 100 us + 1 GB/s
+    stalls = [0.0, 3e-4, 0.0]     # one size's repeats caught a stall: it is spread over all
+    raw = {"p2p/2": [(s, t + x, t) for (s, t), x in zip(line, stalls, strict=True)],
+           "issue/SEND": [(s, t, t) for s, t in line],
+           "issue/WAIT": [2e-6, 3e-6, 2e-6, 4e-3, 2e-6]}   # one WAIT met an undelivered message
+    fitted = fit_links(raw)
+    lat, bw = fitted[("p2p", 2)]
+    smallest = line[0][1]
+    assert lat == pytest.approx(smallest + 1e-4) and bw == pytest.approx(1e9)
+    assert fitted[("issue", "SEND")] == (pytest.approx(smallest), pytest.approx(1e9))
+    assert fitted[("issue", "WAIT")] == (2e-6, math.inf)   # the call's own cost: the median
+
+
+def test_time_slicing_phases_in_from_one_task_a_core_to_two():
+    from piper_nb.sim.slicing import slicing_slowdown
+    assert slicing_slowdown(0.5, 1.2) == slicing_slowdown(1.0, 1.2) == 1.0
+    assert slicing_slowdown(1.5, 1.2) == pytest.approx(1.5 * 1.1)
+    assert slicing_slowdown(2.0, 1.2) == pytest.approx(2.4)
+    assert slicing_slowdown(3.0, 1.2) == pytest.approx(3.6)
+    assert slicing_slowdown(3.0, 1.0) == 3.0
+
+
+def test_time_slicing_is_measured_with_a_process_per_device_when_they_outnumber_cores():
+    import warnings
+
+    from piper_nb.sim.slicing import profile_slicing
+    plan = plan2()
+    assert profile_slicing(plan, cores=2) == 1.0              # a core each: nothing to pay
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")                         # a failed measurement warns
+        factor = profile_slicing(plan, rounds=3, cores=1)      # two processes share a core
+    assert 1.0 <= factor < 3.0
+
+
 def test_links_are_timed_up_to_the_plans_largest_message_and_fitted_on_the_large_ones():
     from piper_nb.sim.profile import _fit, link_sizes
     assert link_sizes() == (1 << 10, 1 << 14, 1 << 17, 1 << 20)
