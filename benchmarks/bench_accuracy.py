@@ -6,15 +6,17 @@ TinyGPT with embeddings tied across stages) the plan is profiled here
 (`pn.CostModel.profile(plan, repeats=25, optimizer=...)`: passes timed by a worker built in this
 process on one thread, the worker's bookkeeping per instruction, gloo fitted per message
 kind between processes, gloo's links measured again for each strategy; host-synchronous,
-`cores` shared among the devices computing at once and the other tasks the profile saw)
+`cores` shared among the devices computing at once and the other tasks the profile saw,
+time-slicing's cost measured where devices outnumber cores)
 and simulated, then trained on local CPU workers (one cluster per world size, AdamW).
 
 Predicted: the simulated step, until the last device's host is done (`trace.meta
-["host_end"]`, which is what a measured step time is). Measured: the median step time
-(`Result.step_times`: step start to the last device's end) over `--steps` steps after
-`--warmup`. Each strategy is profiled right before it is measured, so both see the same
-load. Prints a markdown table; `--verbose` adds the worst instructions of
-`predicted.compare(measured)` for each.
+["host_end"]`, which is what a measured step time is), the mean of two profiles, one right
+before the strategy is measured and one right after, so that the prediction sees the load
+the measurement saw (the machine drifts by several percent over minutes) and the noise of
+one profile's gloo fits halves. Measured: the median step time (`Result.step_times`: step
+start to the last device's end) over `--steps` steps after `--warmup`. Prints a markdown
+table; `--verbose` adds the worst instructions of `predicted.compare(measured)` for each.
 
     .venv/bin/python benchmarks/bench_accuracy.py [--steps 20] [--warmup 3] [--only zb1p ...]
 """
@@ -53,14 +55,14 @@ def run(name: str, cluster, steps: int, warmup: int, optimizer, verbose: bool = 
         size: str = "bench") -> dict:
     plan, batch = compile_strategy(name, size)
     t0 = time.perf_counter()
-    _LINK_CACHE.clear()   # gloo fitted again right before this run: the same load as it
-    cost = pn.CostModel.profile(plan, repeats=REPEATS, optimizer=optimizer)
-    profile_s = time.perf_counter() - t0
-    predicted = pn.simulate(plan, cost)
+    before, cost, predicted = _predict(plan, optimizer)
     result = pn.train(plan, batch, steps=warmup + steps, optimizer=optimizer, cluster=cluster)
+    after = _predict(plan, optimizer)[0]
+    profile_s = time.perf_counter() - t0
     measured = statistics.median(result.step_times[warmup:])
-    pred = predicted.meta["host_end"]
+    pred = (before + after) / 2
     row = {"strategy": name, "ranks": plan.world, "predicted ms": pred * 1e3,
+           "before ms": before * 1e3, "after ms": after * 1e3,
            "measured ms": measured * 1e3, "ratio": measured / pred,
            "spread ms": (min(result.step_times[warmup:]) * 1e3,
                          max(result.step_times[warmup:]) * 1e3),
@@ -83,6 +85,15 @@ def run(name: str, cluster, steps: int, warmup: int, optimizer, verbose: bool = 
     return row
 
 
+def _predict(plan, optimizer) -> tuple[float, object, object]:
+    """(predicted step s, cost model, simulated trace) from a fresh profile: gloo fitted
+    again too, under the load of this moment."""
+    _LINK_CACHE.clear()
+    cost = pn.CostModel.profile(plan, repeats=REPEATS, optimizer=optimizer)
+    predicted = pn.simulate(plan, cost)
+    return predicted.meta["host_end"], cost, predicted
+
+
 def pass_sums(predicted, measured) -> str:
     """Per device and pass kind: predicted and measured (the last, traced step) total ms."""
     def sums(trace):
@@ -101,12 +112,14 @@ def pass_sums(predicted, measured) -> str:
 
 
 def table(rows: list[dict]) -> str:
-    lines = ["| strategy | ranks | predicted ms | measured ms (median) | measured / predicted "
-             "| within 15% | measured min-max ms |", "|---|---|---|---|---|---|---|"]
+    lines = ["| strategy | ranks | predicted ms (before, after) | measured ms (median) "
+             "| measured / predicted | within 15% | measured min-max ms |",
+             "|---|---|---|---|---|---|---|"]
     for r in rows:
         ok = "yes" if abs(r["ratio"] - 1) <= TOLERANCE else "no"
         lo, hi = r["spread ms"]
-        lines.append(f"| {r['strategy']} | {r['ranks']} | {r['predicted ms']:.2f} | "
+        lines.append(f"| {r['strategy']} | {r['ranks']} | {r['predicted ms']:.2f} "
+                     f"({r['before ms']:.1f}, {r['after ms']:.1f}) | "
                      f"{r['measured ms']:.2f} | {r['ratio']:.2f} | {ok} | {lo:.1f}-{hi:.1f} |")
     return "\n".join(lines)
 
