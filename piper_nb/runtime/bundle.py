@@ -19,7 +19,8 @@ from torch import nn
 
 from piper_nb.errors import PlanError
 
-__all__ = ["Bundle", "make_bundle", "load_bundle", "bind_params", "param_aliases"]
+__all__ = ["Bundle", "make_bundle", "load_bundle", "bind_params", "direct_calls",
+           "param_aliases"]
 
 
 @dataclass
@@ -52,6 +53,28 @@ def make_bundle(plan) -> bytes:
 
 def load_bundle(blob: bytes) -> Bundle:
     return pickle.loads(blob)
+
+
+def direct_calls(module: nn.Module) -> nn.Module:
+    """Make a region GraphModule call its submodules by one attribute each: FX's code
+    reaches `model.layers.0.0` through four `nn.Module.__getattr__` lookups per call, about
+    3 us apiece on this CPU, which adds up to 2% of a small stage's forward. Each called
+    submodule is also registered under a flat name on the root (the same object: its
+    parameters, hooks and bindings are untouched) and the code recompiled to use it."""
+    graph = getattr(module, "graph", None)
+    if graph is None:
+        return module
+    changed = False
+    for node in graph.nodes:
+        if node.op == "call_module" and "." in node.target:
+            flat = "_call_" + node.target.replace(".", "_")
+            if not hasattr(module, flat):
+                module.add_module(flat, module.get_submodule(node.target))
+            node.target = flat
+            changed = True
+    if changed:
+        module.recompile()
+    return module
 
 
 def bind_params(module: nn.Module, params: dict[str, nn.Parameter], aliases: dict[str, str],

@@ -19,7 +19,7 @@ import torch
 
 from piper_nb.capture.split import BATCH_INPUT, BATCH_TARGET, LOSS
 from piper_nb.compiler.shapes import SavedBytes
-from piper_nb.runtime.bundle import Bundle, bind_params
+from piper_nb.runtime.bundle import Bundle, bind_params, direct_calls
 from piper_nb.runtime.comm import Comm, Pending
 from piper_nb.runtime.exchange import TokenExchange
 from piper_nb.runtime.layout import batch_part, bucket_layouts
@@ -51,7 +51,7 @@ class Worker:
         for r in regions:
             mod = bundle.modules[r].to(device)
             bind_params(mod, self.store.params, bundle.aliases)
-            self.modules[r] = mod.train()
+            self.modules[r] = direct_calls(mod).train()
         self.values = ValueStore()
         self.exchange = TokenExchange(plan, comm, self.values, rank, device)
         self.needs = {r: sorted({b for b in self.store.full

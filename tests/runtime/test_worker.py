@@ -11,7 +11,7 @@ from torch import nn
 
 import piper_nb as pn
 from piper_nb import optim
-from piper_nb.runtime.bundle import bind_params, load_bundle, make_bundle, param_aliases
+from piper_nb.runtime.bundle import bind_params, direct_calls, load_bundle, make_bundle, param_aliases
 from piper_nb.runtime.layout import Layout, assemble_state, batch_part, bucket_layouts
 from piper_nb.runtime.stores import ParamStore, ValueStore, parse_free
 from piper_nb.runtime.worker import Worker
@@ -99,6 +99,23 @@ def test_bind_params_follows_aliases():
     bind_params(holder, mine, aliases)
     assert holder.model.b.weight is mine["a.weight"] and holder.model.a.weight is mine["a.weight"]
     assert holder.model.b.bias is mine["b.bias"]
+
+
+def test_direct_calls_reach_each_submodule_by_one_attribute_and_compute_the_same():
+    model = pn.models.MLP(dim=8, depth=4)
+    batch = model.example_batch(batch_size=4, seed=0)
+    plan = pn.compile(pn.annotate(model, pn.cut_stages(model, 2)),
+                      pn.schedules.one_f_one_b(2, 2, place=True), batch)
+    plain, direct = (load_bundle(make_bundle(plan)).modules[1] for _ in range(2))
+    direct.load_state_dict(plain.state_dict())
+    direct_calls(direct)
+    assert "getattr(" in plain.code and "getattr(" not in direct.code
+    first = next(n for n in direct.graph.nodes if n.op == "call_module")
+    assert direct.get_submodule(first.target) is direct.get_submodule("model.layers.2.0")
+    x = torch.randn(2, 8)
+    torch.testing.assert_close(direct(x, batch[1][:2])[0], plain(x, batch[1][:2])[0],
+                               rtol=0, atol=0)
+    assert dict(direct.named_parameters()).keys() == dict(plain.named_parameters()).keys()
 
 
 class _NoComm:
