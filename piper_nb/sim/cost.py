@@ -8,7 +8,8 @@ Three ways to get one, all the same `CostModel` value:
   one microbatch slice the way a worker runs them (one thread), the worker's bookkeeping per
   instruction, and latency + bytes/bandwidth fitted over gloo per kind of message and group
   size (`sim/profile.py`). Such a model is host-synchronous (`sync`: a CPU worker waits
-  for each pass) and shares `cores` among the devices computing at once;
+  for each pass) and shares `cores` among the devices computing at once, with what
+  time-slicing costs on top where they outnumber the cores (`sim/slicing.py`);
 - `CostModel.analytic(plan, "H100")`: FLOPs per region counted by
   `torch.utils.flop_counter.FlopCounterMode`, divided by the hardware's peak and an
   efficiency factor; messages cost bytes / NVLink bandwidth inside a node of 8 devices and
