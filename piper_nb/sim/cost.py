@@ -193,9 +193,7 @@ class CostModel:
         return cls(name="profiled", unit="s", passes=passes, latency=lat, bandwidth=bw,
                    links=links, issue=issue, overhead=overhead, sync=True, cores=cores,
                    background=background, comm_cores=1.0 if comm else 0.0, link_world=world,
-                   slicing=slicing,
-                   packing=packing,
-                   meta={"repeats": repeats})
+                   slicing=slicing, packing=packing, meta={"repeats": repeats})
 
     @classmethod
     def analytic(cls, plan, hardware: str | HardwareSpec = "H100") -> CostModel:

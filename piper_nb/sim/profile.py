@@ -22,7 +22,10 @@
 - `region_flops`: forward FLOPs with `FlopCounterMode` (the analytic model).
 
 Every figure is a mean over repeats spread over time, less the largest (`_typical`): a
-step's median time is near the sum of its parts' means, their stalls included.
+step's median time is near the sum of its parts' means, their stalls included. Links are
+fitted through the medians of each size's repeats plus the stalls' mean cost pooled over
+all sizes (`fit_links`), and a WAIT costs its median call: gloo's rare, long stalls make
+one size's mean too noisy, and they belong to the message, not to the WAIT.
 """
 
 from __future__ import annotations
@@ -42,8 +45,7 @@ import torch
 
 __all__ = ["profile_plan", "runnable_others", "profile_passes", "profile_overhead",
            "profile_links", "fit_links", "profile_comm", "profile_packing", "link_sizes",
-           "region_flops",
-           "region_inputs", "one_thread"]
+           "region_flops", "region_inputs", "one_thread"]
 
 _LINK_CACHE: dict[tuple, dict] = {}
 _SIZES = (1 << 10, 1 << 14, 1 << 17, 1 << 20)
@@ -514,9 +516,9 @@ def _link_worker(rank: int, world: int, port: int, groups: list[int], repeats: i
 
 def _wait_calls(dist, rank: int, repeats: int, pair=None) -> list[float]:
     """Times of WAIT calls on messages already complete (a receive, then a send): what a
-    WAIT costs the host when nothing is left to wait for. A barrier of the two (`pair`)
-    first each time: a rank that starts late would otherwise make its peer's WAIT wait for its message, and
-    the two would stay out of step, so that every WAIT timed a wait."""
+    WAIT costs the host when nothing is left to wait for. The two ranks meet at a barrier
+    (`pair`) each time first: a rank that starts late would make its peer's WAIT wait for
+    its message, and the two could stay out of step, so that every WAIT timed a wait."""
     times = []
     for k in range(repeats):
         dist.barrier(group=pair)
