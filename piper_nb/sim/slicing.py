@@ -18,6 +18,7 @@ out at 1.05-1.12 for 4 processes.
 from __future__ import annotations
 
 import os
+import select
 import statistics
 import subprocess
 import sys
@@ -99,13 +100,15 @@ def _say(p, line: str) -> None:
 
 
 def _expect(p, word: str, deadline: float) -> str:
+    """The device process's next line, which must start with `word`; raises by `deadline`
+    (each process answers one line per command, so none waits in Python's buffer)."""
+    if not select.select([p.stdout], [], [], max(deadline - time.monotonic(), 0.0))[0]:
+        raise TimeoutError(f"a device process did not say {word!r} in time")
     line = p.stdout.readline()
     if not line.startswith(word):
         err = p.stderr.read() if p.poll() is not None else ""
         raise RuntimeError(f"device process said {line.strip()!r} instead of {word!r}"
                            + (f": {err.strip().splitlines()[-1]}" if err.strip() else ""))
-    if time.monotonic() > deadline:
-        raise TimeoutError("time-slicing profile ran past its timeout")
     return line.split(maxsplit=1)[1] if " " in line.strip() else ""
 
 

@@ -151,6 +151,8 @@ def test_time_slicing_is_measured_with_a_process_per_device_when_they_outnumber_
         warnings.simplefilter("error")                         # a failed measurement warns
         factor = profile_slicing(plan, rounds=3, cores=1)      # two processes share a core
     assert 1.0 <= factor < 3.0
+    with pytest.warns(UserWarning, match="time-slicing profile failed .*in time"):
+        assert profile_slicing(plan, cores=1, timeout=0.01) == 1.0   # none ready that soon
 
 
 def test_links_are_timed_up_to_the_plans_largest_message_and_fitted_on_the_large_ones():
