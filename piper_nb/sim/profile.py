@@ -163,11 +163,16 @@ class _Bench:
                                                    else torch.zeros(info.shape, dtype=dtype))
 
     def _out_grads(self, ins) -> None:
+        """Gradients for the outputs forward `ins` just made, shaped like them: an expert
+        region's token count depends on the routing, not on the plan's captured shapes."""
+        made = self.w.values.stash[(ins.region, ins.mb)].outputs
         for v in self.plan.regions[ins.region].outputs:
             info = self.plan.values.get(v)
             if v != "loss" and info is not None and info.requires_grad:
-                self.w.values.grads[(v, ins.mb)] = torch.ones(info.shape,
-                                                              dtype=getattr(torch, info.dtype))
+                out = made.get(v)
+                self.w.values.grads[(v, ins.mb)] = (
+                    torch.ones_like(out) if out is not None else
+                    torch.ones(info.shape, dtype=getattr(torch, info.dtype)))
 
     def timed(self, ins) -> float:
         t0 = time.perf_counter()

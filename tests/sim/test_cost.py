@@ -132,6 +132,17 @@ def test_links_fit_their_medians_plus_the_stalls_pooled_over_all_sizes():
     assert fitted[("issue", "WAIT")] == (2e-6, math.inf)   # the call's own cost: the median
 
 
+def test_a_profile_times_expert_regions_whose_token_counts_follow_the_routing():
+    from piper_nb.strategies import moe_annotation
+    model = pn.models.TinyMoE(layers=2, experts=2, top_k=1)
+    program = [pn.replicate({}, [0, 1]), pn.shard({"EP": "*"}, [0, 1]), pn.split({}, "MB", 2)]
+    plan = pn.compile(pn.annotate(model, moe_annotation(2, 2, 1)), program,
+                      model.example_batch(batch_size=8, seed=0))
+    cost = CostModel.profile(plan, repeats=1, comm=False)   # output gradients shaped as made
+    regions = {i.region for dp in plan.devices for i in dp.instrs if i.kind == "B"}
+    assert all(cost.passes[(r, "B")] > 0 for r in regions)
+
+
 def test_time_slicing_phases_in_from_one_task_a_core_to_two():
     from piper_nb.sim.slicing import slicing_slowdown
     assert slicing_slowdown(0.5, 1.2) == slicing_slowdown(1.0, 1.2) == 1.0
