@@ -184,8 +184,10 @@ class CostModel:
             groups = {len(i.group) for dp in plan.devices for i in dp.instrs if i.group}
             largest = max((message_bytes(plan, i) for dp in plan.devices for i in dp.instrs
                            if i.is_issue), default=0)
+            a2a = ("ALL_TO_ALL",) if any(i.kind == "ALL_TO_ALL" for dp in plan.devices
+                                         for i in dp.instrs) else ()
             fitted = profile_links(world, {g for g in groups if g <= world}, largest=largest,
-                                   repeats=21 * -(-world // cores))
+                                   repeats=21 * -(-world // cores), kinds=a2a)
             issue = {k[1]: v for k, v in fitted.items() if k[0] == "issue"}
             links = {k: v for k, v in fitted.items() if k[0] != "issue"}
             lat, bw = links[("p2p", 2)]

@@ -467,7 +467,7 @@ def _collective(make, call, repeats: int) -> tuple[tuple[float, float], list[flo
 
 
 def _link_worker(rank: int, world: int, port: int, groups: list[int], repeats: int,
-                 sizes: tuple[int, ...] = _SIZES) -> dict:
+                 sizes: tuple[int, ...] = _SIZES, kinds: tuple[str, ...] = _KINDS) -> dict:
     """Run inside `python -m piper_nb.sim.profile`: time p2p and collectives like
     `runtime/comm.py` issues them (async, then wait); rank 0 returns the times."""
     import datetime
@@ -504,8 +504,11 @@ def _link_worker(rank: int, world: int, port: int, groups: list[int], repeats: i
                                       lambda o, t, g=g: rs(o, t, group=g, async_op=True)),
                    "ALL_GATHER": (lambda numel=numel, n=n: (torch.empty(numel),
                                                             torch.zeros(numel // n)),
-                                  lambda o, t, g=g: ag(o, t, group=g, async_op=True))}
-            for kind in _KINDS:
+                                  lambda o, t, g=g: ag(o, t, group=g, async_op=True)),
+                   "ALL_TO_ALL": (lambda numel=numel: (torch.empty(numel), torch.zeros(numel)),
+                                  lambda o, t, g=g: dist.all_to_all_single(o, t, group=g,
+                                                                           async_op=True))}
+            for kind in kinds:
                 total, posting = _collective(*ops[kind], repeats)
                 out.setdefault(f"{kind}/{n}", []).append((size, *total))
                 out.setdefault(f"issue/{kind}", []).append((size, *_both(posting)))
@@ -639,7 +642,7 @@ def fit_links(raw: dict) -> dict[tuple[str, int | str], tuple[float, float]]:
 
 
 def profile_links(world: int = 2, groups=(2,), repeats: int = 21,
-                  timeout: float = 180.0, largest: int = 0
+                  timeout: float = 180.0, largest: int = 0, kinds: tuple[str, ...] = _KINDS
                   ) -> dict[tuple[str, int], tuple[float, float]]:
     """(kind, group size) -> (latency s, bandwidth bytes/s) of gloo here; kind is "p2p" or a
     collective. `world` processes (each one thread) run them over `link_sizes(largest)`;
@@ -647,7 +650,8 @@ def profile_links(world: int = 2, groups=(2,), repeats: int = 21,
     assumed for every kind."""
     groups = tuple(sorted({g for g in groups if 2 <= g <= world}))
     sizes = link_sizes(largest)
-    key = (world, groups, sizes)
+    kinds = tuple(dict.fromkeys((*_KINDS, *kinds)))   # the usual three, and ALL_TO_ALL if asked
+    key = (world, groups, sizes, kinds)
     if key in _LINK_CACHE:
         return _LINK_CACHE[key]
     from piper_nb.runtime.process import core_plan, free_port
@@ -656,7 +660,7 @@ def profile_links(world: int = 2, groups=(2,), repeats: int = 21,
            ",".join(map(str, groups)), ",".join(map(str, sizes))]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     cores = core_plan(world)   # placed as a LocalCluster of `world` places its workers
-    procs = [subprocess.Popen([*cmd, str(r), ",".join(map(str, cores[r] or ()))],
+    procs = [subprocess.Popen([*cmd, str(r), ",".join(map(str, cores[r] or ())), ",".join(kinds)],
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
              for r in range(world)]
     try:
@@ -666,7 +670,7 @@ def profile_links(world: int = 2, groups=(2,), repeats: int = 21,
         fitted = fit_links(json.loads(outs[0][0]))
     except Exception as err:  # no result: fall back, and say so
         warnings.warn(f"gloo link profile failed ({err}); assuming 50 us + 1 GB/s", stacklevel=2)
-        fitted = {(k, n): (50e-6, 1e9) for k in ("p2p", *_KINDS) for n in (2, *groups)}
+        fitted = {(k, n): (50e-6, 1e9) for k in ("p2p", *kinds) for n in (2, *groups)}
     finally:
         for p in procs:
             if p.poll() is None:
@@ -681,13 +685,14 @@ def profile_comm(repeats: int = 21, timeout: float = 180.0) -> tuple[float, floa
     return profile_links(2, (), repeats, timeout)[("p2p", 2)]
 
 
-if __name__ == "__main__":  # a link worker: WORLD PORT REPEATS GROUPS SIZES RANK CORES; rank 0 prints
+if __name__ == "__main__":  # a link worker: WORLD PORT REPEATS GROUPS SIZES RANK CORES KINDS
     from piper_nb.runtime.process import pin_threads
     pin_threads(tuple(int(x) for x in sys.argv[7].split(",") if x))
     _world, _port, _repeats = (int(x) for x in sys.argv[1:4])
     _groups = [int(x) for x in sys.argv[4].split(",") if x]
     _sizes = tuple(int(x) for x in sys.argv[5].split(","))
     _rank = int(sys.argv[6])
-    _times = _link_worker(_rank, _world, _port, _groups, _repeats, _sizes)
+    _kinds = tuple(sys.argv[8].split(",")) if len(sys.argv) > 8 and sys.argv[8] else _KINDS
+    _times = _link_worker(_rank, _world, _port, _groups, _repeats, _sizes, _kinds)
     if _rank == 0:
         print(json.dumps(_times))

@@ -105,7 +105,7 @@ def test_links_get_more_repeats_when_processes_outnumber_cores(monkeypatch):
     import piper_nb.sim.profile as prof
     asked = []
 
-    def links(world, groups, repeats=21, timeout=180.0, largest=0):
+    def links(world, groups, repeats=21, timeout=180.0, largest=0, kinds=()):
         asked.append((world, repeats))
         return {("p2p", 2): (1e-4, 1e9), **{(k, g): (1e-4, 1e9) for k in prof._KINDS
                                              for g in groups}}
@@ -141,6 +141,25 @@ def test_a_profile_times_expert_regions_whose_token_counts_follow_the_routing():
     cost = CostModel.profile(plan, repeats=1, comm=False)   # output gradients shaped as made
     regions = {i.region for dp in plan.devices for i in dp.instrs if i.kind == "B"}
     assert all(cost.passes[(r, "B")] > 0 for r in regions)
+
+
+def test_token_exchanges_get_an_all_to_all_fit_of_their_own(monkeypatch):
+    import piper_nb.sim.profile as prof
+    from piper_nb.strategies import moe_annotation
+    asked = []
+
+    def links(world, groups, repeats=21, timeout=180.0, largest=0, kinds=()):
+        asked.append(kinds)
+        return {("p2p", 2): (1e-4, 1e9), **{(k, g): (1e-4, 1e9) for k in (*prof._KINDS, *kinds)
+                                             for g in groups}}
+    monkeypatch.setattr(prof, "profile_links", links)
+    CostModel.profile(plan2(), repeats=1)
+    model = pn.models.TinyMoE(layers=2, experts=2, top_k=1)
+    program = [pn.replicate({}, [0, 1]), pn.shard({"EP": "*"}, [0, 1]), pn.split({}, "MB", 2)]
+    moe = pn.compile(pn.annotate(model, moe_annotation(2, 2, 1)), program,
+                     model.example_batch(batch_size=8, seed=0))
+    cost = CostModel.profile(moe, repeats=1)
+    assert asked == [(), ("ALL_TO_ALL",)] and ("ALL_TO_ALL", 2) in cost.links
 
 
 def test_time_slicing_phases_in_from_one_task_a_core_to_two():
