@@ -10,8 +10,9 @@
   and stashes, the clock, the recorder): the per-instruction host overhead.
 - `profile_links`: gloo between worker processes on this machine, per kind: point-to-point
   (one way, from the sender's issue until the waiting receiver's WAIT returns) and
-  ALL_REDUCE / REDUCE_SCATTER / ALL_GATHER over every group size the plan uses, each
-  fitted to latency + bytes / bandwidth, once per process and world size
+  ALL_REDUCE / REDUCE_SCATTER / ALL_GATHER (and ALL_TO_ALL for a plan that exchanges
+  tokens) over every group size the plan uses, each fitted to latency + bytes / bandwidth,
+  once per process and world size
   (`python -m piper_nb.sim.profile` workers, one thread each, issuing like
   `runtime/comm.py`: asynchronously, then waiting, pinned to cores as a `LocalCluster`
   pins its workers). Every timed message comes after half a millisecond of compute, and
@@ -645,9 +646,9 @@ def profile_links(world: int = 2, groups=(2,), repeats: int = 21,
                   timeout: float = 180.0, largest: int = 0, kinds: tuple[str, ...] = _KINDS
                   ) -> dict[tuple[str, int], tuple[float, float]]:
     """(kind, group size) -> (latency s, bandwidth bytes/s) of gloo here; kind is "p2p" or a
-    collective. `world` processes (each one thread) run them over `link_sizes(largest)`;
-    cached per process. On failure a warning names the reason and 50 us + 1 GB/s is
-    assumed for every kind."""
+    collective (the three of `_KINDS`, and those in `kinds`: ALL_TO_ALL). `world` processes
+    (each one thread) run them over `link_sizes(largest)`; cached per process. On failure a
+    warning names the reason and 50 us + 1 GB/s is assumed for every kind."""
     groups = tuple(sorted({g for g in groups if 2 <= g <= world}))
     sizes = link_sizes(largest)
     kinds = tuple(dict.fromkeys((*_KINDS, *kinds)))   # the usual three, and ALL_TO_ALL if asked
