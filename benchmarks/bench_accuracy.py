@@ -56,9 +56,11 @@ def run(name: str, cluster, steps: int, warmup: int, optimizer, verbose: bool = 
     plan, batch = compile_strategy(name, size)
     t0 = time.perf_counter()
     before, cost, predicted = _predict(plan, optimizer)
-    result = pn.train(plan, batch, steps=warmup + steps, optimizer=optimizer, cluster=cluster)
-    after = _predict(plan, optimizer)[0]
     profile_s = time.perf_counter() - t0
+    result = pn.train(plan, batch, steps=warmup + steps, optimizer=optimizer, cluster=cluster)
+    t0 = time.perf_counter()
+    after = _predict(plan, optimizer)[0]
+    profile_s += time.perf_counter() - t0   # both profiles, not the training between them
     measured = statistics.median(result.step_times[warmup:])
     pred = (before + after) / 2
     row = {"strategy": name, "ranks": plan.world, "predicted ms": pred * 1e3,
