@@ -1,8 +1,9 @@
 """The strategy matrix piper_nb checks itself against, built by name.
 
-Small models (an MLP, TinyGPT) with every ZeRO level and every pipeline schedule on 2-4
-devices: the runtime's equivalence tier, the memory-model-equals-runtime test and the
-accuracy benchmark all use these, so they speak of the same plans. Each strategy comes in
+Small models (an MLP, TinyGPT, TinyMoE) with every ZeRO level, every pipeline schedule and
+expert parallelism on 2-4 devices: the runtime's equivalence tier, the
+memory-model-equals-runtime test and the accuracy benchmark all use these, so they speak of
+the same plans. Each strategy comes in
 two sizes: `"test"` (the default; steps of a few milliseconds, all overhead) and `"bench"`
 (the same plans over wider layers and bigger batches, so that a step is mostly compute,
 as in real training).
@@ -15,7 +16,7 @@ from collections.abc import Callable
 from piper_nb import models, schedules
 from piper_nb.capture import annotate, cut_stages
 from piper_nb.compiler.compile import compile
-from piper_nb.directives.spec import Program, place, replicate, split
+from piper_nb.directives.spec import Program, place, replicate, shard, split
 
 __all__ = ["MATRIX", "SIZES", "compile_strategy", "moe_annotation"]
 
@@ -61,6 +62,23 @@ def _zero(z: int, reshard: bool = True) -> Callable:
                     [replicate({}, [0, 1], zero=z, reshard=reshard), split({}, "MB", 2)])
 
 
+def _moe(size: str):
+    """TinyMoE, top-1 over 2 experts: every replica routes a different number of tokens."""
+    vocab, dim, seq, per8 = SIZES[size][2:]
+    model = models.TinyMoE(vocab=vocab, dim=dim, layers=2, experts=2, top_k=1, heads=2, seq=seq)
+    return model, model.example_batch(batch_size=per8, seed=0)
+
+
+def _pp2_dp2_ep2(size: str) -> tuple:
+    """PP 2 x DP 2 x EP 2 on 4 devices: each stage replicated over two devices, its
+    experts sharded over the same two, 1F1B over 4 microbatches."""
+    program = [place({"PP": 0}, [0, 2]), place({"PP": 1}, [1, 3]),
+               replicate({"PP": 0}, [0, 2]), replicate({"PP": 1}, [1, 3]),
+               shard({"PP": 0, "EP": "*"}, [0, 2]), shard({"PP": 1, "EP": "*"}, [1, 3]),
+               *schedules.one_f_one_b(ranks=2, microbatches=4)]
+    return (*_moe(size), moe_annotation(2, 2, 2), program)
+
+
 PP2_DP2_ZERO3 = [  # the same program as examples/pp2_dp2_zero3.json
     {"op": "place", "filter": {"PP": 0}, "devices": [0, 2]},
     {"op": "place", "filter": {"PP": 1}, "devices": [1, 3]},
@@ -85,6 +103,7 @@ MATRIX: dict[str, Callable[..., tuple]] = {
         *_gpt(size, layers=6, batch=16), 4,
         schedules.dualpipe(ranks=4, microbatches=8, place=True)),
     "pp2-dp2-zero3": lambda size="test": (*_gpt(size), None, Program(PP2_DP2_ZERO3)),
+    "pp2-dp2-ep2": _pp2_dp2_ep2,
     "tied-embeddings": lambda size="test": (
         *_gpt(size, tied=True), None, [*_pp(), *schedules.one_f_one_b(ranks=2, microbatches=4)]),
 }
@@ -95,6 +114,6 @@ def compile_strategy(name: str, size: str = "test"):
     if size not in SIZES:
         raise ValueError(f"size must be one of {sorted(SIZES)}, got {size!r}")
     model, batch, annotation, program = MATRIX[name](size)
-    if annotation is None or isinstance(annotation, int):
+    if not isinstance(annotation, dict):
         annotation = cut_stages(model, annotation or 2)
     return compile(annotate(model, annotation), program, batch), batch

@@ -101,9 +101,13 @@ def train(plan, batch_or_loader, steps: int, optimizer, cluster=None, *,
             times.append(max(o["end"] for o in outs))
             for o in outs:
                 leftover.update(o["leftover"])
+            meta = {"step": s, "world": plan.world}
+            tokens = {k: v for o in outs for k, v in o.get("tokens", {}).items()}
+            if tokens:  # the routing this step made (expert parallelism): what sized its buffers
+                meta["tokens"] = tokens
             trace = Trace(tuple(e for o in outs for e in o["events"]),
                           tuple(m for o in outs for m in o["memory"]), source="measured",
-                          meta={"step": s, "world": plan.world})
+                          meta=meta)
             if ckpt is not None:
                 ckpt.after_step(cluster, s, steps, losses, times)
             if progress is not None:

@@ -18,6 +18,7 @@ from piper_nb.capture.annotate import Spec
 from piper_nb.compiler.checks import check_plan
 from piper_nb.compiler.lower import lower
 from piper_nb.compiler.plan import Plan
+from piper_nb.compiler.rows import token_rows
 from piper_nb.compiler.shapes import propagate
 from piper_nb.directives.backward_split import apply_backward_split, names_split_backward
 from piper_nb.directives.build import build_dag
@@ -170,6 +171,10 @@ def _compile(spec, program, batch, loss_fn, world, check) -> Plan:
     try:
         with torch.random.fork_rng(devices=[]):
             values, saved, _ = propagate(capture, inputs[:part], targets[:part])
+            rows, saved_rows = {}, {}
+            if any(isinstance(d, Shard) for _, d in directives):  # routed rows: symbolic
+                rows, saved_rows = token_rows(capture, inputs[:part], targets[:part], saved,
+                                              values)
     finally:
         torch.set_num_threads(threads)
     dag, _ = build_global_dag(capture, directives, values)
@@ -192,7 +197,7 @@ def _compile(spec, program, batch, loss_fn, world, check) -> Plan:
     plan = Plan(
         world=n_world, devices=lower(dag, buckets, n_world), microbatches=micro, batch_size=bsz,
         loss_scale=1.0 / (micro * loss_width), regions=capture.regions, buckets=buckets,
-        values=values, saved=saved,
+        values=values, saved=saved, rows=rows, saved_rows=saved_rows,
         params={k: (tuple(p.shape), str(p.dtype).removeprefix("torch."))
                 for k, p in capture.model.named_parameters()},
         dag=dag, program=directives, capture=capture)

@@ -118,6 +118,8 @@ class Plan:
     buckets: tuple = ()             # Bucket per bucket
     values: dict = field(default_factory=dict)        # name -> ValueInfo
     saved: dict = field(default_factory=dict)         # region -> saved activation bytes
+    rows: dict = field(default_factory=dict)          # value -> symbol of its routed rows
+    saved_rows: dict = field(default_factory=dict)    # region -> {symbol: saved bytes per row}
     params: dict = field(default_factory=dict)        # name -> (shape, dtype)
     dag: Any = None
     program: Any = None
@@ -153,6 +155,8 @@ class Plan:
             "values": {k: {"shape": list(v.shape), "dtype": v.dtype,
                            "requires_grad": v.requires_grad} for k, v in self.values.items()},
             "saved": {str(k): v for k, v in self.saved.items()},
+            "rows": self.rows,
+            "saved_rows": {str(k): v for k, v in self.saved_rows.items()},
             "params": {k: {"shape": list(s), "dtype": d} for k, (s, d) in self.params.items()},
             "devices": [[i.to_json() for i in dp.instrs] for dp in self.devices],
         }, indent=indent)
@@ -177,6 +181,8 @@ class Plan:
                    batch_size=obj["batch_size"], loss_scale=obj["loss_scale"], regions=regions,
                    buckets=buckets, values=values,
                    saved={int(k): v for k, v in obj["saved"].items()},
+                   rows=obj.get("rows", {}),
+                   saved_rows={int(k): v for k, v in obj.get("saved_rows", {}).items()},
                    params={k: (tuple(v["shape"]), v["dtype"]) for k, v in obj["params"].items()})
 
 

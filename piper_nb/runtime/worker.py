@@ -122,8 +122,11 @@ class Worker:
         end = self.clock.mark()
         leftover = self._leftover()
         events, memory = rec.resolve()
-        return {"loss": loss, "end": self.clock.resolve(end), "events": events,
-                "memory": memory, "leftover": leftover}
+        out = {"loss": loss, "end": self.clock.resolve(end), "events": events,
+               "memory": memory, "leftover": leftover}
+        if trace and self.exchange.counts:  # token rows per group member, "value@mb" -> rows
+            out["tokens"] = {f"{v}@{mb}": list(c) for (v, mb), c in self.exchange.counts.items()}
+        return out
 
     def begin(self, batch) -> None:
         """The per-step state, empty, for a step on `batch` (inputs, targets)."""

@@ -44,6 +44,7 @@ from dataclasses import dataclass
 
 from piper_nb.errors import PlanError
 from piper_nb.sim.cost import _elem, value_bytes
+from piper_nb.sim.tokens import Routing
 from piper_nb.sim.trace import MemorySample
 
 __all__ = ["MemorySettings", "Holding", "model_states", "device_model_states",
@@ -68,6 +69,7 @@ class MemorySettings:
     optim_bytes: float | None = None   # optimizer state (None: from `optimizer`)
     optimizer: object = "sgd"          # a name in OPTIMIZER_BYTES or an optimizer object
     first_step: bool = False           # optimizer state appears at the update (step 1)
+    tokens: dict | None = None         # routing, "value@mb" -> rows per member (sim.tokens)
 
     def optim_per_param(self) -> float:
         if self.optim_bytes is not None:
@@ -168,9 +170,10 @@ class _Device:
     (`runtime.worker`, `runtime.stores`) over sizes instead of tensors, with running totals
     so a sample costs O(1)."""
 
-    def __init__(self, plan, d: int, settings: MemorySettings):
-        self.plan, self.instrs = plan, plan.devices[d].instrs
+    def __init__(self, plan, d: int, settings: MemorySettings, routing: Routing):
+        self.plan, self.instrs, self.d = plan, plan.devices[d].instrs, d
         self.vbytes = {k: value_bytes(v) for k, v in plan.values.items()}
+        self.routing = routing
         self.pb, self.gb = settings.param_bytes, settings.grad_bytes
         regions = sorted({i.region for i in self.instrs if i.kind in _REGION_PASSES
                           and 0 <= i.region < len(plan.regions)})
@@ -240,9 +243,16 @@ class _Device:
         self._let_go(table.get(key))
         table[key] = buf
 
-    def _add_grad(self, v: str, mb: int) -> None:
+    def _vb(self, v: str, mb: int, expert: bool = False) -> int:
+        """Bytes of value v's buffer for microbatch mb; routed rows per `self.routing`
+        (`expert`: made inside an expert, on its owner, so with the group's rows)."""
+        if v in self.plan.rows:
+            return self.routing.value_bytes(v, mb, self.d, expert)
+        return self.vbytes.get(v, 0)
+
+    def _add_grad(self, v: str, mb: int, expert: bool = False) -> None:
         """A new gradient buffer (the sum with an earlier one is a new tensor too)."""
-        self._put(self.vgrads, (v, mb), _Buf(self.vbytes.get(v, 0)))
+        self._put(self.vgrads, (v, mb), _Buf(self._vb(v, mb, expert)))
 
     def _param_grads(self, names) -> None:
         for n in names:
@@ -288,14 +298,15 @@ class _Device:
             info = plan.regions[ins.region]
             leaves = self._leaves(ins.region, ins.mb)
             refs = [self.acts[(v, ins.mb)] for v in leaves]
+            expert = ins.region in self.routing.experts
             for v in info.outputs:
-                buf = _Buf(self.vbytes.get(v, 0))
+                buf = _Buf(self._vb(v, ins.mb, expert))
                 refs.append(buf)
                 if v != _LOSS:
                     self._put(self.acts, (v, ins.mb), buf)
             for buf in refs:
                 self._hold(buf)
-            saved = plan.saved.get(ins.region, 0)
+            saved = self.routing.saved(ins.region, ins.mb, self.d)
             self.level[3] += saved
             key = (ins.region, ins.mb)
             if key in self.stash:
@@ -319,8 +330,9 @@ class _Device:
                     self._hold(buf)
                 st.out_grads = grads
             if k != "BW":
+                expert = ins.region in self.routing.experts
                 for v in st.leaves:
-                    self._add_grad(v, ins.mb)
+                    self._add_grad(v, ins.mb, expert)
         elif k == "U":
             self._drop_grads(ins.params)
             for b in ins.buckets:
@@ -332,9 +344,9 @@ class _Device:
                 self.level[2] += nbytes - self.optim_state.get(key, 0)
                 self.optim_state[key] = nbytes
         elif k == "RECV":
-            self._issue(i, 3, sum(self.vbytes.get(v, 0) for v in ins.values))
+            self._issue(i, 3, sum(self._vb(v, ins.mb) for v in ins.values))
         elif k == "ALL_TO_ALL":
-            self._issue(i, 4, sum(self.vbytes.get(v, 0) for v in ins.values))
+            self._issue(i, 4, self._exchanged(ins))
         elif k in _COLLECTIVES and ins.bucket in self.buckets:
             b = ins.bucket
             if k == "ALL_REDUCE":
@@ -360,6 +372,30 @@ class _Device:
                     table = self.acts if kind == "act" else self.vgrads
                     self._let_go(table.pop((value, int(mb)), None))
 
+    # -- the token exchange (runtime.exchange) --
+    def _exchanged(self, ins) -> int:
+        """Bytes an ALL_TO_ALL has in flight here: what this member sends plus what it gets
+        (a dispatch sends own rows to each owner, which gets the group's; a combine the
+        reverse)."""
+        return sum(self._vb(v, ins.mb) + (self._vb(v, ins.mb, expert=True) if owner == self.d
+                                          else 0)
+                   for v, owner in zip(ins.values, ins.owners, strict=True))
+
+    def _exchange_done(self, ins) -> None:
+        """An exchange's WAIT: what was sent is let go, what came is held (acts or grads)."""
+        table = self.vgrads if ins.grad else self.acts
+        dispatch = ins.purpose == "dispatch"
+        for v, owner in zip(ins.values, ins.owners, strict=True):
+            key, mine = (v, ins.mb), owner == self.d
+            if dispatch or mine:
+                self._let_go(table.pop(key, None))
+            if mine or not dispatch:   # the owner gets the group's rows, each member its own
+                buf = _Buf(self._vb(v, ins.mb, expert=dispatch))
+                if ins.grad:
+                    self._put(self.vgrads, key, buf)
+                else:
+                    self._put(self.acts, key, buf)
+
     def _wait(self, target: int) -> None:
         kind, nbytes = self.pending.pop(target, (0, 0))
         self.level[kind] -= nbytes
@@ -370,7 +406,9 @@ class _Device:
                 if src.grad:
                     self._add_grad(v, src.mb)
                 else:
-                    self._put(self.acts, (v, src.mb), _Buf(self.vbytes.get(v, 0)))
+                    self._put(self.acts, (v, src.mb), _Buf(self._vb(v, src.mb)))
+        elif k == "ALL_TO_ALL":
+            self._exchange_done(src)
         elif k not in _COLLECTIVES or b not in self.buckets:
             return
         elif k == "ALL_REDUCE":   # the gradients become views of the reduced flat bucket
@@ -414,9 +452,10 @@ def _sample_times(timing, d: int) -> list[float]:
 def memory_samples(timing, settings: MemorySettings | None = None) -> list[MemorySample]:
     """Memory over the step: one sample per device and instruction, after it ran."""
     settings = settings or MemorySettings()
+    routing = Routing(timing.plan, settings.tokens)
     samples = []
     for d in range(timing.plan.world):
-        samples += _Device(timing.plan, d, settings).run(_sample_times(timing, d), d)
+        samples += _Device(timing.plan, d, settings, routing).run(_sample_times(timing, d), d)
     return samples
 
 

@@ -1,0 +1,127 @@
+"""Token rows: the sizes that depend on routing, as functions of the routing.
+
+An expert layer's token buffers (the rows routed to each expert, their indices and weights,
+what the expert saves for its backward) have as many rows as the router sends that
+expert; `propagate` sees one routing, of one microbatch at compile time, and every step
+routes afresh. `token_rows` runs the regions once more under `FakeTensorMode` with a
+symbolic shape environment: each data-dependent size (`nonzero` and its kind) becomes a
+symbol, so a value's first dimension reads as a symbol and a region's saved bytes as an
+affine expression in them (`128*u0 + 8*u1 + 37952`). The memory model then sizes these
+buffers from a routing (`MemorySettings(tokens=...)`: the one a measured step made, or by
+default the captured one) instead of from the captured shapes.
+
+Saved bytes are counted the way `shapes.SavedBytes` counts them (distinct storages,
+parameters, buffers and the region's own inputs excluded), so at the captured routing the
+expression equals `propagate`'s figure; a region where it would not is left out (sized as
+captured).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+
+from piper_nb.capture.split import BATCH_INPUT, BATCH_TARGET
+
+__all__ = ["token_rows", "captured_rows", "saved_at"]
+
+
+def _affine(expr) -> dict[str, int] | None:
+    """{symbol: coefficient, "": constant} of an integer affine expression, else None."""
+    import sympy
+    expr = sympy.expand(sympy.sympify(expr))
+    syms = sorted(expr.free_symbols, key=str)
+    if not syms:
+        return {"": int(expr)}
+    poly = sympy.Poly(expr, *syms)
+    if poly.total_degree() > 1:
+        return None
+    out = {"": int(poly.coeff_monomial(1))}
+    for s in syms:
+        out[str(s)] = int(poly.coeff_monomial(s))
+    return out
+
+
+def _expr(n) -> object:
+    return n.node.expr if isinstance(n, torch.SymInt) else n
+
+
+class _Saved:
+    """Distinct storages autograd saves, by storage identity, as a symbolic byte count."""
+
+    def __init__(self, exclude: set):
+        self.exclude, self.seen, self.total = exclude, set(), 0
+        self.hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
+
+    def _pack(self, t: torch.Tensor) -> torch.Tensor:
+        key = StorageWeakRef(t.untyped_storage())
+        if key not in self.exclude and key not in self.seen:
+            self.seen.add(key)
+            self.total = self.total + _expr(t.untyped_storage().nbytes())
+        return t
+
+
+def token_rows(capture, inputs: torch.Tensor, targets: torch.Tensor, saved: dict[int, int],
+               values: dict) -> tuple[dict[str, str], dict[int, dict[str, int]]]:
+    """-> (rows: value -> the symbol its first dimension is, saved_rows: region -> bytes per
+    row of each symbol its saved bytes depend on). Only data-dependent sizes appear; a
+    value whose shape depends on the data past its first dimension is left as captured."""
+    import sympy  # symbolic shapes: imported here, as only expert plans need them
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    mode = FakeTensorMode(shape_env=ShapeEnv(), allow_non_fake_inputs=True)
+    rows: dict[str, str] = {}
+    per_row: dict[int, dict[str, int]] = {}
+    with mode, torch.random.fork_rng(devices=[]):
+        memo: dict[int, torch.Tensor] = {}
+
+        def fake(t: torch.Tensor) -> torch.Tensor:   # one fake per real tensor (tied weights)
+            if id(t) not in memo:
+                memo[id(t)] = mode.from_tensor(t, static_shapes=True)
+            return memo[id(t)]
+        exclude: set = set()
+        vals = {BATCH_INPUT: fake(inputs), BATCH_TARGET: fake(targets)}
+        for info, mod in zip(capture.regions, capture.modules, strict=True):
+            state = {n: fake(t) for n, t in [*mod.named_parameters(), *mod.named_buffers()]}
+            exclude |= {StorageWeakRef(t.untyped_storage()) for t in state.values()}
+            args = []
+            for v in info.inputs:
+                t = vals[v]
+                if v not in (BATCH_INPUT, BATCH_TARGET) and t.is_floating_point():
+                    t = t.detach().requires_grad_(True)
+                args.append(t)
+            counter = _Saved(exclude | {StorageWeakRef(a.untyped_storage()) for a in args})
+            with counter.hooks:
+                outs = torch.func.functional_call(mod, state, tuple(args))
+            for name, out in zip(info.outputs, outs, strict=True):
+                vals[name] = out
+                first = _expr(out.shape[0]) if out.dim() else 0
+                if isinstance(first, sympy.Symbol) and not any(
+                        isinstance(s, torch.SymInt) for s in out.shape[1:]):
+                    rows[name] = str(first)
+            terms = _affine(_expr(counter.total))
+            if terms is not None and len(terms) > 1:
+                per_row[info.index] = terms
+    hints = captured_rows(rows, values)
+    out = {}
+    for r, terms in per_row.items():   # kept where it reproduces propagate's figure
+        coef = {s: c for s, c in terms.items() if s}
+        if all(s in hints for s in coef) and terms[""] + sum(
+                c * hints[s] for s, c in coef.items()) == saved[r]:
+            out[r] = coef
+    return rows, out
+
+
+def captured_rows(rows: dict[str, str], values: dict) -> dict[str, int]:
+    """symbol -> its size in the captured routing (`propagate`'s shapes)."""
+    out: dict[str, int] = {}
+    for v, s in rows.items():
+        out.setdefault(s, values[v].shape[0])
+    return out
+
+
+def saved_at(captured: int, coef: dict[str, int], at: dict[str, int],
+             hints: dict[str, int]) -> int:
+    """A region's saved bytes with symbol sizes `at`, from its bytes at `hints`."""
+    return captured + sum(c * (at[s] - hints[s]) for s, c in coef.items())
