@@ -2,7 +2,7 @@
 
 For each strategy of the runtime's matrix (DP, ZeRO-1/2/3 on 2 ranks; GPipe, 1F1B,
 interleaved 1F1B, ZB1P, DualPipeV on 2 ranks; DualPipe on 4 ranks; PP 2 x DP 2 with ZeRO-3;
-TinyGPT with embeddings tied across stages) the plan is profiled here
+PP 2 x DP 2 x EP 2 on TinyMoE; TinyGPT with embeddings tied across stages) the plan is profiled here
 (`pn.CostModel.profile(plan, repeats=25, optimizer=...)`: passes timed by a worker built in this
 process on one thread, the worker's bookkeeping per instruction, gloo fitted per message
 kind between processes, gloo's links measured again for each strategy; host-synchronous,
@@ -42,7 +42,8 @@ REPEATS = 25   # profile rounds; with 9, 1F1B's prediction moved 9% between prof
 STRATEGIES = {"DP": "zero0", "ZeRO-1": "zero1", "ZeRO-2": "zero2", "ZeRO-3": "zero3",
               "GPipe": "gpipe", "1F1B": "1f1b", "interleaved 1F1B": "interleaved", "ZB1P": "zb1p",
               "DualPipeV": "dualpipev", "DualPipe": "dualpipe-4ranks",
-              "PP2 x DP2 ZeRO-3": "pp2-dp2-zero3", "tied embeddings": "tied-embeddings"}
+              "PP2 x DP2 ZeRO-3": "pp2-dp2-zero3", "PP2 x DP2 x EP2 (TinyMoE)": "pp2-dp2-ep2",
+              "tied embeddings": "tied-embeddings"}
 
 
 def compile_strategy(name: str, size: str = "bench"):

@@ -26,7 +26,11 @@ __all__ = ["Result", "train", "reference_train"]
 
 @dataclass
 class Result:
-    """Losses and step times per step, the measured trace of the last step, the model."""
+    """Losses and step times per step, the measured trace of the last step, the model.
+
+    `trace.meta` holds the step number, the world and, for an expert plan, `"tokens"`: the
+    routing that step made (`"value@mb"` -> rows per group member), which
+    `MemorySettings(tokens=...)` takes to size the simulated token buffers the same way."""
 
     losses: list[float]
     step_times: list[float]                 # seconds, step start to the last device's end

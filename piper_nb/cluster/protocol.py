@@ -54,7 +54,7 @@ class ClusterCommands:
 
     def step(self, plan, batch, trace: bool = True) -> list[dict]:
         """One training step of `plan` on `batch`; per rank: loss, end, events and (when
-        `trace`) memory samples."""
+        `trace`) memory samples and, for an expert plan, the routing it made."""
         out = self._run("step", self._key(plan), (tuple(batch), os.environ.get(FAIL_ENV), trace))
         return [out[r] for r in range(self.n)]
 

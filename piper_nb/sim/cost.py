@@ -262,25 +262,36 @@ class CostModel:
         """Duration of one SEND/RECV transfer or collective issued on `device`."""
         if self.comm is not None:
             return self.comm
-        nbytes = message_bytes(plan, ins)
+        members = ins.group if ins.group else (device, ins.peer)
+        return self.link_time(ins.kind if ins.group else "p2p", members,
+                              message_bytes(plan, ins))
+
+    def counts_time(self, ins) -> float:
+        """The blocking all-gather of token counts a forward dispatch starts with
+        (`runtime.exchange`): 8 bytes per value from each member, on the ALL_GATHER link."""
+        if self.comm is not None:
+            return self.comm
+        return self.link_time("ALL_GATHER", ins.group, 8 * len(ins.values) * len(ins.group))
+
+    def link_time(self, kind: str, members, nbytes: float) -> float:
+        """Duration of `nbytes` moved by a `kind` op ("p2p" or a collective) over `members`."""
+        group = members if kind != "p2p" else ()
         if self.links:
-            kind = ins.kind if ins.group else "p2p"
-            n = max(len(ins.group), 2)
+            n = max(len(group), 2)
             fit = self.links.get((kind, n))
             if fit is None:   # the nearest group size measured for this kind
                 sizes = sorted(k[1] for k in self.links if k[0] == kind)
                 fit = self.links[(kind, min(sizes, key=lambda g: abs(g - n)))] if sizes else None
             if fit is not None:
                 return fit[0] + nbytes / fit[1]
-        members = ins.group if ins.group else (device, ins.peer)
         lat, bw = self.latency, self.bandwidth
         if self.inter_bandwidth is not None and len({d // self.node_size for d in members}) > 1:
             lat = self.inter_latency if self.inter_latency is not None else lat
             bw = self.inter_bandwidth
-        n = max(len(ins.group), 2)
-        if ins.kind == "ALL_REDUCE":
+        n = max(len(group), 2)
+        if kind == "ALL_REDUCE":
             steps, factor = 2 * (n - 1), 2 * (n - 1) / n
-        elif ins.kind in ("ALL_GATHER", "REDUCE_SCATTER", "ALL_TO_ALL"):
+        elif kind in ("ALL_GATHER", "REDUCE_SCATTER", "ALL_TO_ALL"):
             steps, factor = n - 1, (n - 1) / n
         else:
             steps, factor = 1, 1.0

@@ -30,7 +30,11 @@ sample by sample (`tests/sim/test_memory_vs_runtime.py` checks they are equal). 
 
 Integer inputs and the batch itself are not counted (neither side counts them). Sizes come
 from `plan.values` / `plan.params`; `MemorySettings` can override bytes per element of
-parameters, gradients and optimizer state (what-if: mixed precision).
+parameters, gradients and optimizer state (what-if: mixed precision). An expert plan's
+token buffers (routed rows, their indices and weights, what an expert saves) take their
+size from a routing (`MemorySettings(tokens=...)`, `sim.tokens`): a member's own rows on
+the replica side, the group's on the expert's owner; an ALL_TO_ALL holds what it sends and
+what it gets from issue to WAIT, and its WAIT moves the rows as `runtime.exchange` does.
 
 `model_states` / `zero_model_states` keep the ZeRO paper's steady-state accounting
 (Rajbhandari et al. 2020): params, grads and optimizer state all allocated at once, so the

@@ -1,7 +1,9 @@
 """Discrete-event simulation of a Plan: the timed sibling of `compiler.checks.dry_run`.
 
 Every device walks its instruction list in order with an instruction pointer (its time
-`t`); only WAIT blocks the pointer, until the op it names has finished. Each device has a
+`t`); a WAIT blocks the pointer until the op it names has finished, and so does a forward
+token dispatch until its exchange starts (the runtime first all-gathers the token counts,
+blocking: `cost.counts_time`). Each device has a
 compute stream and one stream per communication stream name:
 
 - a compute pass starts when the previous pass has finished and every preceding WAIT has
@@ -126,6 +128,9 @@ class _Sim:
         self.coll_k = [defaultdict(int) for _ in range(w)]
         self.heap: list = []
         self.seq = 0
+        # per device: forward dispatches, whose host first all-gathers token counts (blocking)
+        self.counting = [{i for i, x in enumerate(instrs) if x.kind == "ALL_TO_ALL"
+                          and x.purpose == "dispatch" and not x.grad} for instrs in self.instrs]
 
     def _issue(self, d: int, i: int, ins, ready: float) -> None:
         if ins.kind in ("SEND", "RECV"):
@@ -151,6 +156,7 @@ class _Sim:
 
     def run_device(self, d: int) -> None:
         instrs, steps, cost = self.instrs[d], self.steps[d], self.cost
+        counting = self.counting[d]
         posted, start, end = self.posted[d], self.start[d], self.end[d]
         p, t, cfree = self.pos[d], self.t[d], self.cfree[d]
         host, sync, stretch, plan = self.host[d], self.sync, self.stretch[d], self.plan
@@ -188,6 +194,17 @@ class _Sim:
                     t = cfree
             elif kind == "FREE":
                 posted[s] = start[s] = end[s] = t if t > cfree else cfree
+            elif s in counting:   # a forward dispatch: counts first, the host blocks
+                if posted[s] < 0:
+                    posted[s] = t
+                    self._issue(d, s, ins, t if t > cfree else cfree)
+                if start[s] < 0:
+                    self.blocked[d] = s
+                    break
+                if start[s] > t:
+                    t = start[s]
+                if issued is not None:
+                    t += issued(plan, ins)
             else:
                 if packing:
                     t += packing.get((kind, ins.bucket), _NONE)[0]
@@ -208,6 +225,8 @@ class _Sim:
             d0, i0 = members[0]
             first = self.instrs[d0][i0]
             keys = [(d, self.instrs[d][i].stream) for d, i in members]
+            if i0 in self.counting[d0]:   # the counts' all-gather comes before the tokens
+                ready += cost.counts_time(first)
             st = max([ready] + [sfree[k] for k in keys])
             en = st + cost.message(plan, first, d0) * max(
                 self.stretch[d].get(i, 1.0) for d, i in members)

@@ -177,3 +177,37 @@ def test_a_collective_pays_its_packing_before_the_call_and_its_unpacking_after_t
     trace = simulate(plan, _host_model(sync=True, packing={("ALL_REDUCE", -1): (0.25, 0.5)}))
     # flattened by 0.25, moved in 0.5, put back by 1.25: the pass starts then
     assert spans(trace, 0) == ["AR@0.25-0.75", "0F0@1.25-2.25"]
+
+
+def test_a_forward_dispatch_first_gathers_token_counts_and_blocks_the_host():
+    """runtime.exchange all-gathers each member's token counts before a forward dispatch
+    (blocking): the exchange starts that long after its last member posted it, and the
+    host goes on only then; the other exchanges do not block."""
+    import dataclasses
+    import math
+
+    from piper_nb.strategies import compile_strategy
+    plan = compile_strategy("pp2-dp2-ep2")[0]
+    inf = math.inf
+    links = {("ALL_GATHER", 2): (0.5, inf), ("ALL_TO_ALL", 2): (0.25, inf),
+             ("p2p", 2): (0.1, inf), ("ALL_REDUCE", 2): (0.1, inf)}
+    cost = dataclasses.replace(CostModel.uniform(F=1, B=2, W=1), comm=None, links=links)
+    timing = run_timing(plan, cost)
+    forward, other, free = 0, 0, 0
+    for d, dp in enumerate(plan.devices):
+        for i, ins in enumerate(dp.instrs):
+            if ins.kind != "ALL_TO_ALL":
+                continue
+            st, en = timing.start[d][i], timing.end[d][i]
+            assert en == pytest.approx(st + 0.25)
+            if ins.purpose == "dispatch" and not ins.grad:
+                forward += 1
+                assert st >= timing.posted[d][i] + 0.5 - 1e-12
+                assert timing.posted[d][i + 1] >= st   # the host waited for the counts
+            else:
+                other += 1
+                nxt = dp.instrs[i + 1]
+                if not (nxt.kind == "WAIT" and nxt.target == i):
+                    free += 1
+                    assert timing.posted[d][i + 1] < en    # issued, not waited for
+    assert forward == other // 3 > 0 and free > 0
