@@ -111,7 +111,10 @@ class CostModel:
     runs at max(1, (active + background) / cores), active being the devices computing
     meanwhile; found by re-simulating until the timeline settles), times `slicing` where
     tasks outnumber cores: what time-slicing costs beyond the fair share (caches refilled
-    after the others ran, migrations; `sim.slicing`). `comm_cores` is what a
+    after the others ran, migrations; `sim.slicing`), with `jitter` the shape of it:
+    quantiles of a pass's time over its median while every device runs (a pass mostly
+    runs at full speed and now and then waits out a slice; the simulator draws from it,
+    keeping the mean). `comm_cores` is what a
     collective in flight takes of the cores on each of its members (a CPU transport such
     as gloo copies, sends and reduces on host threads, which preempt compute): it counts
     among the active, and so does a point-to-point message on its receiver, for the share
@@ -140,6 +143,7 @@ class CostModel:
     background: float = 0.0                        # other runnable tasks when profiled
     comm_cores: float = 0.0                        # cores a collective in flight takes
     slicing: float = 1.0                           # time-slicing cost beyond the fair share
+    jitter: tuple = ()                             # quantiles of pass time / median, sliced
     link_world: int = 0                            # processes up when `links` were timed
     packing: dict = field(default_factory=dict)    # (kind, bucket) -> (before call, after wait)
     meta: dict = field(default_factory=dict)
@@ -175,7 +179,7 @@ class CostModel:
         packing = profile_packing(plan, repeats, optimizer)
         links: dict = {}
         issue: dict = {}
-        lat, bw, world, slicing = 0.0, math.inf, 0, 1.0
+        lat, bw, world, slicing, jitter = 0.0, math.inf, 0, 1.0, ()
         if cores is None:   # the cores this process (and the workers it starts) may use
             from piper_nb.runtime.process import usable_cores
             cores = len(usable_cores())
@@ -191,11 +195,11 @@ class CostModel:
             issue = {k[1]: v for k, v in fitted.items() if k[0] == "issue"}
             links = {k: v for k, v in fitted.items() if k[0] != "issue"}
             lat, bw = links[("p2p", 2)]
-            slicing = profile_slicing(plan, optimizer, cores=cores)
+            slicing, jitter = profile_slicing(plan, optimizer, cores=cores)
         return cls(name="profiled", unit="s", passes=passes, latency=lat, bandwidth=bw,
                    links=links, issue=issue, overhead=overhead, sync=True, cores=cores,
                    background=background, comm_cores=1.0 if comm else 0.0, link_world=world,
-                   slicing=slicing, packing=packing, meta={"repeats": repeats})
+                   slicing=slicing, jitter=jitter, packing=packing, meta={"repeats": repeats})
 
     @classmethod
     def analytic(cls, plan, hardware: str | HardwareSpec = "H100") -> CostModel:

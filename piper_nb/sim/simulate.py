@@ -25,7 +25,11 @@ compute stream and one stream per communication stream name:
   computing at once and `cost.background` other tasks share the cores: a pass stretches by
   its share then over its share when profiled, times what time-slicing costs where tasks
   outnumber cores (`cost.slicing`) (processor sharing, approximated by
-  re-simulating with the stretched durations until the step time settles); a collective
+  re-simulating with the stretched durations until the step time settles); where devices
+  outnumber cores, each stretched pass then draws its factor from the measured shape of
+  time-slicing (`cost.jitter`: mostly full speed, now and then a whole slice longer), the
+  step being the median of `JITTER_SAMPLES` seeded draws, as a message waits for its
+  unluckiest member; a collective
   in flight takes `cost.comm_cores` of them on each member, a point-to-point message as
   much of one on its receiver as reading it off the socket takes.
 
@@ -39,6 +43,7 @@ import bisect
 import gc
 import heapq
 import math
+import random
 from collections import defaultdict
 from dataclasses import dataclass
 
@@ -259,7 +264,37 @@ def run_timing(plan: Plan, cost: CostModel) -> Timing:
     # the most load there could be; the sharing pass finds whether it exceeds the cores
     if cost.cores and plan.world * (1 + cost.comm_cores) + cost.background > cost.cores:
         sim = _shared_cores(plan, cost, sim)
+        if cost.jitter and plan.world > cost.cores:
+            sim = _jittered(plan, cost, sim)
     return Timing(plan, sim.posted, sim.start, sim.end, list(sim.t))
+
+
+JITTER_SAMPLES = 15
+
+
+def _jittered(plan: Plan, cost: CostModel, sim: _Sim, samples: int = JITTER_SAMPLES) -> _Sim:
+    """Time-slicing is not smooth: a pass mostly runs at full speed and now and then waits
+    out other processes' slices (`cost.jitter`: measured quantiles of a pass's time over
+    its median). Each stretched pass draws its factor from that shape, rescaled to keep
+    its processor-sharing mean; a message or collective waits for the unluckiest of its
+    members, which the mean alone misses. Returns the sample of median step time among
+    `samples` draws (seeded: the same cost model predicts the same step)."""
+    rng = random.Random(0)
+    mean = sum(cost.jitter) / len(cost.jitter)
+    shape = [j / mean for j in cost.jitter]
+    runs = []
+    for _ in range(samples):
+        stretch = []
+        for d, instrs in enumerate(sim.instrs):
+            base = sim.stretch[d]
+            stretch.append({i: f * rng.choice(shape) if f > 1.0 else f
+                            for i, f in base.items() if instrs[i].kind in _COMPUTE}
+                           | {i: f for i, f in base.items() if instrs[i].kind not in _COMPUTE})
+        new = _Sim(plan, cost, stretch)
+        new.run()
+        runs.append(new)
+    runs.sort(key=lambda x: max(x.t))
+    return runs[len(runs) // 2]
 
 
 def _shared_cores(plan: Plan, cost: CostModel, sim: _Sim, rounds: int = 8) -> _Sim:

@@ -13,6 +13,11 @@ First each process times rounds of its passes alone, the others waiting; then al
 rounds at once for a fixed window. The factor is the mean, over devices, of (time per round
 together) / (time per round alone x processes / cores). On this 2-core machine it comes
 out at 1.05-1.12 for 4 processes.
+
+The mean hides the shape, which matters wherever devices wait for each other: together,
+a pass mostly runs at full speed, and about one in six waits out other processes' slices,
+2-25x its usual time (4 processes on 2 cores). `jitter` keeps that shape, as quantiles of
+each pass's time over its own median; the simulator draws from it.
 """
 
 from __future__ import annotations
@@ -25,10 +30,12 @@ import sys
 import tempfile
 import time
 import warnings
+from typing import NamedTuple
 
-__all__ = ["profile_slicing", "slicing_slowdown"]
+__all__ = ["Slicing", "profile_slicing", "slicing_slowdown", "jitter_quantiles"]
 
 _WINDOW = 1.5   # seconds all processes run together
+JITTER_POINTS = 64   # quantiles kept of a pass's time over its median, all running together
 
 
 def slicing_slowdown(load: float, factor: float) -> float:
@@ -40,19 +47,27 @@ def slicing_slowdown(load: float, factor: float) -> float:
     return load * (1.0 + (factor - 1.0) * min(load - 1.0, 1.0))
 
 
+class Slicing(NamedTuple):
+    """What time-slicing costs: `factor` on the mean, and `jitter`, quantiles of a pass's
+    time over its usual (median) time while all devices run."""
+
+    factor: float
+    jitter: tuple[float, ...] = ()
+
+
 def profile_slicing(plan, optimizer=None, rounds: int = 10, timeout: float = 180.0,
-                    cores: int | None = None) -> float:
-    """The time-slicing factor for `plan` on local CPU workers (1.0 when every device gets
-    a core of its own); `cores` (default: all this process may use) restricts the device
-    processes to the first that many. On failure a warning names the reason and 1.0 is
-    assumed."""
+                    cores: int | None = None) -> Slicing:
+    """Time-slicing for `plan` on local CPU workers (factor 1.0 and no jitter when every
+    device gets a core of its own); `cores` (default: all this process may use) restricts
+    the device processes to the first that many. On failure a warning names the reason and
+    none is assumed."""
     from piper_nb.runtime.bundle import make_bundle
     from piper_nb.runtime.process import core_plan, usable_cores
     usable = usable_cores()
     cores = cores or len(usable)
     world = plan.world
     if world <= cores:
-        return 1.0
+        return Slicing(1.0)
     import pickle
     fd, path = tempfile.mkstemp(prefix="piper_nb_slicing_", suffix=".pkl")
     with os.fdopen(fd, "wb") as f:
@@ -76,13 +91,15 @@ def profile_slicing(plan, optimizer=None, rounds: int = 10, timeout: float = 180
         start = time.perf_counter() + 0.2   # one clock for every process on the machine
         for p in procs:
             _say(p, f"together {start} {start + _WINDOW}")
-        together = [float(_expect(p, "together", deadline)) for p in procs]
+        answers = [_expect(p, "together", deadline).split() for p in procs]
+        together = [float(a[0]) for a in answers]
         fair = world / cores
         ratios = [t / (a * fair) for a, t in zip(alone, together, strict=True) if a > 0 and t > 0]
         factor = statistics.fmean(ratios) if ratios else 1.0
+        jitter = _quantiles([float(x) for a in answers if len(a) > 1 for x in a[1].split(",")])
     except Exception as err:  # no result: no slicing cost, and say so
         warnings.warn(f"time-slicing profile failed ({err}); assuming none", stacklevel=2)
-        factor = 1.0
+        factor, jitter = 1.0, ()
     finally:
         for p in procs:
             if p.poll() is None:
@@ -91,7 +108,7 @@ def profile_slicing(plan, optimizer=None, rounds: int = 10, timeout: float = 180
             for s in (p.stdin, p.stdout, p.stderr):
                 s.close()
         os.remove(path)
-    return max(factor, 1.0)
+    return Slicing(max(factor, 1.0), jitter)
 
 
 def _say(p, line: str) -> None:
@@ -112,13 +129,32 @@ def _expect(p, word: str, deadline: float) -> str:
     return line.split(maxsplit=1)[1] if " " in line.strip() else ""
 
 
-def _round(bench, regions, updates) -> float:
+def _round(bench, regions, updates, passes: dict | None = None) -> float:
+    """One round of the device's passes; `passes` collects each one's time by (region,
+    kind)."""
     t0 = time.perf_counter()
     for r in regions:
-        bench.passes(r)
+        got = bench.passes(r)
+        if passes is not None:
+            for kind, t in got.items():
+                passes.setdefault((r, kind), []).append(t)
     for r in updates:
         bench.update(r)
     return time.perf_counter() - t0
+
+
+def jitter_quantiles(samples: dict, n: int = JITTER_POINTS) -> tuple[float, ...]:
+    """`n` evenly spaced quantiles (midpoints) of every sample over its own pass's median:
+    how much longer than usual a pass runs when a slice of it went to another process."""
+    return _quantiles([t / m for times in samples.values() if len(times) > 2
+                       for m in [statistics.median(times)] if m > 0 for t in times], n)
+
+
+def _quantiles(values: list[float], n: int = JITTER_POINTS) -> tuple[float, ...]:
+    """`n` quantiles of `values` at the midpoints (k + 1/2) / n; () for none."""
+    values = sorted(values)
+    return tuple(values[min(int((k + 0.5) / n * len(values)), len(values) - 1)]
+                 for k in range(n)) if values else ()
 
 
 def _device_main(path: str, device: int, rounds: int) -> None:
@@ -149,13 +185,14 @@ def _device_main(path: str, device: int, rounds: int) -> None:
             start, stop = (float(x) for x in args)
             while time.perf_counter() < start:
                 time.sleep(0.001)
-            times = []
+            times, passes = [], {}
             while True:
-                t = _round(bench, regions, updates)
+                t = _round(bench, regions, updates, passes)
                 if time.perf_counter() > stop:
                     break
                 times.append(t)
-            print("together", statistics.median(times) if times else t, flush=True)
+            print("together", statistics.median(times) if times else t,
+                  ",".join(f"{x:.5f}" for x in jitter_quantiles(passes)), flush=True)
             return
 
 

@@ -176,13 +176,23 @@ def test_time_slicing_is_measured_with_a_process_per_device_when_they_outnumber_
 
     from piper_nb.sim.slicing import profile_slicing
     plan = plan2()
-    assert profile_slicing(plan, cores=2) == 1.0              # a core each: nothing to pay
+    assert profile_slicing(plan, cores=2) == (1.0, ())        # a core each: nothing to pay
     with warnings.catch_warnings():
         warnings.simplefilter("error")                         # a failed measurement warns
-        factor = profile_slicing(plan, rounds=3, cores=1)      # two processes share a core
+        factor, jitter = profile_slicing(plan, rounds=3, cores=1)   # two share a core
     assert 1.0 <= factor < 3.0
+    assert len(jitter) == 64 and list(jitter) == sorted(jitter)   # a pass over its median:
+    assert jitter[0] <= 1.0 <= jitter[-1]                      # about 1, now and then more
     with pytest.warns(UserWarning, match="time-slicing profile failed .*in time"):
-        assert profile_slicing(plan, cores=1, timeout=0.01) == 1.0   # none ready that soon
+        assert profile_slicing(plan, cores=1, timeout=0.01) == (1.0, ())  # none ready so soon
+
+
+def test_jitter_is_each_pass_over_its_own_median_in_quantiles():
+    from piper_nb.sim.slicing import jitter_quantiles
+    samples = {(0, "F"): [1.0, 1.0, 1.0, 5.0], (0, "B"): [2.0, 2.0, 2.0, 2.0],
+               (1, "F"): [7.0, 7.0]}                           # too few to have a median
+    assert jitter_quantiles(samples, n=8) == (1.0,) * 7 + (5.0,)
+    assert jitter_quantiles({}, n=8) == ()
 
 
 def test_links_are_timed_up_to_the_plans_largest_message_and_fitted_on_the_large_ones():

@@ -121,6 +121,24 @@ def test_tasks_outnumbering_cores_also_pay_what_time_slicing_costs(hand_plan):
         pytest.approx(1.5 * 1.05, rel=0.01)
 
 
+def test_a_sliced_pass_draws_its_time_from_the_jitter_and_a_collective_waits_for_the_unluckiest(
+        hand_plan):
+    """Four devices on two cores: each pass takes twice its time on the mean (processor
+    sharing), but drawn as time-slicing does it (here: full speed three times in four, five
+    times as long once); every all-reduce waits for the slowest of the four."""
+    row = "0F0 AR@0 wait(AR@0) 0F1 AR@1 wait(AR@1) 0F2 AR@2 wait(AR@2)"
+    four = hand_plan(row, row, row, row)
+    smooth = simulate(four, _host_model(sync=True, cores=2)).step_time
+    assert smooth == pytest.approx(3 * (2 + 0.5), rel=0.01)
+    jitter = (1.0, 1.0, 1.0, 5.0)
+    sliced = simulate(four, _host_model(sync=True, cores=2, jitter=jitter)).step_time
+    assert sliced > smooth * 1.2
+    assert simulate(four, _host_model(sync=True, cores=2, jitter=jitter)).step_time == sliced
+    two = hand_plan(row, row)   # a core each: no slicing, no jitter
+    assert simulate(two, _host_model(sync=True, cores=2, jitter=jitter)).step_time == \
+        simulate(two, _host_model(sync=True, cores=2)).step_time
+
+
 def test_messages_cost_the_fit_of_their_kind_and_group_size():
     from piper_nb.sim.cost import message_bytes
     plan = pn.compile(*_dp_plan_args())
