@@ -284,12 +284,9 @@ def _jittered(plan: Plan, cost: CostModel, sim: _Sim, samples: int = JITTER_SAMP
     shape = [j / mean for j in cost.jitter]
     runs = []
     for _ in range(samples):
-        stretch = []
-        for d, instrs in enumerate(sim.instrs):
-            base = sim.stretch[d]
-            stretch.append({i: f * rng.choice(shape) if f > 1.0 else f
-                            for i, f in base.items() if instrs[i].kind in _COMPUTE}
-                           | {i: f for i, f in base.items() if instrs[i].kind not in _COMPUTE})
+        stretch = [{i: f * rng.choice(shape) if f > 1.0 and instrs[i].kind in _COMPUTE else f
+                    for i, f in base.items()}
+                   for instrs, base in zip(sim.instrs, sim.stretch, strict=True)]
         new = _Sim(plan, cost, stretch)
         new.run()
         runs.append(new)
@@ -396,7 +393,8 @@ def simulate(plan: Plan, cost_model: CostModel | None = None, *, memory=None) ->
     """Predict the timeline and memory of one training step of `plan`.
 
     `cost_model` defaults to `CostModel.profile(plan)` (timed on this machine); `memory`
-    is a `MemorySettings` (bytes per parameter, gradient and optimizer state).
+    is a `MemorySettings` (bytes per parameter, gradient and optimizer state; for an expert
+    plan, the routing that sizes its token buffers).
     """
     from piper_nb.sim.memory import memory_samples
     if not isinstance(plan, Plan):
