@@ -136,6 +136,7 @@ def serve(rank: int, world: int, port: int, device_kind: str, conn, results,
     """Run worker `rank` of `world` until the driver says stop or goes away. The group meets
     at `host:port` (rank 0's machine); `local_rank` picks the GPU on this machine; `cores`
     (from `core_plan`) pins the process before any of torch's or gloo's threads start."""
+    own_core = bool(cores) and len(cores) == 1 and world <= len(usable_cores())
     pin_threads(cores)
     torch.set_num_threads(threads)
     _warm_up()
@@ -145,6 +146,7 @@ def serve(rank: int, world: int, port: int, device_kind: str, conn, results,
         dist.init_process_group(backend, store=_store(host, port, rank, world, limit), rank=rank,
                                 world_size=world, timeout=limit)
         comm = Comm(rank, device, backend)
+        comm.own_core = own_core and device.type == "cpu"
     except BaseException as err:  # report, then let the driver clean up
         _put(results, rank, "error", _describe(err, None))
         return
