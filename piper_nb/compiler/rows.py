@@ -22,6 +22,7 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from piper_nb.capture.split import BATCH_INPUT, BATCH_TARGET
+from piper_nb.compiler.shapes import region_args
 
 __all__ = ["token_rows", "captured_rows", "saved_at"]
 
@@ -85,12 +86,7 @@ def token_rows(capture, inputs: torch.Tensor, targets: torch.Tensor, saved: dict
         for info, mod in zip(capture.regions, capture.modules, strict=True):
             state = {n: fake(t) for n, t in [*mod.named_parameters(), *mod.named_buffers()]}
             exclude |= {StorageWeakRef(t.untyped_storage()) for t in state.values()}
-            args = []
-            for v in info.inputs:
-                t = vals[v]
-                if v not in (BATCH_INPUT, BATCH_TARGET) and t.is_floating_point():
-                    t = t.detach().requires_grad_(True)
-                args.append(t)
+            args = region_args(info, vals)
             counter = _Saved(exclude | {StorageWeakRef(a.untyped_storage()) for a in args})
             with counter.hooks:
                 outs = torch.func.functional_call(mod, state, tuple(args))

@@ -16,7 +16,7 @@ import torch
 from piper_nb.capture.split import BATCH_INPUT, BATCH_TARGET, LOSS
 from piper_nb.errors import PlanError
 
-__all__ = ["ValueInfo", "propagate", "SavedBytes"]
+__all__ = ["ValueInfo", "propagate", "SavedBytes", "region_args"]
 
 
 @dataclass(frozen=True)
@@ -68,6 +68,18 @@ def param_ptrs(capture) -> set[int]:
     return ptrs
 
 
+def region_args(info, vals: dict) -> list[torch.Tensor]:
+    """A region's inputs as its forward takes them: a float value that is not the batch
+    becomes a fresh autograd leaf, as the worker detaches what it receives."""
+    args = []
+    for v in info.inputs:
+        t = vals[v]
+        if v not in (BATCH_INPUT, BATCH_TARGET) and t.is_floating_point():
+            t = t.detach().requires_grad_(True)
+        args.append(t)
+    return args
+
+
 def propagate(capture, inputs: torch.Tensor, targets: torch.Tensor):
     """-> (values: name -> ValueInfo, saved: region -> bytes, loss value)."""
     vals: dict[str, torch.Tensor] = {BATCH_INPUT: inputs, BATCH_TARGET: targets}
@@ -75,12 +87,7 @@ def propagate(capture, inputs: torch.Tensor, targets: torch.Tensor):
     exclude = param_ptrs(capture)
     loss = None
     for info, mod in zip(capture.regions, capture.modules, strict=True):
-        args = []
-        for v in info.inputs:
-            t = vals[v]
-            if v not in (BATCH_INPUT, BATCH_TARGET) and t.is_floating_point():
-                t = t.detach().requires_grad_(True)
-            args.append(t)
+        args = region_args(info, vals)
         with SavedBytes(exclude | {a.untyped_storage().data_ptr() for a in args}) as counter:
             outs = mod(*args)
         saved[info.index] = counter.bytes
