@@ -2,7 +2,8 @@
 
 For each strategy of the runtime's matrix (DP, ZeRO-1/2/3 on 2 ranks; GPipe, 1F1B,
 interleaved 1F1B, ZB1P, DualPipeV on 2 ranks; DualPipe on 4 ranks; PP 2 x DP 2 with ZeRO-3;
-PP 2 x DP 2 x EP 2 on TinyMoE; TinyGPT with embeddings tied across stages) the plan is profiled here
+PP 2 x DP 2 x EP 2 on TinyMoE; TinyGPT with embeddings tied across stages) the plan is
+profiled here
 (`pn.CostModel.profile(plan, repeats=25, optimizer=...)`: passes timed by a worker built in this
 process on one thread, the worker's bookkeeping per instruction, gloo fitted per message
 kind between processes, gloo's links measured again for each strategy; host-synchronous,

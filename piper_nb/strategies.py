@@ -1,12 +1,11 @@
 """The strategy matrix piper_nb checks itself against, built by name.
 
 Small models (an MLP, TinyGPT, TinyMoE) with every ZeRO level, every pipeline schedule and
-expert parallelism on 2-4 devices: the runtime's equivalence tier, the
-memory-model-equals-runtime test and the accuracy benchmark all use these, so they speak of
-the same plans. Each strategy comes in
-two sizes: `"test"` (the default; steps of a few milliseconds, all overhead) and `"bench"`
-(the same plans over wider layers and bigger batches, so that a step is mostly compute,
-as in real training).
+expert parallelism on 2-4 devices: the memory-model-equals-runtime test, the accuracy
+benchmark and the pinning benchmark all use these, so they speak of the same plans. Each
+strategy comes in two sizes: `"test"` (the default; steps of a few milliseconds, all
+overhead) and `"bench"` (the same plans over wider layers and bigger batches, so that a
+step is mostly compute, as in real training).
 """
 
 from __future__ import annotations
