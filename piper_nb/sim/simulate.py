@@ -113,7 +113,8 @@ def overlap_steps(instrs) -> list[int | tuple[int, ...]]:
 
 
 class _Sim:
-    def __init__(self, plan: Plan, cost: CostModel, stretch: list[dict[int, float]] | None = None):
+    def __init__(self, plan: Plan, cost: CostModel, stretch: list[dict[int, float]] | None = None,
+                 counting: list[set[int]] | None = None):
         self.plan, self.cost = plan, cost
         self.instrs = [dp.instrs for dp in plan.devices]
         self.sync = cost.sync
@@ -134,8 +135,9 @@ class _Sim:
         self.heap: list = []
         self.seq = 0
         # per device: forward dispatches, whose host first all-gathers token counts (blocking)
-        self.counting = [{i for i, x in enumerate(instrs) if x.kind == "ALL_TO_ALL"
-                          and x.purpose == "dispatch" and not x.grad} for instrs in self.instrs]
+        self.counting = counting if counting is not None else [
+            {i for i, x in enumerate(instrs) if x.kind == "ALL_TO_ALL" and x.purpose == "dispatch"
+             and not x.grad} for instrs in self.instrs]
 
     def _issue(self, d: int, i: int, ins, ready: float) -> None:
         if ins.kind in ("SEND", "RECV"):
@@ -287,7 +289,7 @@ def _jittered(plan: Plan, cost: CostModel, sim: _Sim, samples: int = JITTER_SAMP
         stretch = [{i: f * rng.choice(shape) if f > 1.0 and instrs[i].kind in _COMPUTE else f
                     for i, f in base.items()}
                    for instrs, base in zip(sim.instrs, sim.stretch, strict=True)]
-        new = _Sim(plan, cost, stretch)
+        new = _Sim(plan, cost, stretch, sim.counting)
         new.run()
         runs.append(new)
     runs.sort(key=lambda x: max(x.t))
@@ -365,7 +367,7 @@ def _shared_cores(plan: Plan, cost: CostModel, sim: _Sim, rounds: int = 8) -> _S
                     continue
                 own[i] = 0.5 * (share + sim.stretch[d].get(i, 1.0))   # damped
             stretch.append(own)
-        new = _Sim(plan, cost, stretch)
+        new = _Sim(plan, cost, stretch, sim.counting)
         new.run()
         done = abs(max(new.t) - last) <= 1e-3 * last
         sim, last = new, max(new.t)
