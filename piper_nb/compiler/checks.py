@@ -2,6 +2,8 @@
 
 - every SEND has its RECV (same peers and tag) and the reverse;
 - the members of each group issue their collectives in the same order;
+- every backward sees each gradient contribution once, and every update a complete
+  gradient (`gradflow`, replayed in the dry run's order);
 - no deadlock: a lockstep dry run of all devices, where an issue never blocks (except a
   forward expert dispatch, which first exchanges token counts with its group), a WAIT on
   a point-to-point op needs the peer's matching issue, and a WAIT on a collective needs
@@ -13,6 +15,7 @@ from __future__ import annotations
 
 from collections import Counter, defaultdict
 
+from piper_nb.compiler.gradflow import Asymmetric, Flow
 from piper_nb.compiler.plan import COLLECTIVE_KINDS, Plan, _columns
 from piper_nb.errors import PlanError
 
@@ -75,8 +78,15 @@ def _blocks_at_issue(ins) -> bool:
     return ins.kind == "ALL_TO_ALL" and ins.purpose == "dispatch" and not ins.grad
 
 
-def dry_run(plan: Plan) -> list[list[int]]:
-    """Run all devices in lockstep; returns per device the round each instruction ran in."""
+_REDUCTIONS = frozenset({"ALL_REDUCE", "REDUCE_SCATTER", "ALL_TO_ALL"})
+
+
+def dry_run(plan: Plan, flow: Flow | None = None) -> list[list[int]]:
+    """Run all devices in lockstep; returns per device the round each instruction ran in.
+
+    A `flow` (the gradient check, `gradflow.Flow`) is shown, as they run, the instructions
+    that move gradients: backwards and updates, gradient sends, reductions and exchanges,
+    the WAITs that complete them and the FREEs of gradient buffers."""
     n = plan.world
     ptr = [0] * n
     rounds: list[list[int]] = [[] for _ in range(n)]
@@ -85,35 +95,62 @@ def dry_run(plan: Plan) -> list[list[int]]:
     coll_index: list[dict] = [defaultdict(int) for _ in range(n)]
     coll_seq: dict[tuple, int] = {}
     instrs = [dp.instrs for dp in plan.devices]
+    active = flow.active if flow is not None else [False] * n
+    freed = flow.freed if flow is not None else {}
     r = 0
     while True:
         progress = False
         for d in range(n):
-            while ptr[d] < len(instrs[d]):
-                ins = instrs[d][ptr[d]]
-                if ins.kind in ("SEND", "RECV"):
-                    posted.add((ins.kind, _p2p_key(d, ins)))
-                elif ins.kind in COLLECTIVE_KINDS:
-                    if (d, ptr[d]) not in coll_seq:
+            mine, on = instrs[d], active[d]
+            while ptr[d] < len(mine):
+                i = ptr[d]
+                ins = mine[i]
+                kind = ins.kind
+                if kind == "SEND" or kind == "RECV":
+                    posted.add((kind, _p2p_key(d, ins)))
+                    if on and ins.grad and kind == "SEND":
+                        flow.send(d, ins)
+                elif kind in COLLECTIVE_KINDS:
+                    if (d, i) not in coll_seq:
                         k = coll_index[d][ins.group]
                         coll_index[d][ins.group] = k + 1
                         coll_posted[ins.group][k] += 1
-                        coll_seq[(d, ptr[d])] = k
+                        coll_seq[(d, i)] = k
                     if _blocks_at_issue(ins) and \
-                            coll_posted[ins.group][coll_seq[(d, ptr[d])]] < len(ins.group):
+                            coll_posted[ins.group][coll_seq[(d, i)]] < len(ins.group):
                         break
-                elif ins.kind == "WAIT":
-                    t = instrs[d][ins.target]
-                    if t.kind in ("SEND", "RECV"):
+                    if on and kind in _REDUCTIONS:
+                        flow.issued(d, i, ins)
+                elif kind == "WAIT":
+                    t = mine[ins.target]
+                    if t.kind == "SEND" or t.kind == "RECV":
                         other = "RECV" if t.kind == "SEND" else "SEND"
                         if (other, _p2p_key(d, t)) not in posted:
                             break
-                    elif coll_posted[t.group][coll_seq[(d, ins.target)]] < len(t.group):
-                        break
+                        if on and t.grad and t.kind == "RECV":
+                            flow.received(d, t)
+                    else:
+                        if coll_posted[t.group][coll_seq[(d, ins.target)]] < len(t.group):
+                            break
+                        if on and t.kind in _REDUCTIONS:
+                            flow.completed(d, ins.target, t)
+                elif on:
+                    if kind == "B" or kind == "BI":
+                        flow.backward(d, ins)
+                    elif kind == "FREE":
+                        keys = freed.get(ins.keys)
+                        if keys is None:
+                            keys = flow.frees_grads(ins)
+                        if keys:
+                            flow.free(d, keys)
+                    elif kind == "BW":
+                        flow.weights(d, ins)
+                    elif kind == "U":
+                        flow.update(d, ins)
                 rounds[d].append(r)
-                ptr[d] += 1
+                ptr[d] = i + 1
                 progress = True
-                if ins.kind == "WAIT":
+                if kind == "WAIT":
                     break  # one blocking step per round keeps the grid readable
         if all(ptr[d] == len(instrs[d]) for d in range(n)):
             return rounds
@@ -141,7 +178,13 @@ def _stuck_grid(plan: Plan, ptr: list[int], context: int = 8) -> str:
     return _columns(cols, mark) + "\n(>x< marks where each device is stuck)"
 
 
-def check_plan(plan: Plan) -> None:
+def check_plan(plan: Plan, frozen: frozenset[str] = frozenset()) -> None:
     check_matching(plan)
     check_collective_order(plan)
-    dry_run(plan)
+    if not plan.regions:
+        dry_run(plan)
+        return
+    try:
+        dry_run(plan, Flow(plan, frozen))
+    except Asymmetric:  # replicas whose gradients differ in more than the replica index
+        dry_run(plan, Flow(plan, frozen, replicas=False))

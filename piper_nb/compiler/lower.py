@@ -168,7 +168,8 @@ def lower(dag: TrainingDAG, buckets, world: int) -> tuple[DevicePlan, ...]:
         if len(devs) > 1:
             stamp = _Stamper(dag, template, partner, tags)
             for d in devs[1:]:
-                plans[d] = DevicePlan(d, stamp(d))
+                instrs = stamp(d)
+                plans[d] = DevicePlan(d, instrs, stamp=(template, instrs))
     return tuple(plans)
 
 

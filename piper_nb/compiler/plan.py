@@ -90,6 +90,10 @@ class Instr:
 class DevicePlan:
     device: int
     instrs: tuple[Instr, ...]
+    # (template's instrs, own instrs) when the lowering stamped these instructions out of
+    # another replica's (equal but for replica, peers and tags); the claim holds only while
+    # `instrs` is still that very tuple (see `Plan.stamps`)
+    stamp: tuple | None = field(default=None, compare=False, repr=False)
 
     def text(self, waits: bool = False) -> list[str]:
         out = []
@@ -127,6 +131,19 @@ class Plan:
 
     def __getitem__(self, device: int) -> DevicePlan:
         return self.devices[device]
+
+    def stamps(self) -> dict[int, int]:
+        """Device -> the device its instructions were stamped from by the lowering (same
+        instructions but for replica, peers and tags), for devices where that still holds:
+        both instruction tuples are the very ones the lowering made."""
+        templates = {id(dp.instrs): dp.device for dp in self.devices if dp.stamp is None}
+        out = {}
+        for dp in self.devices:
+            if dp.stamp is not None and dp.stamp[1] is dp.instrs:
+                t = templates.get(id(dp.stamp[0]))
+                if t is not None and self.devices[t].instrs is dp.stamp[0]:
+                    out[dp.device] = t
+        return out
 
     def grid(self, waits: bool = False, compute_only: bool = False) -> str:
         """A text grid: one column per device, one row per step."""

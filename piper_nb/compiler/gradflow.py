@@ -1,0 +1,406 @@
+"""Gradient completeness: a static check that every backward sees each gradient once.
+
+A value's gradient is the sum of one contribution per region that reads it, made by that
+region's backward on whatever device it runs; a parameter's gradient is the sum over every
+region that uses it, every microbatch and every replica. The worker keeps one gradient
+buffer per (value, microbatch) and per parameter, adds what arrives, and sends what it
+holds. So a plan trains the wrong model, silently, when a backward runs before one of its
+contributions arrived, when a contribution arrives twice (two messages cut from one
+running sum), or when an update runs before its gradient reduction is complete.
+
+This check replays the plan symbolically, in the lockstep order of the deadlock dry run
+(`checks.dry_run` calls a `Flow` for each instruction that moves gradients, as it runs),
+with the worker's bookkeeping over *sets of contributions* instead of tensors: bit c of a
+value's mask is region c's contribution, bit (region, microbatch, replica) of a parameter
+unit's mask (a bucket, or a parameter outside buckets) is one backward's. A RECV adds the
+mask its SEND held at issue; an all-reduce's WAIT sets the union of the members' masks at
+issue; a reduce-scatter's adds it to the shard; an all-to-all moves masks as
+`runtime.exchange` moves rows. Before a backward (B or BI), each of its outputs' masks must
+be exactly the set of the value's readers; before an update, each parameter unit's exactly
+every backward that uses it. An overlap while adding is a contribution counted twice.
+Either is a `PlanError` naming the value or parameter, the devices and the order directive.
+Activations are not followed: a missing one stops the worker with a clear error, it never
+trains silently wrong.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+from piper_nb.errors import PlanError
+
+__all__ = ["Flow", "Asymmetric"]
+
+_BATCH = frozenset({"inputs", "targets"})   # capture.split's BATCH_INPUT, BATCH_TARGET
+_LOSS = "loss"                              # capture.split's LOSS
+
+
+class Asymmetric(Exception):
+    """A replica's gradients differ from its template's in more than the replica index:
+    replay every device instead (`checks.check_plan` does)."""
+
+
+def _bits(mask: int) -> list[int]:
+    return [i for i in range(mask.bit_length()) if mask >> i & 1]
+
+
+class _Units:
+    """Parameter units and their bits: a bucket's parameters are reduced together, so the
+    bucket is one unit; a parameter outside buckets (one holder) is its own. Bit
+    ((position of the region in the unit) * microbatches + mb) * width + replica."""
+
+    def __init__(self, plan, width: dict[int, int], frozen: frozenset[str]):
+        self.plan, self.frozen = plan, frozen
+        self.mbs = max(plan.microbatches, 1)
+        self.bucket_of = {p: b.index for b in plan.buckets for p in b.params}
+        regions_of: dict[object, list[int]] = defaultdict(list)
+        for r in plan.regions:
+            for p in r.params:
+                u = self.bucket_of.get(p, p)
+                if p not in frozen and r.index not in regions_of[u]:
+                    regions_of[u].append(r.index)
+        self.regions_of = dict(regions_of)
+        self.wmax = {u: max(width.get(r, 1) for r in rs) for u, rs in self.regions_of.items()}
+        self.expected: dict[object, int] = {}
+        for u, rs in self.regions_of.items():
+            mask = 0
+            for r in rs:
+                for m in range(self.mbs):
+                    for rep in range(width.get(r, 1)):
+                        mask |= 1 << self.offset(u, r) + m * self.wmax[u] + rep
+            self.expected[u] = mask
+        self._of_region: dict[tuple[int, int], tuple] = {}
+        self._columns: dict[tuple, int] = {}
+
+    def offset(self, u, region: int) -> int:
+        return self.regions_of[u].index(region) * self.mbs * self.wmax[u]
+
+    def column(self, u, region: int, rep: int | None) -> int:
+        """The bits of `region` in unit u: all of them, or one replica's (`rep`)."""
+        key = (u, region, rep)
+        mask = self._columns.get(key)
+        if mask is None:
+            off, w = self.offset(u, region), self.wmax[u]
+            reps = range(w) if rep is None else (rep,)
+            mask = sum(1 << off + m * w + r for m in range(self.mbs) for r in reps)
+            self._columns[key] = mask
+        return mask
+
+    def of_region(self, region: int, device: int) -> tuple:
+        """(unit, bit offset, width) for each unit region `region` adds to on `device`."""
+        key = (region, device)
+        out = self._of_region.get(key)
+        if out is None:
+            units = []
+            for p in self.plan.regions[region].params:
+                if p in self.frozen:
+                    continue
+                b = self.bucket_of.get(p)
+                u = b if b is not None and device in self.plan.buckets[b].group else p
+                if all(u != x[0] for x in units):
+                    units.append((u, self.offset(u, region), self.wmax[u]))
+            out = self._of_region[key] = tuple(units)
+        return out
+
+    def unit(self, p: str, device: int):
+        b = self.bucket_of.get(p)
+        return b if b is not None and device in self.plan.buckets[b].group else p
+
+    def name(self, u) -> str:
+        if isinstance(u, int):
+            ps = self.plan.buckets[u].params
+            return f"bucket {u} ({', '.join(ps[:3])}{' ...' if len(ps) > 3 else ''})"
+        return f"parameter {u}"
+
+    def describe(self, u, mask: int) -> str:
+        rs, w, bits = self.regions_of[u], self.wmax[u], _bits(mask)
+        out = []
+        for i in bits[:4]:
+            ri, m = divmod(i // w, self.mbs)
+            out.append(f"{{{self.plan.regions[rs[ri]].name}}} microbatch {m} replica {i % w}")
+        return ", ".join(out) + (f" and {len(bits) - 4} more" if len(bits) > 4 else "")
+
+
+class Flow:
+    """The symbolic replay. `checks.dry_run` calls, in a valid global order: `backward`
+    (B, BI), `weights` (BW), `update` (U), `send` (a gradient SEND), `received` (the WAIT of
+    a gradient RECV), `issued` / `completed` (reductions and exchanges, and their WAITs) and
+    `free` (a FREE of gradient buffers, see `frees_grads`)."""
+
+    def __init__(self, plan, frozen: frozenset[str] = frozenset(), replicas: bool = True):
+        self.plan = plan
+        n = plan.world
+        # devices stamped from a template by the lowering are not replayed: their gradients
+        # flow as their template's, the replica index aside (`_payload` derives theirs)
+        self.template = self._templates(plan) if replicas else {}
+        self.active = [d not in self.template for d in range(n)]
+        self.grads: list[dict] = [{} for _ in range(n)]     # (value, mb) -> readers' bits
+        self.pgrads: list[dict] = [{} for _ in range(n)]    # unit -> backward bits
+        self.shards: list[dict] = [{} for _ in range(n)]    # bucket -> reduced shard bits
+        self.sent: dict[tuple, dict] = {}            # p2p key -> value masks at issue
+        self.coll: dict[tuple, dict] = {}            # (group, seq) -> device -> payload
+        self.coll_seq: dict[tuple, int] = {}         # (device, index) -> collective number
+        self.coll_next: list[dict] = [defaultdict(int) for _ in range(n)]
+        self.total: dict[tuple, int] = {}            # (group, seq) -> reduced mask
+        readers: dict[str, int] = defaultdict(int)
+        for r in plan.regions:
+            for v in r.inputs:
+                if v not in _BATCH:
+                    readers[v] |= 1 << r.index
+        self.expect = {v: m for v, m in readers.items()
+                       if v in plan.values and plan.values[v].requires_grad
+                       and plan.values[v].dtype.startswith(("float", "bfloat", "complex"))}
+        # per region: (outputs whose gradient it waits for, inputs it contributes to, its bit)
+        self.passes = [(tuple((v, self.expect[v]) for v in r.outputs if v in self.expect),
+                        tuple(v for v in r.inputs if v in self.expect), 1 << r.index)
+                       for r in plan.regions]
+        self.units = _Units(plan, self._widths(plan), frozen)
+        self.position: dict[tuple[int, int], int] = {}   # (device, region) -> replica
+        if self.template:
+            for node in plan.dag.nodes:
+                if node.op.value == "F":
+                    for k, dev in enumerate(node.devices):
+                        self.position[(dev, node.region)] = k
+        self.region_units: list[dict] = [{} for _ in range(n)]   # region -> its units
+        self.freed: dict[tuple[str, ...], tuple] = {}       # FREE keys -> gradient keys
+
+    @staticmethod
+    def _templates(plan) -> dict[int, int]:
+        """Stamped device -> its template, for the stamps whose point-to-point peers are all
+        replayed (a replayed device only ever receives from replayed ones)."""
+        template = plan.stamps()
+        if not template:
+            return template
+        groups: dict[int, set] = defaultdict(set)   # region -> its passes' device groups
+        if plan.dag is not None:
+            for node in plan.dag.nodes:
+                if node.op.value in ("F", "B", "BI", "BW"):
+                    groups[node.region].add(node.devices)
+        mixed = {d for r, gs in groups.items() if len(gs) > 1 for g in gs for d in g}
+        if plan.dag is None or mixed:   # positions not one per region: replay those
+            template = {d: t for d, t in template.items() if d not in mixed and t not in mixed}
+        todo = [d for d in range(plan.world) if d not in template]
+        seen = set(todo)
+        while todo:
+            for ins in plan.devices[todo.pop()].instrs:
+                if (ins.kind == "SEND" or ins.kind == "RECV") and ins.peer not in seen:
+                    seen.add(ins.peer)
+                    template.pop(ins.peer, None)
+                    todo.append(ins.peer)
+        return template
+
+    @staticmethod
+    def _widths(plan) -> dict[int, int]:
+        """Region -> replicas running each of its passes (from the DAG when there is one)."""
+        if plan.dag is not None:
+            return {n.region: len(n.devices) for n in plan.dag.nodes if n.op.value == "F"}
+        return {i.region: i.replicas for dp in plan.devices for i in dp.instrs if i.kind == "F"}
+
+    # ---- messages --------------------------------------------------------------------
+    def _fail(self, d: int, ins, what: str, fix: str) -> PlanError:
+        directive = None
+        dag = self.plan.dag
+        if dag is not None and ins.node in dag:
+            origins = [e.origin for e in dag.in_edges(ins.node) if e.kind == "temporal"]
+            directive = origins[0] if origins else None
+        return PlanError(f"device {d}: {ins} {what}; {fix}", directive=directive,
+                         op="order" if directive is not None else None)
+
+    def _readers(self, mask: int, mb: int) -> str:
+        where = defaultdict(list)
+        for dp in self.plan.devices:   # only on the way to an error
+            for i in dp.instrs:
+                if i.kind in ("B", "BI") and i.mb == mb and mask >> i.region & 1:
+                    where[i.region].append(dp.device)
+        return ", ".join(f"{{{self.plan.regions[r].name}}} on device"
+                         f"{'s' if len(where[r]) > 1 else ''} "
+                         f"{', '.join(map(str, where[r])) or '?'}" for r in _bits(mask))
+
+    def _twice(self, d: int, ins, key, both: int) -> PlanError:
+        if isinstance(key, tuple):
+            what = f"{self._readers(both, key[1])} to the gradient of {key[0]}@{key[1]}"
+        else:
+            what = f"{self.units.describe(key, both)} to the gradient of {self.units.name(key)}"
+        return self._fail(d, ins, f"adds the contribution of {what} a second time",
+                          "each contribution must reach its sum once: a device holds one "
+                          "running sum per value, so send it once, after its last contribution")
+
+    def _add(self, d: int, ins, table: dict, key, bits: int) -> None:
+        old = table.get(key, 0)
+        if old & bits:
+            raise self._twice(d, ins, key, old & bits)
+        table[key] = old | bits
+
+    # ---- compute ---------------------------------------------------------------------
+    def backward(self, d: int, ins) -> None:
+        waits, feeds, bit = self.passes[ins.region]
+        mb, grads = ins.mb, self.grads[d]
+        for v, want in waits:
+            got = grads.get((v, mb), 0)
+            if got != want:
+                raise self._fail(
+                    d, ins, f"runs before the gradient of {v}@{mb} is complete: it lacks the "
+                    f"contribution of {self._readers(want & ~got, mb)} (every reader: "
+                    f"{self._readers(want, mb)})",
+                    "order this backward after the backward passes of every region that reads "
+                    "its outputs and after the messages that bring their gradients")
+        for v in feeds:
+            key = (v, mb)
+            old = grads.get(key, 0)
+            if old & bit:
+                raise self._twice(d, ins, key, bit)
+            grads[key] = old | bit
+        if ins.kind == "B":
+            self.weights(d, ins)
+
+    def weights(self, d: int, ins) -> None:
+        pgrads, step = self.pgrads[d], max(ins.mb, 0)
+        units = self.region_units[d].get(ins.region)
+        if units is None:
+            units = self.region_units[d][ins.region] = self.units.of_region(ins.region, d)
+        for u, offset, width in units:
+            bit = 1 << offset + step * width + ins.replica
+            old = pgrads.get(u, 0)
+            if old & bit:
+                raise self._twice(d, ins, u, bit)
+            pgrads[u] = old | bit
+
+    def update(self, d: int, ins) -> None:
+        seen = set()
+        for p in ins.params:
+            if p in self.units.frozen:
+                continue
+            u = self.units.unit(p, d)
+            if u not in seen:
+                seen.add(u)
+                self._complete(d, ins, u, self.pgrads[d].pop(u, 0))
+        for b in ins.buckets:
+            if b in self.units.expected:
+                self._complete(d, ins, b, self.shards[d].pop(b, 0))
+
+    def _complete(self, d: int, ins, u, got: int) -> None:
+        want = self.units.expected.get(u, 0)
+        if got != want:
+            raise self._fail(
+                d, ins, f"updates {self.units.name(u)} before its gradient is complete: it "
+                f"lacks {self.units.describe(u, want & ~got)}",
+                "the update must follow every backward that uses the parameter and the "
+                "gradient reduction over all its replicas and copies")
+
+    # ---- messages and buffers --------------------------------------------------------
+    def send(self, d: int, ins) -> None:
+        grads = self.grads[d]
+        self.sent[(d, ins.peer, ins.tag)] = {v: grads.get((v, ins.mb), 0) for v in ins.values}
+
+    def received(self, d: int, src) -> None:
+        payload = self.sent.get((src.peer, d, src.tag))
+        if payload is not None:   # unmatched messages are check_matching's to report
+            for v in src.values:
+                self._add(d, src, self.grads[d], (v, src.mb), payload.get(v, 0))
+
+    def frees_grads(self, ins) -> tuple:
+        """The (value, mb) gradient buffers a FREE drops (parsed once per distinct list,
+        kept in `freed`)."""
+        keys = self.freed.get(ins.keys)
+        if keys is None:
+            keys = self.freed[ins.keys] = tuple(
+                (v, int(mb)) for k in ins.keys if k.startswith("grad:")
+                for v, _, mb in [k[5:].rpartition("@")])
+        return keys
+
+    def free(self, d: int, keys: tuple) -> None:
+        grads = self.grads[d]
+        for key in keys:
+            grads.pop(key, None)
+
+    def issued(self, d: int, i: int, ins) -> None:
+        """A reduction or exchange is issued: what it takes from this member, now."""
+        seq = self.coll_next[d][ins.group]
+        self.coll_next[d][ins.group] = seq + 1
+        self.coll_seq[(d, i)] = seq
+        if ins.kind == "ALL_REDUCE":
+            payload = self.pgrads[d].get(ins.bucket, 0)
+        elif ins.kind == "REDUCE_SCATTER":   # the runtime takes the gradients at issue
+            payload = self.pgrads[d].pop(ins.bucket, 0)
+        elif ins.grad:                       # ALL_TO_ALL of gradients
+            grads = self.grads[d]
+            payload = {v: grads.get((v, ins.mb), 0) for v in ins.values}
+        else:
+            payload = None
+        self.coll.setdefault((ins.group, seq), {})[d] = payload
+
+    def completed(self, d: int, t: int, src) -> None:
+        seq = self.coll_seq.get((d, t))
+        if seq is None:
+            return
+        key = (src.group, seq)
+        if src.kind == "ALL_TO_ALL":
+            self._exchanged(d, src, key)
+            return
+        total = self.total.get(key)
+        if total is None:
+            total = 0
+            for m, mask in self._members(src, key).items():
+                if total & mask:
+                    raise self._twice(m, src, src.bucket, total & mask)
+                total |= mask
+            self.total[key] = total
+        if src.kind == "ALL_REDUCE":   # the reduced bucket replaces the gradients held
+            self.pgrads[d][src.bucket] = total
+        else:
+            self._add(d, src, self.shards[d], src.bucket, total)
+
+    def _members(self, src, key) -> dict:
+        """Each member's payload of collective `key`; a stamped member's is its template's
+        (a parameter mask moved to the member's replica index)."""
+        got = self.coll[key]
+        if len(got) == len(src.group):
+            return got
+        out = {}
+        for m in src.group:
+            if m in got:
+                out[m] = got[m]
+            else:
+                t = self.template[m]
+                out[m] = (got[t] if src.kind == "ALL_TO_ALL"
+                          else self._relabel(src.bucket, got[t], t, m))
+        return out
+
+    def _relabel(self, u, mask: int, t: int, m: int) -> int:
+        """Template t's parameter mask of unit u as replica m's: each region's bits move
+        from t's replica index to m's (they must all sit at t's)."""
+        out, units = 0, self.units
+        for r in units.regions_of[u]:
+            seg = mask & units.column(u, r, None)
+            if not seg:
+                continue
+            a, b = self.position.get((t, r)), self.position.get((m, r))
+            if a is None or b is None or seg & ~units.column(u, r, a):
+                raise Asymmetric
+            out |= seg << (b - a) if b >= a else seg >> (a - b)
+        return out
+
+    def _exchanged(self, d: int, src, key) -> None:
+        """A gradient ALL_TO_ALL's WAIT (runtime.exchange.finish): a dispatch leaves every
+        sender and reaches the owner (concatenated rows: the members must agree), a combine
+        leaves the owner and is added on every member."""
+        if not src.grad:
+            return
+        members, mb, grads = self._members(src, key), src.mb, self.grads[d]
+        for v, owner in zip(src.values, src.owners, strict=True):
+            if src.purpose == "dispatch":
+                masks = {m: p[v] for m, p in members.items()}
+                if len(set(masks.values())) > 1:
+                    (a, ma), (b, mb_) = list(masks.items())[:2]
+                    raise self._fail(d, src, f"gathers the gradient of {v}@{mb} with "
+                                     f"contributions {self._readers(ma, mb) or 'none'} from "
+                                     f"device {a} but {self._readers(mb_, mb) or 'none'} from "
+                                     f"device {b}", "every member must finish the backward "
+                                     "passes that read its rows before the exchange")
+                grads.pop((v, mb), None)
+                if d == owner:
+                    grads[(v, mb)] = masks[owner]
+            else:
+                if d == owner:
+                    grads.pop((v, mb), None)
+                self._add(d, src, grads, (v, mb), members[owner][v])
