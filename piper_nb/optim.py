@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["Optimizer", "SGD", "AdamW"]
+__all__ = ["Optimizer", "SGD", "AdamW", "check_optimizer"]
 
 
 def _check(cond: bool, message: str) -> None:
@@ -100,3 +100,26 @@ class AdamW(Optimizer):
         step_size = self.lr / bias_correction1
         denom = (exp_avg_sq.sqrt() / math.sqrt(bias_correction2)).add_(self.eps)
         param.addcdiv_(exp_avg, denom, value=-step_size)
+
+
+def check_optimizer(optimizer: object, where: str = "train") -> Optimizer:
+    """`optimizer` if it is a `pn.optim` optimizer, else a PlanError saying what to pass:
+    raised before any worker starts, not at the first update."""
+    from piper_nb.errors import PlanError
+    if isinstance(optimizer, Optimizer):
+        return optimizer
+    if isinstance(optimizer, type) and issubclass(optimizer, Optimizer):
+        raise PlanError(f"{where}: optimizer={optimizer.__name__} is the class; pass an instance "
+                        f"such as pn.optim.{optimizer.__name__}(lr=1e-3)")
+    name = type(optimizer).__name__
+    module = type(optimizer).__module__
+    if module.startswith("torch.optim"):
+        twin = {"SGD": "SGD(lr=..., momentum=..., weight_decay=...)",
+                "AdamW": "AdamW(lr=..., betas=..., eps=..., weight_decay=...)",
+                "Adam": "AdamW(lr=..., weight_decay=0.0)"}.get(name)
+        hint = (f"use pn.optim.{twin}, the same arithmetic" if twin
+                else "use pn.optim.SGD or pn.optim.AdamW")
+        raise PlanError(f"{where}: optimizer is a torch.optim.{name}, which is bound to this "
+                        f"process's parameters and cannot update the workers' shards; {hint}")
+    raise PlanError(f"{where}: optimizer must be a pn.optim optimizer (pn.optim.SGD(lr=...) or "
+                    f"pn.optim.AdamW(lr=...)), got {module}.{name}")

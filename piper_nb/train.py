@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from piper_nb.errors import PlanError
+from piper_nb.optim import check_optimizer
 from piper_nb.runtime.bundle import param_aliases
 from piper_nb.sim.trace import Event, MemorySample, Trace
 
@@ -35,17 +36,19 @@ class Result:
     losses: list[float]
     step_times: list[float]                 # seconds, step start to the last device's end
     trace: Trace | None
-    params: dict[str, torch.Tensor] = field(repr=False, default_factory=dict)  # canonical
+    # canonical parameter name -> tensor, and buffer name -> tensor for trained buffers
+    params: dict[str, torch.Tensor] = field(repr=False, default_factory=dict)
     template: dict[str, torch.Tensor] = field(repr=False, default_factory=dict)
     aliases: dict[str, str] = field(repr=False, default_factory=dict)
     leftover: list[str] = field(default_factory=list)  # buffers a plan never freed
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        """The full trained model, keyed like `model.state_dict()` (tied names included)."""
+        """The full trained model, keyed like `model.state_dict()` (tied names included),
+        buffers as trained (BatchNorm's running statistics)."""
         out = {}
         for name, value in self.template.items():
-            canonical = self.aliases.get(name)
-            out[name] = self.params[canonical].clone() if canonical else value.clone()
+            key = self.aliases.get(name, name)
+            out[name] = self.params[key].clone() if key in self.params else value.clone()
         return out
 
 
@@ -68,8 +71,13 @@ def _check_batch(batch, size: int, step: int) -> tuple[torch.Tensor, torch.Tenso
 def train(plan, batch_or_loader, steps: int, optimizer, cluster=None, *,
           progress: Callable[[int, int, float], None] | None = None,
           checkpoint_dir: str | os.PathLike | None = None, checkpoint_every: int | None = None,
-          resume: bool = False) -> Result:
+          resume: bool = False, seed: int | None = None) -> Result:
     """Train `plan` for `steps` steps on local workers (or on `cluster`, left running).
+
+    `seed` seeds the random operations (dropout) of every forward, per region, step,
+    microbatch and replica, so the same plan trains the same way twice. By default it is
+    drawn from torch's random generator, as a DataLoader draws its base seed: after
+    `torch.manual_seed(s)` the run repeats exactly.
 
     `progress(step, steps, loss)` is called after every step (raise from it to stop the run).
     With `checkpoint_dir`, the full training state is written there atomically every
@@ -81,12 +89,17 @@ def train(plan, batch_or_loader, steps: int, optimizer, cluster=None, *,
     from piper_nb.cluster.local import LocalCluster
     if plan.capture is None:
         raise PlanError("this plan has no captured model; compile it with pn.compile to train it")
+    check_optimizer(optimizer, "pn.train")
+    if seed is None:
+        seed = int(torch.empty((), dtype=torch.int64).random_().item())
+    elif isinstance(seed, bool) or not isinstance(seed, int):
+        raise PlanError(f"pn.train: seed must be an integer, got {seed!r}")
     ckpt = Checkpointer.for_train(plan, optimizer, checkpoint_dir, checkpoint_every, resume)
     own = cluster is None
     cluster = LocalCluster(plan.world) if own else cluster
     losses, times, trace, leftover = [], [], None, set()
     try:
-        cluster.reset(plan, optimizer)
+        cluster.reset(plan, optimizer, seed)
         start = 0
         if ckpt is not None:
             start, losses, times = ckpt.restore(cluster)
@@ -132,6 +145,7 @@ def _template(model: nn.Module) -> dict[str, torch.Tensor]:
 def reference_train(model: nn.Module, batch, steps: int, microbatches: int, optimizer,
                     loss_fn: Callable | None = None) -> Result:
     """Single-process training of a deep copy of `model`, microbatch by microbatch."""
+    check_optimizer(optimizer, "reference_train")
     model = copy.deepcopy(model).train()
     loss_fn = loss_fn if loss_fn is not None else getattr(model, "loss_fn", None)
     if loss_fn is None:

@@ -114,8 +114,10 @@ def _unit_costs(model: nn.Module, units: list[str], by: str, example: tuple | No
                 raise PlanError("cut_stages(by='flops') needs example=(inputs, targets)")
             example = model.example_batch(batch_size=2, seed=0)
         from torch.utils.flop_counter import FlopCounterMode
+
+        from piper_nb.capture.untouched import untouched
         counter = FlopCounterMode(display=False)
-        with counter, torch.no_grad():
+        with untouched(model), counter, torch.no_grad():
             model(example[0])
         counts = counter.get_flop_counts()
         root = type(model).__name__

@@ -2,10 +2,11 @@
 
 A region is the part of the model that one unique tag combination selects. Operations
 inherit the tags of the module they run in (and of any `pn.region` scope); glue outside
-every tagged module (residual adds, reshapes, the loss) joins the region of its latest
-input. Values that cross regions become named dataflow edges, so a skip connection from
-region 0 to region 2 is an edge 0 -> 2; a parameter read by two regions (tied
-embeddings) is recorded so its gradient can be summed.
+every tagged module (residual adds, reshapes, the loss, an untagged module without
+parameters such as `nn.ReLU()`) joins the region of its latest input. Values that cross
+regions become named dataflow edges, so a skip connection from region 0 to region 2 is an
+edge 0 -> 2; a parameter read by two regions (tied embeddings) is recorded so its gradient
+can be summed.
 
 A tag combination re-entered after a region that depends on it starts a new *segment*:
 in a mixture of experts, {PP: 0} dispatches tokens to the experts {PP: 0, EP: e} and then
@@ -255,6 +256,12 @@ class _RegionGraph:
         return out
 
 
+# operations that join a region by their data: functions, methods and untagged modules
+# without parameters (an `nn.ReLU()` called between tagged layers, as torchvision's ResNet
+# does), which take the tags of their caller as functional ops do
+_GLUE = frozenset({"call_function", "call_method", "call_module"})
+
+
 def _assign_regions(nodes: list[fx.Node], own: dict[fx.Node, dict],
                     ) -> tuple[dict[fx.Node, int], dict[int, Tags]]:
     """fx node -> region index (topological order) and region index -> tags (SEG added)."""
@@ -265,14 +272,14 @@ def _assign_regions(nodes: list[fx.Node], own: dict[fx.Node, dict],
         if n in own:
             tags = freeze_tags(own[n])
             r = graph.get((tags, graph.segment(tags, srcs)))
-        elif n.op in ("call_function", "call_method") and srcs:
+        elif n.op in _GLUE and srcs:
             r = graph.latest(srcs)
         else:
             continue
         region_of[n] = r
         graph.depend(r, srcs)
     for n in reversed(nodes):
-        if n.op in ("call_function", "call_method") and n not in region_of:
+        if n.op in _GLUE and n not in region_of:
             users = {region_of[u] for u in n.users if u in region_of}
             if not users:
                 raise PlanError(f"operation {n.name} ({n.target}) belongs to no region; "

@@ -47,10 +47,10 @@ class ClusterCommands:
         """Send `op` to every rank (`per_rank[r]`, or `payload` to all); answers by rank."""
         raise NotImplementedError
 
-    def reset(self, plan, optimizer) -> None:
-        """Ship `plan` if the workers do not have it yet; parameters back to the model's,
-        fresh optimizer state."""
-        self._run("reset", self._key(plan), optimizer)
+    def reset(self, plan, optimizer, seed: int = 0) -> None:
+        """Ship `plan` if the workers do not have it yet; parameters and buffers back to the
+        model's, fresh optimizer state; `seed` seeds every forward's random operations."""
+        self._run("reset", self._key(plan), (optimizer, seed))
 
     def step(self, plan, batch, trace: bool = True) -> list[dict]:
         """One training step of `plan` on `batch`; per rank: loss, end, events and (when

@@ -178,13 +178,13 @@ def _stuck_grid(plan: Plan, ptr: list[int], context: int = 8) -> str:
     return _columns(cols, mark) + "\n(>x< marks where each device is stuck)"
 
 
-def check_plan(plan: Plan, frozen: frozenset[str] = frozenset()) -> None:
+def check_plan(plan: Plan) -> None:
     check_matching(plan)
     check_collective_order(plan)
     if not plan.regions:
         dry_run(plan)
         return
     try:
-        dry_run(plan, Flow(plan, frozen))
+        dry_run(plan, Flow(plan))
     except Asymmetric:  # replicas whose gradients differ in more than the replica index
-        dry_run(plan, Flow(plan, frozen, replicas=False))
+        dry_run(plan, Flow(plan, replicas=False))

@@ -15,6 +15,8 @@ from collections.abc import Callable, Iterable
 import torch
 
 from piper_nb.capture.annotate import Spec
+from piper_nb.capture.untouched import untouched
+from piper_nb.compiler.buffers import check_buffers
 from piper_nb.compiler.checks import check_plan
 from piper_nb.compiler.lower import lower
 from piper_nb.compiler.plan import Plan
@@ -79,11 +81,12 @@ def _check_batch(batch) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def build_global_dag(capture, directives: list[tuple[int, Directive]], values: dict,
-                     ) -> tuple[TrainingDAG, dict]:
+                     frozen: frozenset[str] = frozenset()) -> tuple[TrainingDAG, dict]:
     by_op: dict[type, list[tuple[int, Directive]]] = {}
     for idx, d in directives:
         by_op.setdefault(type(d), []).append((idx, d))
     dag = build_dag(capture, values)
+    dag = dag.replace(meta={"frozen": frozen})
     for idx, d in by_op.get(Split, []):
         dag = _guard(idx, d, apply_split, dag, d)
     orders = [d for _, d in by_op.get(Order, [])]
@@ -97,7 +100,9 @@ def build_global_dag(capture, directives: list[tuple[int, Directive]], values: d
         experts |= regs
     dag = finish_placement(dag)
     dag = insert_send_recv(dag, frozenset(experts))
-    region_params = {r.index: r.params for r in capture.regions}
+    # frozen parameters get no gradient: never reduced, sharded or updated
+    region_params = {r.index: tuple(p for p in r.params if p not in frozen)
+                     for r in capture.regions}
     params = dict(capture.model.named_parameters())
     param_bytes = {k: p.numel() * p.element_size() for k, p in params.items()}
     dag = insert_grad_sync(dag, region_params, param_bytes, configs)
@@ -169,15 +174,17 @@ def _compile(spec, program, batch, loss_fn, world, check) -> Plan:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # tiny tensors: worker threads only get in each other's way
     try:
-        with torch.random.fork_rng(devices=[]):
-            values, saved, _ = propagate(capture, inputs[:part], targets[:part])
+        with untouched(capture.model):   # the user's buffers and random state stay as they are
+            values, saved, _, changed = propagate(capture, inputs[:part], targets[:part])
             rows, saved_rows = {}, {}
             if any(isinstance(d, Shard) for _, d in directives):  # routed rows: symbolic
                 rows, saved_rows = token_rows(capture, inputs[:part], targets[:part], saved,
                                               values)
     finally:
         torch.set_num_threads(threads)
-    dag, _ = build_global_dag(capture, directives, values)
+    frozen = frozenset(n for n, p in capture.model.named_parameters() if not p.requires_grad)
+    dag, _ = build_global_dag(capture, directives, values, frozen)
+    check_buffers(dag, changed)
     used = dag.devices()
     n_world = world if world is not None else (max(used) + 1 if used else 1)
     outside = [d for d in used if d >= n_world]
@@ -200,6 +207,7 @@ def _compile(spec, program, batch, loss_fn, world, check) -> Plan:
         values=values, saved=saved, rows=rows, saved_rows=saved_rows,
         params={k: (tuple(p.shape), str(p.dtype).removeprefix("torch."))
                 for k, p in capture.model.named_parameters()},
+        frozen=tuple(sorted(frozen)),
         dag=dag, program=directives, capture=capture)
     if check:
         check_plan(plan)

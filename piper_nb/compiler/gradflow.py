@@ -127,7 +127,7 @@ class Flow:
     a gradient RECV), `issued` / `completed` (reductions and exchanges, and their WAITs) and
     `free` (a FREE of gradient buffers, see `frees_grads`)."""
 
-    def __init__(self, plan, frozen: frozenset[str] = frozenset(), replicas: bool = True):
+    def __init__(self, plan, replicas: bool = True):
         self.plan = plan
         n = plan.world
         # devices stamped from a template by the lowering are not replayed: their gradients
@@ -154,7 +154,7 @@ class Flow:
         self.passes = [(tuple((v, self.expect[v]) for v in r.outputs if v in self.expect),
                         tuple(v for v in r.inputs if v in self.expect), 1 << r.index)
                        for r in plan.regions]
-        self.units = _Units(plan, self._widths(plan), frozen)
+        self.units = _Units(plan, self._widths(plan), frozenset(plan.frozen))
         self.position: dict[tuple[int, int], int] = {}   # (device, region) -> replica
         if self.template:
             for node in plan.dag.nodes:

@@ -63,7 +63,7 @@ def _is_pulled(n: Node) -> bool:
 def owned_params(dag: TrainingDAG, buckets, device: int,
                  local: list[Node] | None = None) -> dict[int, tuple[list[str], list[int]]]:
     """Region -> (full parameters, sharded buckets) its U updates on `device`."""
-    regions = dag.regions()
+    regions, frozen = dag.regions(), dag.get_meta("frozen", frozenset())
     nodes = local if local is not None else dag.nodes
     mine = sorted({n.region for n in nodes if n.op == Op.U and device in n.devices})
     sharded = {p: b for b in buckets if b.zero > 0 and device in b.group for p in b.params}
@@ -72,7 +72,7 @@ def owned_params(dag: TrainingDAG, buckets, device: int,
     for r in mine:
         full, bks = [], []
         for p in regions[r].params:
-            if p in taken:
+            if p in taken or p in frozen:
                 continue
             taken.add(p)
             if p in sharded:

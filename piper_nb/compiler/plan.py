@@ -125,6 +125,7 @@ class Plan:
     rows: dict = field(default_factory=dict)          # value -> symbol of its routed rows
     saved_rows: dict = field(default_factory=dict)    # region -> {symbol: saved bytes per row}
     params: dict = field(default_factory=dict)        # name -> (shape, dtype)
+    frozen: tuple[str, ...] = ()    # parameters without requires_grad: never updated
     dag: Any = None
     program: Any = None
     capture: Any = None
@@ -175,6 +176,7 @@ class Plan:
             "rows": self.rows,
             "saved_rows": {str(k): v for k, v in self.saved_rows.items()},
             "params": {k: {"shape": list(s), "dtype": d} for k, (s, d) in self.params.items()},
+            "frozen": list(self.frozen),
             "devices": [[i.to_json() for i in dp.instrs] for dp in self.devices],
         }, indent=indent)
 
@@ -200,7 +202,8 @@ class Plan:
                    saved={int(k): v for k, v in obj["saved"].items()},
                    rows=obj.get("rows", {}),
                    saved_rows={int(k): v for k, v in obj.get("saved_rows", {}).items()},
-                   params={k: (tuple(v["shape"]), v["dtype"]) for k, v in obj["params"].items()})
+                   params={k: (tuple(v["shape"]), v["dtype"]) for k, v in obj["params"].items()},
+                   frozen=tuple(obj.get("frozen", ())))
 
 
 def _columns(cols: list[list[str]], mark: dict[int, int] | None = None) -> str:

@@ -81,16 +81,24 @@ def region_args(info, vals: dict) -> list[torch.Tensor]:
 
 
 def propagate(capture, inputs: torch.Tensor, targets: torch.Tensor):
-    """-> (values: name -> ValueInfo, saved: region -> bytes, loss value)."""
+    """-> (values: name -> ValueInfo, saved: region -> bytes, loss value, changed: region ->
+    the buffers its forward changes, such as BatchNorm's running statistics). Run inside
+    `capture.untouched` so that the user's model keeps its buffers."""
     vals: dict[str, torch.Tensor] = {BATCH_INPUT: inputs, BATCH_TARGET: targets}
     saved: dict[int, int] = {}
+    changed: dict[int, tuple[str, ...]] = {}
     exclude = param_ptrs(capture)
     loss = None
     for info, mod in zip(capture.regions, capture.modules, strict=True):
         args = region_args(info, vals)
+        before = {n: b.detach().clone() for n, b in mod.named_buffers()}
         with SavedBytes(exclude | {a.untyped_storage().data_ptr() for a in args}) as counter:
             outs = mod(*args)
         saved[info.index] = counter.bytes
+        moved = [n.removeprefix("model.") for n, b in mod.named_buffers()
+                 if n in before and not torch.equal(b, before[n])]
+        if moved:
+            changed[info.index] = tuple(moved)
         for name, out in zip(info.outputs, outs, strict=True):
             if not isinstance(out, torch.Tensor):
                 raise PlanError(f"value {name!r} leaves region {info.name} but is a "
@@ -103,4 +111,4 @@ def propagate(capture, inputs: torch.Tensor, targets: torch.Tensor):
     for name, t in vals.items():
         values[name] = ValueInfo(name, tuple(t.shape), str(t.dtype).removeprefix("torch."),
                                  bool(t.requires_grad and t.is_floating_point()))
-    return values, saved, loss
+    return values, saved, loss, changed

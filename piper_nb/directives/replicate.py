@@ -3,7 +3,12 @@
 A parameter whose copies live on several devices needs its gradient summed over them:
 replicas of a region (data parallel), a stage held twice (DualPipe), or a weight tied
 across regions (embeddings). Parameters with the same device group, ZeRO level and
-regions form buckets (cut by `bucket_size` MB). Per bucket:
+regions form buckets (cut by `bucket_size` MB). A weight tied across stages that are
+replicated with one ZeRO level forms a bucket over every device holding it (both stages'
+replicas): its gradient is reduce-scattered over all of them, each updates its shard, and
+the gather gives every copy the same new weight (Megatron-LM sums the first and last
+stage's copies, then shards within each stage; one group shards the optimizer state
+further). Per bucket:
 
 - zero 0: ALL_REDUCE after the last backward, then U on full parameters;
 - zero 1: REDUCE_SCATTER after the last backward, U on the shard (optimizer state is
@@ -13,7 +18,8 @@ regions form buckets (cut by `bucket_size` MB). Per bucket:
 - zero 3: parameters stay sharded: ALL_GATHER before every pass that needs them (freed
   after it), REDUCE_SCATTER after every backward, U on the shard; with `reshard=False`,
   one ALL_GATHER before the region's first pass (freed after its last) and one
-  REDUCE_SCATTER after its last backward.
+  REDUCE_SCATTER after its last backward. A weight tied across stages is always gathered
+  this way under ZeRO-3.
 """
 
 from __future__ import annotations
@@ -88,26 +94,28 @@ def _buckets(dag, region_params, param_bytes, configs) -> list[Bucket]:
             raise PlanError(f"parameter {p} is shared by regions {names} with different replicate "
                             "settings; replicate them with the same zero level")
         zero = zero or 0
-        if zero and any(set(configs[r].devices) != set(devs) for r in rs):
-            raise PlanError(f"parameter {p} (tied across regions) lives on devices {list(devs)}; "
-                            "ZeRO sharding needs one replica group: use zero=0 for these regions")
         groups.setdefault((devs, zero, tuple(rs)), []).append(p)
     out: list[Bucket] = []
     for (devs, zero, rs), params in groups.items():
         cfg = configs.get(rs[0])
         limit = cfg.bucket_size * 2**20 if cfg and cfg.bucket_size else None
+        # a weight tied across stages is sharded over every device that holds it; under
+        # ZeRO-3 it is gathered once per step, not before every pass (the stages' passes
+        # would otherwise have to meet at every gather)
+        across = zero and any(set(configs[r].devices) != set(devs) for r in rs)
+        reshard = (cfg.reshard if cfg else True) and not (across and zero == 3)
         chunk: list[str] = []
         size = 0
         for p in params:
             if chunk and limit is not None and size + param_bytes[p] > limit:
                 out.append(Bucket(len(out), tuple(chunk), devs, zero, rs,
-                                  cfg.reduce_stream, cfg.gather_stream, cfg.reshard))
+                                  cfg.reduce_stream, cfg.gather_stream, reshard))
                 chunk, size = [], 0
             chunk.append(p)
             size += param_bytes[p]
         out.append(Bucket(len(out), tuple(chunk), devs, zero, rs,
                           cfg.reduce_stream if cfg else "dp", cfg.gather_stream if cfg else "dp",
-                          cfg.reshard if cfg else True))
+                          reshard))
     return out
 
 

@@ -81,10 +81,12 @@ def batch_part(t: torch.Tensor, microbatches: int, mb: int, replica: int, replic
 
 
 def assemble_state(plan, per_device: list[dict]) -> dict[str, torch.Tensor]:
-    """Canonical parameter name -> full tensor, from each worker's `export_state()`.
+    """Canonical parameter name -> full tensor, from each worker's `export_state()`, and
+    buffer name -> tensor for the buffers the workers train.
 
     A worker reports the parameters it holds in full and, for ZeRO-3 buckets, its shard;
-    shards are concatenated in group order and cut back into parameters.
+    shards are concatenated in group order and cut back into parameters. Each trained
+    buffer comes from the one device that owns it (`runtime.buffers`).
     """
     full: dict[str, torch.Tensor] = {}
     for st in per_device:
@@ -106,4 +108,6 @@ def assemble_state(plan, per_device: list[dict]) -> dict[str, torch.Tensor]:
     if missing:
         raise RuntimeError(f"no worker holds parameters {missing[:5]}; the plan places them "
                            "nowhere")
+    for st in per_device:
+        full.update(st.get("buffers", {}))
     return full

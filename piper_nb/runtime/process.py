@@ -169,7 +169,7 @@ def serve(rank: int, world: int, port: int, device_kind: str, conn, results,
                 workers.pop(key, None)
                 out = None
             elif op == "reset":
-                worker.reset(payload)
+                worker.reset(*payload)
                 out = None
             elif op == "step":
                 out = worker.step(*payload)

@@ -37,9 +37,10 @@ def nbytes(t: torch.Tensor | None) -> int:
 
 class ParamStore:
     def __init__(self, names: list[str], init: dict[str, torch.Tensor], layouts: dict[int, Layout],
-                 device_id: int, device: torch.device):
+                 device_id: int, device: torch.device, frozen: frozenset[str] = frozenset()):
         self.device_id, self.device = device_id, device
-        self.params = {n: nn.Parameter(torch.empty(0, dtype=init[n].dtype, device=device))
+        self.params = {n: nn.Parameter(torch.empty(0, dtype=init[n].dtype, device=device),
+                                       requires_grad=n not in frozen)
                        for n in names}
         self.layouts = {b: lay for b, lay in layouts.items()
                         if device_id in lay.group and any(n in self.params for n in lay.names)}

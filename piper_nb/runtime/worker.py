@@ -19,6 +19,7 @@ import torch
 
 from piper_nb.capture.split import BATCH_INPUT, BATCH_TARGET, LOSS
 from piper_nb.compiler.shapes import SavedBytes
+from piper_nb.runtime.buffers import Buffers, seed_forward
 from piper_nb.runtime.bundle import Bundle, bind_params, direct_calls
 from piper_nb.runtime.comm import Comm, Pending
 from piper_nb.runtime.exchange import TokenExchange
@@ -46,12 +47,14 @@ class Worker:
         names.update(dict.fromkeys(p for i in self.instrs if i.kind == "U" for p in i.params))
         self.layouts = bucket_layouts(plan)
         self.init = bundle.init
-        self.store = ParamStore(list(names), bundle.init, self.layouts, rank, device)
+        self.store = ParamStore(list(names), bundle.init, self.layouts, rank, device,
+                                frozenset(plan.frozen))
         self.modules = {}
         for r in regions:
             mod = bundle.modules[r].to(device)
             bind_params(mod, self.store.params, bundle.aliases)
             self.modules[r] = direct_calls(mod).train()
+        self.buffers = Buffers(plan, self.modules, self.instrs)
         self.values = ValueStore()
         self.exchange = TokenExchange(plan, comm, self.values, rank, device)
         self.needs = {r: sorted({b for b in self.store.full
@@ -69,15 +72,19 @@ class Worker:
         self.frees = {k: [parse_free(key) for key in i.keys]
                       for k, i in enumerate(self.instrs) if i.kind == "FREE"}
         self.optimizer = None
+        self.seed = 0
         self.tracing = True
         self.step_no = 0
         self.current = -1
 
     # ---- driver commands ---------------------------------------------------------------
-    def reset(self, optimizer) -> None:
+    def reset(self, optimizer, seed: int = 0) -> None:
+        """Parameters and buffers back to the model's, no optimizer state, step 0; `seed`
+        seeds the random operations (dropout) of every forward (see `forward_seed`)."""
         self.store.reset(self.init)
+        self.buffers.reset()
         self.values.clear()
-        self.optimizer, self.step_no = optimizer, 0
+        self.optimizer, self.step_no, self.seed = optimizer, 0, seed
 
     def text(self, idx: int) -> str:
         ins = self.instrs[idx]
@@ -158,16 +165,19 @@ class Worker:
         return params, grads, optim, acts, bufs
 
     def export_state(self) -> dict:
-        return self.store.export()
+        """Parameters held (full, or ZeRO-3 shards) and the buffers this device trains."""
+        return {**self.store.export(), "buffers": self.buffers.export(owned=True)}
 
     def train_state(self) -> dict:
         """Everything a step boundary holds, for a checkpoint: parameters (full, or ZeRO-3
-        shards), optimizer state and the step count; CPU copies."""
-        return {"step": self.step_no, **self.store.export_train_state()}
+        shards), buffers, optimizer state and the step count; CPU copies."""
+        return {"step": self.step_no, **self.store.export_train_state(),
+                "buffers": self.buffers.export(owned=False)}
 
     def load_train_state(self, state: dict) -> None:
         """Continue from `train_state()`'s output (after `reset`)."""
         self.store.load_train_state(state)
+        self.buffers.load(state.get("buffers", {}))
         self.step_no = state["step"]
 
     # ---- compute -----------------------------------------------------------------------
@@ -203,6 +213,7 @@ class Worker:
                     t = t.detach().requires_grad_(True)
                     leaves.append((v, t))
             args.append(t)
+        seed_forward(self.seed, self.step_no, ins, self.device)
         saved = 0
         if self.tracing:
             exclude = {p.untyped_storage().data_ptr() for p in self.store.params.values()}
@@ -251,8 +262,9 @@ class Worker:
                                f"{ins.region}F{ins.mb} (never ran, or already dropped)")
         if ins.kind == "BW":
             outs, grads = st.out_grads or ([], [])
-            params = [self.store.params[p] for p in self.plan.regions[ins.region].params
-                      if p in self.store.params]
+            held = self.store.params
+            params = [held[p] for p in self.plan.regions[ins.region].params
+                      if p in held and held[p].requires_grad]
             if outs and params:
                 torch.autograd.backward(outs, grads, inputs=params)
             del self.values.stash[key]

@@ -103,6 +103,7 @@ class Holding:
     zero: int = 0
     group: int = 1
     elem: int = 4     # dtype bytes, used when the settings do not say
+    trainable: bool = True   # frozen parameters hold no gradient and no optimizer state
 
 
 def model_states(holdings, settings: MemorySettings = MemorySettings()) -> dict[str, float]:
@@ -114,8 +115,9 @@ def model_states(holdings, settings: MemorySettings = MemorySettings()) -> dict[
         gb = settings.grad_bytes if settings.grad_bytes is not None else h.elem
         shard = math.ceil(h.numel / h.group)
         out["params"] += pb * (shard if h.zero >= 3 else h.numel)
-        out["grads"] += gb * (shard if h.zero >= 2 else h.numel)
-        out["optim"] += ob * (shard if h.zero >= 1 else h.numel)
+        if h.trainable:
+            out["grads"] += gb * (shard if h.zero >= 2 else h.numel)
+            out["optim"] += ob * (shard if h.zero >= 1 else h.numel)
     return out
 
 
@@ -138,7 +140,8 @@ def device_holdings(plan, d: int) -> list[Holding]:
     for p in names:
         b = sharded.get(p)
         if b is None:
-            out.append(Holding(_numel(plan, p), 0, 1, _elem(plan.params[p][1])))
+            out.append(Holding(_numel(plan, p), 0, 1, _elem(plan.params[p][1]),
+                               trainable=p not in plan.frozen))
         elif b.index not in seen:
             seen.add(b.index)
             numel = sum(_numel(plan, q) for q in b.params)
@@ -176,6 +179,7 @@ class _Device:
 
     def __init__(self, plan, d: int, settings: MemorySettings, routing: Routing):
         self.plan, self.instrs, self.d = plan, plan.devices[d].instrs, d
+        self.frozen = frozenset(plan.frozen)
         self.vbytes = {k: value_bytes(v) for k, v in plan.values.items()}
         self.routing = routing
         self.pb, self.gb = settings.param_bytes, settings.grad_bytes
@@ -260,7 +264,7 @@ class _Device:
 
     def _param_grads(self, names) -> None:
         for n in names:
-            if n in self.names and n not in self.grads:
+            if n in self.names and n not in self.grads and n not in self.frozen:
                 self.grads[n] = None
                 self.level[1] += self.gsize[n]
 

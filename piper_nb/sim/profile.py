@@ -428,10 +428,13 @@ def profile_plan(plan, repeats: int = 7, optimizer=None, overhead_repeats: int =
 def region_flops(plan) -> dict[int, float]:
     """Region -> forward FLOPs on one microbatch slice (FlopCounterMode)."""
     from torch.utils.flop_counter import FlopCounterMode
+
+    from piper_nb.capture.untouched import untouched
     out = {}
     for r in range(len(plan.regions)):
         args = region_inputs(plan, r)
-        with FlopCounterMode(display=False) as counter, torch.no_grad():
+        with untouched(plan.capture.model), FlopCounterMode(display=False) as counter, \
+                torch.no_grad():
             plan.capture.modules[r](*args)
         out[r] = float(counter.get_total_flops())
     return out

@@ -32,8 +32,8 @@ class StepReporter:
     def __init__(self, cluster, on_step: Callable[[list[dict]], None]):
         self.cluster, self.on_step = cluster, on_step
 
-    def reset(self, plan, optimizer) -> None:
-        self.cluster.reset(plan, optimizer)
+    def reset(self, plan, optimizer, seed: int = 0) -> None:
+        self.cluster.reset(plan, optimizer, seed)
 
     def step(self, plan, batch, trace: bool = True) -> list[dict]:
         outs = self.cluster.step(plan, batch, trace)
