@@ -115,7 +115,10 @@ def build_global_dag(capture, directives: list[tuple[int, Directive]], values: d
 
 
 def _place_replicas(dag: TrainingDAG, replicates: list[tuple[int, Replicate]]) -> TrainingDAG:
-    """Place the passes of replicated regions on their replica groups (one rewrite)."""
+    """Place the passes of replicated regions on their replica groups (one rewrite). Passes
+    already placed on part of the group keep their place (the copies of a stage that full
+    DualPipe places per microbatch): the group then spans the copies, which sum, and under
+    ZeRO shard, the region's gradients and optimizer state."""
     if not replicates:
         return dag
     where: dict[str, tuple[int, Replicate]] = {}
@@ -128,7 +131,7 @@ def _place_replicas(dag: TrainingDAG, replicates: list[tuple[int, Replicate]]) -
             idx, d = where[n.id]
             if not n.devices:
                 n = dataclasses.replace(n, devices=d.devices)
-            elif set(n.devices) != set(d.devices):
+            elif not set(n.devices) <= set(d.devices):
                 raise PlanError(f"{n.id} is placed on {list(n.devices)} but replicated over "
                                 f"{list(d.devices)}; place it on the replicate devices",
                                 directive=idx, op="replicate")
@@ -154,23 +157,52 @@ def _compile(spec, program, batch, loss_fn, world, check) -> Plan:
     inputs, targets = _check_batch(batch)
     directives = expand(program)
     capture = spec.capture(loss_fn)
+    bsz = inputs.shape[0]
+    micro = _microbatches(directives, bsz)
+    frozen = frozenset(n for n, p in capture.model.named_parameters() if not p.requires_grad)
+    # shapes are per replica's share of a microbatch; the replicate directives give the
+    # width, unless their regions are placed on smaller groups (a stage's two copies)
+    width = max((len(d.devices) for _, d in directives if isinstance(d, Replicate)), default=1)
+    width = width if (bsz // micro) % width == 0 else 1
+    shapes = _shapes(capture, directives, inputs, targets, bsz // micro // width)
+    dag, _ = build_global_dag(capture, directives, shapes["values"], frozen)
+    actual = _check_widths(dag, directives, bsz, micro)
+    if actual != width:
+        shapes = _shapes(capture, directives, inputs, targets, bsz // micro // actual)
+        dag, _ = build_global_dag(capture, directives, shapes["values"], frozen)
+    check_buffers(dag, shapes["changed"])
+    n_world = _world(dag, directives, world)
+    buckets = dag.get_meta("buckets", ())
+    loss_region = next(r.index for r in capture.regions if r.has_loss)
+    loss_width = next(len(n.devices) for n in dag.nodes if n.region == loss_region and n.op == Op.F)
+    plan = Plan(
+        world=n_world, devices=lower(dag, buckets, n_world), microbatches=micro, batch_size=bsz,
+        loss_scale=1.0 / (micro * loss_width), regions=capture.regions, buckets=buckets,
+        values=shapes["values"], saved=shapes["saved"], rows=shapes["rows"],
+        saved_rows=shapes["saved_rows"],
+        params={k: (tuple(p.shape), str(p.dtype).removeprefix("torch."))
+                for k, p in capture.model.named_parameters()},
+        frozen=tuple(sorted(frozen)),
+        dag=dag, program=directives, capture=capture)
+    if check:
+        check_plan(plan)
+    return plan
+
+
+def _microbatches(directives, bsz: int) -> int:
     splits = [(i, d) for i, d in directives if isinstance(d, Split)]
     micro = 1
     for _, d in splits:
         micro *= d.num
-    bsz = inputs.shape[0]
     if bsz % micro:
-        idx = splits[-1][0]
         raise PlanError(f"{micro} microbatches do not divide the batch of {bsz}; use a divisor "
-                        f"of {bsz}", directive=idx, op="split")
-    widths = {len(d.devices): i for i, d in directives if isinstance(d, (Replicate,))}
-    width = max(widths, default=1)
-    for w, idx in widths.items():
-        if (bsz // micro) % w:
-            raise PlanError(f"{w} replicas do not divide the microbatch of {bsz // micro} "
-                            f"samples (batch {bsz} / {micro} microbatches); use a batch divisible "
-                            f"by {micro * w}", directive=idx, op="replicate")
-    part = bsz // micro // width
+                        f"of {bsz}", directive=splits[-1][0], op="split")
+    return micro
+
+
+def _shapes(capture, directives, inputs, targets, part: int) -> dict:
+    """Run the regions once on `part` samples: value shapes, saved bytes, the buffers each
+    forward changes and (for expert plans) the routed rows as symbols."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # tiny tensors: worker threads only get in each other's way
     try:
@@ -182,9 +214,25 @@ def _compile(spec, program, batch, loss_fn, world, check) -> Plan:
                                               values)
     finally:
         torch.set_num_threads(threads)
-    frozen = frozenset(n for n, p in capture.model.named_parameters() if not p.requires_grad)
-    dag, _ = build_global_dag(capture, directives, values, frozen)
-    check_buffers(dag, changed)
+    return {"values": values, "saved": saved, "changed": changed, "rows": rows,
+            "saved_rows": saved_rows}
+
+
+def _check_widths(dag: TrainingDAG, directives, bsz: int, micro: int) -> int:
+    """The replica width (devices per pass), checked to divide a microbatch."""
+    widths = {len(n.devices) for n in dag.nodes if n.op == Op.F}
+    for w in sorted(widths, reverse=True):
+        if (bsz // micro) % w:
+            idx = next((i for i, d in directives if isinstance(d, Replicate)
+                        and len(d.devices) % w == 0), None)
+            raise PlanError(f"{w} replicas do not divide the microbatch of {bsz // micro} "
+                            f"samples (batch {bsz} / {micro} microbatches); use a batch divisible "
+                            f"by {micro * w}", directive=idx,
+                            op="replicate" if idx is not None else None)
+    return max(widths, default=1)
+
+
+def _world(dag: TrainingDAG, directives, world: int | None) -> int:
     used = dag.devices()
     n_world = world if world is not None else (max(used) + 1 if used else 1)
     outside = [d for d in used if d >= n_world]
@@ -198,17 +246,4 @@ def _compile(spec, program, batch, loss_fn, world, check) -> Plan:
     if idle:
         raise PlanError(f"devices {idle} get no work in a world of {n_world}; place something on "
                         "them or renumber the devices from 0")
-    buckets = dag.get_meta("buckets", ())
-    loss_region = next(r.index for r in capture.regions if r.has_loss)
-    loss_width = next(len(n.devices) for n in dag.nodes if n.region == loss_region and n.op == Op.F)
-    plan = Plan(
-        world=n_world, devices=lower(dag, buckets, n_world), microbatches=micro, batch_size=bsz,
-        loss_scale=1.0 / (micro * loss_width), regions=capture.regions, buckets=buckets,
-        values=values, saved=saved, rows=rows, saved_rows=saved_rows,
-        params={k: (tuple(p.shape), str(p.dtype).removeprefix("torch."))
-                for k, p in capture.model.named_parameters()},
-        frozen=tuple(sorted(frozen)),
-        dag=dag, program=directives, capture=capture)
-    if check:
-        check_plan(plan)
-    return plan
+    return n_world

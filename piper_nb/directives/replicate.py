@@ -18,8 +18,13 @@ further). Per bucket:
 - zero 3: parameters stay sharded: ALL_GATHER before every pass that needs them (freed
   after it), REDUCE_SCATTER after every backward, U on the shard; with `reshard=False`,
   one ALL_GATHER before the region's first pass (freed after its last) and one
-  REDUCE_SCATTER after its last backward. A weight tied across stages is always gathered
-  this way under ZeRO-3.
+  REDUCE_SCATTER after its last backward.
+
+A bucket spread over more devices than one pass runs on (a weight tied across stages, a
+stage held twice by full DualPipe) is gathered once per step under ZeRO-3 and reduced once
+per step under ZeRO-2: its devices run their microbatches' backwards in different orders
+(the copies of a DualPipe stage each run half of them), so per-microbatch collectives
+over all of them would not line up.
 """
 
 from __future__ import annotations
@@ -76,6 +81,13 @@ def _last_backward(dag: TrainingDAG, region: int) -> list[Node]:
     return [n for n in dag.nodes if n.region == region and n.op in (Op.B, Op.BW)]
 
 
+def _spread(dag: TrainingDAG, regions, devs: tuple[int, ...]) -> bool:
+    """Whether the devices holding these regions' parameters are more than the group one
+    pass runs on: a weight tied across stages, or a stage held twice (DualPipe)."""
+    return any(set(n.devices) != set(devs) for n in dag.nodes
+               if n.region in regions and n.op == Op.F)
+
+
 def _buckets(dag, region_params, param_bytes, configs) -> list[Bucket]:
     holders = {n.region: n.devices for n in dag.nodes if n.op == Op.U}
     regions_of: dict[str, list[int]] = {}
@@ -99,11 +111,10 @@ def _buckets(dag, region_params, param_bytes, configs) -> list[Bucket]:
     for (devs, zero, rs), params in groups.items():
         cfg = configs.get(rs[0])
         limit = cfg.bucket_size * 2**20 if cfg and cfg.bucket_size else None
-        # a weight tied across stages is sharded over every device that holds it; under
-        # ZeRO-3 it is gathered once per step, not before every pass (the stages' passes
-        # would otherwise have to meet at every gather)
-        across = zero and any(set(configs[r].devices) != set(devs) for r in rs)
-        reshard = (cfg.reshard if cfg else True) and not (across and zero == 3)
+        # a weight summed across stages or copies is sharded over every device that holds
+        # it; under ZeRO-3 it is gathered once per step, not before every pass (the stages'
+        # passes would otherwise have to meet at every gather)
+        reshard = (cfg.reshard if cfg else True) and not (zero == 3 and _spread(dag, rs, devs))
         chunk: list[str] = []
         size = 0
         for p in params:
@@ -138,7 +149,10 @@ def insert_grad_sync(dag: TrainingDAG, region_params: dict[int, tuple[str, ...]]
     for b in buckets:
         base = dict(regions[b.regions[0]].tags)
         producers = [n for r in b.regions for n in _last_backward(dag, r)]
-        once = b.zero in (0, 1) or (b.zero == 3 and not b.reshard)
+        # spread over stages or copies, ZeRO-2 reduces once per step: the members run their
+        # microbatches' backwards in different orders
+        once = (b.zero in (0, 1) or (b.zero == 3 and not b.reshard)
+                or (b.zero == 2 and _spread(dag, b.regions, b.group)))
         if once:
             op = Op.ALL_REDUCE if b.zero == 0 else Op.REDUCE_SCATTER
             c = coll(op, b, base, "", b.reduce_stream, "grad")

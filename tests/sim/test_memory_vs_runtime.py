@@ -89,3 +89,41 @@ def test_first_step_optimizer_state_appears_at_the_update(clusters, name, optimi
     settings = MemorySettings(optimizer=optimizer, first_step=True)
     _assert_equal(plan, result.trace.memory, pn.simulate(plan, CostModel.uniform(),
                                                          memory=settings).memory)
+
+
+def _tied(zero: int):
+    model = pn.models.TinyGPT(vocab=64, dim=32, layers=2, heads=2, seq=16, tie_embeddings=True)
+    program = [pn.place({"PP": 0}, [0, 2]), pn.place({"PP": 1}, [1, 3]),
+               pn.replicate({"PP": 0}, [0, 2], zero=zero),
+               pn.replicate({"PP": 1}, [1, 3], zero=zero), *pn.schedules.one_f_one_b(2, 4)]
+    return model, pn.cut_stages(model, 2), program
+
+
+def _dualpipe_zero(zero: int):
+    model = pn.models.TinyGPT(vocab=64, dim=32, layers=2, heads=2, seq=16, tie_embeddings=True)
+    program = [*pn.schedules.dualpipe(2, 4, place=True),
+               pn.replicate({"PP": 0}, [0, 1], zero=zero), pn.replicate({"PP": 1}, [0, 1], zero=zero)]
+    return model, pn.cut_stages(model, 2), program
+
+
+def _frozen_zero3():
+    model = pn.models.MLP(dim=16, depth=4)
+    model.layers[1].requires_grad_(False)
+    program = [pn.replicate({}, [0, 1], zero=3), pn.split({}, "MB", 2)]
+    return model, {"layers": {"PP": 0}}, program
+
+
+MORE = {**{f"tied-zero{z}-pp2-dp2": lambda z=z: _tied(z) for z in (1, 2, 3)},
+        **{f"dualpipe-copies-zero{z}": lambda z=z: _dualpipe_zero(z) for z in (2, 3)},
+        "frozen-zero3": _frozen_zero3}
+
+
+@pytest.mark.parametrize("name", sorted(MORE))
+def test_predicted_memory_equals_measured_beyond_the_matrix(clusters, name):
+    """Weights tied across stages and DualPipe copies under ZeRO, frozen weights."""
+    model, annotation, program = MORE[name]()
+    batch = model.example_batch(batch_size=8, seed=0)
+    plan = pn.compile(pn.annotate(model, annotation), program, batch)
+    result = pn.train(plan, batch, steps=2, optimizer=OPT, cluster=clusters(plan.world))
+    predicted = pn.simulate(plan, CostModel.uniform(), memory=MemorySettings(optimizer=OPT))
+    _assert_equal(plan, result.trace.memory, predicted.memory)
