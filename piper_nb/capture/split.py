@@ -32,7 +32,7 @@ from torch import nn
 
 from piper_nb.capture.region import current_region_tags, tracing_scope
 from piper_nb.errors import PlanError
-from piper_nb.ir.filters import Tags, freeze_tags, tags_text
+from piper_nb.ir.filters import SEG, Tags, freeze_tags, tags_text
 
 __all__ = ["RegionInfo", "Capture", "capture_regions", "BATCH_INPUT", "BATCH_TARGET", "LOSS",
            "SEG"]
@@ -172,7 +172,6 @@ def unpack_size(t: torch.Tensor):
     return t.item()
 
 
-SEG = "SEG"
 
 
 class _RegionGraph:

@@ -157,8 +157,33 @@ def dry_run(plan: Plan, flow: Flow | None = None) -> list[list[int]]:
         if not progress:
             raise PlanError("deadlock: no device can make progress; the order of the marked "
                             "passes cannot be met by their peers (check those devices' order "
-                            "directives)\n" + _stuck_grid(plan, ptr))
+                            "directives)" + _segment_note(plan, ptr) + "\n"
+                            + _stuck_grid(plan, ptr))
         r += 1
+
+
+def _segment_note(plan: Plan, ptr: list[int]) -> str:
+    """In the model's terms, when a stuck pass belongs to a stage that comes back later in
+    the model (a module called again after another stage: a SEG region)."""
+    seen = []
+    for dp in plan.devices:
+        if ptr[dp.device] < len(dp.instrs):
+            ins = dp.instrs[ptr[dp.device]]
+            if ins.kind == "WAIT":
+                ins = dp.instrs[ins.target]
+            if 0 <= ins.region < len(plan.regions) and "SEG" in dict(plan.regions[ins.region].tags):
+                info = plan.regions[ins.region]
+                if info not in seen:
+                    seen.append(info)
+    if not seen:
+        return ""
+    parts = [f"{{{r.name}}} runs {', '.join(r.modules) or 'operations'} of stage "
+             f"{{{r.name.split(',SEG')[0]}}} again, after other stages" for r in seen]
+    return ("; " + "; ".join(parts) + ": a schedule orders each stage's passes once per "
+            "microbatch, and this model goes through that stage twice. Name the later pass in "
+            "the order with its SEG tag, give the repeated call its own stage (pn.region, or a "
+            "tag on the caller), or use a schedule that runs each stage's forwards before its "
+            "backwards (gpipe)")
 
 
 def _stuck_grid(plan: Plan, ptr: list[int], context: int = 8) -> str:

@@ -15,6 +15,7 @@ import heapq
 from collections import defaultdict
 from dataclasses import fields
 
+from piper_nb.compiler.floating import merge_floating
 from piper_nb.compiler.plan import DevicePlan, Instr
 from piper_nb.errors import PlanError
 from piper_nb.ir.dag import COLLECTIVES, COMPUTE, Node, Op, TrainingDAG
@@ -37,6 +38,8 @@ def _key(n: Node, remote: bool = True) -> tuple:
     if n.op in COLLECTIVES:
         return (1, 0, n.mb if n.mb is not None else -1, 0, 0, n.id)
     mb = n.mb if n.mb is not None else -1
+    if n.attrs and n.attr("floating"):   # a later segment left out of the order: it waits
+        return (2, -1, mb, -_PASS_RANK[n.op], n.region, n.id)   # on a peer that waits on it
     if n.op in _BACKWARDS:
         if remote:
             return (2, _PASS_RANK[n.op], mb, 0, -n.region, n.id)
@@ -108,17 +111,20 @@ def _cycle_error(dag: TrainingDAG, left: set[str], device: int) -> PlanError:
                      op="order" if origin is not None else None)
 
 
-def _order_device(dag: TrainingDAG, d: int, nodes: list[Node]) -> tuple[list[Node], dict]:
+def _order_device(dag: TrainingDAG, d: int, nodes: list[Node],
+                  floating: frozenset[str] = frozenset()) -> tuple[list[Node], dict]:
+    """A device's order (floating nodes left out, see `floating`) and, per node, the
+    pulled issues (receives, ZeRO-3 gathers) that come just before it."""
     ids = {n.id for n in nodes}
     pulled_of: dict[str, list[Node]] = defaultdict(list)
-    indeg = {n.id: 0 for n in nodes if not _is_pulled(n)}
+    indeg = {n.id: 0 for n in nodes if not _is_pulled(n) and n.id not in floating}
     for n in nodes:
         for e in dag.out_edges(n.id):
             if e.dst not in ids:
                 continue
             if _is_pulled(n):
                 pulled_of[e.dst].append(n)
-            elif e.dst in indeg:
+            elif e.dst in indeg and n.id not in floating:
                 indeg[e.dst] += 1
     remote = _waits_on_peers(dag, nodes, ids)
     heap = [(_key(dag[i], i in remote), i) for i, k in indeg.items() if k == 0]
@@ -159,6 +165,9 @@ def lower(dag: TrainingDAG, buckets, world: int) -> tuple[DevicePlan, ...]:
     for d in range(world):
         classes[tuple(n.id for n in local[d])].append(d)
     plans: list[DevicePlan | None] = [None] * world
+    floating = _floating(dag)
+    if floating:
+        return _lower_merged(dag, buckets, world, local, classes, floating, partner, tags)
     for devs in classes.values():
         rep = devs[0]
         seq, pulled_of = _order_device(dag, rep, local[rep])
@@ -171,6 +180,38 @@ def lower(dag: TrainingDAG, buckets, world: int) -> tuple[DevicePlan, ...]:
                 instrs = stamp(d)
                 plans[d] = DevicePlan(d, instrs, stamp=(template, instrs))
     return tuple(plans)
+
+
+def _floating(dag: TrainingDAG) -> frozenset[str]:
+    """The passes an order left out (`floating`) and what follows them on their device
+    without being ordered itself: their sends, updates and gradient collectives."""
+    todo = [n.id for n in dag.nodes if n.attrs and n.attr("floating")]
+    seen = set(todo)
+    while todo:
+        n = dag[todo.pop()]
+        for e in dag.out_edges(n.id):
+            m = dag[e.dst]
+            if (e.dst not in seen and set(m.devices) & set(n.devices) and not _is_pulled(m)
+                    and m.op not in (Op.F, Op.B, Op.BI, Op.BW)):
+                seen.add(e.dst)
+                todo.append(e.dst)
+    return frozenset(seen)
+
+
+def _lower_merged(dag, buckets, world, local, classes, floating, partner, tags):
+    """`lower` for a DAG with floating nodes: the devices' orders are merged with them by
+    one global list schedule (`floating.merge_floating`), then emitted device by device."""
+    seqs, pulled = [None] * world, [None] * world
+    for devs in classes.values():
+        seq, pulled_of = _order_device(dag, devs[0], local[devs[0]], floating)
+        for d in devs:
+            seqs[d], pulled[d] = seq, pulled_of
+    extra = [[n for n in local[d] if n.id in floating] for d in range(world)]
+    merged = merge_floating(dag, seqs, extra, key=lambda n: (_key(n), n.id))
+    regions = dag.regions()
+    return tuple(DevicePlan(d, _emit(dag, d, merged[d], pulled[d], partner, tags,
+                                     owned_params(dag, buckets, d, local[d]), regions))
+                 for d in range(world))
 
 
 _FIELDS = tuple(f.name for f in fields(Instr))

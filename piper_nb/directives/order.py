@@ -3,12 +3,22 @@
 A slot is a list of filters; all nodes it selects share the slot and may overlap (how
 DualPipe's F&B pairs are said): they get one `overlap` id. Temporal edges order the work
 of one device; an edge between passes on different devices is an error.
+
+A filter names a stage's pass. When the stage's tags come back later in the model, after
+another stage (a module called again: region {PP: 0, SEG: 1} after {PP: 1}), the passes
+of that later segment are left out of a slot whose filter does not name SEG, marked
+`floating`: the lowering puts them in where their inputs have arrived (one global list
+schedule, `compiler.floating`). A schedule written for the stages then runs such a model,
+where holding them in the slot would make the stage wait for itself (1F1B's `0F1` after
+`0F0` would wait for the second call of microbatch 0, which waits on stage 1). Segments
+that stay within their stage (a mixture of experts' combine after its experts) are kept.
 """
 
 from __future__ import annotations
 
 from piper_nb.errors import PlanError
-from piper_nb.ir.dag import COMPUTE, Edge, TrainingDAG
+from piper_nb.ir.dag import COMPUTE, Edge, Node, TrainingDAG
+from piper_nb.ir.filters import SEG
 
 __all__ = ["apply_orders"]
 
@@ -19,28 +29,44 @@ def apply_orders(dag: TrainingDAG, orders: list[tuple[int, object]]) -> Training
         return dag
     edges: list[Edge] = []
     patched: dict = {}
+    dropped: dict[str, int] = {}
+    ordered: set[str] = set()
     overlap = 0
     for index, directive in orders:
-        new_edges, new_nodes, overlap = _order_edges(dag, directive, index, overlap)
+        new_edges, new_nodes, overlap, left, slots = _order_edges(dag, directive, index, overlap)
         edges += new_edges
         patched.update(new_nodes)
+        dropped.update(dict.fromkeys(left, index))
+        ordered.update(nid for ids in slots for nid in ids)
+    # a pass some order names (with its SEG tag) is ordered, not floating
+    dropped = {nid: i for nid, i in dropped.items() if nid not in ordered}
+    for nid in dropped:
+        patched[nid] = patched.get(nid, dag[nid]).with_attrs(floating=True)
     nodes = [patched.get(n.id, n) for n in dag.nodes] if patched else dag.nodes
-    return dag.replace(nodes=nodes, edges=(*dag.edges, *edges),
-                       step=f"order ({len(orders)} directives)")
+    out = dag.replace(nodes=nodes, edges=(*dag.edges, *edges),
+                      step=f"order ({len(orders)} directives)")
+    if dropped:
+        out = out.replace(edges=(*out.edges, *_after_anchors(out, dropped)))
+    return out
 
 
 def _order_edges(dag: TrainingDAG, directive, index: int, first_overlap: int):
     slots: list[list[str]] = []
+    dropped: set[str] = set()
     for i, group in enumerate(directive.groups):
         ids: list[str] = []
         for f in group:
-            hit = [n.id for n in dag.select(f, COMPUTE)]
+            selected = dag.select(f, COMPUTE)
+            named = _named(dag, selected, f)
+            dropped.update(n.id for n in selected if n not in named)
+            hit = [n.id for n in named]
             if not hit:
                 raise PlanError(f"order slot {i}: filter {dict(f)} matches no pass; check the "
                                 "stage, microbatch and PASS (F, B, BI, BW)", directive=index,
                                 op="order")
             ids += [h for h in hit if h not in ids]
         slots.append(ids)
+    edges: list[Edge] = []
     overlap = first_overlap
     patched = {}
     for ids in slots:
@@ -48,7 +74,6 @@ def _order_edges(dag: TrainingDAG, directive, index: int, first_overlap: int):
             for nid in ids:
                 patched[nid] = dag[nid].with_attrs(overlap=overlap)
             overlap += 1
-    edges = []
     for i in range(len(slots) - 1):
         pairs = [(a, b) for a in slots[i] for b in slots[i + 1]
                  if set(dag[a].devices) & set(dag[b].devices)]
@@ -59,4 +84,57 @@ def _order_edges(dag: TrainingDAG, directive, index: int, first_overlap: int):
                 f"{list(dag[b].devices)}) run on different devices; an order sequences "
                 "one device's work: write one order per device", directive=index, op="order")
         edges += [Edge(a, b, "temporal", origin=index) for a, b in pairs]
-    return edges, patched, overlap
+    return edges, patched, overlap, dropped, slots
+
+
+def _named(dag: TrainingDAG, nodes: list[Node], filt) -> list[Node]:
+    """The nodes a filter orders: a later segment of a stage that comes back after another
+    stage (an ancestor region differs in a tag the filter names) is left to run when its
+    inputs arrive, unless the filter names SEG (see the docstring)."""
+    if SEG in filt or all(n.tag(SEG) is None for n in nodes):
+        return nodes
+    keys = [k for k in filt if k not in ("MB", "PASS")]
+    regions = dag.regions()
+    tags = [dict(r.tags) for r in regions]
+    return [n for n in nodes if not n.tag(SEG) or not any(
+        tags[a].get(k) != tags[n.region].get(k) for a in _ancestors(dag)[n.region] for k in keys)]
+
+
+def _ancestors(dag: TrainingDAG) -> list[set[int]]:
+    """Per region, the regions its forward depends on (transitively), from the values."""
+    cache = dag._idx()
+    if "region_ancestors" not in cache:
+        regions = dag.regions()
+        producer = {v: r.index for r in regions for v in r.outputs}
+        out: list[set[int]] = []
+        for r in regions:   # regions are numbered in dependency order
+            anc = set()
+            for v in r.inputs:
+                if v in producer:
+                    anc |= {producer[v]} | out[producer[v]]
+            out.append(anc)
+        cache["region_ancestors"] = out
+    return cache["region_ancestors"]
+
+
+def _after_anchors(dag: TrainingDAG, dropped: dict[str, int]) -> list[Edge]:
+    """Temporal edges that keep each left-out pass after the passes of its own device it
+    waits on through other devices (its data goes out and comes back, after whatever the
+    other devices' orders put first), so its device does not wait for it too early."""
+    edges = []
+    for nid, index in sorted(dropped.items()):
+        here = set(dag[nid].devices)
+        seen, todo, anchors = {nid}, [nid], set()
+        while todo:
+            for e in dag.in_edges(todo.pop()):
+                if e.src in seen:
+                    continue
+                seen.add(e.src)
+                src = dag[e.src]
+                if src.op in COMPUTE and set(src.devices) & here:
+                    anchors.add(e.src)
+                else:
+                    todo.append(e.src)
+        edges += [Edge(a, nid, "temporal", origin=index) for a in sorted(anchors)
+                  if not any(e.dst == nid for e in dag.out_edges(a))]
+    return edges

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
-from piper_nb.ir.filters import Tags, freeze_tags, matches, tags_text
+from piper_nb.ir.filters import SEG, Tags, freeze_tags, matches, tags_text
 
 __all__ = ["Op", "Node", "Edge", "TrainingDAG", "COMPUTE", "COLLECTIVES", "COMM", "node_id"]
 
@@ -157,6 +157,9 @@ class TrainingDAG:
                 for k, v in n.tags:
                     by_tag[(k, v)].append(i)
                     by_tag[(k, "*")].append(i)
+                if n.tag(SEG) is None:   # a stage's first segment: SEG 0
+                    by_tag[(SEG, 0)].append(i)
+                    by_tag[(SEG, "*")].append(i)
             idx["tags"] = {k: frozenset(v) for k, v in by_tag.items()}
         hits: frozenset[int] | None = None
         for k, v in filt.items():

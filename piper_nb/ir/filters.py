@@ -1,7 +1,9 @@
 """Filters: conjunctive `{tag: index}` maps selecting DAG nodes (Piper's filter form).
 
 `"*"` matches any index of a tag the node has; `{}` matches everything; `PASS` is a
-built-in tag whose values are F, B, BI, BW, U. A node's tags are a frozen mapping.
+built-in tag whose values are F, B, BI, BW, U. A node's tags are a frozen mapping. `SEG`
+(set by capture when a stage's tags come back later in the model) is 0 where absent: the
+first segment of a stage carries no SEG tag, and `{"SEG": 0}` selects it.
 """
 
 from __future__ import annotations
@@ -11,9 +13,11 @@ from typing import Any
 
 from piper_nb.errors import PlanError
 
-__all__ = ["Filter", "Tags", "ANY", "PASSES", "as_filter", "matches", "tags_text", "freeze_tags"]
+__all__ = ["Filter", "Tags", "ANY", "PASSES", "SEG", "as_filter", "matches", "tags_text",
+           "freeze_tags"]
 
 ANY = "*"
+SEG = "SEG"
 PASSES = ("F", "B", "BI", "BW", "U")
 Tags = tuple[tuple[str, Any], ...]
 Filter = Mapping[str, Any]
@@ -47,6 +51,8 @@ def matches(filt: Mapping[str, Any], tags: Mapping[str, Any]) -> bool:
     """True when every `tag: index` of the filter holds for the node's tags."""
     for key, want in filt.items():
         if key not in tags:
+            if key == SEG and want in (0, ANY):
+                continue
             return False
         if want != ANY and tags[key] != want:
             return False

@@ -149,3 +149,32 @@ def test_random_json_programs_raise_nothing_but_plan_error(setup, program):
     except pn.PlanError:
         return
     assert plan.world >= 1
+
+
+def test_a_deadlock_through_a_stage_that_comes_back_is_explained_in_model_terms():
+    import torch
+    import torch.nn.functional as F
+    from torch import nn
+
+    class Shared(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inp, self.shared, self.mid = nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 4)
+
+        def forward(self, x):
+            return self.shared(self.mid(self.shared(self.inp(x))))
+
+        def loss_fn(self, out, y):
+            return F.mse_loss(out, y)
+
+    spec = pn.annotate(Shared(), {"inp": {"PP": 0}, "shared": {"PP": 0}, "mid": {"PP": 1}})
+    f = lambda mb, **tags: {**tags, "MB": mb, "PASS": "F"}
+    # device 0 runs the second call of microbatch 0 before the first of microbatch 1, which
+    # device 1 needs first
+    program = [pn.place({"PP": 0}, [0]), pn.place({"PP": 1}, [1]), pn.split({}, "MB", 2),
+               pn.order([[f(0, PP=0, SEG=0)], [f(0, PP=0, SEG=1)], [f(1, PP=0, SEG=0)]]),
+               pn.order([[f(1, PP=1)], [f(0, PP=1)]])]
+    batch = (torch.randn(4, 4), torch.randn(4, 4))
+    with pytest.raises(pn.PlanError, match=r"deadlock.*\{PP=0,SEG=1\} runs shared of stage "
+                                           r"\{PP=0\} again, after other stages"):
+        pn.compile(spec, program, batch)

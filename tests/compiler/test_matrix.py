@@ -54,15 +54,17 @@ def test_schedule_times_zero(mlp16, name, zero):
     spec = pn.annotate(model, pn.cut_stages(model, stages))
     program = build()
     if name == "dualpipe":
-        # every stage already lives on two ranks; ZeRO shards over them is not a replica group
-        if zero:
-            with pytest.raises(pn.PlanError, match="data can only flow|ZeRO|replicate"):
-                pn.compile(spec, with_data_parallel(program, ranks, zero), batch)
-            return
         plan = pn.compile(spec, program, batch)
         assert plan.world == 4
         # the two copies of each stage sum their gradients
         assert sorted(b.group for b in plan.buckets) == [(0, 3), (0, 3), (1, 2), (1, 2)]
+        # with data parallel, each stage lives on both copies' replica groups: ZeRO shards
+        # over all four devices, reducing and gathering once per step
+        plan = pn.compile(spec, with_data_parallel(program, ranks, zero), batch)
+        assert sorted({b.group for b in plan.buckets}) == [(0, 3, 4, 7), (1, 2, 5, 6)]
+        assert {b.zero for b in plan.buckets} == {zero}
+        per_mb = [n for n in plan.dag.nodes if n.op == Op.REDUCE_SCATTER and n.mb is not None]
+        assert per_mb == []
         return
     plan = pn.compile(spec, with_data_parallel(program, ranks, zero), batch)
     assert plan.world == 2 * ranks

@@ -239,3 +239,37 @@ def test_an_optimizer_that_is_not_piper_nbs_is_refused_before_anything_runs():
         train(plan, batch(), 2, pn.optim.AdamW, cluster=Broken())
     with pytest.raises(pn.PlanError, match="reference_train: optimizer"):
         reference_train(model, batch(), 2, 2, torch.optim.SGD(model.parameters(), lr=0.1))
+
+
+class Shared(nn.Module):
+    """`out(shared(mid(shared(inp(x)))))`: `shared` is tagged with stage 0 and called again
+    after stage 1, so stage 0 comes back (region {PP=0,SEG=1})."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp, self.shared, self.mid, self.out = (nn.Linear(8, 8) for _ in range(4))
+
+    def forward(self, x):
+        x = torch.tanh(self.shared(torch.tanh(self.inp(x))))
+        return self.out(torch.tanh(self.shared(torch.tanh(self.mid(x)))))
+
+    def loss_fn(self, out, y):
+        return F.mse_loss(out, y)
+
+
+SHARED_TAGS = {"inp": {"PP": 0}, "shared": {"PP": 0}, "mid": {"PP": 1}, "out": {"PP": 1}}
+
+
+@pytest.mark.parametrize("schedule", [
+    lambda: pn.schedules.gpipe(2, 4, place=True),
+    lambda: pn.schedules.one_f_one_b(2, 4, place=True),
+    lambda: pn.schedules.zero_bubble(2, 4, place=True),
+    lambda: pn.schedules.dualpipe(2, 4, place=True),
+    lambda: pn.schedules.from_grid("0F0 0F1 0B0 0B1\n1F0 1B0 1F1 1B1", place=True),
+], ids=["gpipe", "1f1b", "zb1p", "dualpipe", "grid"])
+def test_a_module_called_from_two_stages_runs_under_every_schedule(cluster2, same, schedule):
+    model = Shared()
+    plan, result, ref = run(model, schedule(), cluster2, annotation=SHARED_TAGS)
+    assert [r.name for r in plan.regions] == ["PP=0", "PP=1", "PP=0,SEG=1", "PP=1,SEG=1"]
+    same(result, ref, model)
