@@ -5,7 +5,7 @@ BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
 SYSDEPS := $(VENV)/.sysdeps
 
-.PHONY: test demo lab lint bench clean
+.PHONY: test demo lab lint bench fuzz clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -36,6 +36,12 @@ lab: $(STAMP) $(SYSDEPS)
 
 lint: $(STAMP)
 	$(BIN)/ruff check piper_nb tests benchmarks
+
+# the differential fuzzer: CASES random model x strategy cases against one process
+# (make fuzz SEED=N replays one case)
+CASES ?= 500
+fuzz: $(STAMP)
+	$(BIN)/python tests/fuzz/run.py $(if $(SEED),--seed $(SEED),--cases $(CASES))
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/bench_compile.py

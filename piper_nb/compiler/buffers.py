@@ -7,7 +7,8 @@ order (every pipeline schedule does): that device's copy is the trained buffer, 
 samples, as DDP's replicas do without SyncBatchNorm; the first replica's comes back. A
 stage held twice (full DualPipe's two copies) or a module with such buffers called from
 regions on different devices would split the sequence of updates between processes: that
-is a PlanError here, before anything runs.
+is a PlanError here, before anything runs, and so is an order that runs such a region's
+forwards out of microbatch order (the buffer would be updated in another order).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from __future__ import annotations
 from piper_nb.errors import PlanError
 from piper_nb.ir.dag import Op, TrainingDAG
 
-__all__ = ["check_buffers"]
+__all__ = ["check_buffers", "check_buffer_order"]
 
 
 def check_buffers(dag: TrainingDAG, changed: dict[int, tuple[str, ...]]) -> None:
@@ -45,3 +46,22 @@ def check_buffers(dag: TrainingDAG, changed: dict[int, tuple[str, ...]]) -> None
                                 f"{{{regions[r].name}}} on device {where[0]} (a module called "
                                 f"from two stages): its updates would split between devices; "
                                 f"{fix}")
+
+
+def check_buffer_order(plan, changed: dict[int, tuple[str, ...]]) -> None:
+    """Each region that changes buffers runs its forwards in microbatch order."""
+    if not changed:
+        return
+    for dp in plan.devices:
+        last: dict[int, int] = {}
+        for ins in dp.instrs:
+            if ins.kind == "F" and ins.region in changed:
+                if ins.mb < last.get(ins.region, -1):
+                    name = plan.regions[ins.region].name
+                    raise PlanError(
+                        f"device {dp.device} runs the forward of region {{{name}}} for "
+                        f"microbatch {ins.mb} after microbatch {last[ins.region]}, and that "
+                        f"forward changes buffers {', '.join(changed[ins.region])}: one process "
+                        "updates them microbatch after microbatch; order the stage's forwards "
+                        "by microbatch, or make the buffers constant")
+                last[ins.region] = ins.mb

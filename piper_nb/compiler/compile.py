@@ -16,7 +16,7 @@ import torch
 
 from piper_nb.capture.annotate import Spec
 from piper_nb.capture.untouched import untouched
-from piper_nb.compiler.buffers import check_buffers
+from piper_nb.compiler.buffers import check_buffer_order, check_buffers
 from piper_nb.compiler.checks import check_plan
 from piper_nb.compiler.lower import lower
 from piper_nb.compiler.plan import Plan
@@ -184,6 +184,7 @@ def _compile(spec, program, batch, loss_fn, world, check) -> Plan:
                 for k, p in capture.model.named_parameters()},
         frozen=tuple(sorted(frozen)),
         dag=dag, program=directives, capture=capture)
+    check_buffer_order(plan, shapes["changed"])
     if check:
         check_plan(plan)
     return plan
@@ -207,13 +208,18 @@ def _shapes(capture, directives, inputs, targets, part: int) -> dict:
     torch.set_num_threads(1)  # tiny tensors: worker threads only get in each other's way
     try:
         with untouched(capture.model):   # the user's buffers and random state stay as they are
-            values, saved, _, changed = propagate(capture, inputs[:part], targets[:part])
+            values, saved, loss, changed = propagate(capture, inputs[:part], targets[:part])
             rows, saved_rows = {}, {}
             if any(isinstance(d, Shard) for _, d in directives):  # routed rows: symbolic
                 rows, saved_rows = token_rows(capture, inputs[:part], targets[:part], saved,
                                               values)
     finally:
         torch.set_num_threads(threads)
+    if loss is None or not loss.requires_grad:
+        frozen = [n for n, p in capture.model.named_parameters() if not p.requires_grad]
+        raise PlanError("nothing to train: the loss depends on no parameter that requires a "
+                        f"gradient ({len(frozen)} parameters are frozen); unfreeze some "
+                        "(requires_grad_(True)) before compiling")
     return {"values": values, "saved": saved, "changed": changed, "rows": rows,
             "saved_rows": saved_rows}
 

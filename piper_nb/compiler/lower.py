@@ -3,10 +3,11 @@
 Per device: a topological order of its nodes (data and temporal edges) with Piper's
 priorities inside a level: SEND first, then collectives, then compute; receives and
 ZeRO-3 gathers are *pulled*: issued one compute step before the pass that needs them so
-the transfer overlaps the previous pass. Every issue gets a WAIT right before its first
-consumer (sends: at the end of the step, as PyTorch's pipelining does: waiting for a send
-earlier can deadlock deep DualPipe schedules), and FREE instructions release
-each buffer after its last reader.
+the transfer overlaps the previous pass (a gather kept for the whole step is issued at the
+start, so every member of its group issues it at one point). Every issue gets a WAIT right
+before its first consumer (sends: at the end of the step, as PyTorch's pipelining does:
+waiting for a send earlier can deadlock deep DualPipe schedules), and FREE instructions
+release each buffer after its last reader.
 """
 
 from __future__ import annotations
@@ -288,6 +289,12 @@ def _emit(dag, d, seq, pulled_of, partner, tags, owned, regions) -> tuple[Instr,
             waited.add(nid)
             out.append(Instr("WAIT", nid, out[issued[nid]].stream, target=issued[nid]))
 
+    # gathers kept for the whole step (ZeRO-3 without resharding, weights spread over
+    # stages or copies) are issued first, in one order on every member of their group
+    for p in sorted({p.id: p for ps in pulled_of.values() for p in ps
+                     if p.op == Op.ALL_GATHER and p.attr("consumers")}.values(),
+                    key=lambda p: p.attr("bucket")):
+        issue(p)
     if computes:
         for p in pulled_of.get(computes[0].id, ()):
             issue(p)

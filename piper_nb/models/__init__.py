@@ -1,4 +1,5 @@
-"""Small example models shipped for notebooks and tests: MLP, TinyGPT, TinyMoE.
+"""Small example models shipped for notebooks and tests: MLP, TinyGPT, TinyMoE, and
+StageGraph (stages forming a DAG: skips, ties, frozen layers, buffers, shared modules).
 
 Each has `example_batch(batch_size, seed)`, a traceable `loss_fn(output, targets)` that is a
 plain mean (so microbatching preserves gradients), a `config` dict and seeded init. The
@@ -6,7 +7,8 @@ top-level children (`layers`, or `embed`/`blocks`/`head`) are the natural annota
 """
 
 from .gpt import TinyGPT
+from .graph import GraphSpec, StageGraph
 from .mlp import MLP
 from .moe import TinyMoE
 
-__all__ = ["MLP", "TinyGPT", "TinyMoE"]
+__all__ = ["MLP", "TinyGPT", "TinyMoE", "StageGraph", "GraphSpec"]

@@ -1,26 +1,12 @@
-"""Shared fixtures for the runtime tier: one local cluster of 2 and one of 4 workers per
-session (spawning costs seconds), plus the comparison against `pn.reference_train`."""
+"""Shared fixtures for the runtime tier: the comparison against `pn.reference_train` (the
+clusters of 2 and 4 workers are session fixtures of tests/conftest.py)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from piper_nb.cluster.local import LocalCluster
-
 RTOL, ATOL = 1e-5, 4e-5
-
-
-@pytest.fixture(scope="session")
-def cluster2():
-    with LocalCluster(2) as cluster:
-        yield cluster
-
-
-@pytest.fixture(scope="session")
-def cluster4():
-    with LocalCluster(4) as cluster:
-        yield cluster
 
 
 def assert_same(result, ref, model=None) -> None:

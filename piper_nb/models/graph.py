@@ -1,0 +1,165 @@
+"""StageGraph: a model whose stages form a DAG, for checking strategies on awkward models.
+
+Real models are not chains: an encoder's output is read by every decoder layer, U-Nets
+and DenseNets skip ahead, embeddings are tied to the output head, some layers are frozen,
+BatchNorm keeps running statistics, a module is called twice. `StageGraph(GraphSpec(...))`
+builds such a model from a small description, one `stages.i` module per pipeline stage,
+and `GraphSpec.draw(rng, stages)` draws a random one (the differential fuzzer in
+`tests/fuzz` does). Everything is seeded; `annotation()` tags stage i with `PP: i`.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ._common import seeded
+
+__all__ = ["GraphSpec", "StageGraph", "ACTIVATIONS"]
+
+ACTIVATIONS = {"tanh": nn.Tanh, "relu": nn.ReLU, "gelu": nn.GELU, "sigmoid": nn.Sigmoid,
+               "silu": nn.SiLU, "identity": nn.Identity}
+
+
+@dataclass(frozen=True, kw_only=True)
+class GraphSpec:
+    """What a StageGraph computes. Stage i adds the outputs of stage i-1 (the batch for
+    stage 0) and of its `skips` sources, applies its Linear (its own weight, or stage a's
+    when tied), then its BatchNorm, constant scale buffer, activation and dropout."""
+
+    stages: int = 4                              # stages.0 .. stages.{stages-1}
+    dim: int = 8                                 # features everywhere
+    skips: tuple[tuple[int, int], ...] = ()      # (a, b): stage b also reads stage a (a < b-1)
+    acts: tuple[str, ...] = ()                   # per stage, a key of ACTIVATIONS (tanh)
+    act_modules: bool = False                    # activations as untagged top-level modules
+    ties: tuple[tuple[int, int], ...] = ()       # (a, b): stage b uses stage a's weight
+    frozen: tuple[int, ...] = ()                 # stages whose Linear does not train
+    norms: tuple[int, ...] = ()                  # stages with a BatchNorm1d
+    scales: tuple[int, ...] = ()                 # stages scaled by a constant buffer
+    dropout: float = 0.0                         # after every stage
+    shared: tuple[int, int] | None = None        # (a, b): `shared` runs after stages a and b
+    seed: int = 0
+
+    def __post_init__(self):
+        n = self.stages
+        if not isinstance(n, int) or n < 1:
+            raise ValueError(f"GraphSpec: stages must be a positive int, got {n!r}")
+        for a, b in self.skips:
+            if not 0 <= a < b - 1 < n - 1:
+                raise ValueError(f"GraphSpec: skip ({a}, {b}) must go forward past the next "
+                                 f"stage, within 0..{n - 1}")
+        for a, b in self.ties:
+            if not 0 <= a < b < n:
+                raise ValueError(f"GraphSpec: tie ({a}, {b}) needs 0 <= a < b < {n}")
+        if self.acts and (len(self.acts) != n or set(self.acts) - set(ACTIVATIONS)):
+            raise ValueError(f"GraphSpec: acts needs one of {sorted(ACTIVATIONS)} per stage")
+        if self.shared is not None and not 0 <= self.shared[0] < self.shared[1] < n:
+            raise ValueError(f"GraphSpec: shared ({self.shared}) needs 0 <= a < b < {n}")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"GraphSpec: dropout must be in [0, 1), got {self.dropout}")
+
+    @classmethod
+    def draw(cls, rng: random.Random, stages: int, *, norms: bool = True,
+             dropout: bool = False, shared: bool = True) -> GraphSpec:
+        """A random spec over `stages` stages: skip edges from any earlier stage, ties
+        between any two stages, frozen stages, buffers, a mix of activations, maybe a
+        module called from two stages."""
+        pairs = [(a, b) for b in range(stages) for a in range(b - 1)]
+        skips = tuple(sorted(rng.sample(pairs, rng.randint(0, min(3, len(pairs))))))
+        tie_pairs = [(a, b) for b in range(stages) for a in range(b)]
+        ties: list[tuple[int, int]] = []
+        for a, b in rng.sample(tie_pairs, min(len(tie_pairs), rng.choice([0, 0, 1, 2]))):
+            if all(b not in t and a != t[1] for t in ties):   # one weight per chain of ties
+                ties.append((a, b))
+        pick = lambda p: tuple(i for i in range(stages) if rng.random() < p)
+        share = None
+        if shared and stages >= 2 and rng.random() < 0.25:
+            a = rng.randrange(stages - 1)
+            share = (a, rng.randrange(a + 1, stages))
+        frozen = pick(0.15)
+        tied_to = {b: a for a, b in ties}
+        if {tied_to.get(i, i) for i in range(stages)} <= {tied_to.get(i, i) for i in frozen}:
+            frozen = ()   # something must train
+        return cls(stages=stages, dim=rng.choice([4, 8]), skips=skips,
+                   acts=tuple(rng.choice(list(ACTIVATIONS)) for _ in range(stages)),
+                   act_modules=rng.random() < 0.3, ties=tuple(ties),
+                   frozen=frozen, norms=pick(0.25) if norms else (), scales=pick(0.2),
+                   dropout=rng.choice([0.1, 0.3]) if dropout else 0.0, shared=share,
+                   seed=rng.randrange(2**31))
+
+
+class _Stage(nn.Module):
+    def __init__(self, dim: int, norm: bool, scale: bool):
+        super().__init__()
+        self.lin = nn.Linear(dim, dim, bias=not norm)   # BatchNorm's shift makes a bias moot
+        self.norm = nn.BatchNorm1d(dim) if norm else None
+        if scale:
+            self.register_buffer("scale", torch.linspace(0.5, 1.5, dim))
+        else:
+            self.scale = None
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        h = self.lin(h)
+        if self.norm is not None:
+            h = self.norm(h)
+        return h * self.scale if self.scale is not None else h
+
+
+class StageGraph(nn.Module):
+    """The model a GraphSpec describes; regression on a fixed random teacher (MSE)."""
+
+    def __init__(self, spec: GraphSpec):
+        super().__init__()
+        self.spec = spec
+        self.config = {"stages": spec.stages, "dim": spec.dim}
+        with seeded(spec.seed):
+            self.stages = nn.ModuleList(
+                _Stage(spec.dim, i in spec.norms, i in spec.scales) for i in range(spec.stages))
+            self.shared = nn.Linear(spec.dim, spec.dim) if spec.shared else None
+        for a, b in spec.ties:
+            self.stages[b].lin.weight = self.stages[a].lin.weight
+        for i in spec.frozen:
+            self.stages[i].lin.requires_grad_(False)
+        acts = spec.acts or ("tanh",) * spec.stages
+        self.act = (nn.ModuleList(ACTIVATIONS[a]() for a in acts) if spec.act_modules else None)
+        self._acts = acts
+        self.drop = nn.Dropout(spec.dropout) if spec.dropout else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        spec, outs, h = self.spec, [], x
+        for i, stage in enumerate(self.stages):
+            for a, b in spec.skips:
+                if b == i:
+                    h = h + outs[a]
+            h = stage(h)
+            h = self.act[i](h) if self.act is not None else _ACT_FN[self._acts[i]](h)
+            if self.drop is not None:
+                h = self.drop(h)
+            if spec.shared and i in spec.shared:
+                h = h + torch.tanh(self.shared(h))
+            outs.append(h)
+        return h
+
+    def loss_fn(self, output: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return F.mse_loss(output, targets)
+
+    def annotation(self) -> dict[str, dict[str, int]]:
+        """Stage i is `PP: i`; `shared` belongs to the first stage that calls it."""
+        out = {f"stages.{i}": {"PP": i} for i in range(self.spec.stages)}
+        if self.spec.shared:
+            out["shared"] = {"PP": self.spec.shared[0]}
+        return out
+
+    def example_batch(self, batch_size: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        g = torch.Generator().manual_seed(seed)
+        x = torch.randn(batch_size, self.spec.dim, generator=g)
+        w = torch.randn(self.spec.dim, self.spec.dim, generator=g) / self.spec.dim ** 0.5
+        return x, torch.tanh(x @ w)
+
+
+_ACT_FN = {"tanh": torch.tanh, "relu": torch.relu, "gelu": F.gelu, "sigmoid": torch.sigmoid,
+           "silu": F.silu, "identity": lambda h: h}

@@ -1,0 +1,231 @@
+"""The differential fuzzer's cases: a random model crossed with a random strategy, drawn
+from one integer seed, trained and compared with `pn.reference_train`.
+
+A case is a `StageGraph` (skip edges from any earlier stage, values read by several
+stages, weights tied between any two stages, frozen stages, BatchNorm and constant
+buffers, a mix of activations, sometimes a module called from two stages, sometimes
+dropout) under one schedule builder (GPipe, 1F1B, interleaved 1F1B with 2 and 3 chunks,
+ZB1P, DualPipeV, full DualPipe, a random valid hand-written grid, or none), with data
+parallel replicas and ZeRO 0-3 on every stage (PP x DP, at most 4 devices), SGD with
+momentum or AdamW, for 2-3 steps. The check: the losses and every entry of the trained
+`state_dict()` equal the single-process reference's (rtol 1e-5, atol 4e-5, PyTorch's
+pipelining tests' tolerance), and the plan leaves no buffer behind. With dropout, the
+check is that the same seed trains the same twice (equality with one process needs dropout
+off). BatchNorm gets 4 samples per replica and microbatch and trains with SGD only: it
+makes some gradient elements vanish (its output is invariant to a shift of its input, so
+a bias before it, or a weight column, gets next to nothing), AdamW divides each element by
+its own scale, and fp32 summation order alone then decides those elements' steps (as it
+would between two single-process runs summing in different orders). Replicas of a
+BatchNorm stage keep their own statistics, as DDP's do, so the reference runs each
+replica's share as its own microbatch and those buffers are not compared.
+
+Replay one case: `python tests/fuzz/run.py --seed N` (or `make fuzz SEED=N`).
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+
+import torch
+
+import piper_nb as pn
+from piper_nb.directives.spec import Place
+from piper_nb.models import GraphSpec, StageGraph
+
+RTOL, ATOL = 1e-5, 4e-5
+SCHEDULES = ("none", "gpipe", "1f1b", "interleaved2", "interleaved3", "zb1p", "dualpipev",
+             "dualpipe", "grid")
+
+
+@dataclass
+class Case:
+    seed: int
+    schedule: str
+    ranks: int                 # pipeline ranks
+    stages: int
+    dp: int                    # data-parallel replicas of every pipeline rank
+    zero: int
+    reshard: bool
+    bucket_size: float | None
+    microbatches: int
+    per_part: int              # samples per replica and microbatch
+    optimizer: str
+    steps: int
+    spec: GraphSpec
+    grid: str = ""
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def world(self) -> int:
+        return self.ranks * self.dp
+
+    @property
+    def batch_size(self) -> int:
+        return self.microbatches * self.dp * self.per_part
+
+    def line(self) -> str:
+        s = self.spec
+        model = (f"{s.stages} stages dim {s.dim}, skips {list(s.skips)}, ties {list(s.ties)}, "
+                 f"frozen {list(s.frozen)}, norms {list(s.norms)}, scales {list(s.scales)}, "
+                 f"shared {s.shared}, dropout {s.dropout}, act modules {s.act_modules}")
+        return (f"seed {self.seed}: {self.schedule} x{self.ranks} ranks, DP {self.dp}, "
+                f"ZeRO {self.zero}{'' if self.reshard else ' (no reshard)'}, bucket "
+                f"{self.bucket_size}, {self.microbatches} microbatches of {self.dp * self.per_part}"
+                f", {self.optimizer}, {self.steps} steps; {model}")
+
+    def replay(self) -> str:
+        return f".venv/bin/python tests/fuzz/run.py --seed {self.seed}"
+
+
+def draw(seed: int) -> Case:
+    rng = random.Random(seed)
+    schedule = rng.choice(SCHEDULES)
+    ranks, stages, micro = _shape(rng, schedule)
+    dp = rng.choice([d for d in (1, 2, 4) if ranks * d <= 4 and (d > 1 or ranks > 1)])
+    zero = rng.choice([0, 1, 2, 3])
+    if dp == 1 and schedule != "dualpipe":   # nothing replicated: ZeRO has nothing to shard
+        zero = 0
+    norms = schedule != "dualpipe"        # BatchNorm on both copies of a stage is refused
+    dropout = rng.random() < 0.12
+    spec = GraphSpec.draw(rng, stages, norms=norms, dropout=dropout)
+    case = Case(seed=seed, schedule=schedule, ranks=ranks, stages=stages, dp=dp, zero=zero,
+                reshard=rng.random() < 0.7, bucket_size=rng.choice([None, None, 0.0003]),
+                microbatches=micro, per_part=4 if spec.norms else rng.choice([1, 2]),
+                optimizer="sgd" if spec.norms else rng.choice(["sgd", "adamw"]),
+                steps=rng.choice([2, 3]), spec=spec)
+    if schedule == "grid":
+        case.grid = _random_grid(rng, stages, ranks, micro, in_order=bool(spec.norms))
+    return case
+
+
+def _shape(rng: random.Random, schedule: str) -> tuple[int, int, int]:
+    """(ranks, stages, microbatches) the schedule accepts."""
+    if schedule == "none":
+        return 1, rng.randint(1, 4), rng.choice([1, 2, 3])
+    if schedule in ("gpipe", "1f1b", "zb1p"):
+        r = rng.choice([2, 2, 3, 4])
+        return r, r, rng.choice([r, r + 1, 2 * r]) if schedule != "zb1p" else rng.choice([r, 2 * r])
+    if schedule.startswith("interleaved"):
+        c = int(schedule[-1])
+        return 2, 2 * c, rng.choice([2, 4])
+    if schedule == "dualpipev":
+        r = rng.choice([1, 2, 2])
+        return r, 2 * r, rng.choice([2 * r, 2 * r + 2])
+    if schedule == "dualpipe":
+        r = rng.choice([2, 2, 4])
+        return r, r, 2 * r + rng.choice([0, 2])
+    r = rng.choice([2, 3, 4])
+    return r, rng.randint(r, min(2 * r, 6)), rng.choice([1, 2, 3])
+
+
+def _random_grid(rng: random.Random, stages: int, ranks: int, micro: int,
+                 in_order: bool = False) -> str:
+    """A valid grid: stages dealt to ranks, then one random global order of the passes
+    (a forward after the previous stage's; a backward, or an I and later its W, after its
+    forward and every later stage's), cut into one row per rank. `in_order`: each stage's
+    forwards in microbatch order (what a model with BatchNorm statistics needs)."""
+    owner = list(range(ranks)) + [rng.randrange(ranks) for _ in range(stages - ranks)]
+    rng.shuffle(owner)
+    split = {(s, m): rng.random() < 0.3 for s in range(stages) for m in range(micro)}
+    done: set[tuple[str, int, int]] = set()
+    todo = [(p, s, m) for s in range(stages) for m in range(micro)
+            for p in (("F", "I", "W") if split[(s, m)] else ("F", "B"))]
+    rows: list[list[str]] = [[] for _ in range(ranks)]
+
+    def grads(s: int, m: int) -> bool:
+        return ("B", s, m) in done or ("I", s, m) in done
+
+    def ready(p: str, s: int, m: int) -> bool:
+        if p == "F":
+            return ((s == 0 or ("F", s - 1, m) in done)
+                    and (not in_order or m == 0 or ("F", s, m - 1) in done))
+        if p == "W":
+            return ("I", s, m) in done
+        return ("F", s, m) in done and all(grads(t, m) for t in range(s + 1, stages))
+
+    while todo:
+        p, s, m = rng.choice([a for a in todo if ready(*a)])
+        todo.remove((p, s, m))
+        done.add((p, s, m))
+        rows[owner[s]].append(f"{s}{p}{m}")
+    return "\n".join(" ".join(r) for r in rows)
+
+
+def program(case: Case) -> list:
+    """The case's directives: the schedule's (with `place`), every pipeline rank r turned
+    into the replica group [r, r + ranks, ...] and replicated with the case's ZeRO level."""
+    r, c = case.ranks, case.microbatches
+    if case.schedule == "none":
+        devs = list(range(case.dp))
+        return [pn.place({}, devs), _replicate({}, devs, case), pn.split({}, "MB", c)]
+    build = {
+        "gpipe": lambda: pn.schedules.gpipe(r, c, place=True),
+        "1f1b": lambda: pn.schedules.one_f_one_b(r, c, place=True),
+        "interleaved2": lambda: pn.schedules.interleaved_1f1b(r, c, chunks=2, place=True),
+        "interleaved3": lambda: pn.schedules.interleaved_1f1b(r, c, chunks=3, place=True),
+        "zb1p": lambda: pn.schedules.zero_bubble(r, c, place=True),
+        "dualpipev": lambda: pn.schedules.dualpipev(r, c, place=True),
+        "dualpipe": lambda: pn.schedules.dualpipe(r, c, place=True),
+        "grid": lambda: pn.schedules.from_grid(case.grid, c, place=True),
+    }[case.schedule]
+    out, holders = [], {}
+    for d in build():
+        if not isinstance(d, Place):
+            out.append(d)
+            continue
+        devs = [x + k * r for x in d.devices for k in range(case.dp)]
+        out.append(pn.place(d.filter, devs))
+        holders.setdefault(d.filter["PP"], set()).update(devs)
+    if case.dp > 1 or case.schedule == "dualpipe":   # replicas, or a DualPipe stage's copies
+        out += [_replicate({"PP": s}, sorted(devs), case) for s, devs in sorted(holders.items())]
+    return out
+
+
+def _replicate(filt: dict, devs: list[int], case: Case):
+    return pn.replicate(filt, devs, zero=case.zero, bucket_size=case.bucket_size,
+                        reshard=case.reshard or case.zero != 3)
+
+
+def optimizer(case: Case):
+    return pn.optim.SGD(0.05, momentum=0.9) if case.optimizer == "sgd" else pn.optim.AdamW(1e-2)
+
+
+def check(case: Case, cluster) -> str:
+    """Train the case and compare; raises AssertionError naming the case and its replay
+    command. Returns what was compared."""
+    model = StageGraph(case.spec)
+    batch = model.example_batch(case.batch_size, seed=case.seed)
+    try:
+        plan = pn.compile(pn.annotate(model, model.annotation()), program(case), batch)
+        opt = optimizer(case)
+        result = pn.train(plan, batch, case.steps, opt, cluster=cluster, seed=case.seed)
+        if case.spec.dropout:
+            again = pn.train(plan, batch, case.steps, opt, cluster=cluster, seed=case.seed)
+            _equal(result, again, exact=True)
+            return "same twice with one seed (dropout)"
+        ref = pn.reference_train(model, batch, case.steps, case.microbatches * case.dp, opt)
+        skip = _ddp_buffers(model) if case.dp > 1 else set()
+        _equal(result, ref, skip=skip)
+        assert result.leftover == [], f"buffers never freed: {result.leftover[:4]}"
+        return "equal to the reference" + (" (replica buffers not compared)" if skip else "")
+    except Exception as err:
+        raise AssertionError(f"fuzz case failed: {case.line()}\n  {type(err).__name__}: {err}\n"
+                             f"  replay: {case.replay()}") from err
+
+
+def _ddp_buffers(model) -> set[str]:
+    """BatchNorm statistics: each replica keeps its own (DDP semantics)."""
+    return {n for n, _ in model.named_buffers() if ".norm." in n}
+
+
+def _equal(result, ref, exact: bool = False, skip: set[str] = frozenset()) -> None:
+    rtol, atol = (0.0, 0.0) if exact else (RTOL, ATOL)
+    torch.testing.assert_close(torch.tensor(result.losses), torch.tensor(ref.losses),
+                               rtol=rtol, atol=atol, msg=lambda m: f"losses: {m}")
+    got, want = result.state_dict(), ref.state_dict()
+    assert got.keys() == want.keys(), f"state_dict keys differ: {got.keys() ^ want.keys()}"
+    for name in want:
+        if name not in skip:
+            torch.testing.assert_close(got[name], want[name], rtol=rtol, atol=atol,
+                                       msg=lambda m, name=name: f"{name}: {m}")

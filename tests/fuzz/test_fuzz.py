@@ -1,0 +1,50 @@
+"""The differential fuzzer's fast subset: the first cases of `make fuzz` (see cases.py).
+
+Each case is a random StageGraph under a random schedule, DP width and ZeRO level, trained
+and compared with one process. A failure names the case and the command that replays it.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from cases import check, draw  # noqa: E402
+
+pytestmark = pytest.mark.dist
+
+FAST = int(os.environ.get("PIPER_NB_FUZZ_FAST", "120"))   # seeds 0 .. FAST-1
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(old)
+
+
+@pytest.mark.parametrize("seed", range(FAST))
+def test_case_trains_like_one_process(request, seed):
+    case = draw(seed)
+    cluster = request.getfixturevalue("cluster2" if case.world <= 2 else "cluster4")
+    check(case, cluster)
+
+
+def test_the_draw_covers_every_schedule_zero_level_and_feature():
+    cases = [draw(s) for s in range(FAST)]
+    assert {c.schedule for c in cases} == {"none", "gpipe", "1f1b", "interleaved2",
+                                           "interleaved3", "zb1p", "dualpipev", "dualpipe", "grid"}
+    assert {c.zero for c in cases if c.dp > 1} == {0, 1, 2, 3}
+    for feature in ("skips", "ties", "frozen", "norms", "scales", "shared", "dropout"):
+        assert any(getattr(c.spec, feature) for c in cases), feature
+    assert {c.optimizer for c in cases} == {"sgd", "adamw"}
+    assert any(c.spec.act_modules for c in cases)
+
+
+def test_a_case_replays_from_its_seed():
+    assert draw(7) == draw(7) and draw(7).replay().endswith("--seed 7")
