@@ -208,18 +208,17 @@ def _shapes(capture, directives, inputs, targets, part: int) -> dict:
     torch.set_num_threads(1)  # tiny tensors: worker threads only get in each other's way
     try:
         with untouched(capture.model):   # the user's buffers and random state stay as they are
-            values, saved, loss, changed = propagate(capture, inputs[:part], targets[:part])
+            values, saved, _, changed = propagate(capture, inputs[:part], targets[:part])
             rows, saved_rows = {}, {}
             if any(isinstance(d, Shard) for _, d in directives):  # routed rows: symbolic
                 rows, saved_rows = token_rows(capture, inputs[:part], targets[:part], saved,
                                               values)
     finally:
         torch.set_num_threads(threads)
-    if loss is None or not loss.requires_grad:
-        frozen = [n for n, p in capture.model.named_parameters() if not p.requires_grad]
-        raise PlanError("nothing to train: the loss depends on no parameter that requires a "
-                        f"gradient ({len(frozen)} parameters are frozen); unfreeze some "
-                        "(requires_grad_(True)) before compiling")
+    params = list(capture.model.parameters())
+    if not any(p.requires_grad for p in params):
+        raise PlanError(f"nothing to train: all {len(params)} parameters are frozen "
+                        "(requires_grad=False); unfreeze some before compiling")
     return {"values": values, "saved": saved, "changed": changed, "rows": rows,
             "saved_rows": saved_rows}
 

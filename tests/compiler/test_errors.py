@@ -178,3 +178,32 @@ def test_a_deadlock_through_a_stage_that_comes_back_is_explained_in_model_terms(
     with pytest.raises(pn.PlanError, match=r"deadlock.*\{PP=0,SEG=1\} runs shared of stage "
                                            r"\{PP=0\} again, after other stages"):
         pn.compile(spec, program, batch)
+
+
+def test_compile_leaves_the_model_and_the_random_state_as_they_were():
+    import torch
+    from torch import nn
+
+    model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Dropout(0.5), nn.Linear(4, 4))
+    model.loss_fn = lambda out, y: ((out - y) ** 2).mean()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    batch = (torch.randn(8, 4), torch.randn(8, 4))
+    torch.manual_seed(3)
+    rng = torch.get_rng_state()
+    spec = pn.annotate(model, {"0": {"PP": 0}, "1": {"PP": 0}, "3": {"PP": 1}})
+    pn.compile(spec, pn.schedules.one_f_one_b(2, 2, place=True), batch)
+    assert torch.equal(torch.get_rng_state(), rng)
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, before[k]), k
+
+
+def test_a_model_with_nothing_to_train_is_refused():
+    import torch
+    from torch import nn
+
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)).requires_grad_(False)
+    model.loss_fn = lambda out, y: ((out - y) ** 2).mean()
+    spec = pn.annotate(model, {"0": {"PP": 0}, "1": {"PP": 1}})
+    with pytest.raises(pn.PlanError, match="nothing to train: all 4 parameters are frozen"):
+        pn.compile(spec, pn.schedules.one_f_one_b(2, 2, place=True),
+                   (torch.randn(8, 4), torch.randn(8, 4)))
