@@ -51,13 +51,16 @@ def hello(controller_ip: str | None, gpus: bool = False) -> dict:
         with contextlib.suppress(OSError), socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
             s.connect((controller_ip, 9))   # no packet is sent: this picks the outgoing interface
             ip = s.getsockname()[0]
-    count = 0
+    count, uuids = 0, []
     if gpus:
         import torch
         count = torch.cuda.device_count()
+        uuids = [str(getattr(torch.cuda.get_device_properties(i), "uuid", f"{os.getpid()}:{i}"))
+                 for i in range(count)]
     host = socket.gethostname()
     return {"host": host, "machine": f"{host}/{psutil.boot_time():.0f}", "ip": ip, "pid": os.getpid(),
-            "created": psutil.Process().create_time(), "gpus": count, "python": sys.version.split()[0]}
+            "created": psutil.Process().create_time(), "gpus": count, "gpu_uuids": uuids,
+            "python": sys.version.split()[0]}
 
 
 def status() -> int | None:

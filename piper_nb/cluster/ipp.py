@@ -153,12 +153,12 @@ class IPyParallelCluster(ClusterCommands):
 
     def _worker_args(self, rank: int, hosts: list[dict], host: str, port: int) -> dict:
         """`runtime.process.serve`'s arguments for `rank`: the GPU by local rank (position among
-        the engines on its machine); NCCL only when every machine has a GPU per engine."""
+        the engines on its machine, modulo the GPUs it sees); NCCL when every engine then
+        has a GPU of its own (`gpus_apart`), gloo through host memory otherwise."""
         local = sum(h["machine"] == hosts[rank]["machine"] for h in hosts[:rank])
         backend = None
         if self.device == "cuda":
-            per = {h["machine"]: sum(x["machine"] == h["machine"] for x in hosts) for h in hosts}
-            backend = "nccl" if all(h["gpus"] >= per[h["machine"]] for h in hosts) else "gloo"
+            backend = "nccl" if gpus_apart(hosts) else "gloo"
         return {"rank": rank, "world": self.n, "port": port, "device_kind": self.device,
                 "timeout": self.timeout, "threads": self.threads, "host": host, "local_rank": local,
                 "backend": backend}
@@ -346,3 +346,20 @@ class IPyParallelCluster(ClusterCommands):
     # ---- the protocol pn.train uses ----------------------------------------------------
     def _run(self, op: str, key, payload=None, per_rank: list | None = None) -> dict[int, object]:
         return self._command(op, key, per_rank, payload)
+
+
+def gpus_apart(hosts: list[dict]) -> bool:
+    """Whether every engine gets a GPU no other engine uses: engine k of a machine takes
+    the (k mod visible)-th GPU it sees, and the GPUs' UUIDs tell whether two engines that
+    each see one GPU (`--gpus-per-task=1`, CUDA_VISIBLE_DEVICES) see the same one."""
+    taken: dict[str, set] = {}
+    for rank, h in enumerate(hosts):
+        if not h.get("gpus"):
+            return False
+        local = sum(x["machine"] == h["machine"] for x in hosts[:rank])
+        uuids = h.get("gpu_uuids") or [f"{h['machine']}:{i}" for i in range(h["gpus"])]
+        gpu = uuids[local % len(uuids)]
+        if gpu in taken.setdefault(h["machine"], set()):
+            return False
+        taken[h["machine"]].add(gpu)
+    return True

@@ -4,6 +4,8 @@
 - the members of each group issue their collectives in the same order;
 - every backward sees each gradient contribution once, and every update a complete
   gradient (`gradflow`, replayed in the dry run's order);
+- NCCL can run it (`nccl`): per communicator stream, messages meet in order, and no
+  receive at a stream's head blocks what the peer needs first;
 - no deadlock: a lockstep dry run of all devices, where an issue never blocks (except a
   forward expert dispatch, which first exchanges token counts with its group), a WAIT on
   a point-to-point op needs the peer's matching issue, and a WAIT on a collective needs
@@ -16,6 +18,7 @@ from __future__ import annotations
 from collections import Counter, defaultdict
 
 from piper_nb.compiler.gradflow import Asymmetric, Flow
+from piper_nb.compiler.nccl import check_nccl
 from piper_nb.compiler.plan import COLLECTIVE_KINDS, Plan, _columns
 from piper_nb.errors import PlanError
 
@@ -208,8 +211,9 @@ def check_plan(plan: Plan) -> None:
     check_collective_order(plan)
     if not plan.regions:
         dry_run(plan)
-        return
-    try:
-        dry_run(plan, Flow(plan))
-    except Asymmetric:  # replicas whose gradients differ in more than the replica index
-        dry_run(plan, Flow(plan, replicas=False))
+    else:
+        try:
+            dry_run(plan, Flow(plan))
+        except Asymmetric:  # replicas whose gradients differ in more than the replica index
+            dry_run(plan, Flow(plan, replicas=False))
+    check_nccl(plan)

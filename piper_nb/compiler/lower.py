@@ -7,7 +7,8 @@ the transfer overlaps the previous pass (a gather kept for the whole step is iss
 start, so every member of its group issues it at one point). Every issue gets a WAIT right
 before its first consumer (sends: at the end of the step, as PyTorch's pipelining does:
 waiting for a send earlier can deadlock deep DualPipe schedules), and FREE instructions
-release each buffer after its last reader.
+release each buffer after its last reader. Last, every device posts its receives from a
+peer in the order that peer sends (`p2p.in_send_order`), as NCCL needs.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from collections import defaultdict
 from dataclasses import fields
 
 from piper_nb.compiler.floating import merge_floating
+from piper_nb.compiler.p2p import in_send_order
 from piper_nb.compiler.plan import DevicePlan, Instr
 from piper_nb.errors import PlanError
 from piper_nb.ir.dag import COLLECTIVES, COMPUTE, Node, Op, TrainingDAG
@@ -169,12 +171,16 @@ def lower(dag: TrainingDAG, buckets, world: int) -> tuple[DevicePlan, ...]:
     floating = _floating(dag)
     if floating:
         return _lower_merged(dag, buckets, world, local, classes, floating, partner, tags)
+    templates = {}
     for devs in classes.values():
         rep = devs[0]
         seq, pulled_of = _order_device(dag, rep, local[rep])
         owned = owned_params(dag, buckets, rep, local[rep])
-        template = _emit(dag, rep, seq, pulled_of, partner, tags, owned, regions)
-        plans[rep] = DevicePlan(rep, template)
+        templates[rep] = _emit(dag, rep, seq, pulled_of, partner, tags, owned, regions)
+    templates = in_send_order(templates, partner)
+    for devs in classes.values():
+        template = templates[devs[0]]
+        plans[devs[0]] = DevicePlan(devs[0], template)
         if len(devs) > 1:
             stamp = _Stamper(dag, template, partner, tags)
             for d in devs[1:]:
@@ -210,9 +216,10 @@ def _lower_merged(dag, buckets, world, local, classes, floating, partner, tags):
     extra = [[n for n in local[d] if n.id in floating] for d in range(world)]
     merged = merge_floating(dag, seqs, extra, key=lambda n: (_key(n), n.id))
     regions = dag.regions()
-    return tuple(DevicePlan(d, _emit(dag, d, merged[d], pulled[d], partner, tags,
-                                     owned_params(dag, buckets, d, local[d]), regions))
-                 for d in range(world))
+    instrs = in_send_order({d: _emit(dag, d, merged[d], pulled[d], partner, tags,
+                                     owned_params(dag, buckets, d, local[d]), regions)
+                            for d in range(world)}, partner)
+    return tuple(DevicePlan(d, instrs[d]) for d in range(world))
 
 
 _FIELDS = tuple(f.name for f in fields(Instr))

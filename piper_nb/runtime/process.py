@@ -143,8 +143,10 @@ def serve(rank: int, world: int, port: int, device_kind: str, conn, results,
     try:
         device, backend = pick_device(device_kind, rank, world, local_rank, backend)
         limit = datetime.timedelta(seconds=timeout)
+        # NCCL: bound to this rank's GPU, so communicators are made eagerly, not at first use
+        bound = {"device_id": device} if backend == "nccl" else {}
         dist.init_process_group(backend, store=_store(host, port, rank, world, limit), rank=rank,
-                                world_size=world, timeout=limit)
+                                world_size=world, timeout=limit, **bound)
         comm = Comm(rank, device, backend)
         comm.own_core = own_core and device.type == "cpu"
     except BaseException as err:  # report, then let the driver clean up

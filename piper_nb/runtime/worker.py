@@ -60,7 +60,12 @@ class Worker:
         self.needs = {r: sorted({b for b in self.store.full
                                  if set(self.layouts[b].names) & set(plan.regions[r].params)})
                       for r in regions}  # ZeRO-3 buckets each region's passes must have gathered
-        comm.ensure_groups(i.group for dp in plan.devices for i in dp.instrs if i.group)
+        everything = [i for dp in plan.devices for i in dp.instrs]
+        comm.ensure_groups((i.group for i in everything if i.group),
+                           pairs=[(dp.device, i.peer) for dp in plan.devices
+                                  for i in dp.instrs if i.kind == "SEND"],
+                           counted=[i.group for i in everything if i.kind == "ALL_TO_ALL"
+                                    and i.purpose == "dispatch" and not i.grad])
         # decoded once, not on every step: how each instruction dispatches, what every
         # RECV allocates, and what every FREE drops
         self.dispatch = [_COMPUTE if i.is_compute else _ISSUE if i.is_issue else
@@ -319,7 +324,9 @@ class Worker:
             memory, new = "buffers", bufs     # packed tokens in flight, as the simulator
         else:
             raise NotImplementedError(f"{ins.kind} ({ins}) is not supported by the runtime yet")
-        p = Pending(idx, works, bufs, start, memory=memory, new=new, meta=meta)
+        span = comm.take_span()   # CUDA: the transfer's own events, on its stream
+        p = Pending(idx, works, bufs, span[0] if span else start, memory=memory, new=new,
+                    meta=meta, end=span[1] if span else None)
         if ins.kind not in ("SEND", "RECV"):  # gloo p2p has no future and reports completion
             comm.watch(p, self.clock)         # only at wait(): its WAIT marks the end
         self.pending[idx] = p

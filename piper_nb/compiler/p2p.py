@@ -1,0 +1,63 @@
+"""Receives in the order their sender sends: what makes a plan's point-to-point NCCL-safe.
+
+NCCL matches a pair's messages by order, not tag: the k-th send from a to b meets the k-th
+receive b posts from a. The runtime gives each direction of a pair its own communicator
+(`runtime.comm`), so a direction's stream carries only those sends on one side and those
+receives on the other; what is left is to post the receives in the sender's order. The
+lowering posts a receive one compute step before its consumer, and consumers need not come
+in the order their producers send (DualPipeV's rank 1 wants gradient B0 before activation
+F6, which rank 0 sends first). So this pass moves each receive up to its place in the
+sender's order: a receive is posted no later than it was, and together with every receive
+from the same peer that the peer sends before it. Posting never blocks the host, so this
+only holds some receive buffers a little longer (the memory model sees the same
+instructions). Checked by `nccl.check_nccl`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import defaultdict
+
+from piper_nb.compiler.plan import Instr
+
+__all__ = ["in_send_order"]
+
+
+def in_send_order(programs: dict[int, tuple[Instr, ...]], partner: dict
+                  ) -> dict[int, tuple[Instr, ...]]:
+    """`programs` (device -> instructions) with every device's receives from each peer
+    reordered to that peer's send order; `partner` maps a RECV node to its SEND node."""
+    sent_at = {ins.node: i for instrs in programs.values()
+               for i, ins in enumerate(instrs) if ins.kind == "SEND"}
+    return {d: _reordered(instrs, sent_at, partner) for d, instrs in programs.items()}
+
+
+def _reordered(instrs: tuple[Instr, ...], sent_at: dict, partner: dict) -> tuple[Instr, ...]:
+    by_peer: dict[int, list[tuple[int, int]]] = defaultdict(list)   # peer -> (send pos, i)
+    for i, ins in enumerate(instrs):
+        if ins.kind == "RECV":
+            by_peer[ins.peer].append((sent_at[partner[ins.node].id], i))
+    if all(lst == sorted(lst) for lst in by_peer.values()):
+        return instrs
+    for lst in by_peer.values():
+        lst.sort()
+    nxt = dict.fromkeys(by_peer, 0)
+    out: list[Instr] = []
+    where: dict[int, int] = {}
+    for i, ins in enumerate(instrs):
+        if ins.kind == "RECV":
+            if i in where:
+                continue
+            lst = by_peer[ins.peer]
+            while True:   # every receive the peer sends before this one, then this one
+                j = lst[nxt[ins.peer]][1]
+                nxt[ins.peer] += 1
+                where[j] = len(out)
+                out.append(instrs[j])
+                if j == i:
+                    break
+        else:
+            where[i] = len(out)
+            out.append(ins)
+    return tuple(dataclasses.replace(x, target=where[x.target]) if x.kind == "WAIT" else x
+                 for x in out)
