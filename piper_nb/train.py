@@ -31,7 +31,9 @@ class Result:
 
     `trace.meta` holds the step number, the world and, for an expert plan, `"tokens"`: the
     routing that step made (`"value@mb"` -> rows per group member), which
-    `MemorySettings(tokens=...)` takes to size the simulated token buffers the same way."""
+    `MemorySettings(tokens=...)` takes to size the simulated token buffers the same way. On
+    GPUs, `"cuda_max_allocated"`: device -> `torch.cuda.max_memory_allocated` over the step
+    (compare with a simulation under `MemorySettings.for_cuda()`)."""
 
     losses: list[float]
     step_times: list[float]                 # seconds, step start to the last device's end
@@ -122,6 +124,10 @@ def train(plan, batch_or_loader, steps: int, optimizer, cluster=None, *,
             tokens = {k: v for o in outs for k, v in o.get("tokens", {}).items()}
             if tokens:  # the routing this step made (expert parallelism): what sized its buffers
                 meta["tokens"] = tokens
+            cuda = {r: o["cuda_max_allocated"] for r, o in enumerate(outs)
+                    if "cuda_max_allocated" in o}
+            if cuda:  # GPU: torch.cuda.max_memory_allocated per device, beside the model's
+                meta["cuda_max_allocated"] = cuda
             trace = Trace(tuple(e for o in outs for e in o["events"]),
                           tuple(m for o in outs for m in o["memory"]), source="measured",
                           meta=meta)

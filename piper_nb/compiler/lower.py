@@ -177,7 +177,8 @@ def lower(dag: TrainingDAG, buckets, world: int) -> tuple[DevicePlan, ...]:
         seq, pulled_of = _order_device(dag, rep, local[rep])
         owned = owned_params(dag, buckets, rep, local[rep])
         templates[rep] = _emit(dag, rep, seq, pulled_of, partner, tags, owned, regions)
-    templates = in_send_order(templates, partner)
+    templates = in_send_order(templates, partner,
+                              {d: devs[0] for devs in classes.values() for d in devs})
     for devs in classes.values():
         template = templates[devs[0]]
         plans[devs[0]] = DevicePlan(devs[0], template)

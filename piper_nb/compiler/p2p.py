@@ -23,20 +23,26 @@ from piper_nb.compiler.plan import Instr
 __all__ = ["in_send_order"]
 
 
-def in_send_order(programs: dict[int, tuple[Instr, ...]], partner: dict
-                  ) -> dict[int, tuple[Instr, ...]]:
+def in_send_order(programs: dict[int, tuple[Instr, ...]], partner: dict,
+                  program_of: dict[int, int] | None = None) -> dict[int, tuple[Instr, ...]]:
     """`programs` (device -> instructions) with every device's receives from each peer
-    reordered to that peer's send order; `partner` maps a RECV node to its SEND node."""
-    sent_at = {ins.node: i for instrs in programs.values()
+    reordered to that peer's send order; `partner` maps a RECV node to its SEND node;
+    `program_of` maps a device to the one whose program it runs (a replica stamped from a
+    template sends in its template's order), by default itself."""
+    sent_at = {(d, ins.node): i for d, instrs in programs.items()
                for i, ins in enumerate(instrs) if ins.kind == "SEND"}
-    return {d: _reordered(instrs, sent_at, partner) for d, instrs in programs.items()}
+    program_of = program_of or {}
+    return {d: _reordered(instrs, sent_at, partner, program_of)
+            for d, instrs in programs.items()}
 
 
-def _reordered(instrs: tuple[Instr, ...], sent_at: dict, partner: dict) -> tuple[Instr, ...]:
+def _reordered(instrs: tuple[Instr, ...], sent_at: dict, partner: dict, program_of: dict
+               ) -> tuple[Instr, ...]:
     by_peer: dict[int, list[tuple[int, int]]] = defaultdict(list)   # peer -> (send pos, i)
     for i, ins in enumerate(instrs):
         if ins.kind == "RECV":
-            by_peer[ins.peer].append((sent_at[partner[ins.node].id], i))
+            sender = program_of.get(ins.peer, ins.peer)
+            by_peer[ins.peer].append((sent_at[(sender, partner[ins.node].id)], i))
     if all(lst == sorted(lst) for lst in by_peer.values()):
         return instrs
     for lst in by_peer.values():

@@ -105,6 +105,8 @@ class Worker:
         self.begin(batch)
         fail = _parse_fail(fail_at, self.rank)
         self.comm.barrier()
+        if trace and self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
         self.clock = Clock(self.device)
         self.clock.start()
         rec = self.rec = Recorder(self.rank, self.clock)
@@ -138,6 +140,8 @@ class Worker:
                "memory": memory, "leftover": leftover}
         if trace and self.exchange.counts:  # token rows per group member, "value@mb" -> rows
             out["tokens"] = {f"{v}@{mb}": list(c) for (v, mb), c in self.exchange.counts.items()}
+        if trace and self.device.type == "cuda":   # what the allocator really held at its peak
+            out["cuda_max_allocated"] = torch.cuda.max_memory_allocated(self.device)
         return out
 
     def begin(self, batch) -> None:

@@ -51,7 +51,7 @@ from piper_nb.sim.cost import _elem, value_bytes
 from piper_nb.sim.tokens import Routing
 from piper_nb.sim.trace import MemorySample
 
-__all__ = ["MemorySettings", "Holding", "model_states", "device_model_states",
+__all__ = ["MemorySettings", "Holding", "model_states", "device_model_states", "communicators",
            "zero_model_states", "memory_samples", "live_stashes", "MIXED_PRECISION_ADAM",
            "OPTIMIZER_BYTES"]
 
@@ -74,6 +74,19 @@ class MemorySettings:
     optimizer: object = "sgd"          # a name in OPTIMIZER_BYTES or an optimizer object
     first_step: bool = False           # optimizer state appears at the update (step 1)
     tokens: dict | None = None         # routing, "value@mb" -> rows per member (sim.tokens)
+    # GPU allowances beyond the tensors the runtime counts, added to "buffers" throughout:
+    # a fixed share per device (allocator rounding and slack, kernels' workspaces) and a
+    # share per communicator the device uses (NCCL's buffers; 0 on CPU). `for_cuda` gives
+    # typical figures; a GPU run reports torch.cuda.max_memory_allocated to compare with.
+    reserve_bytes: float = 0.0
+    per_communicator: float = 0.0
+
+    @classmethod
+    def for_cuda(cls, *, reserve_bytes: float = 64 * 2**20, channels: int = 2,
+                 buffer_bytes: float = 4 * 2**20, **kw) -> MemorySettings:
+        """Settings with GPU allowances: `reserve_bytes` per device, and per communicator
+        NCCL's `channels` x `buffer_bytes` (NCCL_BUFFSIZE, 4 MiB by default)."""
+        return cls(reserve_bytes=reserve_bytes, per_communicator=channels * buffer_bytes, **kw)
 
     def optim_per_param(self) -> float:
         if self.optim_bytes is not None:
@@ -433,14 +446,28 @@ class _Device:
             elif b in self.zero_shards:
                 self.level[4] -= self.zero_shards.pop(b)
 
-    def run(self, times: list[float], device: int) -> list[MemorySample]:
+    def run(self, times: list[float], device: int, extra: float = 0.0) -> list[MemorySample]:
         out = []
         level = self.level
         for i, ins in enumerate(self.instrs):
             self.step(i, ins)
             out.append(MemorySample(device, times[i], int(level[0]), int(level[1]),
-                                    int(level[2]), int(level[3]), int(level[4])))
+                                    int(level[2]), int(level[3]), int(level[4] + extra)))
         return out
+
+
+def communicators(plan, d: int) -> int:
+    """Communicators device d uses: one per collective group, one per direction of each
+    pair it exchanges messages with (the runtime's layout, `runtime.comm`)."""
+    seen = set()
+    for ins in plan.devices[d].instrs:
+        if ins.kind == "SEND":
+            seen.add((d, ins.peer))
+        elif ins.kind == "RECV":
+            seen.add((ins.peer, d))
+        elif ins.group:
+            seen.add(tuple(ins.group))
+    return len(seen)
 
 
 def _sample_times(timing, d: int) -> list[float]:
@@ -463,7 +490,11 @@ def memory_samples(timing, settings: MemorySettings | None = None) -> list[Memor
     routing = Routing(timing.plan, settings.tokens)
     samples = []
     for d in range(timing.plan.world):
-        samples += _Device(timing.plan, d, settings, routing).run(_sample_times(timing, d), d)
+        extra = settings.reserve_bytes + (settings.per_communicator
+                                          * communicators(timing.plan, d)
+                                          if settings.per_communicator else 0)
+        samples += _Device(timing.plan, d, settings, routing).run(_sample_times(timing, d), d,
+                                                                  extra)
     return samples
 
 

@@ -272,3 +272,18 @@ def test_bad_arguments():
         IPyParallelCluster(0)
     with pytest.raises(ValueError, match="device"):
         IPyParallelCluster(2, device="tpu")
+
+
+def test_engines_that_each_see_one_gpu_use_nccl_when_the_gpus_differ():
+    from piper_nb.cluster.ipp import gpus_apart
+
+    def host(machine, uuids):
+        return {"machine": machine, "gpus": len(uuids), "gpu_uuids": uuids}
+    # --gpus-per-task=1: every engine sees one GPU, a different one
+    assert gpus_apart([host("a", ["GPU-0"]), host("a", ["GPU-1"]), host("b", ["GPU-0"])])
+    # every engine sees all of its machine's GPUs: engine k takes the k-th
+    assert gpus_apart([host("a", ["GPU-0", "GPU-1"]), host("a", ["GPU-0", "GPU-1"])])
+    # two engines on one GPU (gloo stages through host memory), or none
+    assert not gpus_apart([host("a", ["GPU-0"]), host("a", ["GPU-0"])])
+    assert not gpus_apart([host("a", ["GPU-0", "GPU-1"])] * 3)
+    assert not gpus_apart([host("a", [])])

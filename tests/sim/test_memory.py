@@ -89,3 +89,22 @@ def test_zero3_gathers_full_parameters_only_around_their_passes():
             assert params[i] in (full // 2 + full, full // 2 + 2 * full)
     # a gather in flight holds its receive buffer; overlapping gathers share one bucket
     assert max(params) == full // 2 + 2 * full
+
+
+def test_gpu_allowances_add_a_share_per_device_and_per_communicator():
+    from piper_nb.sim.memory import communicators
+    model = pn.models.MLP(dim=8, depth=4)
+    spec = pn.annotate(model, pn.cut_stages(model, 2))
+    program = [pn.place({"PP": 0}, [0, 2]), pn.place({"PP": 1}, [1, 3]),
+               pn.replicate({"PP": 0}, [0, 2]), pn.replicate({"PP": 1}, [1, 3]),
+               *pn.schedules.one_f_one_b(2, 4)]
+    plan = pn.compile(spec, program, model.example_batch(16, seed=0))
+    # device 0: the group (0, 2) and the two directions with device 1
+    assert communicators(plan, 0) == 3
+    plain = pn.simulate(plan, pn.CostModel.uniform())
+    gpu = pn.simulate(plan, pn.CostModel.uniform(),
+                      memory=pn.MemorySettings.for_cuda(reserve_bytes=1000, buffer_bytes=10,
+                                                        channels=2))
+    for a, b in zip(plain.memory, gpu.memory, strict=True):
+        assert b.buffers - a.buffers == 1000 + 20 * communicators(plan, a.device)
+        assert (a.params, a.grads, a.activations) == (b.params, b.grads, b.activations)
