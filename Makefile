@@ -5,7 +5,7 @@ BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
 SYSDEPS := $(VENV)/.sysdeps
 
-.PHONY: test demo lab lint bench fuzz clean
+.PHONY: test demo lab lint bench fuzz gpu-check clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -42,6 +42,10 @@ lint: $(STAMP)
 CASES ?= 500
 fuzz: $(STAMP)
 	$(BIN)/python tests/fuzz/run.py $(if $(SEED),--seed $(SEED),--cases $(CASES))
+
+# everything only a GPU shows, one table (a dry run without CUDA: what it would run)
+gpu-check: $(STAMP)
+	$(BIN)/python benchmarks/gpu_check.py
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/bench_compile.py

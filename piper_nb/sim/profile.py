@@ -105,7 +105,7 @@ def _typical(times: list[float]) -> float:
 class _NoComm:
     """A worker built here runs passes only: it makes no groups and sends nothing."""
 
-    def ensure_groups(self, groups) -> None:
+    def ensure_groups(self, groups, pairs=(), counted=()) -> None:
         pass
 
     def barrier(self) -> None:

@@ -1,6 +1,7 @@
-"""The runtime on CUDA: one rank with NCCL, and two ranks sharing one GPU through gloo
-(buffers staged via host memory), each against the CPU reference; CUDA-event timing.
-Skipped without CUDA."""
+"""The runtime on CUDA: one rank with NCCL, two ranks sharing one GPU through gloo
+(buffers staged via host memory), and, where the machine has the GPUs, NCCL data
+parallel, pipelines (point-to-point) and PP x DP, each against the CPU reference;
+CUDA-event timing. Skipped without CUDA (and each multi-GPU case without its GPUs)."""
 
 from __future__ import annotations
 
@@ -61,7 +62,7 @@ def test_two_ranks_share_one_gpu(zero):
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="NCCL needs one GPU per rank")
-def test_two_ranks_nccl_pp_dp():
+def test_two_ranks_nccl_data_parallel_zero3():
     model, batch = _gpt()
     spec = pn.annotate(model, pn.cut_stages(model, 2))
     plan = pn.compile(spec, [pn.replicate({}, [0, 1], zero=3), pn.split({}, "MB", 2)], batch)
@@ -70,3 +71,35 @@ def test_two_ranks_nccl_pp_dp():
         assert {i["backend"] for i in cluster.info} == {"nccl"}
         result = train(plan, batch, 3, opt, cluster=cluster)
     _compare(result, reference_train(model, batch, 3, 2, opt))
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="NCCL needs one GPU per rank")
+@pytest.mark.parametrize("schedule", ["1f1b", "dualpipev"])
+def test_two_ranks_nccl_pipeline(schedule):
+    """NCCL point-to-point: each direction of the pair on its own communicator."""
+    model, batch = _gpt()
+    stages = 4 if schedule == "dualpipev" else 2
+    spec = pn.annotate(model, pn.cut_stages(model, stages))
+    program = (pn.schedules.dualpipev(2, 4, place=True) if schedule == "dualpipev"
+               else pn.schedules.one_f_one_b(2, 4, place=True))
+    plan = pn.compile(spec, program, batch)
+    opt = optim.AdamW(1e-3)
+    with LocalCluster(2, device="cuda") as cluster:
+        assert {i["backend"] for i in cluster.info} == {"nccl"}
+        result = train(plan, batch, 3, opt, cluster=cluster)
+    _compare(result, reference_train(model, batch, 3, 4, opt))
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 4, reason="NCCL needs one GPU per rank")
+def test_four_ranks_nccl_pp2_dp2_zero3():
+    model, batch = _gpt()
+    spec = pn.annotate(model, pn.cut_stages(model, 2))
+    program = [pn.place({"PP": 0}, [0, 2]), pn.place({"PP": 1}, [1, 3]),
+               pn.replicate({"PP": 0}, [0, 2], zero=3), pn.replicate({"PP": 1}, [1, 3], zero=3),
+               *pn.schedules.one_f_one_b(2, 4)]
+    plan = pn.compile(spec, program, batch)
+    opt = optim.AdamW(1e-3)
+    with LocalCluster(4, device="cuda") as cluster:
+        assert {i["backend"] for i in cluster.info} == {"nccl"}
+        result = train(plan, batch, 3, opt, cluster=cluster)
+    _compare(result, reference_train(model, batch, 3, 4, opt))
