@@ -2,7 +2,8 @@
 
 The headline case is 64 stages x 256 microbatches x DP 8 (a 64-layer MLP, 512 devices).
 Prints a markdown table: DAG nodes, instructions, seconds for each phase; the gradient
-check's share is the checks' time with it minus the deadlock dry run alone.
+check's share is the checks' time with it minus the deadlock dry run alone; the NCCL
+check (`compiler/nccl.py`) is timed on its own.
 Run: .venv/bin/python benchmarks/bench_compile.py [--quick]
 """
 
@@ -15,6 +16,7 @@ import time
 import piper_nb as pn
 from piper_nb.compiler.checks import check_collective_order, check_matching, dry_run
 from piper_nb.compiler.gradflow import Flow
+from piper_nb.compiler.nccl import check_nccl
 from piper_nb.directives.spec import Place
 
 
@@ -42,17 +44,21 @@ def run(stages: int, micro: int, dp: int) -> dict:
         check_matching(plan)
         check_collective_order(plan)
         t2 = time.perf_counter()
-        dry_run(plan)                     # the deadlock dry run alone
+        flow = Flow(plan)
+        dry_run(plan, runs=flow.active)   # the deadlock dry run alone (one device per replicas)
         t3 = time.perf_counter()
         dry_run(plan, Flow(plan))         # the same, replaying gradients (what check_plan runs)
         t4 = time.perf_counter()
+        check_nccl(plan)                  # NCCL's in-order streams
+        t5 = time.perf_counter()
     finally:
         gc.enable()
     grads = max(0.0, (t4 - t3) - (t3 - t2))
-    check = (t2 - t1) + (t4 - t3)
+    check = (t2 - t1) + (t5 - t3)
     return {"stages": stages, "micro": micro, "dp": dp, "devices": plan.world,
             "nodes": len(plan.dag.nodes), "instrs": sum(len(d.instrs) for d in plan.devices),
-            "compile_s": t1 - t0, "check_s": check, "grads_s": grads, "total_s": t1 - t0 + check}
+            "compile_s": t1 - t0, "check_s": check, "grads_s": grads, "nccl_s": t5 - t4,
+            "total_s": t1 - t0 + check}
 
 
 def main() -> None:
@@ -61,14 +67,16 @@ def main() -> None:
     if quick:
         cases = cases[:2]
     print("| stages | microbatches | DP | devices | DAG nodes | instructions | compile s | "
-          "checks s | of which gradient check s (% of compile) | total s | us / instruction |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+          "checks s | of which gradient check s (% of compile) | of which NCCL check s | "
+          "total s | us / instruction |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for s, m, dp in cases:
         r = run(s, m, dp)
         per = 1e6 * r["total_s"] / r["instrs"]
         print(f"| {s} | {m} | {dp} | {r['devices']} | {r['nodes']} | {r['instrs']} | "
               f"{r['compile_s']:.2f} | {r['check_s']:.2f} | {r['grads_s']:.2f} "
-              f"({100 * r['grads_s'] / r['compile_s']:.0f}%) | {r['total_s']:.2f} | {per:.1f} |",
+              f"({100 * r['grads_s'] / r['compile_s']:.0f}%) | {r['nccl_s']:.2f} | "
+              f"{r['total_s']:.2f} | {per:.1f} |",
               flush=True)
 
 

@@ -84,12 +84,16 @@ def _blocks_at_issue(ins) -> bool:
 _REDUCTIONS = frozenset({"ALL_REDUCE", "REDUCE_SCATTER", "ALL_TO_ALL"})
 
 
-def dry_run(plan: Plan, flow: Flow | None = None) -> list[list[int]]:
+def dry_run(plan: Plan, flow: Flow | None = None, runs: list[bool] | None = None
+            ) -> list[list[int]]:
     """Run all devices in lockstep; returns per device the round each instruction ran in.
 
     A `flow` (the gradient check, `gradflow.Flow`) is shown, as they run, the instructions
     that move gradients: backwards and updates, gradient sends, reductions and exchanges,
-    the WAITs that complete them and the FREEs of gradient buffers."""
+    the WAITs that complete them and the FREEs of gradient buffers. Only the devices in
+    `runs` (default: the flow's `active` ones, else all) run: a replica stamped from a
+    template (`Plan.stamps`) does what its template does, so a collective waits for its
+    running members only."""
     n = plan.world
     ptr = [0] * n
     rounds: list[list[int]] = [[] for _ in range(n)]
@@ -98,12 +102,22 @@ def dry_run(plan: Plan, flow: Flow | None = None) -> list[list[int]]:
     coll_index: list[dict] = [defaultdict(int) for _ in range(n)]
     coll_seq: dict[tuple, int] = {}
     instrs = [dp.instrs for dp in plan.devices]
+    if runs is None:
+        runs = flow.active if flow is not None else [True] * n
     active = flow.active if flow is not None else [False] * n
     freed = flow.freed if flow is not None else {}
+    members: dict[tuple, int] = {}   # group -> members that run
+
+    def need(group: tuple) -> int:
+        if group not in members:
+            members[group] = sum(1 for m in group if runs[m])
+        return members[group]
     r = 0
     while True:
         progress = False
         for d in range(n):
+            if not runs[d]:
+                continue
             mine, on = instrs[d], active[d]
             while ptr[d] < len(mine):
                 i = ptr[d]
@@ -120,7 +134,7 @@ def dry_run(plan: Plan, flow: Flow | None = None) -> list[list[int]]:
                         coll_posted[ins.group][k] += 1
                         coll_seq[(d, i)] = k
                     if _blocks_at_issue(ins) and \
-                            coll_posted[ins.group][coll_seq[(d, i)]] < len(ins.group):
+                            coll_posted[ins.group][coll_seq[(d, i)]] < need(ins.group):
                         break
                     if on and kind in _REDUCTIONS:
                         flow.issued(d, i, ins)
@@ -133,7 +147,7 @@ def dry_run(plan: Plan, flow: Flow | None = None) -> list[list[int]]:
                         if on and t.grad and t.kind == "RECV":
                             flow.received(d, t)
                     else:
-                        if coll_posted[t.group][coll_seq[(d, ins.target)]] < len(t.group):
+                        if coll_posted[t.group][coll_seq[(d, ins.target)]] < need(t.group):
                             break
                         if on and t.kind in _REDUCTIONS:
                             flow.completed(d, ins.target, t)
@@ -155,7 +169,7 @@ def dry_run(plan: Plan, flow: Flow | None = None) -> list[list[int]]:
                 progress = True
                 if kind == "WAIT":
                     break  # one blocking step per round keeps the grid readable
-        if all(ptr[d] == len(instrs[d]) for d in range(n)):
+        if all(ptr[d] == len(instrs[d]) for d in range(n) if runs[d]):
             return rounds
         if not progress:
             raise PlanError("deadlock: no device can make progress; the order of the marked "

@@ -57,9 +57,13 @@ def insert_send_recv(dag: TrainingDAG, skip_regions: frozenset[int] = frozenset(
 def _pair(dag: TrainingDAG, group: list[Edge], grad: bool) -> tuple[Node, Node, list[Edge]]:
     """One SEND/RECV pair for edges sharing a producer pass (activations) or a consumer
     pass (gradients); the message carries the union of their values."""
-    srcs = list(dict.fromkeys(e.src for e in group))
-    dsts = list(dict.fromkeys(e.dst for e in group))
-    values = tuple(dict.fromkeys(v for e in group for v in e.values))
+    if len(group) == 1:   # the common case: one edge, one message
+        (e,) = group
+        srcs, dsts, values = [e.src], [e.dst], e.values
+    else:
+        srcs = list(dict.fromkeys(e.src for e in group))
+        dsts = list(dict.fromkeys(e.dst for e in group))
+        values = tuple(dict.fromkeys(v for e in group for v in e.values))
     a, b = dag[srcs[0]], dag[dsts[0]]
     stream = a.attr("comm_stream") or "pp"
     common = dict(stream=stream,
@@ -70,6 +74,10 @@ def _pair(dag: TrainingDAG, group: list[Edge], grad: bool) -> tuple[Node, Node, 
                 region=a.region, **common)
     recv = Node(id=f"RECV({name})", op=Op.RECV, tags=b.tags, devices=b.devices,
                 region=b.region, **common)
+    if len(group) == 1:
+        return send, recv, [Edge(srcs[0], send.id, "data", values),
+                            Edge(send.id, recv.id, "data", values),
+                            Edge(recv.id, dsts[0], "data", values)]
     out = [Edge(s, send.id, "data", _values(group, src=s)) for s in srcs]
     out.append(Edge(send.id, recv.id, "data", values))
     out += [Edge(recv.id, d, "data", _values(group, dst=d)) for d in dsts]
