@@ -10,22 +10,13 @@ import os
 import sys
 
 import pytest
-import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from cases import check, draw  # noqa: E402
 
-pytestmark = pytest.mark.dist
+pytestmark = [pytest.mark.dist, pytest.mark.usefixtures("one_thread")]
 
 FAST = int(os.environ.get("PIPER_NB_FUZZ_FAST", "120"))   # seeds 0 .. FAST-1
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
 
 
 @pytest.mark.parametrize("seed", range(FAST))

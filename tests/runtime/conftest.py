@@ -31,9 +31,6 @@ def same():
 
 
 @pytest.fixture(autouse=True)
-def one_thread():
-    """The driver's reference runs beside the workers on few cores: keep it to one thread."""
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
+def _one_thread(one_thread):
+    """Every runtime test runs its reference on one thread (see tests/conftest.py)."""
     yield
-    torch.set_num_threads(old)

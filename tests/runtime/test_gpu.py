@@ -61,45 +61,34 @@ def test_two_ranks_share_one_gpu(zero):
     _compare(piped, reference_train(model, batch, 3, 4, opt))
 
 
-@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="NCCL needs one GPU per rank")
-def test_two_ranks_nccl_data_parallel_zero3():
+def _nccl(stages: int, program, world: int) -> None:
+    """Train `program` on `world` ranks, one GPU each over NCCL; compare with the reference."""
     model, batch = _gpt()
-    spec = pn.annotate(model, pn.cut_stages(model, 2))
-    plan = pn.compile(spec, [pn.replicate({}, [0, 1], zero=3), pn.split({}, "MB", 2)], batch)
+    plan = pn.compile(pn.annotate(model, pn.cut_stages(model, stages)), program, batch)
     opt = optim.AdamW(1e-3)
-    with LocalCluster(2, device="cuda") as cluster:
+    with LocalCluster(world, device="cuda") as cluster:
         assert {i["backend"] for i in cluster.info} == {"nccl"}
         result = train(plan, batch, 3, opt, cluster=cluster)
-    _compare(result, reference_train(model, batch, 3, 2, opt))
+    _compare(result, reference_train(model, batch, 3, plan.microbatches, opt))
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="NCCL needs one GPU per rank")
+def test_two_ranks_nccl_data_parallel_zero3():
+    _nccl(2, [pn.replicate({}, [0, 1], zero=3), pn.split({}, "MB", 2)], 2)
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="NCCL needs one GPU per rank")
 @pytest.mark.parametrize("schedule", ["1f1b", "dualpipev"])
 def test_two_ranks_nccl_pipeline(schedule):
     """NCCL point-to-point: each direction of the pair on its own communicator."""
-    model, batch = _gpt()
-    stages = 4 if schedule == "dualpipev" else 2
-    spec = pn.annotate(model, pn.cut_stages(model, stages))
-    program = (pn.schedules.dualpipev(2, 4, place=True) if schedule == "dualpipev"
-               else pn.schedules.one_f_one_b(2, 4, place=True))
-    plan = pn.compile(spec, program, batch)
-    opt = optim.AdamW(1e-3)
-    with LocalCluster(2, device="cuda") as cluster:
-        assert {i["backend"] for i in cluster.info} == {"nccl"}
-        result = train(plan, batch, 3, opt, cluster=cluster)
-    _compare(result, reference_train(model, batch, 3, 4, opt))
+    if schedule == "dualpipev":
+        _nccl(4, pn.schedules.dualpipev(2, 4, place=True), 2)
+    else:
+        _nccl(2, pn.schedules.one_f_one_b(2, 4, place=True), 2)
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 4, reason="NCCL needs one GPU per rank")
 def test_four_ranks_nccl_pp2_dp2_zero3():
-    model, batch = _gpt()
-    spec = pn.annotate(model, pn.cut_stages(model, 2))
-    program = [pn.place({"PP": 0}, [0, 2]), pn.place({"PP": 1}, [1, 3]),
-               pn.replicate({"PP": 0}, [0, 2], zero=3), pn.replicate({"PP": 1}, [1, 3], zero=3),
-               *pn.schedules.one_f_one_b(2, 4)]
-    plan = pn.compile(spec, program, batch)
-    opt = optim.AdamW(1e-3)
-    with LocalCluster(4, device="cuda") as cluster:
-        assert {i["backend"] for i in cluster.info} == {"nccl"}
-        result = train(plan, batch, 3, opt, cluster=cluster)
-    _compare(result, reference_train(model, batch, 3, 4, opt))
+    _nccl(2, [pn.place({"PP": 0}, [0, 2]), pn.place({"PP": 1}, [1, 3]),
+              pn.replicate({"PP": 0}, [0, 2], zero=3), pn.replicate({"PP": 1}, [1, 3], zero=3),
+              *pn.schedules.one_f_one_b(2, 4)], 4)
