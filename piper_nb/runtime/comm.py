@@ -9,12 +9,14 @@ watchdog owns the timeout). Gloo with CUDA tensors (one GPU shared by several ra
 stages buffers through host memory.
 
 Communicators, the way NCCL needs them (`compiler.nccl` checks plans against this layout):
-one process group per collective device group, and one per *direction* of each pair that
-exchanges messages, so a receive waiting at the head of one direction's stream never holds
-up the other direction; within a direction, receives are posted in the sender's order
-(`compiler.p2p`). All are created when a plan is loaded, in one global order on every rank,
-and each is warmed up once then with a one-element message, so none is first created in
-the middle of a step (where two ranks could create two of them in opposite orders).
+one process group per collective device group, and, on NCCL, one per *direction* of each
+pair that exchanges messages, so a receive waiting at the head of one direction's stream
+never holds up the other direction (gloo matches messages by tag: its point-to-point stays
+on the default group, where extra groups would only add event-loop threads); within a
+direction, receives are posted in the sender's order (`compiler.p2p`). All are created
+when a plan is loaded, in one global order on every rank, and each is warmed up once then
+with a one-element message, so none is first created in the middle of a step (where two
+ranks could create two of them in opposite orders).
 `gather_counts` (the token counts of an expert dispatch, known on the host) goes over a
 CPU (gloo) group, without draining the GPU; `all_to_all` serves the token exchange.
 Receive buffers on CPU are recycled across steps, as PyTorch's pipeline stages keep
@@ -72,8 +74,12 @@ class Pending:
 
 
 class Comm:
-    def __init__(self, rank: int, device: torch.device, backend: str):
+    def __init__(self, rank: int, device: torch.device, backend: str,
+                 per_direction: bool | None = None):
         self.rank, self.device, self.backend = rank, device, backend
+        # one group per direction of each pair: what NCCL needs; gloo matches messages by
+        # tag on the default group, and every extra gloo group costs an event-loop thread
+        self.per_direction = backend != "gloo" if per_direction is None else per_direction
         self.stage = device.type == "cuda" and backend == "gloo"
         self.cuda = device.type == "cuda" and not self.stage   # NCCL on GPU tensors
         self.groups: dict[tuple[int, ...], object] = {}
@@ -91,7 +97,8 @@ class Comm:
         new_groups = [g for g in sorted(set(tuple(x) for x in groups)) if g not in self.groups]
         for g in new_groups:
             self.groups[g] = self._new_group(g)
-        new_pairs = [p for p in sorted(set(pairs)) if p not in self.pairs]
+        new_pairs = [p for p in sorted(set(pairs)) if p not in self.pairs] \
+            if self.per_direction else []
         for src, dst in new_pairs:
             self.pairs[(src, dst)] = dist.new_group(sorted((src, dst)))
         for g in sorted(set(tuple(x) for x in counted)):

@@ -1,6 +1,7 @@
 """The communicator layout NCCL needs, run on gloo by two real processes: one group per
 direction of a pair (a receive waiting on one direction does not hold up the other), the
-collective groups and token-count groups made and warmed up once, at load."""
+collective groups and token-count groups made and warmed up once, at load. (On gloo the
+runtime keeps point-to-point on the default group: gloo matches by tag.)"""
 
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ def _rank(rank: int, port: int, out) -> None:
     store = dist.TCPStore("127.0.0.1", port, 2, rank == 0, timeout=datetime.timedelta(seconds=60))
     dist.init_process_group("gloo", store=store, rank=rank, world_size=2)
     try:
-        comm = Comm(rank, torch.device("cpu"), "gloo")
+        comm = Comm(rank, torch.device("cpu"), "gloo", per_direction=True)   # NCCL's layout
         comm.ensure_groups([(0, 1)], pairs=[(0, 1), (1, 0)], counted=[(0, 1)])
         made = (len(comm.groups), len(comm.pairs), len(comm.cpu_groups))
         comm.ensure_groups([(0, 1)], pairs=[(1, 0), (0, 1)], counted=[(0, 1)])   # idempotent
