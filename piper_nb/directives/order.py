@@ -89,15 +89,22 @@ def _order_edges(dag: TrainingDAG, directive, index: int, first_overlap: int):
 
 def _named(dag: TrainingDAG, nodes: list[Node], filt) -> list[Node]:
     """The nodes a filter orders: a later segment of a stage that comes back after another
-    stage (an ancestor region differs in a tag the filter names) is left to run when its
-    inputs arrive, unless the filter names SEG (see the docstring)."""
+    stage (it depends on a region that differs in a tag the filter names and that itself
+    depends on this stage) is left to run when its inputs arrive, unless the filter names
+    SEG (see the docstring). A mixture of experts' combine, after its own stage's experts,
+    stays."""
     if SEG in filt or all(n.tag(SEG) is None for n in nodes):
         return nodes
     keys = [k for k in filt if k not in ("MB", "PASS")]
-    regions = dag.regions()
-    tags = [dict(r.tags) for r in regions]
-    return [n for n in nodes if not n.tag(SEG) or not any(
-        tags[a].get(k) != tags[n.region].get(k) for a in _ancestors(dag)[n.region] for k in keys)]
+    return [n for n in nodes if not n.tag(SEG) or not _comes_back(dag, n.region, keys)]
+
+
+def _comes_back(dag: TrainingDAG, region: int, keys: list[str]) -> bool:
+    tags = [dict(r.tags) for r in dag.regions()]
+    anc = _ancestors(dag)
+    stage = lambda r: tuple(tags[r].get(k) for k in keys)
+    mine = stage(region)
+    return any(stage(a) != mine and any(stage(b) == mine for b in anc[a]) for a in anc[region])
 
 
 def _ancestors(dag: TrainingDAG) -> list[set[int]]:

@@ -147,6 +147,7 @@ def insert_grad_sync(dag: TrainingDAG, region_params: dict[int, tuple[str, ...]]
         return n
 
     last_of: dict[tuple[int, ...], str] = {}   # group -> its last step reduction so far
+    spread_groups = {b.group for b in buckets if _spread(dag, b.regions, b.group)}
     for b in buckets:
         base = dict(regions[b.regions[0]].tags)
         producers = [n for r in b.regions for n in _last_backward(dag, r)]
@@ -159,11 +160,12 @@ def insert_grad_sync(dag: TrainingDAG, region_params: dict[int, tuple[str, ...]]
             c = coll(op, b, base, "", b.reduce_stream, "grad")
             edges += [Edge(p.id, c.id) for p in producers]
             edges += [Edge(c.id, u_of[r].id) for r in b.regions]
-            # one order for a group's step reductions on every member: bucket order (their
-            # backwards finish in different orders on different members)
-            if b.group in last_of:
-                edges.append(Edge(last_of[b.group], c.id, "temporal"))
-            last_of[b.group] = c.id
+            # where a group holds buckets spread over stages or copies, its members finish
+            # their backwards in different orders: its step reductions go in bucket order
+            if b.group in spread_groups:
+                if b.group in last_of:
+                    edges.append(Edge(last_of[b.group], c.id, "temporal"))
+                last_of[b.group] = c.id
         else:
             for mb in sorted({p.mb for p in producers}, key=lambda m: -1 if m is None else m):
                 tags = {**base, "MB": mb} if mb is not None else base
