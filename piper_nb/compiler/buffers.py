@@ -3,8 +3,8 @@
 One process updates such a buffer once per forward, microbatch after microbatch. A plan
 reproduces that when every forward that updates it runs on one device, in microbatch
 order (every pipeline schedule does): that device's copy is the trained buffer, and
-`pn.train` returns it. Data-parallel replicas each update their own copy from their own
-samples, as DDP's replicas do without SyncBatchNorm; the first replica's comes back. A
+`pn.train` returns it. Data-parallel replicas of a BatchNorm normalize over the whole
+microbatch (`runtime.syncbn`), so every replica's copy moves as one process's. A
 stage held twice (full DualPipe's two copies) or a module with such buffers called from
 regions on different devices would split the sequence of updates between processes: that
 is a PlanError here, before anything runs, and so is an order that runs such a region's

@@ -25,6 +25,7 @@ from piper_nb.runtime.comm import Comm, Pending
 from piper_nb.runtime.exchange import TokenExchange
 from piper_nb.runtime.layout import batch_part, bucket_layouts
 from piper_nb.runtime.stores import ParamStore, Stash, ValueStore, parse_free
+from piper_nb.runtime.syncbn import sync_batchnorms
 from piper_nb.runtime.timing import Clock, Recorder
 
 __all__ = ["Worker", "FAIL_ENV"]
@@ -53,7 +54,7 @@ class Worker:
         for r in regions:
             mod = bundle.modules[r].to(device)
             bind_params(mod, self.store.params, bundle.aliases)
-            self.modules[r] = direct_calls(mod).train()
+            self.modules[r] = mod.train()
         self.buffers = Buffers(plan, self.modules, self.instrs)
         self.values = ValueStore()
         self.exchange = TokenExchange(plan, comm, self.values, rank, device)
@@ -61,11 +62,16 @@ class Worker:
                                  if set(self.layouts[b].names) & set(plan.regions[r].params)})
                       for r in regions}  # ZeRO-3 buckets each region's passes must have gathered
         everything = [i for dp in plan.devices for i in dp.instrs]
-        comm.ensure_groups((i.group for i in everything if i.group),
+        replicas = replica_groups(plan)
+        comm.ensure_groups([*(i.group for i in everything if i.group), *replicas.values()],
                            pairs=[(dp.device, i.peer) for dp in plan.devices
                                   for i in dp.instrs if i.kind == "SEND"],
                            counted=[i.group for i in everything if i.kind == "ALL_TO_ALL"
                                     and i.purpose == "dispatch" and not i.grad])
+        for r, mod in self.modules.items():   # BatchNorm over the whole microbatch
+            if r in replicas:
+                sync_batchnorms(mod, comm.groups[replicas[r]])
+            self.modules[r] = direct_calls(mod)
         # decoded once, not on every step: how each instruction dispatches, what every
         # RECV allocates, and what every FREE drops
         self.dispatch = [_COMPUTE if i.is_compute else _ISSUE if i.is_issue else
@@ -379,6 +385,17 @@ class Worker:
             p.grad = None
         self.comm.recycle()
         return sorted(out)
+
+
+def replica_groups(plan) -> dict[int, tuple[int, ...]]:
+    """Region -> its replica group, for regions whose forwards run on several replicas
+    (the devices running its first microbatch's forward, in replica order)."""
+    found: dict[int, dict[int, int]] = {}
+    for dp in plan.devices:
+        for ins in dp.instrs:
+            if ins.kind == "F" and ins.replicas > 1 and ins.mb <= 0:
+                found.setdefault(ins.region, {})[ins.replica] = dp.device
+    return {r: tuple(devs[k] for k in sorted(devs)) for r, devs in found.items()}
 
 
 def _parse_fail(spec: str | None, rank: int) -> tuple[str, str] | None:

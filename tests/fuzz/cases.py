@@ -16,8 +16,8 @@ makes some gradient elements vanish (its output is invariant to a shift of its i
 a bias before it, or a weight column, gets next to nothing), AdamW divides each element by
 its own scale, and fp32 summation order alone then decides those elements' steps (as it
 would between two single-process runs summing in different orders). Replicas of a
-BatchNorm stage keep their own statistics, as DDP's do, so the reference runs each
-replica's share as its own microbatch and those buffers are not compared.
+BatchNorm stage normalize over the whole microbatch (`runtime.syncbn`), so BatchNorm
+statistics are compared under data parallelism too.
 
 Replay one case: `python tests/fuzz/run.py --seed N` (or `make fuzz SEED=N`).
 """
@@ -204,28 +204,21 @@ def check(case: Case, cluster) -> str:
             again = pn.train(plan, batch, case.steps, opt, cluster=cluster, seed=case.seed)
             _equal(result, again, exact=True)
             return "same twice with one seed (dropout)"
-        ref = pn.reference_train(model, batch, case.steps, case.microbatches * case.dp, opt)
-        skip = _ddp_buffers(model) if case.dp > 1 else set()
-        _equal(result, ref, skip=skip)
+        ref = pn.reference_train(model, batch, case.steps, case.microbatches, opt)
+        _equal(result, ref)
         assert result.leftover == [], f"buffers never freed: {result.leftover[:4]}"
-        return "equal to the reference" + (" (replica buffers not compared)" if skip else "")
+        return "equal to the reference"
     except Exception as err:
         raise AssertionError(f"fuzz case failed: {case.line()}\n  {type(err).__name__}: {err}\n"
                              f"  replay: {case.replay()}") from err
 
 
-def _ddp_buffers(model) -> set[str]:
-    """BatchNorm statistics: each replica keeps its own (DDP semantics)."""
-    return {n for n, _ in model.named_buffers() if ".norm." in n}
-
-
-def _equal(result, ref, exact: bool = False, skip: set[str] = frozenset()) -> None:
+def _equal(result, ref, exact: bool = False) -> None:
     rtol, atol = (0.0, 0.0) if exact else (RTOL, ATOL)
     torch.testing.assert_close(torch.tensor(result.losses), torch.tensor(ref.losses),
                                rtol=rtol, atol=atol, msg=lambda m: f"losses: {m}")
     got, want = result.state_dict(), ref.state_dict()
     assert got.keys() == want.keys(), f"state_dict keys differ: {got.keys() ^ want.keys()}"
     for name in want:
-        if name not in skip:
-            torch.testing.assert_close(got[name], want[name], rtol=rtol, atol=atol,
-                                       msg=lambda m, name=name: f"{name}: {m}")
+        torch.testing.assert_close(got[name], want[name], rtol=rtol, atol=atol,
+                                   msg=lambda m, name=name: f"{name}: {m}")

@@ -135,18 +135,24 @@ def test_batchnorm_running_statistics_train_and_come_back(cluster2, same):
     same(again, ref, model)
 
 
-def test_batchnorm_under_data_parallel_follows_ddp(cluster2):
-    """Each replica normalizes its own samples and updates its own statistics (DDP without
-    SyncBatchNorm): the losses and weights are those of one process running each replica's
-    share as a microbatch; the statistics come back from replica 0."""
-    model = Chain(n=2, norm=[0])
-    program = [pn.replicate({}, [0, 1]), pn.split({}, "MB", 2)]
-    _, result, ref = run(model, program, cluster2, ref_micro=4, annotation={"": {"PP": 0}})
-    torch.testing.assert_close(torch.tensor(result.losses), torch.tensor(ref.losses))
-    got, want = result.state_dict(), ref.state_dict()
-    for name in ("s.0.weight", "s.1.weight"):
-        torch.testing.assert_close(got[name], want[name], rtol=1e-5, atol=4e-5)
-    assert int(got["norm.0.num_batches_tracked"]) == 3 * 2   # replica 0's two per step
+@pytest.mark.parametrize("zero", [0, 3])
+def test_batchnorm_under_data_parallel_normalizes_the_whole_microbatch(cluster2, same, zero):
+    """Replicas sum BatchNorm's statistics over their group (SyncBatchNorm, on CPU too):
+    losses, weights and running statistics equal one process's."""
+    model = Chain(n=2, norm=[0, 1])
+    program = [pn.replicate({}, [0, 1], zero=zero), pn.split({}, "MB", 2)]
+    _, result, ref = run(model, program, cluster2, annotation={"": {"PP": 0}})
+    same(result, ref, model)
+    assert int(result.state_dict()["norm.0.num_batches_tracked"]) == 3 * 2
+
+
+def test_batchnorm_under_pp2_x_dp2(cluster4, same):
+    model = Chain(n=2, norm=[0, 1])
+    program = [pn.place({"PP": 0}, [0, 2]), pn.place({"PP": 1}, [1, 3]),
+               pn.replicate({"PP": 0}, [0, 2]), pn.replicate({"PP": 1}, [1, 3]),
+               *pn.schedules.one_f_one_b(2, 4)]
+    _, result, ref = run(model, program, cluster4)
+    same(result, ref, model)
 
 
 def test_batchnorm_on_both_copies_of_a_dualpipe_stage_is_refused():
