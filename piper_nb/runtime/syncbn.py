@@ -40,11 +40,16 @@ class _AllReduce(torch.autograd.Function):
 
 
 class SyncedBatchNorm(nn.Module):
-    """`bn` (its parameters and buffers, the same tensors) normalizing over `group`."""
+    """`bn` (its parameters and buffers, the same tensors) normalizing over the process
+    group `group()` returns (looked up at the first forward)."""
 
     def __init__(self, bn: nn.modules.batchnorm._BatchNorm, group):
         super().__init__()
-        self.bn, self.group = bn, group
+        self.bn, self._group = bn, group
+
+    @property
+    def group(self):
+        return self._group()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bn = self.bn
@@ -72,7 +77,8 @@ class SyncedBatchNorm(nn.Module):
 
 
 def sync_batchnorms(module: nn.Module, group) -> int:
-    """Swap every BatchNorm inside `module` for a SyncedBatchNorm over `group`; how many."""
+    """Swap every BatchNorm inside `module` for a SyncedBatchNorm over the process group
+    `group()` returns; how many."""
     swapped = 0
     for name, child in list(module.named_modules()):
         if isinstance(child, nn.modules.batchnorm._BatchNorm):

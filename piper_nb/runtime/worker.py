@@ -68,9 +68,10 @@ class Worker:
                                   for i in dp.instrs if i.kind == "SEND"],
                            counted=[i.group for i in everything if i.kind == "ALL_TO_ALL"
                                     and i.purpose == "dispatch" and not i.grad])
+        groups = getattr(comm, "groups", None)   # None: a profiler's worker, no peers
         for r, mod in self.modules.items():   # BatchNorm over the whole microbatch
-            if r in replicas:
-                sync_batchnorms(mod, comm.groups[replicas[r]])
+            if r in replicas and groups is not None:
+                sync_batchnorms(mod, lambda r=r: groups[replicas[r]])
             self.modules[r] = direct_calls(mod)
         # decoded once, not on every step: how each instruction dispatches, what every
         # RECV allocates, and what every FREE drops
