@@ -34,7 +34,7 @@ import traceback
 import torch
 import torch.multiprocessing as mp
 
-from piper_nb.runtime.process import core_plan, free_port, pin_threads
+from piper_nb.host import core_plan, free_port, pin_threads
 
 __all__ = ["PeerGroup", "KINDS"]
 

@@ -36,7 +36,7 @@ import socket
 import sys
 import time
 
-from piper_nb.runtime.process import free_port
+from piper_nb.host import free_port
 
 __all__ = ["hello", "free_port", "spawn", "send", "result", "kill", "stop", "status"]
 

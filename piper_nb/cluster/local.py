@@ -10,7 +10,7 @@ next call starts a fresh group: the cluster is usable again. Test hook: with the
 environment variable `PIPER_NB_FAIL_AT="<device>:<instruction text>"` set in the driver
 (e.g. `1:1B2`, or `0:wait(0RECV_B1<1)`), that worker raises there; append `:exit` to make
 its process die instead. CPU workers are pinned one per core when there are enough cores
-(`pin`, see `runtime.process.core_plan`). Scripts that start a cluster need an
+(`pin`, see `host.core_plan`). Scripts that start a cluster need an
 `if __name__ == "__main__":` guard (workers are spawned, which re-imports the main module).
 """
 
@@ -25,7 +25,8 @@ import torch.multiprocessing as mp
 
 from piper_nb.cluster.protocol import ClusterCommands
 from piper_nb.errors import PlanError, RuntimeFailure, WorkerLost
-from piper_nb.runtime.process import core_plan, free_port, serve
+from piper_nb.host import core_plan, free_port
+from piper_nb.runtime.process import serve
 
 __all__ = ["LocalCluster"]
 

@@ -43,6 +43,7 @@ from piper_nb.directives.split import apply_split
 from piper_nb.errors import PlanError
 from piper_nb.ir.dag import Op, TrainingDAG
 from piper_nb.ir.validate import validate
+from piper_nb.schedules import build
 
 __all__ = ["compile", "expand", "build_global_dag"]
 
@@ -55,7 +56,7 @@ def expand(program: Program | Iterable) -> list[tuple[int, Directive]]:
     for i, d in enumerate(program):
         if isinstance(d, Schedule):
             try:
-                out += [(i, x) for x in d.expand()]
+                out += [(i, x) for x in build(d.name, **dict(d.args))]
             except PlanError as err:
                 raise err.at(i, "schedule") from None
         else:

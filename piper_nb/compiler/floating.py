@@ -11,6 +11,7 @@ passes cannot make two devices wait for each other.
 
 from __future__ import annotations
 
+from piper_nb.ir.dag import COLLECTIVES as _COLLECTIVES
 from piper_nb.ir.dag import Node, Op, TrainingDAG
 
 __all__ = ["merge_floating"]
@@ -44,7 +45,11 @@ def merge_floating(dag: TrainingDAG, seqs: list[list[Node]], floating: list[list
         return ok
 
     def ready(nid: str, d: int) -> bool:
-        return all(finished(e.src, d) for e in dag.in_edges(nid))
+        """All inputs done. A collective waits for its inputs on this device only: the
+        other members' reach it with their own copy of the node."""
+        group = dag[nid].op in _COLLECTIVES
+        return all(finished(e.src, d) for e in dag.in_edges(nid)
+                   if not group or d in dag[e.src].devices)
 
     pos = [0] * world
     left = [sorted(f, key=key) for f in floating]

@@ -189,15 +189,12 @@ class Order(Directive):
 
 @dataclass(frozen=True)
 class Schedule(Directive):
-    """A named schedule builder, expanded into split/order (and optionally place) directives."""
+    """A named schedule builder, expanded into split/order (and optionally place) directives
+    by the compiler (`compiler.compile.expand`, with `schedules.build`)."""
 
     name: str
     args: Mapping[str, Any] = field(default_factory=dict)
     op = "schedule"
-
-    def expand(self) -> list[Directive]:
-        from piper_nb.schedules import build
-        return build(self.name, **dict(self.args))
 
     def to_json(self) -> dict:
         return {"op": "schedule", "name": self.name, **dict(self.args)}

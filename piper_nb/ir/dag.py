@@ -205,10 +205,6 @@ class TrainingDAG:
         from piper_nb.ir.text import dag_to_json
         return dag_to_json(self)
 
-    def to_graphviz(self, **kw: Any):
-        from piper_nb.viz.dag import dag_to_graphviz
-        return dag_to_graphviz(self, **kw)
-
     def __repr__(self) -> str:
         counts: dict[str, int] = defaultdict(int)
         for n in self.nodes:

@@ -9,7 +9,7 @@ error names the instruction that was running. After an error the worker keeps li
 the driver decides (it stops or kills the whole group, since peers may be blocked in a
 transfer with this one).
 
-On CPU, `core_plan` gives each worker a core of its own when there are enough
+On CPU, `host.core_plan` gives each worker a core of its own when there are enough
 (`pin_threads` at start-up, so gloo's threads, made later, inherit it): each rank's main
 thread and gloo's threads then share its core and no other rank's, and steps come out
 steadier (`benchmarks/bench_pinning.py`).
@@ -27,58 +27,14 @@ import traceback
 import torch
 import torch.distributed as dist
 
+from piper_nb.host import pin_threads, usable_cores
 from piper_nb.runtime.bundle import load_bundle
 from piper_nb.runtime.comm import Comm
 from piper_nb.runtime.worker import Worker
 
-__all__ = ["serve", "pick_device", "free_port", "core_plan", "pin_threads"]
+__all__ = ["serve", "pick_device"]
 
 _LISTENERS: list[socket.socket] = []
-
-
-def free_port(ip: str = "127.0.0.1") -> int:
-    """A TCP port free on `ip` right now, for a process group's rendezvous."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((ip, 0))
-        return s.getsockname()[1]
-
-
-def usable_cores() -> list[int]:
-    """The cores this process may run on (all of them where the OS does not say)."""
-    if hasattr(os, "sched_getaffinity"):
-        return sorted(os.sched_getaffinity(0))
-    return list(range(os.cpu_count() or 1))
-
-
-def core_plan(n: int, pin: bool | None = None, device: str = "cpu",
-              busy: dict[int, int] | None = None) -> list[tuple[int, ...] | None]:
-    """Per rank, the cores its process is pinned to (None: not pinned). `pin=None` pins
-    CPU workers when each can have a core of its own; `pin=True` also shares them out
-    round-robin when there are more workers than cores; `pin=False`, or a CUDA cluster,
-    leaves placement to the OS. Cores are taken least `busy` first (how many workers of
-    other clusters already hold each), then in order."""
-    cores = usable_cores()
-    if pin is False or (pin is None and (device != "cpu" or n > len(cores))):
-        return [None] * n
-    if not hasattr(os, "sched_setaffinity"):
-        if pin:
-            raise ValueError("pin=True: this OS cannot pin processes to cores "
-                             "(os.sched_setaffinity is Linux only); use pin=None or False")
-        return [None] * n
-    busy = busy or {}
-    cores = sorted(cores, key=lambda c: busy.get(c, 0))   # stable: in order among equals
-    return [(cores[r % len(cores)],) for r in range(n)]
-
-
-def pin_threads(cores) -> None:
-    """Pin every thread of this process to `cores` (threads made later inherit it)."""
-    if not cores:
-        return
-    for tid in os.listdir("/proc/self/task") if os.path.isdir("/proc/self/task") else [0]:
-        try:
-            os.sched_setaffinity(int(tid), set(cores))
-        except (ProcessLookupError, OSError):  # a thread that just ended
-            pass
 
 
 def pick_device(kind: str, rank: int, world: int, local_rank: int | None = None,

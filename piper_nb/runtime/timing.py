@@ -4,7 +4,7 @@ On CPU every time is `time.perf_counter()` minus the step start (taken right aft
 barrier that starts the step on all workers). On CUDA, times are CUDA events on the stream
 that did the work, resolved against an event recorded at the step start once the step has
 synchronised, so kernels are timed where they run, not where they were launched. The
-recorder turns instruction timings into `sim.trace.Event`s and memory counts into
+recorder turns instruction timings into `trace.Event`s and memory counts into
 `MemorySample`s, the types the simulator produces, so both are drawn by the same code.
 """
 
@@ -15,7 +15,7 @@ import time
 import torch
 
 from piper_nb.compiler.plan import Instr
-from piper_nb.sim.trace import Event, MemorySample
+from piper_nb.trace import Event, MemorySample
 
 __all__ = ["Clock", "Recorder"]
 

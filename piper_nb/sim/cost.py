@@ -181,7 +181,7 @@ class CostModel:
         issue: dict = {}
         lat, bw, world, slicing, jitter = 0.0, math.inf, 0, 1.0, ()
         if cores is None:   # the cores this process (and the workers it starts) may use
-            from piper_nb.runtime.process import usable_cores
+            from piper_nb.host import usable_cores
             cores = len(usable_cores())
         if comm:   # at most 8 processes; larger groups use the largest size measured
             world = min(max(plan.world, 2), 8)

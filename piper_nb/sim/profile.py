@@ -658,7 +658,7 @@ def profile_links(world: int = 2, groups=(2,), repeats: int = 21,
     key = (world, groups, sizes, kinds)
     if key in _LINK_CACHE:
         return _LINK_CACHE[key]
-    from piper_nb.runtime.process import core_plan, free_port
+    from piper_nb.host import core_plan, free_port
     port = free_port()
     cmd = [sys.executable, "-m", "piper_nb.sim.profile", str(world), str(port), str(repeats),
            ",".join(map(str, groups)), ",".join(map(str, sizes))]
@@ -690,7 +690,7 @@ def profile_comm(repeats: int = 21, timeout: float = 180.0) -> tuple[float, floa
 
 
 if __name__ == "__main__":  # a link worker: WORLD PORT REPEATS GROUPS SIZES RANK CORES KINDS
-    from piper_nb.runtime.process import pin_threads
+    from piper_nb.host import pin_threads
     pin_threads(tuple(int(x) for x in sys.argv[7].split(",") if x))
     _world, _port, _repeats = (int(x) for x in sys.argv[1:4])
     _groups = [int(x) for x in sys.argv[4].split(",") if x]

@@ -61,8 +61,8 @@ def profile_slicing(plan, optimizer=None, rounds: int = 10, timeout: float = 180
     device gets a core of its own); `cores` (default: all this process may use) restricts
     the device processes to the first that many. On failure a warning names the reason and
     none is assumed."""
+    from piper_nb.host import core_plan, usable_cores
     from piper_nb.runtime.bundle import make_bundle
-    from piper_nb.runtime.process import core_plan, usable_cores
     usable = usable_cores()
     cores = cores or len(usable)
     world = plan.world
@@ -197,6 +197,6 @@ def _device_main(path: str, device: int, rounds: int) -> None:
 
 
 if __name__ == "__main__":  # a device process: PATH DEVICE ROUNDS CORES
-    from piper_nb.runtime.process import pin_threads
+    from piper_nb.host import pin_threads
     pin_threads(tuple(int(x) for x in sys.argv[4].split(",") if x))
     _device_main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]))

@@ -1,7 +1,9 @@
 """Traces: timed events per device and stream, plus memory over time.
 
 The simulator predicts a Trace and the runtime measures one: the same type, so predicted
-and measured timelines are drawn and compared by the same code. The analysis methods
+and measured timelines are drawn and compared by the same code. Its events and memory
+samples are the leaf types of `piper_nb.trace` (the runtime makes them too, without
+importing the simulator). The analysis methods
 delegate to `sim/analysis.py` (bubbles, peak memory, comparison) and the drawing ones to
 `viz/` (plotly timeline, Chrome trace).
 """
@@ -11,42 +13,9 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, field
 
+from piper_nb.trace import MEMORY_KINDS, Event, MemorySample
+
 __all__ = ["Event", "MemorySample", "Trace", "MEMORY_KINDS"]
-
-MEMORY_KINDS = ("params", "grads", "optim", "activations", "buffers")
-
-
-@dataclass(frozen=True, slots=True)
-class Event:
-    device: int
-    stream: str
-    node: str       # DAG node id
-    kind: str       # instruction kind: F, B, BI, BW, U, SEND, RECV, ALL_REDUCE, ...
-    start: float    # seconds (or cost-model units) from the step start
-    end: float
-    mb: int = -1
-    region: int = -1
-    label: str = ""  # the instruction's text form, e.g. 0F1
-
-    @property
-    def duration(self) -> float:
-        return self.end - self.start
-
-
-@dataclass(frozen=True, slots=True)
-class MemorySample:
-    device: int
-    time: float
-    params: int = 0
-    grads: int = 0
-    optim: int = 0
-    activations: int = 0
-    buffers: int = 0
-
-    @property
-    def total(self) -> int:
-        return self.params + self.grads + self.optim + self.activations + self.buffers
-
 
 @dataclass(frozen=True)
 class Trace:

@@ -24,7 +24,8 @@ import torch
 
 from piper_nb.capture.annotate import annotate
 from piper_nb.compiler.compile import compile as compile_plan
-from piper_nb.directives.spec import Program, Schedule, directive_from_json
+from piper_nb.compiler.compile import expand
+from piper_nb.directives.spec import Program, directive_from_json
 from piper_nb.errors import PlanError
 from piper_nb.sim.cost import CostModel
 from piper_nb.sim.simulate import simulate
@@ -115,9 +116,7 @@ def row_problems(state: DesignerState) -> list[Problem]:
     for i, row in enumerate(state.rows):
         op = row.get("op") if isinstance(row, dict) else None
         try:
-            d = directive_from_json(row)
-            if isinstance(d, Schedule):
-                d.expand()
+            expand([directive_from_json(row)])   # a schedule is checked by expanding it
         except PlanError as err:
             out.append(Problem(err.reason, row=i, op=op, stage="directive"))
     return out

@@ -19,7 +19,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from piper_nb.sim.trace import MEMORY_KINDS
+from piper_nb.trace import MEMORY_KINDS
 
 __all__ = ["COLORS", "TimelineData", "timeline_data", "draw_timeline", "timeline_figure",
            "to_chrome_trace", "stream_order"]

@@ -15,11 +15,10 @@ import pytest
 import torch
 
 import piper_nb as pn
-from piper_nb import optim
+from piper_nb import host, optim
 from piper_nb.cluster.local import LocalCluster
 from piper_nb.errors import RuntimeFailure, WorkerLost
-from piper_nb.runtime import process
-from piper_nb.runtime.process import core_plan
+from piper_nb.host import core_plan
 from piper_nb.train import reference_train, train
 
 pytestmark = pytest.mark.dist
@@ -107,7 +106,7 @@ def test_bad_arguments():
 
 
 def test_core_plan_gives_each_worker_its_own_core_when_there_are_enough(monkeypatch):
-    monkeypatch.setattr(process, "usable_cores", lambda: [2, 5])
+    monkeypatch.setattr(host, "usable_cores", lambda: [2, 5])
     assert core_plan(2) == [(2,), (5,)]
     assert core_plan(1) == [(2,)]
     assert core_plan(3) == [None] * 3             # more workers than cores: the OS places
@@ -118,7 +117,7 @@ def test_core_plan_gives_each_worker_its_own_core_when_there_are_enough(monkeypa
     assert core_plan(3, pin=True, busy={2: 1}) == [(5,), (2,), (5,)]
 
 
-@pytest.mark.skipif(len(process.usable_cores()) < 2, reason="needs 2 cores")
+@pytest.mark.skipif(len(host.usable_cores()) < 2, reason="needs 2 cores")
 def test_workers_and_all_their_threads_are_pinned_one_core_each():
     with LocalCluster(2) as c:
         infos = c.info
@@ -131,7 +130,7 @@ def test_workers_and_all_their_threads_are_pinned_one_core_each():
         assert all(a == set(cores[rank]) for a in affinity[rank])
 
 
-@pytest.mark.skipif(len(process.usable_cores()) < 2, reason="needs 2 cores")
+@pytest.mark.skipif(len(host.usable_cores()) < 2, reason="needs 2 cores")
 def test_two_clusters_at_once_take_different_cores_and_give_them_back():
     from piper_nb.cluster.local import _PINNED
     before = +_PINNED                     # cores that running clusters (fixtures) hold

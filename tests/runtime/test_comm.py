@@ -12,8 +12,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from piper_nb.host import free_port
 from piper_nb.runtime.comm import Comm, Pending
-from piper_nb.runtime.process import free_port
 
 pytestmark = pytest.mark.dist
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from piper_nb.compiler.compile import expand
 from piper_nb.directives.spec import Order, Place, Program, Split
 from piper_nb.errors import PlanError
 from piper_nb.ir.action import grid_text
@@ -143,7 +144,7 @@ def test_build_finds_each_builder_by_name_or_alias(name, args, same_as):
 def test_the_json_schedule_op_expands_through_build():
     program = Program.from_json('[{"op": "schedule", "name": "1f1b", "ranks": 2, '
                                 '"microbatches": 4, "place": true}]')
-    assert program[0].expand() == one_f_one_b(2, 4, place=True)
+    assert [d for _, d in expand(program)] == one_f_one_b(2, 4, place=True)
 
 
 def test_build_unknown_name_lists_the_known_ones():

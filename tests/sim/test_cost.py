@@ -96,8 +96,8 @@ def test_a_profile_without_links_runs_in_process():
 
 
 def test_a_profile_counts_the_cores_this_process_may_use(monkeypatch):
-    import piper_nb.runtime.process as proc
-    monkeypatch.setattr(proc, "usable_cores", lambda: [4, 5, 6])   # e.g. a cgroup's cpuset
+    import piper_nb.host as host
+    monkeypatch.setattr(host, "usable_cores", lambda: [4, 5, 6])   # e.g. a cgroup's cpuset
     assert CostModel.profile(plan2(), repeats=1, comm=False).cores == 3
 
 

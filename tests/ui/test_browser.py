@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from piper_nb.runtime.process import free_port
+from piper_nb.host import free_port
 
 NOTEBOOK = Path(__file__).resolve().parents[2] / "notebooks" / "07_designer.ipynb"
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")

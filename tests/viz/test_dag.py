@@ -4,7 +4,7 @@ dashed, and collapsing by tag; the SVG renders with `dot`."""
 from __future__ import annotations
 
 import piper_nb as pn
-from piper_nb.viz.dag import dag_view
+from piper_nb.viz.dag import dag_to_graphviz, dag_view
 
 
 def plan_dp_pp():
@@ -18,7 +18,7 @@ def plan_dp_pp():
 
 
 def test_svg_renders_with_one_cluster_per_device_set():
-    g = plan_dp_pp().dag.to_graphviz()
+    g = dag_to_graphviz(plan_dp_pp().dag)
     svg = g.pipe(format="svg").decode()
     assert svg.lstrip().startswith("<?xml") and "<svg" in svg
     assert "subgraph cluster_0_2" in g.source and "subgraph cluster_1_3" in g.source
@@ -26,7 +26,7 @@ def test_svg_renders_with_one_cluster_per_device_set():
 
 
 def test_comm_nodes_have_their_own_shapes_and_temporal_edges_are_dashed():
-    src = plan_dp_pp().dag.to_graphviz(collapse=()).source
+    src = dag_to_graphviz(plan_dp_pp().dag, collapse=()).source
     assert "shape=cds" in src and "shape=hexagon" in src and "shape=box" in src
     assert "style=dashed" in src
 
@@ -47,4 +47,4 @@ def test_large_dags_collapse_by_themselves_and_say_what_is_hidden():
     assert auto.collapse == ("MB",)
     capped = dag_view(dag, collapse=(), max_nodes=5)
     assert len(capped.nodes) == 5 and capped.hidden == len(dag.nodes) - 5
-    assert "more nodes" in dag.to_graphviz(collapse=(), max_nodes=5).source
+    assert "more nodes" in dag_to_graphviz(dag, collapse=(), max_nodes=5).source
