@@ -31,7 +31,7 @@ import time
 
 import piper_nb as pn
 from piper_nb import strategies
-from piper_nb.sim.profile import _LINK_CACHE
+from piper_nb.profile.links import _LINK_CACHE
 
 __all__ = ["STRATEGIES", "compile_strategy", "run"]
 

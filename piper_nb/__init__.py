@@ -5,7 +5,7 @@ Tag regions of a model (`annotate`), write a program of directives (`place`, `re
 `simulate` them, and `train` on real torch.distributed workers.
 """
 
-from piper_nb import models, optim, schedules
+from piper_nb import models, optim, profile, schedules
 from piper_nb.capture import annotate, cut_stages, region
 from piper_nb.cluster import IPyParallelCluster, LocalCluster
 from piper_nb.compiler.compile import compile
@@ -22,7 +22,7 @@ __all__ = ["annotate", "cut_stages", "region", "compile", "Plan", "DevicePlan", 
            "RuntimeFailure", "WorkerLost", "TrainingDAG", "Node", "Edge", "Op", "validate",
            "models", "schedules", "CostModel", "HardwareSpec", "MemorySettings", "Trace", "simulate",
            "train", "reference_train", "LocalCluster", "IPyParallelCluster", "optim", "Result",
-           "Designer"]
+           "Designer", "profile"]
 
 
 def __getattr__(name: str):

@@ -62,19 +62,20 @@ class ParamStore:
                 self.shards[b] = lay.my_shard(flat, self.device_id).clone()
                 for n, v in zip(lay.names, lay.views(flat), strict=True):
                     self.params[n].data = v
-                self._release(b)
+                self.release(b)
         self.sharded = {n for b in self.full for n in self.layouts[b].names}
 
-    def _like(self, b: int) -> torch.Tensor:
+    def like(self, b: int) -> torch.Tensor:
+        """A parameter of bucket b (its dtype and device are the bucket's)."""
         return self.params[self.layouts[b].names[0]]
 
     def flat_params(self, b: int) -> torch.Tensor:
         lay = self.layouts[b]
-        return lay.flatten([self.params[n].data for n in lay.names], self._like(b))
+        return lay.flatten([self.params[n].data for n in lay.names], self.like(b))
 
     def flat_grads(self, b: int) -> torch.Tensor:
         lay = self.layouts[b]
-        return lay.flatten([self.params[n].grad for n in lay.names], self._like(b))
+        return lay.flatten([self.params[n].grad for n in lay.names], self.like(b))
 
     def clear_grads(self, b: int) -> None:
         for n in self.layouts[b].names:
@@ -109,9 +110,10 @@ class ParamStore:
         self.refs[b] = self.refs.get(b, 0) - 1
         if self.refs[b] <= 0:
             self.refs[b] = 0
-            self._release(b)
+            self.release(b)
 
-    def _release(self, b: int) -> None:
+    def release(self, b: int) -> None:
+        """ZeRO-3: let go of bucket b's gathered storage (its parameters keep their views)."""
         self.full[b].untyped_storage().resize_(0)
 
     def gathered(self, b: int) -> bool:

@@ -126,7 +126,7 @@ class Worker:
                 raise RuntimeError(f"injected failure ({FAIL_ENV}={fail_at})")
             if how == _COMPUTE:
                 start = mark()
-                self._compute(ins)
+                self.run(ins)
                 rec.event(ins, start, mark())
             elif how == _ISSUE:
                 self._issue(idx, ins)
@@ -137,7 +137,7 @@ class Worker:
             else:
                 raise RuntimeError(f"unknown instruction kind {ins.kind!r}")
             if trace:
-                rec.memory(self.clock.mark(), *self._memory())
+                rec.memory(self.clock.mark(), *self.memory())
         self.current = -1
         loss = self._step_loss()
         end = self.clock.mark()
@@ -150,6 +150,15 @@ class Worker:
         if trace and self.device.type == "cuda":   # what the allocator really held at its peak
             out["cuda_max_allocated"] = torch.cuda.max_memory_allocated(self.device)
         return out
+
+    def bench(self, batch, step: int = 1) -> None:
+        """Set up a step without running it (a profiler then times single instructions with
+        `run` and the bookkeeping with `clock`, `rec` and `memory`)."""
+        self.step_no = step
+        self.begin(batch)
+        self.clock = Clock(self.device)
+        self.clock.start()
+        self.rec = Recorder(self.rank, self.clock)
 
     def begin(self, batch) -> None:
         """The per-step state, empty, for a step on `batch` (inputs, targets)."""
@@ -167,7 +176,7 @@ class Worker:
         total = torch.stack([t.reshape(()) for t in self.losses]).double().sum()
         return float(total) * self.plan.loss_scale
 
-    def _memory(self) -> tuple[int, int, int, int, int]:
+    def memory(self) -> tuple[int, int, int, int, int]:
         """(params, grads, optim, activations, buffers) bytes held right now."""
         params, grads, optim = self.store.bytes()
         acts, bufs = self.values.bytes(), self.store.pending_bytes()
@@ -197,7 +206,8 @@ class Worker:
         self.step_no = state["step"]
 
     # ---- compute -----------------------------------------------------------------------
-    def _compute(self, ins) -> None:
+    def run(self, ins) -> None:
+        """Run one compute instruction (F, B, BI, BW or U) as the step loop does."""
         if ins.kind != "U":
             missing = [b for b in self.needs[ins.region] if not self.store.gathered(b)]
             if missing:

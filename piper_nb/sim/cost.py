@@ -7,9 +7,11 @@ Three ways to get one, all the same `CostModel` value:
 - `CostModel.profile(plan)`: every region's F, B, BI, BW and U timed on this machine on
   one microbatch slice the way a worker runs them (one thread), the worker's bookkeeping per
   instruction, and latency + bytes/bandwidth fitted over gloo per kind of message and group
-  size (`sim/profile.py`). Such a model is host-synchronous (`sync`: a CPU worker waits
-  for each pass) and shares `cores` among the devices computing at once, with what
-  time-slicing costs on top where they outnumber the cores (`sim/slicing.py`);
+  size (`piper_nb.profile`, which registers itself as `CostModel.profiler`: measuring
+  starts processes, which the simulator never does). Such a model is host-synchronous
+  (`sync`: a CPU worker waits for each pass) and shares `cores` among the devices computing
+  at once, with what time-slicing costs on top where they outnumber the cores
+  (`sim/slicing.py`);
 - `CostModel.analytic(plan, "H100")`: FLOPs per region counted by
   `torch.utils.flop_counter.FlopCounterMode`, divided by the hardware's peak and an
   efficiency factor; messages cost bytes / NVLink bandwidth inside a node of 8 devices and
@@ -159,52 +161,23 @@ class CostModel:
         return cls(name=f"uniform(F={F}, B={B}, W={W}, FB={FB}, comm={comm})", unit="unit",
                    passes=passes, fb=FB, comm=comm)
 
+    # `piper_nb.profile` registers the function that measures a plan (it starts processes
+    # and runs the runtime; the simulator never does): `CostModel.profile` calls it
+    profiler = None
+
     @classmethod
     def profile(cls, plan, repeats: int = 5, comm: bool = True, optimizer=None,
                 cores: int | None = None) -> CostModel:
-        """Measure `plan`'s costs here, as local CPU workers will see them.
-
-        Passes and the update (with `optimizer`, default SGD) are timed on one thread like a
-        worker runs them, plus the worker's bookkeeping per instruction; with `comm`, gloo
-        is fitted per message kind and group size between `plan.world` processes (cached
-        per process), with more repeats when there are more processes than cores (their
-        messages then wait on the scheduler, a heavy-tailed delay whose mean needs more
-        samples). `cores` (default: those this process may run on) are shared by the
-        devices computing at once; with more devices than cores (and `comm`), one process
-        per device also measures what time-slicing costs on top (`sim.slicing`).
-        """
-        from piper_nb.sim.profile import profile_links, profile_packing, profile_plan
-        from piper_nb.sim.slicing import profile_slicing
-        passes, overhead, background = profile_plan(plan, repeats, optimizer)
-        packing = profile_packing(plan, repeats, optimizer)
-        links: dict = {}
-        issue: dict = {}
-        lat, bw, world, slicing, jitter = 0.0, math.inf, 0, 1.0, ()
-        if cores is None:   # the cores this process (and the workers it starts) may use
-            from piper_nb.host import usable_cores
-            cores = len(usable_cores())
-        if comm:   # at most 8 processes; larger groups use the largest size measured
-            world = min(max(plan.world, 2), 8)
-            groups = {len(i.group) for dp in plan.devices for i in dp.instrs if i.group}
-            largest = max((message_bytes(plan, i) for dp in plan.devices for i in dp.instrs
-                           if i.is_issue), default=0)
-            a2a = ("ALL_TO_ALL",) if any(i.kind == "ALL_TO_ALL" for dp in plan.devices
-                                         for i in dp.instrs) else ()
-            fitted = profile_links(world, {g for g in groups if g <= world}, largest=largest,
-                                   repeats=21 * -(-world // cores), kinds=a2a)
-            issue = {k[1]: v for k, v in fitted.items() if k[0] == "issue"}
-            links = {k: v for k, v in fitted.items() if k[0] != "issue"}
-            lat, bw = links[("p2p", 2)]
-            slicing, jitter = profile_slicing(plan, optimizer, cores=cores)
-        return cls(name="profiled", unit="s", passes=passes, latency=lat, bandwidth=bw,
-                   links=links, issue=issue, overhead=overhead, sync=True, cores=cores,
-                   background=background, comm_cores=1.0 if comm else 0.0, link_world=world,
-                   slicing=slicing, jitter=jitter, packing=packing, meta={"repeats": repeats})
+        """Measure `plan`'s costs here, as local CPU workers will see them: see
+        `piper_nb.profile.profile_cost_model`."""
+        if cls.profiler is None:
+            raise RuntimeError("no profiler registered: import piper_nb (or piper_nb.profile)")
+        return cls.profiler(plan, repeats=repeats, comm=comm, optimizer=optimizer, cores=cores)
 
     @classmethod
     def analytic(cls, plan, hardware: str | HardwareSpec = "H100") -> CostModel:
         """Roofline-style estimates from FLOPs on `hardware` (a name in HARDWARE or a spec)."""
-        from piper_nb.sim.profile import region_flops
+        from piper_nb.sim.flops import region_flops
         if isinstance(hardware, str):
             if hardware not in HARDWARE:
                 raise PlanError(f"unknown hardware {hardware!r}; use one of "

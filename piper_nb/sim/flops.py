@@ -1,0 +1,41 @@
+"""FLOPs per region, counted by running each region once on one microbatch slice under
+`FlopCounterMode` (the analytic cost model). Pure: no process, and the user's model keeps
+its buffers and random state (`capture.untouched`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["region_flops", "region_inputs"]
+
+
+def region_inputs(plan, r: int, seed: int = 0) -> list[torch.Tensor]:
+    """Random (float) or zero (integer) tensors shaped like region r's inputs."""
+    gen = torch.Generator().manual_seed(seed)
+    args = []
+    for v in plan.regions[r].inputs:
+        info = plan.values[v]
+        dtype = getattr(torch, info.dtype)
+        if dtype.is_floating_point:
+            t = torch.randn(info.shape, generator=gen).to(dtype)
+            t.requires_grad_(info.requires_grad)
+        else:
+            t = torch.zeros(info.shape, dtype=dtype)
+        args.append(t)
+    return args
+
+
+def region_flops(plan) -> dict[int, float]:
+    """Region -> forward FLOPs on one microbatch slice (FlopCounterMode)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from piper_nb.capture.untouched import untouched
+    out = {}
+    for r in range(len(plan.regions)):
+        args = region_inputs(plan, r)
+        with untouched(plan.capture.model), FlopCounterMode(display=False) as counter, \
+                torch.no_grad():
+            plan.capture.modules[r](*args)
+        out[r] = float(counter.get_total_flops())
+    return out

@@ -1,0 +1,102 @@
+"""The floors of the package, read from the source with `ast` (every import, inside
+functions too): each part imports only parts below it, the simulator and the runtime stand
+side by side, and the simulator never imports what starts processes. See
+docs/architecture.md."""
+
+from __future__ import annotations
+
+import ast
+from collections import defaultdict
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parents[1] / "piper_nb"
+
+# part -> floor; a part may import parts on lower floors only (leaves: anyone may)
+FLOORS = {
+    "errors": 0, "host": 0, "trace": 0, "optim": 0, "models": 0,
+    "ir": 1,
+    "capture": 2,
+    "directives": 3,
+    "schedules": 4,
+    "compiler": 5,
+    "viz": 6,
+    "sim": 7, "runtime": 7,          # side by side: neither imports the other
+    "profile": 8,                    # measures by running the runtime, feeds the simulator
+    "cluster": 9, "strategies": 9,
+    "train": 10,                     # local workers by default: above the clusters
+    "ui": 11,
+    "__init__": 12,                  # the public face
+    "__main__": 13,                  # the command line uses the public face
+}
+
+
+def _part(module: str) -> str | None:
+    bits = module.split(".")
+    if bits[0] != "piper_nb":
+        return None
+    return bits[1] if len(bits) > 1 else "__init__"
+
+
+def imports() -> dict[str, set[tuple[str, str]]]:
+    """part -> {(imported part, file)} for every import in the package."""
+    out: dict[str, set[tuple[str, str]]] = defaultdict(set)
+    for path in PACKAGE.rglob("*.py"):
+        rel = path.relative_to(PACKAGE.parent).with_suffix("")
+        module = ".".join(rel.parts)
+        me = _part(module.removesuffix(".__init__") if path.name == "__init__.py" else module)
+        package = module.rsplit(".", 1)[0] if path.name != "__init__.py" else module[:-9]
+        for node in ast.walk(ast.parse(path.read_text())):
+            names: list[str] = []
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    up = package.split(".")[: len(package.split(".")) - node.level + 1]
+                    base = ".".join(up + ([node.module] if node.module else []))
+                names = ([f"{base}.{a.name}" for a in node.names] if base == "piper_nb"
+                         else [base])
+            for name in names:
+                part = _part(name)
+                if part and part != me:
+                    out[me].add((part, str(path.relative_to(PACKAGE.parent))))
+    return out
+
+
+def test_every_part_has_a_floor():
+    parts = {p.stem if p.is_file() else p.name for p in PACKAGE.iterdir()
+             if (p.suffix == ".py" or (p.is_dir() and (p / "__init__.py").exists()))}
+    assert parts <= set(FLOORS), f"give these a floor: {sorted(parts - set(FLOORS))}"
+
+
+def test_parts_import_only_the_floors_below():
+    wrong = sorted(f"{path}: {part} imports {dep}" for part, deps in imports().items()
+                   for dep, path in deps
+                   if FLOORS[dep] > 0 and FLOORS[dep] >= FLOORS[part])
+    assert wrong == []
+
+
+def test_the_simulator_never_starts_a_process():
+    deps = {dep for dep, _ in imports()["sim"]}
+    assert not deps & {"runtime", "cluster", "profile", "train", "ui"}
+    for path in (PACKAGE / "sim").rglob("*.py"):
+        text = path.read_text()
+        for word in ("subprocess", "multiprocessing", "torch.distributed"):
+            assert word not in text, f"{path.name} mentions {word}"
+
+
+def test_no_cycle_between_parts():
+    graph = {part: {dep for dep, _ in deps} for part, deps in imports().items()}
+    state: dict[str, int] = {}
+
+    def visit(node: str, path: list[str]) -> None:
+        state[node] = 1
+        for dep in graph.get(node, ()):
+            assert state.get(dep) != 1, "cycle: " + " -> ".join([*path, node, dep])
+            if dep not in state:
+                visit(dep, [*path, node])
+        state[node] = 2
+
+    for part in graph:
+        if part not in state:
+            visit(part, [])
