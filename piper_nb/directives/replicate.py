@@ -148,6 +148,7 @@ def insert_grad_sync(dag: TrainingDAG, region_params: dict[int, tuple[str, ...]]
 
     last_of: dict[tuple[int, ...], str] = {}   # group -> its last step reduction so far
     spread_groups = {b.group for b in buckets if _spread(dag, b.regions, b.group)}
+    gathers: dict[tuple[int, ...], list[str]] = {}   # group -> its ZeRO-1/2 step gathers
     for b in buckets:
         base = dict(regions[b.regions[0]].tags)
         producers = [n for r in b.regions for n in _last_backward(dag, r)]
@@ -161,7 +162,8 @@ def insert_grad_sync(dag: TrainingDAG, region_params: dict[int, tuple[str, ...]]
             edges += [Edge(p.id, c.id) for p in producers]
             edges += [Edge(c.id, u_of[r].id) for r in b.regions]
             # where a group holds buckets spread over stages or copies, its members finish
-            # their backwards in different orders: its step reductions go in bucket order
+            # their backwards in different orders: its step reductions go in bucket order,
+            # then its gathers
             if b.group in spread_groups:
                 if b.group in last_of:
                     edges.append(Edge(last_of[b.group], c.id, "temporal"))
@@ -175,6 +177,8 @@ def insert_grad_sync(dag: TrainingDAG, region_params: dict[int, tuple[str, ...]]
         if b.zero in (1, 2):
             g = coll(Op.ALL_GATHER, b, base, "", b.gather_stream, "param")
             edges += [Edge(u_of[r].id, g.id) for r in b.regions]
+            if b.group in spread_groups:
+                gathers.setdefault(b.group, []).append(g.id)
         if b.zero == 3 and not b.reshard:
             # one gather per device and step: pulled before the first pass, freed after the last
             passes = [n for n in dag.nodes if n.region in b.regions
@@ -189,5 +193,8 @@ def insert_grad_sync(dag: TrainingDAG, region_params: dict[int, tuple[str, ...]]
                     g = coll(Op.ALL_GATHER, b, tags, f".{n.op.value}{n.region}", b.gather_stream, "param")
                     nodes[-1] = g.with_attrs(before=n.id)
                     edges.append(Edge(g.id, n.id))
+    for group, ids in gathers.items():   # then its gathers, in bucket order, after them
+        chain = [last_of[group], *ids] if group in last_of else ids
+        edges += [Edge(a, b, "temporal") for a, b in zip(chain, chain[1:], strict=False)]
     return dag.replace(nodes=nodes, edges=edges, meta={"buckets": tuple(buckets)},
                        step=f"gradient sync ({len(buckets)} buckets)")
