@@ -19,8 +19,10 @@ from collections import Counter, defaultdict
 
 from piper_nb.compiler.gradflow import Asymmetric, Flow
 from piper_nb.compiler.nccl import check_nccl
-from piper_nb.compiler.plan import COLLECTIVE_KINDS, Plan, _columns
+from piper_nb.compiler.plan import Plan, _columns
 from piper_nb.errors import PlanError
+from piper_nb.ir.kinds import COLLECTIVES as COLLECTIVE_KINDS
+from piper_nb.ir.kinds import REDUCTIONS as _REDUCTIONS
 
 __all__ = ["check_plan", "dry_run"]
 
@@ -81,7 +83,6 @@ def _blocks_at_issue(ins) -> bool:
     return ins.kind == "ALL_TO_ALL" and ins.purpose == "dispatch" and not ins.grad
 
 
-_REDUCTIONS = frozenset({"ALL_REDUCE", "REDUCE_SCATTER", "ALL_TO_ALL"})
 
 
 def dry_run(plan: Plan, flow: Flow | None = None, runs: list[bool] | None = None

@@ -28,6 +28,7 @@ from __future__ import annotations
 from collections import defaultdict
 
 from piper_nb.errors import PlanError
+from piper_nb.ir.kinds import PASSES
 
 __all__ = ["Flow", "Asymmetric"]
 
@@ -174,7 +175,7 @@ class Flow:
         groups: dict[int, set] = defaultdict(set)   # region -> its passes' device groups
         if plan.dag is not None:
             for node in plan.dag.nodes:
-                if node.op.value in ("F", "B", "BI", "BW"):
+                if node.op in PASSES:
                     groups[node.region].add(node.devices)
         mixed = {d for r, gs in groups.items() if len(gs) > 1 for g in gs for d in g}
         if plan.dag is None or mixed:   # positions not one per region: replay those

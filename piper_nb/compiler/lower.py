@@ -21,12 +21,12 @@ from piper_nb.compiler.floating import merge_floating
 from piper_nb.compiler.p2p import in_send_order
 from piper_nb.compiler.plan import DevicePlan, Instr
 from piper_nb.errors import PlanError
-from piper_nb.ir.dag import COLLECTIVES, COMPUTE, Node, Op, TrainingDAG
+from piper_nb.ir.dag import Node, TrainingDAG
+from piper_nb.ir.kinds import BACKWARDS, COLLECTIVES, COMPUTE, PASSES, Op
 
 __all__ = ["lower", "owned_params"]
 
 _PASS_RANK = {Op.F: 0, Op.B: 1, Op.BI: 1, Op.BW: 2, Op.U: 3}
-_BACKWARDS = (Op.B, Op.BI, Op.BW)
 
 
 def _key(n: Node, remote: bool = True) -> tuple:
@@ -43,7 +43,7 @@ def _key(n: Node, remote: bool = True) -> tuple:
     mb = n.mb if n.mb is not None else -1
     if n.attrs and n.attr("floating"):   # a later segment left out of the order: it waits
         return (2, -1, mb, -_PASS_RANK[n.op], n.region, n.id)   # on a peer that waits on it
-    if n.op in _BACKWARDS:
+    if n.op in BACKWARDS:
         if remote:
             return (2, _PASS_RANK[n.op], mb, 0, -n.region, n.id)
         return (2, 0, mb, _PASS_RANK[n.op], -n.region, n.id)
@@ -367,9 +367,9 @@ def _add_frees(instrs: list[Instr], regions, dag) -> tuple[Instr, ...]:
         elif ins.kind == "WAIT" and instrs[ins.target].kind == "SEND":
             s = instrs[ins.target]
             reads = [f"{'grad' if s.grad else 'act'}:{v}@{s.mb}" for v in s.values]
-        elif ins.kind in ("F", "B", "BI", "BW"):
+        elif ins.kind in PASSES:
             pass
-        if ins.kind in ("F", "B", "BI", "BW"):
+        if ins.kind in PASSES:
             reads += gathered.get(ins.node, ())
         for k in reads:
             last[k] = i

@@ -29,13 +29,13 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass, field
 
-from piper_nb.compiler.plan import COLLECTIVE_KINDS, Plan
+from piper_nb.compiler.plan import Plan
 from piper_nb.errors import PlanError
+from piper_nb.ir.kinds import COMM as _ISSUES
+from piper_nb.ir.kinds import COMPUTE as _COMPUTE
 
 __all__ = ["check_nccl"]
 
-_COMPUTE = frozenset({"F", "B", "BI", "BW", "U"})
-_ISSUES = frozenset({"SEND", "RECV", *COLLECTIVE_KINDS})
 
 
 class _Op:

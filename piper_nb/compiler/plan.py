@@ -14,12 +14,12 @@ import json
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
+from piper_nb.ir.kinds import COLLECTIVES, COMM, COMPUTE, LETTER, SHORT
+
 __all__ = ["Instr", "DevicePlan", "Plan", "COLLECTIVE_KINDS", "ISSUE_KINDS", "SHORT"]
 
-COLLECTIVE_KINDS = ("ALL_REDUCE", "ALL_GATHER", "REDUCE_SCATTER", "ALL_TO_ALL")
-ISSUE_KINDS = ("SEND", "RECV", *COLLECTIVE_KINDS)
-SHORT = {"ALL_REDUCE": "AR", "ALL_GATHER": "AG", "REDUCE_SCATTER": "RS", "ALL_TO_ALL": "A2A"}
-_LETTER = {"F": "F", "B": "B", "BI": "I", "BW": "W"}
+COLLECTIVE_KINDS = COLLECTIVES   # (the names other modules import)
+ISSUE_KINDS = COMM
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,7 +49,7 @@ class Instr:
 
     @property
     def is_compute(self) -> bool:
-        return self.kind in ("F", "B", "BI", "BW", "U")
+        return self.kind in COMPUTE
 
     @property
     def is_issue(self) -> bool:
@@ -57,8 +57,8 @@ class Instr:
 
     def __str__(self) -> str:
         k = self.kind
-        if k in _LETTER:
-            return f"{self.region}{_LETTER[k]}{self.mb if self.mb >= 0 else ''}"
+        if k in LETTER:
+            return f"{self.region}{LETTER[k]}{self.mb if self.mb >= 0 else ''}"
         if k == "U":
             return f"{self.region}U"
         if k in ("SEND", "RECV"):

@@ -45,11 +45,11 @@ import dataclasses
 from piper_nb.errors import PlanError
 from piper_nb.ir.dag import COMPUTE, Edge, Node, Op, TrainingDAG, node_id
 from piper_nb.ir.filters import freeze_tags, tags_text
+from piper_nb.ir.kinds import PASSES as _PASSES
 
 __all__ = ["shard_placement", "apply_shard", "insert_all_to_all", "EP"]
 
 EP = "EP"
-_PASSES = (Op.F, Op.B, Op.BI, Op.BW)
 
 
 def _region_name(dag: TrainingDAG, r: int) -> str:

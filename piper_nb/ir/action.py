@@ -13,12 +13,12 @@ import re
 from dataclasses import dataclass
 
 from piper_nb.errors import PlanError
+from piper_nb.ir.kinds import LETTER, PASS_OF_LETTER
 
 __all__ = ["Action", "Slot", "Grid", "parse_action", "parse_slot", "parse_grid", "grid_text",
            "slot_text", "PASS_OF_LETTER", "LETTER_OF_PASS"]
 
-PASS_OF_LETTER = {"F": "F", "B": "B", "I": "BI", "W": "BW"}
-LETTER_OF_PASS = {v: k for k, v in PASS_OF_LETTER.items()}
+LETTER_OF_PASS = {k.value: v for k, v in LETTER.items()}
 _ACTION = re.compile(r"^(\d+)([FBIW])(\d+)$")
 
 

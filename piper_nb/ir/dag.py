@@ -13,34 +13,12 @@ import dataclasses
 from collections import defaultdict
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from enum import StrEnum
 from typing import Any
 
 from piper_nb.ir.filters import SEG, Tags, freeze_tags, matches, tags_text
+from piper_nb.ir.kinds import COLLECTIVES, COMM, COMPUTE, Op
 
 __all__ = ["Op", "Node", "Edge", "TrainingDAG", "COMPUTE", "COLLECTIVES", "COMM", "node_id"]
-
-
-class Op(StrEnum):
-    F = "F"
-    B = "B"
-    BI = "BI"
-    BW = "BW"
-    U = "U"
-    SEND = "SEND"
-    RECV = "RECV"
-    ALL_REDUCE = "ALL_REDUCE"
-    ALL_GATHER = "ALL_GATHER"
-    REDUCE_SCATTER = "REDUCE_SCATTER"
-    ALL_TO_ALL = "ALL_TO_ALL"
-
-    def __str__(self) -> str:
-        return self.value
-
-
-COMPUTE = frozenset({Op.F, Op.B, Op.BI, Op.BW, Op.U})
-COLLECTIVES = frozenset({Op.ALL_REDUCE, Op.ALL_GATHER, Op.REDUCE_SCATTER, Op.ALL_TO_ALL})
-COMM = COLLECTIVES | {Op.SEND, Op.RECV}
 
 
 def node_id(op: Op | str, tags: Mapping[str, Any] | Tags, suffix: str = "") -> str:

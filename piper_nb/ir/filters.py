@@ -12,15 +12,13 @@ from collections.abc import Mapping
 from typing import Any
 
 from piper_nb.errors import PlanError
+from piper_nb.ir.kinds import PASS_NAMES
 
-__all__ = ["Filter", "Tags", "ANY", "PASSES", "SEG", "as_filter", "matches", "tags_text",
-           "freeze_tags"]
+__all__ = ["Tags", "ANY", "SEG", "as_filter", "matches", "tags_text", "freeze_tags"]
 
 ANY = "*"
 SEG = "SEG"
-PASSES = ("F", "B", "BI", "BW", "U")
 Tags = tuple[tuple[str, Any], ...]
-Filter = Mapping[str, Any]
 
 
 def freeze_tags(tags: Mapping[str, Any]) -> Tags:
@@ -38,8 +36,8 @@ def as_filter(obj: Any, *, where: str = "filter") -> dict[str, Any]:
         if not isinstance(key, str) or not key:
             raise PlanError(f"{where} keys must be tag names (strings), got {key!r}")
         if key == "PASS":
-            if value != ANY and value not in PASSES:
-                raise PlanError(f"{where}: PASS must be one of {', '.join(PASSES)} or '*', got {value!r}")
+            if value != ANY and value not in PASS_NAMES:
+                raise PlanError(f"{where}: PASS must be one of {', '.join(PASS_NAMES)} or '*', got {value!r}")
         elif value != ANY and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
             raise PlanError(
                 f"{where}: tag {key} must map to a non-negative integer index or '*', got {value!r}")

@@ -29,6 +29,7 @@ import warnings
 
 import torch
 
+from piper_nb.ir.kinds import BUCKET_COLLECTIVES
 from piper_nb.profile.passes import typical
 
 __all__ = ["profile_links", "fit_links", "link_sizes"]
@@ -36,7 +37,7 @@ __all__ = ["profile_links", "fit_links", "link_sizes"]
 _LINK_CACHE: dict[tuple, dict] = {}
 _SIZES = (1 << 10, 1 << 14, 1 << 17, 1 << 20)
 _MAX_SIZE = 1 << 26     # the largest message timed (64 MiB); larger ones extrapolate
-_KINDS = ("ALL_REDUCE", "REDUCE_SCATTER", "ALL_GATHER")
+_KINDS = tuple(k.value for k in BUCKET_COLLECTIVES)
 
 
 def link_sizes(largest: int = 0) -> tuple[int, ...]:

@@ -23,13 +23,14 @@ import time
 
 import torch
 
+from piper_nb.ir.kinds import BUCKET_COLLECTIVES
 from piper_nb.runtime.bundle import load_bundle, make_bundle
 from piper_nb.runtime.worker import Worker
 
 __all__ = ["profile_plan", "profile_packing", "runnable_others", "one_thread", "replace_kind",
            "typical"]
 
-_KINDS = ("ALL_REDUCE", "REDUCE_SCATTER", "ALL_GATHER")
+_KINDS = frozenset(BUCKET_COLLECTIVES)
 
 
 @contextlib.contextmanager

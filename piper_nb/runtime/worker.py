@@ -19,6 +19,7 @@ import torch
 
 from piper_nb.capture.split import BATCH_INPUT, BATCH_TARGET, LOSS
 from piper_nb.compiler.shapes import SavedBytes
+from piper_nb.ir.kinds import PASSES as _PASSES
 from piper_nb.runtime.buffers import Buffers, seed_forward
 from piper_nb.runtime.bundle import Bundle, bind_params, direct_calls
 from piper_nb.runtime.comm import Comm, Pending
@@ -31,7 +32,6 @@ from piper_nb.runtime.timing import Clock, Recorder
 __all__ = ["Worker", "FAIL_ENV"]
 
 FAIL_ENV = "PIPER_NB_FAIL_AT"   # test hook: "<device>:<instruction text>[:exit]"
-_PASSES = ("F", "B", "BI", "BW")
 _BATCH = (BATCH_INPUT, BATCH_TARGET)
 _COMPUTE, _ISSUE, _WAIT, _FREE = range(4)    # how the step loop dispatches an instruction
 

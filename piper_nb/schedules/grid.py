@@ -17,6 +17,7 @@ from itertools import pairwise
 from piper_nb.directives.spec import Directive, order, place, split
 from piper_nb.errors import PlanError
 from piper_nb.ir.action import Action, Grid, parse_grid, slot_text
+from piper_nb.ir.kinds import PASS_ORDER
 
 __all__ = ["validate_grid", "from_grid", "grid_directives", "place_directives", "as_grid",
            "check_count", "check_flag"]
@@ -127,7 +128,7 @@ def _check_passes(grid: Grid, s: int, m: int, passes: dict[str, Action],
         have, need = ("I", "W") if "BI" in passes else ("W", "I")
         raise _fail(grid, where[passes["BI" if have == "I" else "BW"]],
                     f"{s}{have}{m} needs its {s}{need}{m}; I and W come in pairs")
-    chain = [passes[p] for p in ("F", "B", "BI", "BW") if p in passes]
+    chain = [passes[p] for p in PASS_ORDER if p in passes]
     for before, after in pairwise(chain):
         (rb, ib), (ra, ia) = where[before], where[after]
         if ra != rb:

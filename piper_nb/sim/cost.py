@@ -30,7 +30,6 @@ from piper_nb.errors import PlanError
 
 __all__ = ["CostModel", "HardwareSpec", "HARDWARE", "message_bytes", "bucket_bytes", "value_bytes"]
 
-PASSES = ("F", "B", "BI", "BW", "U")
 
 
 @dataclass(frozen=True, kw_only=True)

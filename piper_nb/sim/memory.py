@@ -47,6 +47,9 @@ import math
 from dataclasses import dataclass
 
 from piper_nb.errors import PlanError
+from piper_nb.ir.kinds import BUCKET_COLLECTIVES, Memory
+from piper_nb.ir.kinds import COMPUTE as _PASSES
+from piper_nb.ir.kinds import PASSES as _REGION_PASSES
 from piper_nb.sim.cost import _elem, value_bytes
 from piper_nb.sim.tokens import Routing
 from piper_nb.sim.trace import MemorySample
@@ -55,11 +58,9 @@ __all__ = ["MemorySettings", "Holding", "model_states", "device_model_states", "
            "zero_model_states", "memory_samples", "live_stashes", "MIXED_PRECISION_ADAM",
            "OPTIMIZER_BYTES"]
 
-_PASSES = frozenset({"F", "B", "BI", "BW", "U"})
-_REGION_PASSES = frozenset({"F", "B", "BI", "BW"})
 _BATCH = frozenset({"inputs", "targets"})   # capture.split's BATCH_INPUT, BATCH_TARGET
 _LOSS = "loss"                              # capture.split's LOSS
-_COLLECTIVES = frozenset({"ALL_REDUCE", "REDUCE_SCATTER", "ALL_GATHER"})
+_COLLECTIVES = frozenset(BUCKET_COLLECTIVES)
 # bytes of optimizer state per parameter (fp32 state): SGD none, momentum 1x, Adam(W) 2x
 OPTIMIZER_BYTES = {"sgd": 0, "momentum": 4, "sgd_momentum": 4, "adam": 8, "adamw": 8}
 
@@ -250,14 +251,14 @@ class _Device:
     def _hold(self, buf: _Buf) -> None:
         buf.holders += 1
         if buf.holders == 1:
-            self.level[3] += buf.nbytes
+            self.level[Memory.ACTIVATIONS] += buf.nbytes
 
     def _let_go(self, buf: _Buf | None) -> None:
         if buf is None:
             return
         buf.holders -= 1
         if buf.holders == 0:
-            self.level[3] -= buf.nbytes
+            self.level[Memory.ACTIVATIONS] -= buf.nbytes
 
     def _put(self, table: dict, key: tuple[str, int], buf: _Buf) -> None:
         self._hold(buf)
@@ -279,13 +280,13 @@ class _Device:
         for n in names:
             if n in self.names and n not in self.grads and n not in self.frozen:
                 self.grads[n] = None
-                self.level[1] += self.gsize[n]
+                self.level[Memory.GRADS] += self.gsize[n]
 
     def _drop_grads(self, names) -> None:
         for n in names:
             if n in self.grads:
                 del self.grads[n]
-                self.level[1] -= self.gsize[n]
+                self.level[Memory.GRADS] -= self.gsize[n]
 
     def _leaves(self, region: int, mb: int) -> list[str]:
         """The inputs a forward detaches into autograd leaves: floats that need a gradient."""
@@ -300,7 +301,7 @@ class _Device:
 
     def _drop_stash(self, key: tuple[int, int]) -> None:
         st = self.stash.pop(key)
-        self.level[3] -= st.saved
+        self.level[Memory.ACTIVATIONS] -= st.saved
         for buf in st.refs:
             self._let_go(buf)
         for buf in st.out_grads:
@@ -328,7 +329,7 @@ class _Device:
             for buf in refs:
                 self._hold(buf)
             saved = self.routing.saved(ins.region, ins.mb, self.d)
-            self.level[3] += saved
+            self.level[Memory.ACTIVATIONS] += saved
             key = (ins.region, ins.mb)
             if key in self.stash:
                 self._drop_stash(key)
@@ -359,24 +360,25 @@ class _Device:
             for b in ins.buckets:
                 if b in self.buckets and self.buckets[b].zero != 3 and b not in self.zero_shards:
                     self.zero_shards[b] = self._shard(b, self.pb)
-                    self.level[4] += self.zero_shards[b]
-                self.level[1] -= self.grad_shards.pop(b, 0)
+                    self.level[Memory.BUFFERS] += self.zero_shards[b]
+                self.level[Memory.GRADS] -= self.grad_shards.pop(b, 0)
             for key, nbytes in self.ustate[i].items():
-                self.level[2] += nbytes - self.optim_state.get(key, 0)
+                self.level[Memory.OPTIM] += nbytes - self.optim_state.get(key, 0)
                 self.optim_state[key] = nbytes
         elif k == "RECV":
-            self._issue(i, 3, sum(self._vb(v, ins.mb) for v in ins.values))
+            self._issue(i, Memory.ACTIVATIONS, sum(self._vb(v, ins.mb) for v in ins.values))
         elif k == "ALL_TO_ALL":
-            self._issue(i, 4, self._exchanged(ins))
+            self._issue(i, Memory.BUFFERS, self._exchanged(ins))
         elif k in _COLLECTIVES and ins.bucket in self.buckets:
             b = ins.bucket
             if k == "ALL_REDUCE":
-                self._issue(i, 4, self._padded(b, self.gb))
+                self._issue(i, Memory.BUFFERS, self._padded(b, self.gb))
             elif k == "REDUCE_SCATTER":  # a flat copy of the gradients and the output shard
-                self._issue(i, 4, self._padded(b, self.gb) + self._shard(b, self.gb))
+                self._issue(i, Memory.BUFFERS, self._padded(b, self.gb) + self._shard(b, self.gb))
                 self._drop_grads(self.buckets[b].params)
             else:
-                self._issue(i, 0 if self.buckets[b].zero == 3 else 4, self._padded(b, self.pb))
+                self._issue(i, Memory.PARAMS if self.buckets[b].zero == 3 else Memory.BUFFERS,
+                            self._padded(b, self.pb))
         elif k == "WAIT":
             self._wait(ins.target)
         elif k == "FREE":
@@ -387,7 +389,7 @@ class _Device:
                     if self.refs.get(b, 0) > 0:
                         self.refs[b] -= 1
                         if self.refs[b] == 0:
-                            self.level[0] -= self._padded(b, self.pb)
+                            self.level[Memory.PARAMS] -= self._padded(b, self.pb)
                 else:
                     value, _, mb = rest.rpartition("@")
                     table = self.acts if kind == "act" else self.vgrads
@@ -436,23 +438,24 @@ class _Device:
             self._param_grads(self.buckets[b].params)
         elif k == "REDUCE_SCATTER":
             shard = self._shard(b, self.gb)
-            self.level[1] += shard - self.grad_shards.get(b, 0)
+            self.level[Memory.GRADS] += shard - self.grad_shards.get(b, 0)
             self.grad_shards[b] = shard
         elif k == "ALL_GATHER":
             if self.buckets[b].zero == 3:
                 self.refs[b] = self.refs.get(b, 0) + 1
                 if self.refs[b] == 1:
-                    self.level[0] += self._padded(b, self.pb)
+                    self.level[Memory.PARAMS] += self._padded(b, self.pb)
             elif b in self.zero_shards:
-                self.level[4] -= self.zero_shards.pop(b)
+                self.level[Memory.BUFFERS] -= self.zero_shards.pop(b)
 
     def run(self, times: list[float], device: int, extra: float = 0.0) -> list[MemorySample]:
         out = []
         level = self.level
         for i, ins in enumerate(self.instrs):
             self.step(i, ins)
-            out.append(MemorySample(device, times[i], int(level[0]), int(level[1]),
-                                    int(level[2]), int(level[3]), int(level[4] + extra)))
+            held = [int(x) for x in level]
+            held[Memory.BUFFERS] = int(level[Memory.BUFFERS] + extra)
+            out.append(MemorySample(device, times[i], *held))
         return out
 
 

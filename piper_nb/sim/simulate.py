@@ -47,17 +47,17 @@ import random
 from collections import defaultdict
 from dataclasses import dataclass
 
-from piper_nb.compiler.plan import COLLECTIVE_KINDS, Plan
+from piper_nb.compiler.plan import Plan
 from piper_nb.errors import PlanError
+from piper_nb.ir.kinds import COLLECTIVES as _COLLECTIVES
+from piper_nb.ir.kinds import COMM as _MESSAGES
+from piper_nb.ir.kinds import COMPUTE as _COMPUTE
 from piper_nb.sim.cost import CostModel, message_bytes
 from piper_nb.sim.slicing import slicing_slowdown
 from piper_nb.sim.trace import Event, Trace
 
 __all__ = ["simulate", "Timing", "run_timing", "overlap_steps"]
 
-_COMPUTE = frozenset({"F", "B", "BI", "BW", "U"})
-_MESSAGES = frozenset({"SEND", "RECV", *COLLECTIVE_KINDS})
-_COLLECTIVES = frozenset(COLLECTIVE_KINDS)
 _NONE = (0.0, 0.0)
 
 
