@@ -16,11 +16,11 @@ depends on (0 if none). Regions are numbered in dependency order, so the region 
 acyclic and running the regions by index is a valid order; models without re-entry keep
 their regions (no SEG tag). Sizes (`x.shape`, `x.size(-1)`) that cross regions travel as
 one-byte tensors of that shape (`pack_size`), since only tensors flow between regions.
+Assigning ops to regions (tags, segment) lives in `capture.segments`.
 """
 
 from __future__ import annotations
 
-import heapq
 import math
 import operator
 from collections.abc import Callable
@@ -31,6 +31,7 @@ import torch.fx as fx
 from torch import nn
 
 from piper_nb.capture.region import current_region_tags, tracing_scope
+from piper_nb.capture.segments import assign_regions
 from piper_nb.errors import PlanError
 from piper_nb.ir.filters import SEG, Tags, freeze_tags, tags_text
 
@@ -172,146 +173,33 @@ def unpack_size(t: torch.Tensor):
     return t.item()
 
 
-
-
-class _RegionGraph:
-    """Regions created while walking the fx graph: key (tags, segment) and direct inputs."""
-
-    def __init__(self):
-        self.keys: list[tuple[Tags, int]] = []
-        self.index: dict[tuple[Tags, int], int] = {}
-        self.deps: list[set[int]] = []
-        self._anc: dict[int, frozenset[int]] = {}
-
-    def get(self, key: tuple[Tags, int]) -> int:
-        if key not in self.index:
-            self.index[key] = len(self.keys)
-            self.keys.append(key)
-            self.deps.append(set())
-        return self.index[key]
-
-    def depend(self, r: int, srcs) -> None:
-        new = {s for s in srcs if s != r} - self.deps[r]
-        if new:
-            self.deps[r] |= new
-            self._anc.clear()
-
-    def ancestors(self, r: int) -> frozenset[int]:
-        """Regions `r` depends on, transitively, `r` included."""
-        if r not in self._anc:
-            seen, todo = {r}, [r]
-            while todo:
-                for s in self.deps[todo.pop()]:
-                    if s not in seen:
-                        seen.add(s)
-                        todo.append(s)
-            self._anc[r] = frozenset(seen)
-        return self._anc[r]
-
-    def segment(self, tags: Tags, srcs: set[int]) -> int:
-        """Segment of an op tagged `tags` reading regions `srcs`: the segment of an input
-        region with the same tags, or one past every segment of `tags` the inputs depend on."""
-        seg = 0
-        for a in srcs:
-            a_tags, a_seg = self.keys[a]
-            if a_tags == tags:
-                seg = max(seg, a_seg)
-            else:
-                seg = max([seg, *(self.keys[x][1] + 1 for x in self.ancestors(a)
-                                  if x != a and self.keys[x][0] == tags)])
-        return seg
-
-    def latest(self, rs: set[int], last: bool = True) -> int:
-        """The region of `rs` no other one depends on (`last`) or depends on no other one;
-        ties go to the latest (earliest) created."""
-        if last:
-            free = [r for r in rs if not any(r in self.ancestors(o) for o in rs if o != r)]
-            return max(free or rs)
-        free = [r for r in rs if not any(o in self.ancestors(r) for o in rs if o != r)]
-        return min(free or rs)
-
-    def topological(self) -> list[int]:
-        """Region indices in dependency order, ties by creation (the identity when creation
-        order is already topological)."""
-        users: dict[int, list[int]] = {r: [] for r in range(len(self.keys))}
-        indeg = [len(d) for d in self.deps]
-        for r, ds in enumerate(self.deps):
-            for s in ds:
-                users[s].append(r)
-        heap = [r for r, k in enumerate(indeg) if k == 0]
-        heapq.heapify(heap)
-        out = []
-        while heap:
-            r = heapq.heappop(heap)
-            out.append(r)
-            for u in users[r]:
-                indeg[u] -= 1
-                if not indeg[u]:
-                    heapq.heappush(heap, u)
-        if len(out) != len(self.keys):
-            left = [tags_text(self.keys[r][0]) for r in range(len(self.keys)) if r not in out]
-            raise PlanError(f"regions {', '.join(left)} depend on each other in a cycle; tag the "
-                            "operations between them so each region runs in one piece")
-        return out
-
-
-# operations that join a region by their data: functions, methods and untagged modules
-# without parameters (an `nn.ReLU()` called between tagged layers, as torchvision's ResNet
-# does), which take the tags of their caller as functional ops do
-_GLUE = frozenset({"call_function", "call_method", "call_module"})
-
-
-def _assign_regions(nodes: list[fx.Node], own: dict[fx.Node, dict],
-                    ) -> tuple[dict[fx.Node, int], dict[int, Tags]]:
-    """fx node -> region index (topological order) and region index -> tags (SEG added)."""
-    graph = _RegionGraph()
-    region_of: dict[fx.Node, int] = {}
-    for n in nodes:
-        srcs = {region_of[a] for a in n.all_input_nodes if a in region_of}
-        if n in own:
-            tags = freeze_tags(own[n])
-            r = graph.get((tags, graph.segment(tags, srcs)))
-        elif n.op in _GLUE and srcs:
-            r = graph.latest(srcs)
-        else:
-            continue
-        region_of[n] = r
-        graph.depend(r, srcs)
-    for n in reversed(nodes):
-        if n.op in _GLUE and n not in region_of:
-            users = {region_of[u] for u in n.users if u in region_of}
-            if not users:
-                raise PlanError(f"operation {n.name} ({n.target}) belongs to no region; "
-                                "tag the module that computes it")
-            region_of[n] = r = graph.latest(users, last=False)
-            for u in users:
-                graph.depend(u, {r})
-    number = {r: i for i, r in enumerate(graph.topological())}
-    tags_of_region: dict[int, Tags] = {}
-    for r, (tags, seg) in enumerate(graph.keys):
-        if seg:
-            if SEG in dict(tags):
-                raise PlanError(f"region {tags_text(tags)} is re-entered after regions that "
-                                f"depend on it and needs a segment tag, but {SEG} is a tag of "
-                                "the model: rename that tag (piper_nb sets SEG)")
-            tags = freeze_tags({**dict(tags), SEG: seg})
-        tags_of_region[number[r]] = tags
-    return {n: number[r] for n, r in region_of.items()}, tags_of_region
+def _strip(target: str) -> str:
+    """A module path of the traced root as a path of the model."""
+    return target.removeprefix("model.")
 
 
 def capture_regions(spec, loss_fn: Callable) -> Capture:
+    """Trace `spec.model` with `loss_fn` and split it into one GraphModule per region."""
     model = spec.model
     gm = _trace(model, loss_fn)
     nodes = list(gm.graph.nodes)
-    params = dict(model.named_parameters(remove_duplicate=False))
-    param_ids: dict[int, list[str]] = {}
-    for name, p in params.items():
-        param_ids.setdefault(id(p), []).append(name)
+    own = _own_tags(spec, gm, nodes)
+    # a tag combination re-entered after a region that depends on it (MoE: dispatch ->
+    # experts -> combine) starts a new segment, so the region graph stays acyclic
+    region_of, tags_of_region = assign_regions(nodes, own)
+    holdings = _region_holdings(model, gm, nodes, region_of, tags_of_region)
+    flow = _cross_region_values(nodes, region_of)
+    regions, modules = _build_regions(gm, nodes, region_of, tags_of_region, holdings, flow)
+    name_map = flow.name_map
+    return Capture(model=model, loss_fn=loss_fn, regions=tuple(regions), modules=tuple(modules),
+                   producer={name_map.get(v, v): p for v, p in flow.producer.items()},
+                   consumers={name_map.get(v, v): tuple(sorted(cs))
+                              for v, cs in flow.consumers.items()},
+                   tied=holdings.tied)
 
-    def strip(target: str) -> str:
-        return target.removeprefix("model.")
 
-    # 1. own tags of each node (module annotations + pn.region scopes)
+def _own_tags(spec, gm: fx.GraphModule, nodes: list[fx.Node]) -> dict[fx.Node, dict]:
+    """Own tags of each op (module annotations + pn.region scopes); untagged params fail."""
     own: dict[fx.Node, dict] = {}
     untagged: set[str] = set()
     for n in nodes:
@@ -330,13 +218,26 @@ def capture_regions(spec, loss_fn: Callable) -> Capture:
     if not own:
         raise PlanError("no operation of the model carries a tag: annotate at least one module, "
                         "e.g. pn.annotate(model, {'': {'PP': 0}}) for a single region")
+    return own
 
-    # 2. regions = (tags, segment). A tag combination re-entered after a region that
-    #    depends on it (MoE: dispatch -> experts -> combine) starts a new segment, so the
-    #    region graph stays acyclic; glue joins the latest of its inputs' regions.
-    region_of, tags_of_region = _assign_regions(nodes, own)
 
-    # 3. parameters per region (call_module params + get_attr), tied ones
+@dataclass
+class _Holdings:
+    """What each region owns (module paths, parameters, buffers) and the tied parameters."""
+
+    modules: dict[int, dict[str, None]]
+    params: dict[int, dict[str, None]]
+    buffers: dict[int, dict[str, None]]
+    tied: dict[str, tuple[int, ...]]
+
+
+def _region_holdings(model: nn.Module, gm: fx.GraphModule, nodes: list[fx.Node],
+                     region_of: dict[fx.Node, int], tags_of_region: dict[int, Tags]) -> _Holdings:
+    """Modules, parameters (call_module + get_attr) and buffers of each region, tied params."""
+    params = dict(model.named_parameters(remove_duplicate=False))
+    param_ids: dict[int, list[str]] = {}
+    for name, p in params.items():
+        param_ids.setdefault(id(p), []).append(name)
     region_params: dict[int, dict[str, None]] = {i: {} for i in tags_of_region}
     region_buffers: dict[int, dict[str, None]] = {i: {} for i in tags_of_region}
     region_modules: dict[int, dict[str, None]] = {i: {} for i in tags_of_region}
@@ -344,14 +245,14 @@ def capture_regions(spec, loss_fn: Callable) -> Capture:
     for n in nodes:
         if n.op == "call_module":
             r = region_of[n]
-            region_modules[r][strip(str(n.target))] = None
+            region_modules[r][_strip(str(n.target))] = None
             sub = gm.get_submodule(str(n.target))
             for p in sub.parameters():
                 region_params[r][canonical[id(p)]] = None
             for b_name, _ in sub.named_buffers():
-                region_buffers[r][f"{strip(str(n.target))}.{b_name}"] = None
+                region_buffers[r][f"{_strip(str(n.target))}.{b_name}"] = None
         elif n.op == "get_attr":
-            target = strip(str(n.target))
+            target = _strip(str(n.target))
             users = {region_of[u] for u in n.users if u in region_of}
             obj = gm.get_parameter(str(n.target)) if target in params else None
             for r in users:
@@ -359,6 +260,13 @@ def capture_regions(spec, loss_fn: Callable) -> Capture:
                     region_params[r][canonical[id(obj)]] = None
                 else:
                     region_buffers[r][target] = None
+    return _Holdings(region_modules, region_params, region_buffers,
+                     _tied_params(param_ids, region_params))
+
+
+def _tied_params(param_ids: dict[int, list[str]], region_params: dict[int, dict[str, None]],
+                 ) -> dict[str, tuple[int, ...]]:
+    """Parameters held by more than one region; fails on parameters no region uses."""
     holders: dict[str, list[int]] = {}
     for r, ps in region_params.items():
         for p in ps:
@@ -368,8 +276,22 @@ def capture_regions(spec, loss_fn: Callable) -> Capture:
     if unused:
         raise PlanError(f"parameters {', '.join(unused[:6])} are never used by forward(); "
                         "remove them or use them, so every parameter belongs to a region")
+    return tied
 
-    # 4. cross-region values
+
+@dataclass
+class _Dataflow:
+    """Values crossing regions: producer and readers of each, batch names, sizes, the loss."""
+
+    producer: dict[str, int]          # value -> region index (-1: the batch)
+    consumers: dict[str, set[int]]    # value -> reading regions
+    name_map: dict[str, str]          # placeholder name -> BATCH_INPUT / BATCH_TARGET
+    sizes: set[fx.Node]               # nodes computing sizes: packed when they cross
+    loss_node: fx.Node
+
+
+def _cross_region_values(nodes: list[fx.Node], region_of: dict[fx.Node, int]) -> _Dataflow:
+    """The values that cross regions (batch inputs included), who produces and reads them."""
     producer: dict[str, int] = {}
     consumers: dict[str, set[int]] = {}
     out_node = next(n for n in nodes if n.op == "output")
@@ -389,48 +311,57 @@ def capture_regions(spec, loss_fn: Callable) -> Capture:
                 consumers.setdefault(a.name, set()).add(r)
     placeholders = [n.name for n in nodes if n.op == "placeholder"]
     name_map = dict(zip(placeholders, (BATCH_INPUT, BATCH_TARGET), strict=True))
+    return _Dataflow(producer, consumers, name_map, _size_nodes(nodes), loss_node)
 
-    sizes = _size_nodes(nodes)
 
-    # 5. one GraphModule per region
+def _build_regions(gm: fx.GraphModule, nodes: list[fx.Node], region_of: dict[fx.Node, int],
+                   tags_of_region: dict[int, Tags], holdings: _Holdings, flow: _Dataflow,
+                   ) -> tuple[list[RegionInfo], list[fx.GraphModule]]:
+    """One RegionInfo and one GraphModule per region, in region order."""
     regions, modules = [], []
     by_name = {n.name: n for n in nodes}
     for r in sorted(tags_of_region):
         mine = [n for n in nodes if region_of.get(n) == r]
-        in_names = [v for v, cs in consumers.items() if r in cs]
+        in_names = [v for v, cs in flow.consumers.items() if r in cs]
         in_names.sort(key=lambda v: nodes.index(by_name[v]))
-        out_names = [v for v, p in producer.items() if p == r]
+        out_names = [v for v, p in flow.producer.items() if p == r]
         out_names.sort(key=lambda v: nodes.index(by_name[v]))
-        if loss_node in mine:
+        if flow.loss_node in mine:
             out_names.append(LOSS)
-        g = fx.Graph()
-        env: dict[fx.Node, fx.Node] = {}
-        for v in in_names:
-            env[by_name[v]] = g.placeholder(name_map.get(v, v))
-            if by_name[v] in sizes:  # a shape crossing regions travels as an int64 tensor
-                env[by_name[v]] = g.call_function(unpack_size, (env[by_name[v]],))
-        def arg(a: fx.Node, env=env, g=g) -> fx.Node:
-            if a not in env and a.op == "get_attr":
-                env[a] = g.get_attr(a.target)
-            return env[a]
-        for n in mine:
-            env[n] = g.node_copy(n, arg)
-        outs = [env[loss_node] if v == LOSS else
-                g.call_function(pack_size, (env[by_name[v]],)) if by_name[v] in sizes else
-                env[by_name[v]] for v in out_names]
-        g.output(tuple(outs))
-        g.lint()
-        g._tracer_cls = RegionTracer  # unpickling re-traces the code: keep the size helpers calls
-        modules.append(fx.GraphModule(gm, g, class_name=f"Region{r}"))
+        modules.append(_region_module(gm, r, mine, in_names, out_names, by_name, flow))
         regions.append(RegionInfo(
-            index=r, tags=tags_of_region[r], modules=tuple(region_modules[r]),
-            params=tuple(region_params[r]), buffers=tuple(region_buffers[r]),
-            inputs=tuple(name_map.get(v, v) for v in in_names),
+            index=r, tags=tags_of_region[r], modules=tuple(holdings.modules[r]),
+            params=tuple(holdings.params[r]), buffers=tuple(holdings.buffers[r]),
+            inputs=tuple(flow.name_map.get(v, v) for v in in_names),
             outputs=tuple(out_names)))
-    producer = {name_map.get(v, v): p for v, p in producer.items()}
-    consumers_t = {name_map.get(v, v): tuple(sorted(cs)) for v, cs in consumers.items()}
-    return Capture(model=model, loss_fn=loss_fn, regions=tuple(regions), modules=tuple(modules),
-                   producer=producer, consumers=consumers_t, tied=tied)
+    return regions, modules
+
+
+def _region_module(gm: fx.GraphModule, r: int, mine: list[fx.Node], in_names: list[str],
+                   out_names: list[str], by_name: dict[str, fx.Node], flow: _Dataflow,
+                   ) -> fx.GraphModule:
+    """The GraphModule of region `r`: its ops, reading `in_names` and returning `out_names`."""
+    g = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    for v in in_names:
+        env[by_name[v]] = g.placeholder(flow.name_map.get(v, v))
+        if by_name[v] in flow.sizes:  # a shape crossing regions travels as a tensor
+            env[by_name[v]] = g.call_function(unpack_size, (env[by_name[v]],))
+
+    def arg(a: fx.Node) -> fx.Node:
+        if a not in env and a.op == "get_attr":
+            env[a] = g.get_attr(a.target)
+        return env[a]
+
+    for n in mine:
+        env[n] = g.node_copy(n, arg)
+    outs = [env[flow.loss_node] if v == LOSS else
+            g.call_function(pack_size, (env[by_name[v]],)) if by_name[v] in flow.sizes else
+            env[by_name[v]] for v in out_names]
+    g.output(tuple(outs))
+    g.lint()
+    g._tracer_cls = RegionTracer  # unpickling re-traces the code: keep the size helpers calls
+    return fx.GraphModule(gm, g, class_name=f"Region{r}")
 
 
 def run_reference(capture: Capture, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
