@@ -39,6 +39,10 @@ what it gets from issue to WAIT, and its WAIT moves the rows as `runtime.exchang
 `model_states` / `zero_model_states` keep the ZeRO paper's steady-state accounting
 (Rajbhandari et al. 2020): params, grads and optimizer state all allocated at once, so the
 paper's 16 Psi / 4 Psi + 12 Psi/N / 2 Psi + 14 Psi/N / 16 Psi/N come out of this code.
+
+This module holds the public face (settings, model states, samples over a step); the walk
+through one device's instructions, handler by handler as the worker runs them, is the
+ledger's (`sim.ledger`).
 """
 
 from __future__ import annotations
@@ -47,10 +51,9 @@ import math
 from dataclasses import dataclass
 
 from piper_nb.errors import PlanError
-from piper_nb.ir.kinds import BUCKET_COLLECTIVES, Memory
-from piper_nb.ir.kinds import COMPUTE as _PASSES
-from piper_nb.ir.kinds import PASSES as _REGION_PASSES
-from piper_nb.sim.cost import _elem, value_bytes
+from piper_nb.ir.kinds import COMPUTE, Op
+from piper_nb.sim.cost import _elem
+from piper_nb.sim.ledger import _Ledger, _numel
 from piper_nb.sim.tokens import Routing
 from piper_nb.sim.trace import MemorySample
 
@@ -58,9 +61,6 @@ __all__ = ["MemorySettings", "Holding", "model_states", "device_model_states", "
            "zero_model_states", "memory_samples", "live_stashes", "MIXED_PRECISION_ADAM",
            "OPTIMIZER_BYTES"]
 
-_BATCH = frozenset({"inputs", "targets"})   # capture.split's BATCH_INPUT, BATCH_TARGET
-_LOSS = "loss"                              # capture.split's LOSS
-_COLLECTIVES = frozenset(BUCKET_COLLECTIVES)
 # bytes of optimizer state per parameter (fp32 state): SGD none, momentum 1x, Adam(W) 2x
 OPTIMIZER_BYTES = {"sgd": 0, "momentum": 4, "sgd_momentum": 4, "adam": 8, "adamw": 8}
 
@@ -141,13 +141,9 @@ def zero_model_states(psi: int, n: int, zero: int,
     return sum(model_states([Holding(psi, zero, n)], settings).values())
 
 
-def _numel(plan, p: str) -> int:
-    return math.prod(plan.params[p][0])
-
-
 def device_holdings(plan, d: int) -> list[Holding]:
     regions = {i.region for i in plan.devices[d].instrs
-               if i.kind in _PASSES and 0 <= i.region < len(plan.regions)}
+               if i.kind in COMPUTE and 0 <= i.region < len(plan.regions)}
     names = list(dict.fromkeys(p for r in sorted(regions) for p in plan.regions[r].params))
     sharded = {p: b for b in plan.buckets if b.zero > 0 and d in b.group for p in b.params}
     out, seen = [], set()
@@ -168,305 +164,14 @@ def device_model_states(plan, d: int, settings: MemorySettings = MemorySettings(
     return model_states(device_holdings(plan, d), settings)
 
 
-# ---- the timeline: one device's instruction list walked the way the worker runs it ---------
-
-class _Buf:
-    """One allocated value buffer: counted while at least one holder keeps it."""
-
-    __slots__ = ("nbytes", "holders")
-
-    def __init__(self, nbytes: int):
-        self.nbytes, self.holders = nbytes, 0
-
-
-class _Stash:
-    __slots__ = ("saved", "leaves", "refs", "out_grads")
-
-    def __init__(self, saved: int, leaves: list[str], refs: list[_Buf]):
-        self.saved, self.leaves, self.refs, self.out_grads = saved, leaves, refs, []
-
-
-class _Device:
-    """Bytes held on device `d`, instruction by instruction: the worker's bookkeeping
-    (`runtime.worker`, `runtime.stores`) over sizes instead of tensors, with running totals
-    so a sample costs O(1)."""
-
-    def __init__(self, plan, d: int, settings: MemorySettings, routing: Routing):
-        self.plan, self.instrs, self.d = plan, plan.devices[d].instrs, d
-        self.frozen = frozenset(plan.frozen)
-        self.vbytes = {k: value_bytes(v) for k, v in plan.values.items()}
-        self.routing = routing
-        self.pb, self.gb = settings.param_bytes, settings.grad_bytes
-        regions = sorted({i.region for i in self.instrs if i.kind in _REGION_PASSES
-                          and 0 <= i.region < len(plan.regions)})
-        names = dict.fromkeys(p for r in regions for p in plan.regions[r].params)
-        names.update(dict.fromkeys(p for i in self.instrs if i.kind == "U" for p in i.params))
-        self.names = {n: None for n in names if n in plan.params}
-        self.gsize = {n: _numel(plan, n) * (self.gb if self.gb is not None else self._elem(n))
-                      for n in self.names}
-        self.buckets = {b.index: b for b in plan.buckets
-                        if d in b.group and any(n in names for n in b.params)}
-        zero3 = [b for b in self.buckets.values() if b.zero == 3]
-        sharded = {n for b in zero3 for n in b.params}
-        base = sum(_numel(plan, n) * (self.pb if self.pb is not None else self._elem(n))
-                   for n in self.names if n not in sharded)
-        base += sum(self._shard(b.index, self.pb) for b in zero3)
-        ob = settings.optim_per_param()
-        self.ustate: dict[int, dict] = {}         # U index -> the state it keeps, by key
-        for i, ins in enumerate(self.instrs):
-            if ins.kind == "U":
-                st = {n: _numel(plan, n) * ob for n in ins.params if n in plan.params}
-                st.update({("b", b): self._shard(b, ob) for b in ins.buckets if b in self.buckets})
-                self.ustate[i] = st
-        self.optim_state: dict = {}               # key -> bytes: state that exists now
-        if not settings.first_step:
-            for st in self.ustate.values():
-                self.optim_state.update(st)
-        # running totals: params, grads, optim, activations, buffers
-        self.level = [base, 0, sum(self.optim_state.values()), 0, 0]
-        self.grads: dict[str, None] = {}          # parameters with a gradient (ordered set)
-        self.grad_shards: dict[int, float] = {}   # bucket -> reduced shard bytes
-        self.refs: dict[int, int] = {}            # ZeRO-3 bucket -> gathers in use
-        self.pending: dict[int, tuple[int, float]] = {}   # issue index -> (kind, bytes)
-        self.zero_shards: dict[int, float] = {}   # ZeRO-1/2 updated shards before the gather
-        self.acts: dict[tuple[str, int], _Buf] = {}
-        self.vgrads: dict[tuple[str, int], _Buf] = {}
-        self.stash: dict[tuple[int, int], _Stash] = {}
-
-    # -- sizes --
-    def _elem(self, name: str) -> int:
-        return _elem(self.plan.params[name][1])
-
-    def _shard(self, b: int, per: float | None) -> float:
-        """Bytes of one padded shard of bucket b (`per` bytes per element, None: dtype)."""
-        bk = self.plan.buckets[b]
-        total = sum(_numel(self.plan, n) for n in bk.params)
-        per = per if per is not None else self._elem(bk.params[0])
-        return -(-total // len(bk.group)) * per
-
-    def _padded(self, b: int, per: float | None) -> float:
-        return self._shard(b, per) * len(self.plan.buckets[b].group)
-
-    # -- holders of value buffers --
-    def _hold(self, buf: _Buf) -> None:
-        buf.holders += 1
-        if buf.holders == 1:
-            self.level[Memory.ACTIVATIONS] += buf.nbytes
-
-    def _let_go(self, buf: _Buf | None) -> None:
-        if buf is None:
-            return
-        buf.holders -= 1
-        if buf.holders == 0:
-            self.level[Memory.ACTIVATIONS] -= buf.nbytes
-
-    def _put(self, table: dict, key: tuple[str, int], buf: _Buf) -> None:
-        self._hold(buf)
-        self._let_go(table.get(key))
-        table[key] = buf
-
-    def _vb(self, v: str, mb: int, expert: bool = False) -> int:
-        """Bytes of value v's buffer for microbatch mb; routed rows per `self.routing`
-        (`expert`: made inside an expert, on its owner, so with the group's rows)."""
-        if v in self.plan.rows:
-            return self.routing.value_bytes(v, mb, self.d, expert)
-        return self.vbytes.get(v, 0)
-
-    def _add_grad(self, v: str, mb: int, expert: bool = False) -> None:
-        """A new gradient buffer (the sum with an earlier one is a new tensor too)."""
-        self._put(self.vgrads, (v, mb), _Buf(self._vb(v, mb, expert)))
-
-    def _param_grads(self, names) -> None:
-        for n in names:
-            if n in self.names and n not in self.grads and n not in self.frozen:
-                self.grads[n] = None
-                self.level[Memory.GRADS] += self.gsize[n]
-
-    def _drop_grads(self, names) -> None:
-        for n in names:
-            if n in self.grads:
-                del self.grads[n]
-                self.level[Memory.GRADS] -= self.gsize[n]
-
-    def _leaves(self, region: int, mb: int) -> list[str]:
-        """The inputs a forward detaches into autograd leaves: floats that need a gradient."""
-        out = []
-        for v in self.plan.regions[region].inputs:
-            info = self.plan.values.get(v)
-            if v not in _BATCH and (v, mb) in self.acts and (
-                    info is None or (info.dtype.startswith(("float", "bfloat"))
-                                     and info.requires_grad)):
-                out.append(v)
-        return out
-
-    def _drop_stash(self, key: tuple[int, int]) -> None:
-        st = self.stash.pop(key)
-        self.level[Memory.ACTIVATIONS] -= st.saved
-        for buf in st.refs:
-            self._let_go(buf)
-        for buf in st.out_grads:
-            self._let_go(buf)
-
-    def _issue(self, i: int, kind: int, nbytes: float) -> None:
-        self.pending[i] = (kind, nbytes)
-        self.level[kind] += nbytes
-
-    # -- one instruction --
-    def step(self, i: int, ins) -> None:
-        k, plan = ins.kind, self.plan
-        if k in _REGION_PASSES and not 0 <= ins.region < len(plan.regions):
-            return   # a hand-written plan without region tables: nothing to count
-        if k == "F":
-            info = plan.regions[ins.region]
-            leaves = self._leaves(ins.region, ins.mb)
-            refs = [self.acts[(v, ins.mb)] for v in leaves]
-            expert = ins.region in self.routing.experts
-            for v in info.outputs:
-                buf = _Buf(self._vb(v, ins.mb, expert))
-                refs.append(buf)
-                if v != _LOSS:
-                    self._put(self.acts, (v, ins.mb), buf)
-            for buf in refs:
-                self._hold(buf)
-            saved = self.routing.saved(ins.region, ins.mb, self.d)
-            self.level[Memory.ACTIVATIONS] += saved
-            key = (ins.region, ins.mb)
-            if key in self.stash:
-                self._drop_stash(key)
-            self.stash[key] = _Stash(saved, leaves, refs)
-        elif k in ("B", "BI", "BW"):
-            key = (ins.region, ins.mb)
-            st = self.stash.get(key)
-            if st is None:
-                return
-            if k != "BI":
-                self._param_grads(plan.regions[ins.region].params)
-                self._drop_stash(key)
-            else:  # BI keeps the output gradients (and a fresh loss gradient) until BW
-                outs = plan.regions[ins.region].outputs
-                grads = [self.vgrads[(v, ins.mb)] for v in outs
-                         if v != _LOSS and (v, ins.mb) in self.vgrads]
-                if _LOSS in outs:
-                    grads.append(_Buf(self.vbytes.get(_LOSS, 0)))
-                for buf in grads:
-                    self._hold(buf)
-                st.out_grads = grads
-            if k != "BW":
-                expert = ins.region in self.routing.experts
-                for v in st.leaves:
-                    self._add_grad(v, ins.mb, expert)
-        elif k == "U":
-            self._drop_grads(ins.params)
-            for b in ins.buckets:
-                if b in self.buckets and self.buckets[b].zero != 3 and b not in self.zero_shards:
-                    self.zero_shards[b] = self._shard(b, self.pb)
-                    self.level[Memory.BUFFERS] += self.zero_shards[b]
-                self.level[Memory.GRADS] -= self.grad_shards.pop(b, 0)
-            for key, nbytes in self.ustate[i].items():
-                self.level[Memory.OPTIM] += nbytes - self.optim_state.get(key, 0)
-                self.optim_state[key] = nbytes
-        elif k == "RECV":
-            self._issue(i, Memory.ACTIVATIONS, sum(self._vb(v, ins.mb) for v in ins.values))
-        elif k == "ALL_TO_ALL":
-            self._issue(i, Memory.BUFFERS, self._exchanged(ins))
-        elif k in _COLLECTIVES and ins.bucket in self.buckets:
-            b = ins.bucket
-            if k == "ALL_REDUCE":
-                self._issue(i, Memory.BUFFERS, self._padded(b, self.gb))
-            elif k == "REDUCE_SCATTER":  # a flat copy of the gradients and the output shard
-                self._issue(i, Memory.BUFFERS, self._padded(b, self.gb) + self._shard(b, self.gb))
-                self._drop_grads(self.buckets[b].params)
-            else:
-                self._issue(i, Memory.PARAMS if self.buckets[b].zero == 3 else Memory.BUFFERS,
-                            self._padded(b, self.pb))
-        elif k == "WAIT":
-            self._wait(ins.target)
-        elif k == "FREE":
-            for key in ins.keys:
-                kind, _, rest = key.partition(":")
-                if kind == "param":
-                    b = int(rest)
-                    if self.refs.get(b, 0) > 0:
-                        self.refs[b] -= 1
-                        if self.refs[b] == 0:
-                            self.level[Memory.PARAMS] -= self._padded(b, self.pb)
-                else:
-                    value, _, mb = rest.rpartition("@")
-                    table = self.acts if kind == "act" else self.vgrads
-                    self._let_go(table.pop((value, int(mb)), None))
-
-    # -- the token exchange (runtime.exchange) --
-    def _exchanged(self, ins) -> int:
-        """Bytes an ALL_TO_ALL has in flight here: what this member sends plus what it gets
-        (a dispatch sends own rows to each owner, which gets the group's; a combine the
-        reverse)."""
-        return sum(self._vb(v, ins.mb) + (self._vb(v, ins.mb, expert=True) if owner == self.d
-                                          else 0)
-                   for v, owner in zip(ins.values, ins.owners, strict=True))
-
-    def _exchange_done(self, ins) -> None:
-        """An exchange's WAIT: what was sent is let go, what came is held (acts or grads)."""
-        table = self.vgrads if ins.grad else self.acts
-        dispatch = ins.purpose == "dispatch"
-        for v, owner in zip(ins.values, ins.owners, strict=True):
-            key, mine = (v, ins.mb), owner == self.d
-            if dispatch or mine:
-                self._let_go(table.pop(key, None))
-            if mine or not dispatch:   # the owner gets the group's rows, each member its own
-                buf = _Buf(self._vb(v, ins.mb, expert=dispatch))
-                if ins.grad:
-                    self._put(self.vgrads, key, buf)
-                else:
-                    self._put(self.acts, key, buf)
-
-    def _wait(self, target: int) -> None:
-        kind, nbytes = self.pending.pop(target, (0, 0))
-        self.level[kind] -= nbytes
-        src = self.instrs[target]
-        k, b = src.kind, src.bucket
-        if k == "RECV":
-            for v in src.values:
-                if src.grad:
-                    self._add_grad(v, src.mb)
-                else:
-                    self._put(self.acts, (v, src.mb), _Buf(self._vb(v, src.mb)))
-        elif k == "ALL_TO_ALL":
-            self._exchange_done(src)
-        elif k not in _COLLECTIVES or b not in self.buckets:
-            return
-        elif k == "ALL_REDUCE":   # the gradients become views of the reduced flat bucket
-            self._param_grads(self.buckets[b].params)
-        elif k == "REDUCE_SCATTER":
-            shard = self._shard(b, self.gb)
-            self.level[Memory.GRADS] += shard - self.grad_shards.get(b, 0)
-            self.grad_shards[b] = shard
-        elif k == "ALL_GATHER":
-            if self.buckets[b].zero == 3:
-                self.refs[b] = self.refs.get(b, 0) + 1
-                if self.refs[b] == 1:
-                    self.level[Memory.PARAMS] += self._padded(b, self.pb)
-            elif b in self.zero_shards:
-                self.level[Memory.BUFFERS] -= self.zero_shards.pop(b)
-
-    def run(self, times: list[float], device: int, extra: float = 0.0) -> list[MemorySample]:
-        out = []
-        level = self.level
-        for i, ins in enumerate(self.instrs):
-            self.step(i, ins)
-            held = [int(x) for x in level]
-            held[Memory.BUFFERS] = int(level[Memory.BUFFERS] + extra)
-            out.append(MemorySample(device, times[i], *held))
-        return out
-
-
 def communicators(plan, d: int) -> int:
     """Communicators device d uses: one per collective group, one per direction of each
     pair it exchanges messages with (the runtime's layout, `runtime.comm`)."""
     seen = set()
     for ins in plan.devices[d].instrs:
-        if ins.kind == "SEND":
+        if ins.kind == Op.SEND:
             seen.add((d, ins.peer))
-        elif ins.kind == "RECV":
+        elif ins.kind == Op.RECV:
             seen.add((ins.peer, d))
         elif ins.group:
             seen.add(tuple(ins.group))
@@ -496,7 +201,7 @@ def memory_samples(timing, settings: MemorySettings | None = None) -> list[Memor
         extra = settings.reserve_bytes + (settings.per_communicator
                                           * communicators(timing.plan, d)
                                           if settings.per_communicator else 0)
-        samples += _Device(timing.plan, d, settings, routing).run(_sample_times(timing, d), d,
+        samples += _Ledger(timing.plan, d, settings, routing).run(_sample_times(timing, d), d,
                                                                   extra)
     return samples
 
@@ -505,12 +210,12 @@ def live_stashes(trace, device: int) -> int:
     """Peak number of (region, microbatch) activation stashes alive on `device`: each lives
     from the start of its F to the end of its last backward (B, or BW when split)."""
     born, last = {}, {}
-    rank = {"BI": 0, "B": 1, "BW": 1}
+    rank = {Op.BI: 0, Op.B: 1, Op.BW: 1}
     for e in trace.events:
         if e.device != device or e.stream != "compute":
             continue
         key = (e.region, e.mb)
-        if e.kind == "F":
+        if e.kind == Op.F:
             born[key] = e.start
         elif e.kind in rank:
             old = last.get(key)

@@ -1,0 +1,375 @@
+"""The memory ledger: one device's instruction list walked the way the worker runs it
+(`runtime.worker`, `runtime.stores`), over sizes instead of tensors.
+
+`_Ledger` keeps the bytes device `d` holds, by kind (`ir.kinds.Memory`), in running totals
+so a sample costs O(1). Its step loop dispatches each instruction by kind, as the worker's
+does, to a handler of the same name: `_forward`, `_backward` and `_update` (the worker's
+`run`), `_issue`, `_wait` and `_free`; a WAIT's completion then calls the ledger's
+counterpart of the store method the worker calls (`_set_grads`, `_add_grad_shard`,
+`_acquire`, `_write_params`, `_release`, `_exchange_done`). The rule it follows, kind by
+kind, is `sim.memory`'s (its docstring); `sim.memory.memory_samples` drives it.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+from piper_nb.ir.kinds import BACKWARDS, BUCKET_COLLECTIVES, COMM, PASSES, Memory, Op
+from piper_nb.sim.cost import _elem, value_bytes
+from piper_nb.sim.tokens import Routing
+from piper_nb.sim.trace import MemorySample
+
+if TYPE_CHECKING:
+    from piper_nb.sim.memory import MemorySettings
+
+_BATCH = frozenset({"inputs", "targets"})   # capture.split's BATCH_INPUT, BATCH_TARGET
+_LOSS = "loss"                              # capture.split's LOSS
+
+# how the step loop dispatches an instruction: kind -> handler (the worker's names)
+_HANDLERS = {Op.F: "_forward", **dict.fromkeys(BACKWARDS, "_backward"), Op.U: "_update",
+             **dict.fromkeys(COMM, "_issue"), Op.WAIT: "_wait", Op.FREE: "_free"}
+
+
+def _numel(plan, p: str) -> int:
+    return math.prod(plan.params[p][0])
+
+
+class _Buf:
+    """One allocated value buffer: counted while at least one holder keeps it."""
+
+    __slots__ = ("nbytes", "holders")
+
+    def __init__(self, nbytes: int):
+        self.nbytes, self.holders = nbytes, 0
+
+
+class _Stash:
+    __slots__ = ("saved", "leaves", "refs", "out_grads")
+
+    def __init__(self, saved: int, leaves: list[str], refs: list[_Buf]):
+        self.saved, self.leaves, self.refs, self.out_grads = saved, leaves, refs, []
+
+
+class _Ledger:
+    """Bytes held on device `d`, instruction by instruction: the worker's bookkeeping
+    (`runtime.worker`, `runtime.stores`) over sizes instead of tensors, with running totals
+    so a sample costs O(1)."""
+
+    def __init__(self, plan, d: int, settings: MemorySettings, routing: Routing):
+        self.plan, self.instrs, self.d = plan, plan.devices[d].instrs, d
+        self.frozen = frozenset(plan.frozen)
+        self.vbytes = {k: value_bytes(v) for k, v in plan.values.items()}
+        self.routing = routing
+        self.pb, self.gb = settings.param_bytes, settings.grad_bytes
+        regions = sorted({i.region for i in self.instrs if i.kind in PASSES
+                          and 0 <= i.region < len(plan.regions)})
+        names = dict.fromkeys(p for r in regions for p in plan.regions[r].params)
+        names.update(dict.fromkeys(p for i in self.instrs if i.kind == Op.U for p in i.params))
+        self.names = {n: None for n in names if n in plan.params}
+        self.gsize = {n: _numel(plan, n) * (self.gb if self.gb is not None else self._elem(n))
+                      for n in self.names}
+        self.buckets = {b.index: b for b in plan.buckets
+                        if d in b.group and any(n in names for n in b.params)}
+        self.ustate = self._update_states(settings.optim_per_param())  # U index -> its state
+        self.optim_state: dict = {}               # key -> bytes: state that exists now
+        if not settings.first_step:
+            for st in self.ustate.values():
+                self.optim_state.update(st)
+        # running totals: params, grads, optim, activations, buffers
+        self.level = [self._params_held(), 0, sum(self.optim_state.values()), 0, 0]
+        self.grads: dict[str, None] = {}          # parameters with a gradient (ordered set)
+        self.grad_shards: dict[int, float] = {}   # bucket -> reduced shard bytes
+        self.refs: dict[int, int] = {}            # ZeRO-3 bucket -> gathers in use
+        self.pending: dict[int, tuple[int, float]] = {}   # issue index -> (kind, bytes)
+        self.zero_shards: dict[int, float] = {}   # ZeRO-1/2 updated shards before the gather
+        self.acts: dict[tuple[str, int], _Buf] = {}
+        self.vgrads: dict[tuple[str, int], _Buf] = {}
+        self.stash: dict[tuple[int, int], _Stash] = {}
+        # decoded once, as the worker does: each instruction's handler (None: nothing held)
+        self.handlers = [self._handler(ins) for ins in self.instrs]
+
+    def _params_held(self) -> float:
+        """Parameter bytes held throughout: full parameters and ZeRO-3 bucket shards."""
+        zero3 = [b for b in self.buckets.values() if b.zero == 3]
+        sharded = {n for b in zero3 for n in b.params}
+        base = sum(_numel(self.plan, n) * (self.pb if self.pb is not None else self._elem(n))
+                   for n in self.names if n not in sharded)
+        return base + sum(self._shard(b.index, self.pb) for b in zero3)
+
+    def _update_states(self, ob: float) -> dict[int, dict]:
+        """U index -> the optimizer state it keeps, by key (a name, or ("b", bucket))."""
+        out: dict[int, dict] = {}
+        for i, ins in enumerate(self.instrs):
+            if ins.kind == Op.U:
+                st = {n: _numel(self.plan, n) * ob for n in ins.params if n in self.plan.params}
+                st.update({("b", b): self._shard(b, ob) for b in ins.buckets if b in self.buckets})
+                out[i] = st
+        return out
+
+    def _handler(self, ins):
+        if ins.kind in PASSES and not 0 <= ins.region < len(self.plan.regions):
+            return None   # a hand-written plan without region tables: nothing to count
+        name = _HANDLERS.get(ins.kind)
+        return getattr(self, name) if name is not None else None
+
+    # -- sizes --
+    def _elem(self, name: str) -> int:
+        return _elem(self.plan.params[name][1])
+
+    def _shard(self, b: int, per: float | None) -> float:
+        """Bytes of one padded shard of bucket b (`per` bytes per element, None: dtype)."""
+        bk = self.plan.buckets[b]
+        total = sum(_numel(self.plan, n) for n in bk.params)
+        per = per if per is not None else self._elem(bk.params[0])
+        return -(-total // len(bk.group)) * per
+
+    def _padded(self, b: int, per: float | None) -> float:
+        return self._shard(b, per) * len(self.plan.buckets[b].group)
+
+    def _vb(self, v: str, mb: int, expert: bool = False) -> int:
+        """Bytes of value v's buffer for microbatch mb; routed rows per `self.routing`
+        (`expert`: made inside an expert, on its owner, so with the group's rows)."""
+        if v in self.plan.rows:
+            return self.routing.value_bytes(v, mb, self.d, expert)
+        return self.vbytes.get(v, 0)
+
+    # -- holders of value buffers (runtime.stores.ValueStore) --
+    def _hold(self, buf: _Buf) -> None:
+        buf.holders += 1
+        if buf.holders == 1:
+            self.level[Memory.ACTIVATIONS] += buf.nbytes
+
+    def _let_go(self, buf: _Buf | None) -> None:
+        if buf is None:
+            return
+        buf.holders -= 1
+        if buf.holders == 0:
+            self.level[Memory.ACTIVATIONS] -= buf.nbytes
+
+    def _put(self, table: dict, key: tuple[str, int], buf: _Buf) -> None:
+        self._hold(buf)
+        self._let_go(table.get(key))
+        table[key] = buf
+
+    def _add_grad(self, v: str, mb: int, expert: bool = False) -> None:
+        """A new gradient buffer (the sum with an earlier one is a new tensor too)."""
+        self._put(self.vgrads, (v, mb), _Buf(self._vb(v, mb, expert)))
+
+    def _leaves(self, region: int, mb: int) -> list[str]:
+        """The inputs a forward detaches into autograd leaves: floats that need a gradient."""
+        out = []
+        for v in self.plan.regions[region].inputs:
+            info = self.plan.values.get(v)
+            if v not in _BATCH and (v, mb) in self.acts and (
+                    info is None or (info.dtype.startswith(("float", "bfloat"))
+                                     and info.requires_grad)):
+                out.append(v)
+        return out
+
+    def _drop_stash(self, key: tuple[int, int]) -> None:
+        st = self.stash.pop(key)
+        self.level[Memory.ACTIVATIONS] -= st.saved
+        for buf in st.refs:
+            self._let_go(buf)
+        for buf in st.out_grads:
+            self._let_go(buf)
+
+    # -- parameter gradients (runtime.stores.ParamStore) --
+    def _param_grads(self, names) -> None:
+        for n in names:
+            if n in self.names and n not in self.grads and n not in self.frozen:
+                self.grads[n] = None
+                self.level[Memory.GRADS] += self.gsize[n]
+
+    def _drop_grads(self, names) -> None:
+        for n in names:
+            if n in self.grads:
+                del self.grads[n]
+                self.level[Memory.GRADS] -= self.gsize[n]
+
+    # -- compute (the worker's `run`) --
+    def _forward(self, i: int, ins) -> None:
+        """F: the outputs' buffers, and a stash holding what autograd saved, the leaves and
+        the outputs until the last backward."""
+        leaves = self._leaves(ins.region, ins.mb)
+        refs = [self.acts[(v, ins.mb)] for v in leaves]
+        expert = ins.region in self.routing.experts
+        for v in self.plan.regions[ins.region].outputs:
+            buf = _Buf(self._vb(v, ins.mb, expert))
+            refs.append(buf)
+            if v != _LOSS:
+                self._put(self.acts, (v, ins.mb), buf)
+        for buf in refs:
+            self._hold(buf)
+        saved = self.routing.saved(ins.region, ins.mb, self.d)
+        self.level[Memory.ACTIVATIONS] += saved
+        key = (ins.region, ins.mb)
+        if key in self.stash:
+            self._drop_stash(key)
+        self.stash[key] = _Stash(saved, leaves, refs)
+
+    def _out_grads(self, ins) -> list[_Buf]:
+        """The output gradients a BI keeps until its BW (and a fresh loss gradient), held."""
+        outs = self.plan.regions[ins.region].outputs
+        grads = [self.vgrads[(v, ins.mb)] for v in outs
+                 if v != _LOSS and (v, ins.mb) in self.vgrads]
+        if _LOSS in outs:
+            grads.append(_Buf(self.vbytes.get(_LOSS, 0)))
+        for buf in grads:
+            self._hold(buf)
+        return grads
+
+    def _backward(self, i: int, ins) -> None:
+        """B, BI or BW: B and BW make parameter gradients and drop the stash; B and BI make
+        the input gradients; BI keeps the output gradients for its BW."""
+        key = (ins.region, ins.mb)
+        st = self.stash.get(key)
+        if st is None:
+            return
+        if ins.kind != Op.BI:
+            self._param_grads(self.plan.regions[ins.region].params)
+            self._drop_stash(key)
+        else:
+            st.out_grads = self._out_grads(ins)
+        if ins.kind != Op.BW:
+            expert = ins.region in self.routing.experts
+            for v in st.leaves:
+                self._add_grad(v, ins.mb, expert)
+
+    def _update(self, i: int, ins) -> None:
+        """U (`ParamStore.update`): gradients consumed, updated ZeRO-1/2 shards held until
+        their gather, the optimizer state of what it updates exists from here on."""
+        self._drop_grads(ins.params)
+        for b in ins.buckets:
+            if b in self.buckets and self.buckets[b].zero != 3 and b not in self.zero_shards:
+                self.zero_shards[b] = self._shard(b, self.pb)
+                self.level[Memory.BUFFERS] += self.zero_shards[b]
+            self.level[Memory.GRADS] -= self.grad_shards.pop(b, 0)
+        for key, nbytes in self.ustate[i].items():
+            self.level[Memory.OPTIM] += nbytes - self.optim_state.get(key, 0)
+            self.optim_state[key] = nbytes
+
+    # -- communication --
+    def _issue(self, i: int, ins) -> None:
+        """An issued transfer holds its buffers from issue to WAIT (a SEND's values are
+        already counted); a reduce-scatter takes the gradients at issue."""
+        k, b = ins.kind, ins.bucket
+        if k == Op.SEND or (k in BUCKET_COLLECTIVES and b not in self.buckets):
+            return
+        if k == Op.RECV:
+            kind, nbytes = Memory.ACTIVATIONS, sum(self._vb(v, ins.mb) for v in ins.values)
+        elif k == Op.ALL_REDUCE:
+            kind, nbytes = Memory.BUFFERS, self._padded(b, self.gb)
+        elif k == Op.REDUCE_SCATTER:  # a flat copy of the gradients and the output shard
+            kind, nbytes = Memory.BUFFERS, self._padded(b, self.gb) + self._shard(b, self.gb)
+            self._drop_grads(self.buckets[b].params)
+        elif k == Op.ALL_GATHER:      # a gathered ZeRO-3 bucket counts as parameters
+            kind = Memory.PARAMS if self.buckets[b].zero == 3 else Memory.BUFFERS
+            nbytes = self._padded(b, self.pb)
+        else:                         # ALL_TO_ALL: what it sends and what it gets
+            kind, nbytes = Memory.BUFFERS, self._exchanged(ins)
+        self.pending[i] = (kind, nbytes)
+        self.level[kind] += nbytes
+
+    def _wait(self, i: int, ins) -> None:
+        """WAIT: the transfer's buffers go, what it delivered is held."""
+        kind, nbytes = self.pending.pop(ins.target, (0, 0))
+        self.level[kind] -= nbytes
+        src = self.instrs[ins.target]
+        k, b = src.kind, src.bucket
+        if k in BUCKET_COLLECTIVES and b not in self.buckets:
+            return
+        if k == Op.RECV:
+            for v in src.values:
+                if src.grad:
+                    self._add_grad(v, src.mb)
+                else:
+                    self._put(self.acts, (v, src.mb), _Buf(self._vb(v, src.mb)))
+        elif k == Op.ALL_REDUCE:
+            self._set_grads(b)
+        elif k == Op.REDUCE_SCATTER:
+            self._add_grad_shard(b)
+        elif k == Op.ALL_GATHER:
+            if self.buckets[b].zero == 3:
+                self._acquire(b)
+            else:
+                self._write_params(b)
+        elif k == Op.ALL_TO_ALL:
+            self._exchange_done(src)
+
+    def _free(self, i: int, ins) -> None:
+        """FREE: a gathered bucket's use ends (`param:b`), or a value buffer is let go."""
+        for key in ins.keys:
+            kind, _, rest = key.partition(":")
+            if kind == "param":
+                self._release(int(rest))
+            else:
+                value, _, mb = rest.rpartition("@")
+                table = self.acts if kind == "act" else self.vgrads
+                self._let_go(table.pop((value, int(mb)), None))
+
+    # -- what a WAIT or FREE does to the parameter store (runtime.stores.ParamStore) --
+    def _set_grads(self, b: int) -> None:
+        """An all-reduce's WAIT: the gradients become views of the reduced flat bucket."""
+        self._param_grads(self.buckets[b].params)
+
+    def _add_grad_shard(self, b: int) -> None:
+        shard = self._shard(b, self.gb)
+        self.level[Memory.GRADS] += shard - self.grad_shards.get(b, 0)
+        self.grad_shards[b] = shard
+
+    def _acquire(self, b: int) -> None:
+        """A ZeRO-3 gather's WAIT: the full bucket, one buffer however many gathers overlap."""
+        self.refs[b] = self.refs.get(b, 0) + 1
+        if self.refs[b] == 1:
+            self.level[Memory.PARAMS] += self._padded(b, self.pb)
+
+    def _write_params(self, b: int) -> None:
+        """A ZeRO-1/2 gather's WAIT: the updated shard waiting for it goes."""
+        if b in self.zero_shards:
+            self.level[Memory.BUFFERS] -= self.zero_shards.pop(b)
+
+    def _release(self, b: int) -> None:
+        """`free(param:b)`: the full bucket goes with its last use."""
+        if self.refs.get(b, 0) > 0:
+            self.refs[b] -= 1
+            if self.refs[b] == 0:
+                self.level[Memory.PARAMS] -= self._padded(b, self.pb)
+
+    # -- the token exchange (runtime.exchange) --
+    def _exchanged(self, ins) -> int:
+        """Bytes an ALL_TO_ALL has in flight here: what this member sends plus what it gets
+        (a dispatch sends own rows to each owner, which gets the group's; a combine the
+        reverse)."""
+        return sum(self._vb(v, ins.mb) + (self._vb(v, ins.mb, expert=True) if owner == self.d
+                                          else 0)
+                   for v, owner in zip(ins.values, ins.owners, strict=True))
+
+    def _exchange_done(self, ins) -> None:
+        """An exchange's WAIT: what was sent is let go, what came is held (acts or grads)."""
+        table = self.vgrads if ins.grad else self.acts
+        dispatch = ins.purpose == "dispatch"
+        for v, owner in zip(ins.values, ins.owners, strict=True):
+            key, mine = (v, ins.mb), owner == self.d
+            if dispatch or mine:
+                self._let_go(table.pop(key, None))
+            if mine or not dispatch:   # the owner gets the group's rows, each member its own
+                buf = _Buf(self._vb(v, ins.mb, expert=dispatch))
+                if ins.grad:
+                    self._put(self.vgrads, key, buf)
+                else:
+                    self._put(self.acts, key, buf)
+
+    # -- the step loop --
+    def run(self, times: list[float], device: int, extra: float = 0.0) -> list[MemorySample]:
+        """One sample per instruction, after it ran (`extra`: allowances added to buffers)."""
+        out = []
+        level = self.level
+        for i, (ins, handler) in enumerate(zip(self.instrs, self.handlers, strict=True)):
+            if handler is not None:
+                handler(i, ins)
+            held = [int(x) for x in level]
+            held[Memory.BUFFERS] = int(level[Memory.BUFFERS] + extra)
+            out.append(MemorySample(device, times[i], *held))
+        return out
