@@ -1,8 +1,10 @@
 """`order`: temporal edges from each slot to the next (Piper's order).
 
-A slot is a list of filters; all nodes it selects share the slot and may overlap (how
-DualPipe's F&B pairs are said): they get one `overlap` id. Temporal edges order the work
-of one device; an edge between passes on different devices is an error.
+The value `Order` (Python `groups`; Piper's JSON `filters`), its constructor `pn.order`,
+and the rewrite. An order is a list of groups, one per slot; a group is a list of filters,
+and all nodes it selects share the slot and may overlap (how DualPipe's F&B pairs are
+said): they get one `overlap` id. Temporal edges order the work of one device; an edge
+between passes on different devices is an error.
 
 A filter names a stage's pass. When the stage's tags come back later in the model, after
 another stage (a module called again: region {PP: 0, SEG: 1} after {PP: 1}), the passes
@@ -16,11 +18,54 @@ that stay within their stage (a mixture of experts' combine after its experts) a
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from piper_nb.directives.base import Directive, py_literal
 from piper_nb.errors import PlanError
 from piper_nb.ir.dag import COMPUTE, Edge, Node, TrainingDAG
-from piper_nb.ir.filters import SEG
+from piper_nb.ir.filters import SEG, as_filter
 
-__all__ = ["apply_orders"]
+__all__ = ["Order", "order", "apply_orders"]
+
+
+@dataclass(frozen=True)
+class Order(Directive):
+    """Temporal edges from each slot to the next; a group of several filters shares one
+    slot and may overlap."""
+
+    groups: tuple[tuple[Mapping[str, Any], ...], ...]
+    op = "order"
+    json_names = {"groups": "filters"}
+
+    def __post_init__(self):
+        groups = self.groups
+        if not isinstance(groups, (list, tuple)) or not groups:
+            raise PlanError("order: groups (JSON filters) must be a non-empty list, one group "
+                            "of filters per slot")
+        out = []
+        for i, group in enumerate(groups):
+            if isinstance(group, Mapping):
+                group = [group]
+            if not isinstance(group, (list, tuple)) or not group:
+                raise PlanError(f"order: group {i} must be a non-empty list of filters, got {group!r}")
+            out.append(tuple(as_filter(f, where=f"order group {i}") for f in group))
+        object.__setattr__(self, "groups", tuple(out))
+
+    @classmethod
+    def row(cls, stages: int, microbatches: int) -> dict[str, Any]:
+        return {"op": "order", "filters": [[{"PP": 0, "MB": 0, "PASS": "F"}],
+                                           [{"PP": 0, "MB": 1, "PASS": "F"}]]}
+
+    def code(self) -> str:
+        return f"pn.order({py_literal(self.groups)})"
+
+
+def order(groups: Sequence[Any]) -> Order:
+    """Run the passes `groups` select one slot after another on their devices; a group of
+    several filters shares a slot (the passes may overlap)."""
+    return Order(groups)
 
 
 def apply_orders(dag: TrainingDAG, orders: list[tuple[int, object]]) -> TrainingDAG:

@@ -25,17 +25,106 @@ stage held twice by full DualPipe) is gathered once per step under ZeRO-3 and re
 per step under ZeRO-2: its devices run their microbatches' backwards in different orders
 (the copies of a DualPipe stage each run half of them), so per-microbatch collectives
 over all of them would not line up.
+
+JSON: Piper's `{"op": "replicate", "filter", "devices", "shard_grads", "shard_params"}`
+plus our `zero`, `bucket_size`, `reduce_stream`, `gather_stream` and `reshard`.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
+from piper_nb.directives.base import Directive, call_code, check_devices, check_stream
 from piper_nb.errors import PlanError
 from piper_nb.ir.dag import Edge, Node, Op, TrainingDAG, node_id
-from piper_nb.ir.filters import freeze_tags
+from piper_nb.ir.filters import as_filter, freeze_tags
 
-__all__ = ["Bucket", "ReplicaConfig", "replica_configs", "insert_grad_sync"]
+__all__ = ["Replicate", "replicate", "Bucket", "ReplicaConfig", "replica_configs",
+           "insert_grad_sync"]
+
+
+@dataclass(frozen=True)
+class Replicate(Directive):
+    """Data-parallel replicas of the matched regions, with ZeRO level 0-3.
+
+    zero=0 all-reduces gradients; 1 shards optimizer state (reduce-scatter, update the
+    shard, all-gather parameters); 2 also shards gradients (reduce-scatter after each
+    microbatch's backward); 3 also shards parameters (all-gather before each pass that
+    needs them, freed after). `bucket_size` is in MB (None: one bucket per region).
+    `reshard=False` (zero 3 only) keeps a region's parameters gathered from its first pass
+    to its last in the step and reduce-scatters gradients once after the last backward
+    (FSDP's no-reshard + no-sync accumulation): fewer collectives, full parameters and
+    gradients held within the step.
+    """
+
+    filter: Mapping[str, Any]
+    devices: tuple[int, ...]
+    zero: int = 0
+    bucket_size: float | None = None
+    reduce_stream: str | None = None
+    gather_stream: str | None = None
+    reshard: bool = True
+    op = "replicate"
+    json_extra = frozenset({"shard_grads", "shard_params"})
+
+    def __post_init__(self):
+        object.__setattr__(self, "filter", as_filter(self.filter, where="replicate filter"))
+        object.__setattr__(self, "devices", check_devices(self.devices, "replicate"))
+        if self.zero not in (0, 1, 2, 3) or isinstance(self.zero, bool):
+            raise PlanError(f"replicate: zero must be 0, 1, 2 or 3, got {self.zero!r}")
+        if self.bucket_size is not None and (
+                isinstance(self.bucket_size, bool) or not isinstance(self.bucket_size, (int, float))
+                or self.bucket_size <= 0):
+            raise PlanError(f"replicate: bucket_size is a positive number of MB, got {self.bucket_size!r}")
+        if not isinstance(self.reshard, bool):
+            raise PlanError(f"replicate: reshard is true or false, got {self.reshard!r}")
+        if not self.reshard and self.zero != 3:
+            raise PlanError("replicate: reshard=false only applies to zero=3 (parameters are "
+                            "sharded between uses only there); drop it or use zero=3")
+        object.__setattr__(self, "reduce_stream", check_stream(self.reduce_stream, "replicate"))
+        object.__setattr__(self, "gather_stream", check_stream(self.gather_stream, "replicate"))
+
+    def to_json(self) -> dict:
+        out = {"op": "replicate", "filter": dict(self.filter), "devices": list(self.devices),
+               "zero": self.zero}
+        if self.zero >= 2:
+            out["shard_grads"] = True
+        if self.zero == 3:
+            out["shard_params"] = True
+        for key in ("bucket_size", "reduce_stream", "gather_stream"):
+            if getattr(self, key) is not None:
+                out[key] = getattr(self, key)
+        if not self.reshard:
+            out["reshard"] = False
+        return out
+
+    @classmethod
+    def from_json(cls, obj: Mapping[str, Any]) -> Replicate:
+        """Piper's shard_grads/shard_params mean zero 2/3; our `zero` says 0-3 (both agree)."""
+        zero = obj.get("zero")
+        if zero is None:
+            zero = 3 if obj.get("shard_params") else 2 if obj.get("shard_grads") else 0
+        elif obj.get("shard_params") and zero != 3 or obj.get("shard_grads") and zero < 2:
+            raise PlanError(f"replicate: zero={zero!r} contradicts shard_grads/shard_params; give one")
+        plain = {k: v for k, v in obj.items() if k not in cls.json_extra}
+        return super().from_json({**plain, "zero": zero})
+
+    @classmethod
+    def row(cls, stages: int, microbatches: int) -> dict[str, Any]:
+        return {"op": "replicate", "filter": {"PP": 0}, "devices": [0, stages], "zero": 0}
+
+    def code(self) -> str:
+        return call_code("pn.replicate", replicate, vars(self))
+
+
+def replicate(filter: Mapping[str, Any], devices: Sequence[int], zero: int = 0,
+              bucket_size: float | None = None, reduce_stream: str | None = None,
+              gather_stream: str | None = None, reshard: bool = True) -> Replicate:
+    """Replicas of the regions `filter` matches on `devices`, gradients summed over them,
+    with ZeRO level `zero` (see `Replicate`)."""
+    return Replicate(filter, devices, zero, bucket_size, reduce_stream, gather_stream, reshard)
 
 
 @dataclass(frozen=True)

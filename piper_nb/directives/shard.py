@@ -41,15 +41,48 @@ directive), and `insert_all_to_all` rewrites the edges of all experts at once.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
 
+from piper_nb.directives.base import Directive, call_code, check_devices, check_stream
 from piper_nb.errors import PlanError
 from piper_nb.ir.dag import COMPUTE, Edge, Node, Op, TrainingDAG, node_id
-from piper_nb.ir.filters import freeze_tags, tags_text
+from piper_nb.ir.filters import as_filter, freeze_tags, tags_text
 from piper_nb.ir.kinds import PASSES as _PASSES
 
-__all__ = ["shard_placement", "apply_shard", "insert_all_to_all", "EP"]
+__all__ = ["Shard", "shard", "shard_placement", "apply_shard", "insert_all_to_all", "EP"]
 
 EP = "EP"
+
+
+@dataclass(frozen=True)
+class Shard(Directive):
+    """Expert parallelism: the matched (EP) regions are spread over `devices`, with
+    all-to-all on the edges into and out of them; they are not replicated."""
+
+    filter: Mapping[str, Any]
+    devices: tuple[int, ...]
+    stream: str | None = None
+    op = "shard"
+
+    def __post_init__(self):
+        object.__setattr__(self, "filter", as_filter(self.filter, where="shard filter"))
+        object.__setattr__(self, "devices", check_devices(self.devices, "shard"))
+        object.__setattr__(self, "stream", check_stream(self.stream, "shard"))
+
+    @classmethod
+    def row(cls, stages: int, microbatches: int) -> dict[str, Any]:
+        return {"op": "shard", "filter": {"EP": "*"}, "devices": list(range(stages))}
+
+    def code(self) -> str:
+        return call_code("pn.shard", shard, vars(self))
+
+
+def shard(filter: Mapping[str, Any], devices: Sequence[int], stream: str | None = None) -> Shard:
+    """Spread the expert regions `filter` matches over `devices`, expert e on
+    `devices[e % len(devices)]`, with all-to-all around them (see `Shard`)."""
+    return Shard(filter, devices, stream)
 
 
 def _region_name(dag: TrainingDAG, r: int) -> str:

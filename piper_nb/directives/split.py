@@ -1,18 +1,64 @@
 """`split`: copy the matched sub-DAG N times, copy i tagged `dim=i` (Piper's split).
 
-The optimizer update U is never copied: every copy's backward feeds the one U. Splitting
-along `MB` makes microbatches; the batch is cut into N equal chunks along dim 0.
+The value `Split` (Python `dim`, `num`; Piper's JSON `dim_name`, `num_microbatches`), its
+constructor `pn.split`, and the rewrite. The optimizer update U is never copied: every
+copy's backward feeds the one U. Splitting along `MB` makes microbatches; the batch is cut
+into N equal chunks along dim 0.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
 
+from piper_nb.directives.base import Directive, py_literal
 from piper_nb.errors import PlanError
 from piper_nb.ir.dag import Edge, Node, Op, TrainingDAG, node_id
-from piper_nb.ir.filters import freeze_tags
+from piper_nb.ir.filters import as_filter, freeze_tags
 
-__all__ = ["apply_split"]
+__all__ = ["Split", "split", "apply_split"]
+
+
+@dataclass(frozen=True)
+class Split(Directive):
+    """Copy the matched sub-DAG `num` times, copy i tagged `dim=i` (microbatches)."""
+
+    filter: Mapping[str, Any]
+    dim: str = "MB"
+    num: int = 1
+    op = "split"
+    json_names = {"dim": "dim_name", "num": "num_microbatches"}
+
+    def __post_init__(self):
+        object.__setattr__(self, "filter", as_filter(self.filter, where="split filter"))
+        if not isinstance(self.dim, str) or not self.dim or self.dim == "PASS":
+            raise PlanError(f"split: dim (JSON dim_name) must be a tag name such as 'MB', "
+                            f"got {self.dim!r}")
+        if isinstance(self.num, bool) or not isinstance(self.num, int) or self.num < 1:
+            raise PlanError(f"split: num (JSON num_microbatches) must be a positive integer, "
+                            f"got {self.num!r}")
+
+    @classmethod
+    def from_json(cls, obj: Mapping[str, Any]) -> Split:
+        """`filter` defaults to {} (the whole model) and `dim_name` to MB; the count is needed."""
+        if "num_microbatches" not in obj:
+            raise PlanError("split: missing field 'num_microbatches'")
+        return cls(obj.get("filter", {}), obj.get("dim_name", "MB"), obj["num_microbatches"])
+
+    @classmethod
+    def row(cls, stages: int, microbatches: int) -> dict[str, Any]:
+        return {"op": "split", "filter": {}, "dim_name": "MB", "num_microbatches": microbatches}
+
+    def code(self) -> str:
+        return (f"pn.split({py_literal(self.filter)}, dim={py_literal(self.dim)}, "
+                f"num={self.num!r})")
+
+
+def split(filter: Mapping[str, Any], dim: str = "MB", num: int = 4) -> Split:
+    """Split the sub-DAG `filter` matches into `num` copies along tag `dim` (microbatches)."""
+    return Split(filter, dim, num)
 
 
 def apply_split(dag: TrainingDAG, directive) -> TrainingDAG:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import inspect
 from collections.abc import Callable
 
+from piper_nb.directives.schedule import ALIASES, FUNCTIONS, schedule_key
 from piper_nb.directives.spec import Directive
 from piper_nb.errors import PlanError
 from piper_nb.schedules.dualpipe import dualpipe, dualpipe_grid, dualpipev, dualpipev_grid
@@ -31,23 +32,14 @@ def _grid(text: str, microbatches: int | None = None, place: bool = False) -> li
     return from_grid(text, microbatches, place)
 
 
+# builder name -> function; names, aliases and function names are `directives.schedule`'s
 BUILDERS: dict[str, Callable[..., list[Directive]]] = {
-    "gpipe": gpipe,
-    "1f1b": one_f_one_b,
-    "interleaved_1f1b": interleaved_1f1b,
-    "zb1p": zero_bubble,
-    "dualpipev": dualpipev,
-    "dualpipe": dualpipe,
-    "grid": _grid,
-}
-ALIASES = {"one_f_one_b": "1f1b", "interleaved": "interleaved_1f1b", "zero_bubble": "zb1p",
-           "zbh1": "zb1p"}
+    key: globals()[fn] if fn else _grid for key, fn in FUNCTIONS.items()}
 
 
 def build(name: str, **kwargs) -> list[Directive]:
     """The directives of the builder called `name` (an alias works too) with `kwargs`."""
-    key = name.strip().lower().replace("-", "_") if isinstance(name, str) else name
-    key = ALIASES.get(key, key)
+    key = schedule_key(name)
     if key not in BUILDERS:
         known = ", ".join([*BUILDERS, *ALIASES])
         raise PlanError(f"unknown schedule {name!r}; the schedules are {known}")

@@ -18,6 +18,7 @@ from typing import Any
 
 import ipywidgets as W
 
+from piper_nb.directives.schedule import schedule_key
 from piper_nb.ui.fields import (
     devices_text,
     filter_text,
@@ -33,13 +34,7 @@ __all__ = ["Field", "FIELDS", "DirectiveRow", "schedule_name"]
 
 _SMALL = W.Layout(width="34px", padding="0px")
 _NAMES = {v: k for k, v in SCHEDULES.items()}
-_ALIASES = {"one_f_one_b": "1f1b", "interleaved": "interleaved_1f1b", "zero_bubble": "zb1p",
-            "zbh1": "zb1p"}
-
-
-def schedule_name(name: Any) -> Any:
-    key = name.strip().lower().replace("-", "_") if isinstance(name, str) else name
-    return _ALIASES.get(key, key)
+schedule_name = schedule_key       # the builder a row's name stands for
 
 
 @dataclass(frozen=True)

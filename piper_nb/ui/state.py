@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from piper_nb.capture.annotate import cut_stages
+from piper_nb.directives.spec import REGISTRY
 from piper_nb.errors import PlanError
 
 __all__ = ["DesignerState", "SCHEDULES", "OPS", "set_tags", "cut", "add_row", "remove_row",
@@ -28,7 +29,7 @@ __all__ = ["DesignerState", "SCHEDULES", "OPS", "set_tags", "cut", "add_row", "r
 # label in the picker -> builder name of `pn.schedules.build`
 SCHEDULES = {"GPipe": "gpipe", "1F1B": "1f1b", "Interleaved 1F1B": "interleaved_1f1b",
              "ZB1P": "zb1p", "DualPipeV": "dualpipev", "DualPipe": "dualpipe"}
-OPS = ("place", "replicate", "shard", "split", "order", "schedule")
+OPS = tuple(REGISTRY)          # the directive ops, in the registry's order
 
 
 @dataclass(frozen=True, eq=False)
@@ -126,22 +127,10 @@ def schedule_row(name: str, ranks: int, microbatches: int, chunks: int | None = 
 
 
 def new_row(op: str, state: DesignerState) -> dict[str, Any]:
-    """A sensible fresh row of kind `op` for this state."""
-    n = stage_count(state)
-    if op == "place":
-        return {"op": "place", "filter": {"PP": 0}, "devices": [0]}
-    if op == "replicate":
-        return {"op": "replicate", "filter": {"PP": 0}, "devices": [0, n], "zero": 0}
-    if op == "shard":
-        return {"op": "shard", "filter": {"EP": "*"}, "devices": list(range(n))}
-    if op == "split":
-        return {"op": "split", "filter": {}, "dim_name": "MB", "num_microbatches": 4}
-    if op == "order":
-        return {"op": "order", "filters": [[{"PP": 0, "MB": 0, "PASS": "F"}],
-                                           [{"PP": 0, "MB": 1, "PASS": "F"}]]}
-    if op == "schedule":
-        return schedule_row("1f1b", n, max(microbatches(state) or 4, 1))
-    raise PlanError(f"unknown op {op!r}; the ops are {', '.join(OPS)}")
+    """A sensible fresh row of kind `op` for this state (each directive's `row`)."""
+    if op not in REGISTRY:
+        raise PlanError(f"unknown op {op!r}; the ops are {', '.join(OPS)}")
+    return REGISTRY[op].row(stage_count(state), max(microbatches(state) or 4, 1))
 
 
 def add_row(state: DesignerState, row: Mapping[str, Any], at: int | None = None) -> DesignerState:

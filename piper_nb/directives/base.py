@@ -1,0 +1,121 @@
+"""What every directive shares: the `Directive` base, argument checks, and the code writer.
+
+A directive is a frozen dataclass whose module (one per directive: `place.py`,
+`replicate.py`, `shard.py`, `split.py`, `order.py`, `schedule.py`) holds its value type, its
+JSON fields, its rewrite of the DAG, its Designer row defaults and the Python code that
+makes it. `spec.py` registers them. Names follow one vocabulary: the Python field names are
+the dataclass's; `json_names` maps the few that Piper spells differently in JSON
+(`dim` <-> `dim_name`, `num` <-> `num_microbatches`, `groups` <-> `filters`).
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+from collections.abc import Callable, Mapping
+from dataclasses import MISSING, dataclass, fields
+from typing import Any, ClassVar
+
+from piper_nb.errors import PlanError
+
+__all__ = ["Directive", "check_devices", "check_stream", "py_literal", "call_code"]
+
+
+def check_devices(value: Any, where: str) -> tuple[int, ...]:
+    """A non-empty tuple of distinct non-negative device ids (an int is one device)."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        value = [value]
+    if not isinstance(value, (list, tuple)) or not value:
+        raise PlanError(f"{where}: devices must be a non-empty list of device ids, got {value!r}")
+    out = []
+    for d in value:
+        if isinstance(d, bool) or not isinstance(d, int) or d < 0:
+            raise PlanError(f"{where}: device ids are non-negative integers, got {d!r}")
+        out.append(d)
+    if len(set(out)) != len(out):
+        raise PlanError(f"{where}: devices {out} repeat a device id; list each device once")
+    return tuple(out)
+
+
+def check_stream(value: Any, where: str) -> str | None:
+    if value is None or (isinstance(value, str) and value):
+        return value
+    raise PlanError(f"{where}: stream must be a non-empty name or null, got {value!r}")
+
+
+def py_literal(value: Any) -> str:
+    """Python literal of JSON-ish data (mappings keep their order; tuples become lists)."""
+    if isinstance(value, Mapping):
+        return "{" + ", ".join(f"{py_literal(k)}: {py_literal(v)}" for k, v in value.items()) + "}"
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(py_literal(v) for v in value) + "]"
+    if isinstance(value, str):
+        return json.dumps(value)                       # escapes quotes, newlines, ...
+    return repr(value)
+
+
+def call_code(name: str, fn: Callable, values: Mapping[str, Any], positional: int = 1) -> str:
+    """`name(...)` calling `fn` with `values`: the first `positional` parameters by position,
+    the rest by keyword where they differ from `fn`'s defaults."""
+    args = []
+    for i, (key, param) in enumerate(inspect.signature(fn).parameters.items()):
+        value = values[key]
+        if i < positional:
+            args.append(py_literal(value))
+        elif param.default is inspect.Parameter.empty or value != param.default:
+            args.append(f"{key}={py_literal(value)}")
+    return f"{name}({', '.join(args)})"
+
+
+@dataclass(frozen=True)
+class Directive:
+    """One scheduling directive. Subclasses set `op` and implement the hooks below."""
+
+    op: ClassVar[str] = "directive"
+    json_names: ClassVar[Mapping[str, str]] = {}      # Python field -> Piper's JSON key
+    json_extra: ClassVar[frozenset[str]] = frozenset()  # JSON keys read besides the fields
+    json_open: ClassVar[bool] = False                  # any other key is an argument
+
+    # ---- JSON -------------------------------------------------------------------------
+    @classmethod
+    def json_keys(cls) -> frozenset[str]:
+        """Every key a JSON object of this op may carry (`op` included)."""
+        return frozenset({"op", *(cls.json_names.get(f.name, f.name) for f in fields(cls)),
+                          *cls.json_extra})
+
+    def to_json(self) -> dict:
+        """Piper's JSON object: every field under its JSON name, mappings as dicts."""
+        out = {"op": self.op}
+        for f in fields(self):
+            out[self.json_names.get(f.name, f.name)] = _plain(getattr(self, f.name))
+        return out
+
+    @classmethod
+    def from_json(cls, obj: Mapping[str, Any]) -> Directive:
+        """The value of a JSON object already checked for unknown keys."""
+        kwargs = {}
+        for f in fields(cls):
+            key = cls.json_names.get(f.name, f.name)
+            if key in obj:
+                kwargs[f.name] = obj[key]
+            elif f.default is MISSING and f.default_factory is MISSING:
+                raise PlanError(f"{cls.op}: missing field {key!r}")
+        return cls(**kwargs)
+
+    # ---- the Designer and its Python view ---------------------------------------------
+    @classmethod
+    def row(cls, stages: int, microbatches: int) -> dict[str, Any]:
+        """A sensible fresh Designer row (JSON) for a model of `stages` PP stages."""
+        raise NotImplementedError
+
+    def code(self) -> str:
+        """The public constructor call that makes this directive (`pn.<op>(...)`)."""
+        raise NotImplementedError
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, Mapping):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, tuple):
+        return [_plain(v) for v in value]
+    return value
