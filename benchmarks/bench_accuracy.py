@@ -74,14 +74,14 @@ def run(name: str, cluster, steps: int, warmup: int, optimizer, verbose: bool = 
     if verbose:
         print(f"\n### {name}\n")
         print("overhead per instruction (us):",
-              {d: round(v * 1e6, 1) for d, v in cost.overhead.items()})
+              {d: round(v * 1e6, 1) for d, v in cost.host.overhead.items()})
         print("links (latency us, MB/s):",
               {f"{k}/{n}": (round(a * 1e6, 1), round(min(b, 1e15) / 1e6, 1))
                for (k, n), (a, b) in cost.links.items()})
         print("issue calls (latency us, MB/s):",
               {k: (round(a * 1e6, 1), round(min(b, 1e15) / 1e6, 1)) for k, (a, b) in
-               cost.issue.items()},
-              "background tasks:", round(cost.background, 2))
+               cost.host.issue.items()},
+              "background tasks:", round(cost.host.background, 2))
         print()
         print(pass_sums(predicted, result.trace))
         print()

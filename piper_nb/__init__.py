@@ -14,15 +14,15 @@ from piper_nb.directives.spec import Program, order, place, replicate, shard, sp
 from piper_nb.errors import PlanError, RuntimeFailure, WorkerLost
 from piper_nb.ir.dag import Edge, Node, Op, TrainingDAG
 from piper_nb.ir.validate import validate
-from piper_nb.sim import CostModel, HardwareSpec, MemorySettings, Trace, simulate
+from piper_nb.sim import CostModel, HardwareSpec, HostModel, MemorySettings, Trace, simulate
 from piper_nb.train import Result, reference_train, train
 
 __all__ = ["annotate", "cut_stages", "region", "compile", "Plan", "DevicePlan", "Instr",
            "Program", "place", "replicate", "shard", "split", "order", "PlanError",
            "RuntimeFailure", "WorkerLost", "TrainingDAG", "Node", "Edge", "Op", "validate",
-           "models", "schedules", "CostModel", "HardwareSpec", "MemorySettings", "Trace", "simulate",
-           "train", "reference_train", "LocalCluster", "IPyParallelCluster", "optim", "Result",
-           "Designer", "profile"]
+           "models", "schedules", "CostModel", "HostModel", "HardwareSpec", "MemorySettings",
+           "Trace", "simulate", "train", "reference_train", "LocalCluster", "IPyParallelCluster",
+           "optim", "Result", "Designer", "profile"]
 
 
 def __getattr__(name: str):

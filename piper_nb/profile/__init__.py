@@ -2,9 +2,10 @@
 
 The floor above the runtime and the simulator: it builds workers in this process
 (`passes`), starts processes that time gloo between them (`links`) and time-slicing
-(`slicing`), and gives the simulator a `CostModel` of what it measured. `CostModel.profile`
-(the public spelling) calls `profile_cost_model` through the registration below, so the
-simulator itself never imports this package and never starts a process.
+(`slicing`), and gives the simulator a `CostModel` of what it measured (what the CPU
+host spends in its `HostModel`). `CostModel.profile` (the public spelling) calls
+`profile_cost_model` through the registration below, so the simulator itself never
+imports this package and never starts a process.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from piper_nb.profile.links import profile_links
 from piper_nb.profile.passes import profile_packing, profile_plan
 from piper_nb.profile.slicing import profile_slicing
 from piper_nb.sim.cost import CostModel, message_bytes
+from piper_nb.sim.host_model import HostModel
 
 __all__ = ["profile_cost_model", "profile_plan", "profile_packing", "profile_links",
            "profile_slicing"]
@@ -54,10 +56,11 @@ def profile_cost_model(plan, repeats: int = 5, comm: bool = True, optimizer=None
         links = {k: v for k, v in fitted.items() if k[0] != "issue"}
         lat, bw = links[("p2p", 2)]
         slicing, jitter = profile_slicing(plan, optimizer, cores=cores)
+    cpu = HostModel(issue=issue, overhead=overhead, sync=True, cores=cores,
+                    background=background, comm_cores=1.0 if comm else 0.0, link_world=world,
+                    slicing=slicing, jitter=jitter, packing=packing)
     return CostModel(name="profiled", unit="s", passes=passes, latency=lat, bandwidth=bw,
-                     links=links, issue=issue, overhead=overhead, sync=True, cores=cores,
-                     background=background, comm_cores=1.0 if comm else 0.0, link_world=world,
-                     slicing=slicing, jitter=jitter, packing=packing, meta={"repeats": repeats})
+                     links=links, host=cpu, meta={"repeats": repeats})
 
 
 CostModel.profiler = staticmethod(profile_cost_model)

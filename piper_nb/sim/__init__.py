@@ -1,12 +1,14 @@
 """Simulation: cost models, discrete-event simulator, memory model, traces.
 
 `simulate(plan, cost_model)` predicts a `Trace` (the type the runtime measures too);
-`CostModel.uniform / profile / analytic` say how long passes and messages take;
+`CostModel.uniform / profile / analytic` say how long passes and messages take (a
+profiled one also what its CPU host spends around them: `HostModel`);
 `sim.memory` accounts bytes per device the way the ZeRO paper does.
 """
 
 from piper_nb.sim.analysis import Comparison
 from piper_nb.sim.cost import HARDWARE, CostModel, HardwareSpec
+from piper_nb.sim.host_model import HostModel
 from piper_nb.sim.memory import (
     MIXED_PRECISION_ADAM,
     MemorySettings,
@@ -16,6 +18,6 @@ from piper_nb.sim.memory import (
 from piper_nb.sim.simulate import simulate
 from piper_nb.sim.trace import Event, MemorySample, Trace
 
-__all__ = ["simulate", "CostModel", "HardwareSpec", "HARDWARE", "MemorySettings",
+__all__ = ["simulate", "CostModel", "HostModel", "HardwareSpec", "HARDWARE", "MemorySettings",
            "MIXED_PRECISION_ADAM", "model_states", "zero_model_states", "Trace", "Event",
            "MemorySample", "Comparison"]

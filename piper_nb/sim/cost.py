@@ -8,10 +8,10 @@ Three ways to get one, all the same `CostModel` value:
   one microbatch slice the way a worker runs them (one thread), the worker's bookkeeping per
   instruction, and latency + bytes/bandwidth fitted over gloo per kind of message and group
   size (`piper_nb.profile`, which registers itself as `CostModel.profiler`: measuring
-  starts processes, which the simulator never does). Such a model is host-synchronous
-  (`sync`: a CPU worker waits for each pass) and shares `cores` among the devices computing
-  at once, with what time-slicing costs on top where they outnumber the cores
-  (`sim/slicing.py`);
+  starts processes, which the simulator never does). Such a model has a `host`
+  (`sim.host_model.HostModel`): host-synchronous (`sync`: a CPU worker waits for each
+  pass), sharing `cores` among the devices computing at once, with what time-slicing costs
+  on top where they outnumber the cores (`sim/slicing.py`);
 - `CostModel.analytic(plan, "H100")`: FLOPs per region counted by
   `torch.utils.flop_counter.FlopCounterMode`, divided by the hardware's peak and an
   efficiency factor; messages cost bytes / NVLink bandwidth inside a node of 8 devices and
@@ -23,10 +23,14 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from piper_nb.errors import PlanError
+
+if TYPE_CHECKING:   # host_model imports message_bytes from here
+    from piper_nb.sim.host_model import HostModel
 
 __all__ = ["CostModel", "HardwareSpec", "HARDWARE", "message_bytes", "bucket_bytes", "value_bytes"]
 
@@ -101,29 +105,9 @@ class CostModel:
     kind and group size ("p2p" for SEND/RECV; latency + full bytes / bandwidth), else the
     alpha-beta ring formula with `latency` and `bandwidth`.
 
-    Host model: `overhead` is the time a device's host spends after every instruction
-    (a number, or device -> number), `issue` the time the call that posts a message of a
-    kind (SEND, RECV, a collective) keeps the host (seconds, or (latency, bytes/s): gloo
-    writes a message into its socket inside the call), and under "WAIT" what a WAIT costs
-    once its op is done; with `sync` the host waits for each pass, as CPU
-    workers do (an overlap slot then runs its passes one after another); with `cores`, the
-    devices computing at once share that many cores with `background` other runnable tasks
-    (processor sharing: a pass measured at a share of max(1, (1 + background) / cores)
-    runs at max(1, (active + background) / cores), active being the devices computing
-    meanwhile; found by re-simulating until the timeline settles), times `slicing` where
-    tasks outnumber cores: what time-slicing costs beyond the fair share (caches refilled
-    after the others ran, migrations; `sim.slicing`), with `jitter` the shape of it:
-    quantiles of a pass's time over its median while every device runs (a pass mostly
-    runs at full speed and now and then waits out a slice; the simulator draws from it,
-    keeping the mean). `comm_cores` is what a
-    collective in flight takes of the cores on each of its members (a CPU transport such
-    as gloo copies, sends and reduces on host threads, which preempt compute): it counts
-    among the active, and so does a point-to-point message on its receiver, for the share
-    of its span that reading it takes. A point-to-point message's host work is its issue
-    call; a collective's also `packing[(kind, bucket)]`: host time before the call (flattening
-    the bucket) and after its wait (putting the result back). The links
-    were timed with `link_world` processes up, those outside a message computing: a
-    collective stretches relative to that load.
+    `host` is the CPU host's own costs around those (`HostModel`: per-instruction
+    overhead, issue calls, host-synchronous passes, cores shared among the devices); only
+    profiled CPU plans have one, None being no host effects.
     """
 
     name: str = "custom"
@@ -137,16 +121,7 @@ class CostModel:
     inter_bandwidth: float | None = None
     node_size: int = 1 << 30                       # devices per node
     links: dict = field(default_factory=dict)      # (kind | "p2p", group size) -> (lat, bw)
-    overhead: float | dict = 0.0                   # host time after each instruction
-    issue: dict = field(default_factory=dict)      # kind | "WAIT" -> call's host time (fit)
-    sync: bool = False                             # the host waits for every pass (CPU)
-    cores: int | None = None                       # cores the devices share (None: own)
-    background: float = 0.0                        # other runnable tasks when profiled
-    comm_cores: float = 0.0                        # cores a collective in flight takes
-    slicing: float = 1.0                           # time-slicing cost beyond the fair share
-    jitter: tuple = ()                             # quantiles of pass time / median, sliced
-    link_world: int = 0                            # processes up when `links` were timed
-    packing: dict = field(default_factory=dict)    # (kind, bucket) -> (before call, after wait)
+    host: HostModel | None = None                  # CPU host costs (profiled plans)
     meta: dict = field(default_factory=dict)
 
     # ---- constructors ---------------------------------------------------------------
@@ -218,21 +193,6 @@ class CostModel:
         f = self.passes.get((-1, "F"), 0.0)
         b = self.passes.get((-1, "B"), 0.0)
         return total - (f + b) + self.fb
-
-    def issue_time(self, plan, ins) -> float:
-        """Host time of the call that posts `ins` (or, for "WAIT", of a WAIT)."""
-        fit = self.issue.get(ins if isinstance(ins, str) else ins.kind)
-        if fit is None:
-            return 0.0
-        if not isinstance(fit, tuple):
-            return fit
-        return fit[0] + (0.0 if isinstance(ins, str) else message_bytes(plan, ins) / fit[1])
-
-    def host(self, device: int) -> float:
-        """Host time `device` spends after each instruction."""
-        if isinstance(self.overhead, dict):
-            return self.overhead.get(device, self.overhead.get(-1, 0.0))
-        return self.overhead
 
     def message(self, plan, ins, device: int) -> float:
         """Duration of one SEND/RECV transfer or collective issued on `device`."""

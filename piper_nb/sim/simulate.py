@@ -17,21 +17,14 @@ compute stream and one stream per communication stream name:
   became ready, each when its stream is free on every member (FIFO per stream), and end
   together on all of them.
 - FREE costs nothing; it happens once the passes before it have finished.
-- host model (`CostModel.overhead / issue / sync / cores`): every instruction then costs
-  the host `cost.host(d)` after it, an issue also `cost.issue_time` (its call), a WAIT
-  `cost.issue["WAIT"]` once its op is done, and a collective `cost.packing[(kind,
-  bucket)]` before its call and after its wait; with `sync` the host waits for each pass (CPU
-  workers) and an overlap slot runs its passes in list order; with `cores`, the devices
-  computing at once and `cost.background` other tasks share the cores: a pass stretches by
-  its share then over its share when profiled, times what time-slicing costs where tasks
-  outnumber cores (`cost.slicing`) (processor sharing, approximated by
-  re-simulating with the stretched durations until the step time settles); where devices
-  outnumber cores, each stretched pass then draws its factor from the measured shape of
-  time-slicing (`cost.jitter`: mostly full speed, now and then a whole slice longer), the
-  step being the median of `JITTER_SAMPLES` seeded draws, as a message waits for its
-  unluckiest member; a collective
-  in flight takes `cost.comm_cores` of them on each member, a point-to-point message as
-  much of one on its receiver as reading it off the socket takes.
+- host model (`cost.host`, a `HostModel`; None: none): every instruction then costs the
+  host `host.overhead_of(d)` after it, an issue also `host.issue_time` (its call), a WAIT
+  `host.issue["WAIT"]` once its op is done, and a collective `host.packing[(kind,
+  bucket)]` before its call and after its wait; with `sync` the host waits for each pass
+  (CPU workers) and an overlap slot runs its passes in list order; with `cores`, the
+  devices computing at once share the cores (processor sharing, found by re-simulating
+  with stretched durations until the step time settles, and time-slicing's jitter where
+  devices outnumber cores: `sim.sharing`).
 
 Ops live in a heap keyed by ready time, devices are indices and instructions integer
 positions, so a step of a thousand devices simulates in seconds.
@@ -39,21 +32,18 @@ positions, so a step of a thousand devices simulates in seconds.
 
 from __future__ import annotations
 
-import bisect
 import gc
 import heapq
-import math
-import random
 from collections import defaultdict
 from dataclasses import dataclass
 
 from piper_nb.compiler.plan import Plan
 from piper_nb.errors import PlanError
-from piper_nb.ir.kinds import COLLECTIVES as _COLLECTIVES
 from piper_nb.ir.kinds import COMM as _MESSAGES
 from piper_nb.ir.kinds import COMPUTE as _COMPUTE
-from piper_nb.sim.cost import CostModel, message_bytes
-from piper_nb.sim.slicing import slicing_slowdown
+from piper_nb.sim.cost import CostModel
+from piper_nb.sim.host_model import NO_HOST
+from piper_nb.sim.sharing import jittered, shared_cores
 from piper_nb.sim.trace import Event, Trace
 
 __all__ = ["simulate", "Timing", "run_timing", "overlap_steps"]
@@ -116,11 +106,12 @@ class _Sim:
     def __init__(self, plan: Plan, cost: CostModel, stretch: list[dict[int, float]] | None = None,
                  counting: list[set[int]] | None = None):
         self.plan, self.cost = plan, cost
+        self.host = host = cost.host or NO_HOST
         self.instrs = [dp.instrs for dp in plan.devices]
-        self.sync = cost.sync
-        self.steps = [list(range(len(x))) if cost.sync else overlap_steps(x)
+        self.sync = host.sync
+        self.steps = [list(range(len(x))) if host.sync else overlap_steps(x)
                       for x in self.instrs]
-        self.host = [cost.host(dp.device) for dp in plan.devices]
+        self.overhead = [host.overhead_of(dp.device) for dp in plan.devices]
         self.stretch = stretch or [{} for _ in self.instrs]
         w = plan.world
         self.pos, self.t, self.cfree = [0] * w, [0.0] * w, [0.0] * w
@@ -162,13 +153,12 @@ class _Sim:
         heapq.heappush(self.heap, (ready, self.seq, members))
 
     def run_device(self, d: int) -> None:
-        instrs, steps, cost = self.instrs[d], self.steps[d], self.cost
-        counting = self.counting[d]
+        instrs, steps, cost, counting = self.instrs[d], self.steps[d], self.cost, self.counting[d]
         posted, start, end = self.posted[d], self.start[d], self.end[d]
         p, t, cfree = self.pos[d], self.t[d], self.cfree[d]
-        host, sync, stretch, plan = self.host[d], self.sync, self.stretch[d], self.plan
-        wait, packing = cost.issue_time(plan, "WAIT"), cost.packing
-        issued = cost.issue_time if cost.issue else None
+        overhead, sync, stretch, plan = self.overhead[d], self.sync, self.stretch[d], self.plan
+        wait, packing = self.host.issue_time(plan, "WAIT"), self.host.packing
+        issued = self.host.issue_time if self.host.issue else None
         while p < len(steps):
             s = steps[p]
             if s.__class__ is tuple:
@@ -176,7 +166,7 @@ class _Sim:
                 cfree = st + cost.overlapped([instrs[k] for k in s]) * stretch.get(s[0], 1.0)
                 for k in s:
                     posted[k], start[k], end[k] = t, st, cfree
-                t += host * len(s)
+                t += overhead * len(s)
                 p += 1
                 continue
             ins = instrs[s]
@@ -219,7 +209,7 @@ class _Sim:
                 self._issue(d, s, ins, t if kind == "RECV" or t > cfree else cfree)
                 if issued is not None:
                     t += issued(plan, ins)
-            t += host
+            t += overhead
             p += 1
         self.pos[d], self.t[d], self.cfree[d] = p, t, cfree
 
@@ -263,117 +253,18 @@ def run_timing(plan: Plan, cost: CostModel) -> Timing:
     """Simulate `plan` under `cost`; the per-instruction times (see `Timing`)."""
     sim = _Sim(plan, cost)
     sim.run()
-    # the most load there could be; the sharing pass finds whether it exceeds the cores
-    if cost.cores and plan.world * (1 + cost.comm_cores) + cost.background > cost.cores:
-        sim = _shared_cores(plan, cost, sim)
-        if cost.jitter and plan.world > cost.cores:
-            sim = _jittered(plan, cost, sim)
+    host = cost.host or NO_HOST
+    if host.shares_cores(plan.world):   # the sharing pass finds whether the load exceeds them
+        counting = sim.counting
+
+        def resimulate(stretch: list[dict[int, float]]) -> _Sim:
+            new = _Sim(plan, cost, stretch, counting)
+            new.run()
+            return new
+        sim = shared_cores(plan, host, sim, resimulate)
+        if host.jitter and plan.world > host.cores:
+            sim = jittered(host, sim, resimulate)
     return Timing(plan, sim.posted, sim.start, sim.end, list(sim.t))
-
-
-JITTER_SAMPLES = 15
-
-
-def _jittered(plan: Plan, cost: CostModel, sim: _Sim, samples: int = JITTER_SAMPLES) -> _Sim:
-    """Time-slicing is not smooth: a pass mostly runs at full speed and now and then waits
-    out other processes' slices (`cost.jitter`: measured quantiles of a pass's time over
-    its median). Each stretched pass draws its factor from that shape, rescaled to keep
-    its processor-sharing mean; a message or collective waits for the unluckiest of its
-    members, which the mean alone misses. Returns the sample of median step time among
-    `samples` draws (seeded: the same cost model predicts the same step)."""
-    rng = random.Random(0)
-    mean = sum(cost.jitter) / len(cost.jitter)
-    shape = [j / mean for j in cost.jitter]
-    runs = []
-    for _ in range(samples):
-        stretch = [{i: f * rng.choice(shape) if f > 1.0 and instrs[i].kind in _COMPUTE else f
-                    for i, f in base.items()}
-                   for instrs, base in zip(sim.instrs, sim.stretch, strict=True)]
-        new = _Sim(plan, cost, stretch, sim.counting)
-        new.run()
-        runs.append(new)
-    runs.sort(key=lambda x: max(x.t))
-    return runs[len(runs) // 2]
-
-
-def _shared_cores(plan: Plan, cost: CostModel, sim: _Sim, rounds: int = 8) -> _Sim:
-    """Processor sharing: a pass profiled at a slowdown of s((1 + bg) / cores) runs at
-    s((active + bg) / cores), active being the mean load during it (the devices computing,
-    itself included, plus `cost.comm_cores` for each member of a collective in flight) and
-    bg the other tasks the profile saw; s(x) is max(1, x), times `cost.slicing` once tasks
-    outnumber cores (`slicing.slicing_slowdown`). A collective runs at max(1, active /
-    cores) over the load it was profiled at (its members, plus the other processes of the
-    link profile, which computed meanwhile). A point-to-point message in flight loads its
-    receiver, where gloo's thread reads it off the socket while the device computes, by
-    `cost.comm_cores` times the share of its span that copy takes (its sender's work is
-    the issue call, on the host's own time); it keeps its profiled time. Stretch,
-    re-simulate, and repeat until the step settles."""
-    bg, cores, comm, slicing = cost.background, cost.cores, cost.comm_cores, cost.slicing
-    measured_at = slicing_slowdown((1 + bg) / cores, slicing)
-    send = cost.issue.get("SEND")
-    copy_rate = send[1] if isinstance(send, tuple) and 0 < send[1] < math.inf else None
-
-    def reading(d: int, i: int, ins) -> float:
-        """The load of receiving `ins`: its copy off the socket (timed at the rate the
-        sender's call writes it) spread over its span; the whole span without that rate."""
-        if copy_rate is None:
-            return comm
-        span = sim.end[d][i] - sim.start[d][i]
-        return comm * min(1.0, message_bytes(plan, ins) / copy_rate / span)
-    last = max(sim.t)
-    for _ in range(rounds):
-        spans = []   # (time, load change): busy compute streams, collectives, receives
-        for d, instrs in enumerate(sim.instrs):
-            start, end = sim.start[d], sim.end[d]
-            for i, ins in enumerate(instrs):
-                if end[i] > start[i]:
-                    if ins.kind in _COMPUTE:
-                        spans += [(start[i], 1.0), (end[i], -1.0)]
-                    elif comm and ins.kind in _COLLECTIVES:
-                        spans += [(start[i], comm), (end[i], -comm)]
-                    elif comm and ins.kind == "RECV":
-                        load = reading(d, i, ins)
-                        spans += [(start[i], load), (end[i], -load)]
-        spans.sort()
-        times = [x[0] for x in spans]
-        level, area, active = [], [], 0.0
-        acc, prev = 0.0, None
-        for tm, step in spans:   # cumulative area under active(t), at each change point
-            if prev is not None:
-                acc += active * (tm - prev)
-            active += step
-            prev = tm
-            level.append(active)
-            area.append(acc)
-
-        def integral(x: float, times=times, area=area, level=level) -> float:
-            k = bisect.bisect_right(times, x) - 1
-            return 0.0 if k < 0 else area[k] + level[k] * (x - times[k])
-        stretch: list[dict[int, float]] = []
-        for d, instrs in enumerate(sim.instrs):
-            own = {}
-            for i, ins in enumerate(instrs):
-                s0, s1 = sim.start[d][i], sim.end[d][i]
-                if s1 <= s0:
-                    continue
-                if ins.kind in _COMPUTE:
-                    active = (integral(s1) - integral(s0)) / (s1 - s0)
-                    share = slicing_slowdown((active + bg) / cores, slicing) / measured_at
-                elif comm and ins.kind in _COLLECTIVES:
-                    n = len(ins.group)   # profiled while link_world - n processes computed
-                    profiled = max(1.0, (max(cost.link_world - n, 0) + n * comm) / cores)
-                    share = max(1.0, (integral(s1) - integral(s0)) / (s1 - s0) / cores) / profiled
-                else:
-                    continue
-                own[i] = 0.5 * (share + sim.stretch[d].get(i, 1.0))   # damped
-            stretch.append(own)
-        new = _Sim(plan, cost, stretch, sim.counting)
-        new.run()
-        done = abs(max(new.t) - last) <= 1e-3 * last
-        sim, last = new, max(new.t)
-        if done:
-            break
-    return sim
 
 
 _TIMED = _COMPUTE | _MESSAGES

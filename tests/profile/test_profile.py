@@ -38,13 +38,13 @@ def test_a_profiled_cost_model_times_every_pass_and_fits_the_link():
         assert cost.passes[(r, "F")] > 0 and cost.passes[(r, "U")] > 0
     assert cost.latency >= 0 and cost.bandwidth > 0 and not math.isnan(cost.bandwidth)
     assert cost.links[("p2p", 2)] == (cost.latency, cost.bandwidth)
-    assert {"SEND", "RECV", "WAIT"} <= set(cost.issue)
-    assert all(lat >= 0 and bw > 0 for lat, bw in cost.issue.values())
+    assert {"SEND", "RECV", "WAIT"} <= set(cost.host.issue)
+    assert all(lat >= 0 and bw > 0 for lat, bw in cost.host.issue.values())
     send = next(i for dp in plan.devices for i in dp.instrs if i.kind == "SEND")
-    lat, bw = cost.issue["SEND"]    # gloo writes the message into its socket in the call
-    assert cost.issue_time(plan, send) == pytest.approx(lat + message_bytes(plan, send) / bw)
-    assert cost.sync and cost.cores >= 1 and cost.background >= 0
-    assert set(cost.overhead) == {0, 1} and all(0 < v < 0.1 for v in cost.overhead.values())
+    lat, bw = cost.host.issue["SEND"]    # gloo writes the message into its socket in the call
+    assert cost.host.issue_time(plan, send) == pytest.approx(lat + message_bytes(plan, send) / bw)
+    assert cost.host.sync and cost.host.cores >= 1 and cost.host.background >= 0
+    assert set(cost.host.overhead) == {0, 1} and all(0 < v < 0.1 for v in cost.host.overhead.values())
     assert [p.grad for p in plan.capture.model.parameters()] == grads   # the model untouched
     trace = simulate(plan)                      # the default cost model is the profiled one
     assert trace.unit == "s" and trace.step_time > 0
@@ -53,13 +53,13 @@ def test_a_profiled_cost_model_times_every_pass_and_fits_the_link():
 
 def test_a_profile_without_links_runs_in_process():
     cost = CostModel.profile(plan2(), repeats=1, comm=False)
-    assert cost.links == {} and cost.issue == {} and cost.bandwidth == math.inf
+    assert cost.links == {} and cost.host.issue == {} and cost.bandwidth == math.inf
 
 
 def test_a_profile_counts_the_cores_this_process_may_use(monkeypatch):
     import piper_nb.host as host
     monkeypatch.setattr(host, "usable_cores", lambda: [4, 5, 6])   # e.g. a cgroup's cpuset
-    assert CostModel.profile(plan2(), repeats=1, comm=False).cores == 3
+    assert CostModel.profile(plan2(), repeats=1, comm=False).host.cores == 3
 
 
 def test_links_get_more_repeats_when_processes_outnumber_cores(monkeypatch):
@@ -173,7 +173,7 @@ def test_a_profile_times_the_hosts_packing_around_each_buckets_collectives():
                                             pn.replicate({}, [0, 1], zero=3)],
                        _dp_plan_args()[2])
     assert set(profile_packing(zero3, repeats=2)) == {("ALL_GATHER", 0), ("REDUCE_SCATTER", 0)}
-    assert CostModel.profile(zero3, repeats=1, comm=False).packing.keys() == \
+    assert CostModel.profile(zero3, repeats=1, comm=False).host.packing.keys() == \
         {("ALL_GATHER", 0), ("REDUCE_SCATTER", 0)}
 
 

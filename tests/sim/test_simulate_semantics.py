@@ -10,7 +10,7 @@ import pytest
 import piper_nb as pn
 from piper_nb import PlanError
 from piper_nb.compiler.plan import Instr
-from piper_nb.sim import CostModel, simulate
+from piper_nb.sim import CostModel, HostModel, simulate
 from piper_nb.sim.simulate import overlap_steps, run_timing
 
 
@@ -74,7 +74,7 @@ def test_every_instruction_of_a_compiled_plan_gets_a_time(compile_schedule):
 def _host_model(**kw) -> CostModel:
     """Unit costs plus the CPU host model of a profiled cost model."""
     base = CostModel.uniform(F=1, B=2, W=1, comm=0.5)
-    return CostModel(name="host", unit="unit", passes=base.passes, comm=0.5, **kw)
+    return CostModel(name="host", unit="unit", passes=base.passes, comm=0.5, host=HostModel(**kw))
 
 
 def test_a_host_synchronous_device_pays_its_overhead_and_issue_calls(hand_plan, spans):
@@ -182,7 +182,7 @@ def test_a_message_in_flight_takes_a_core_on_its_receiver(hand_plan, monkeypatch
     assert loaded.step_time == pytest.approx((1 + 2 ** 0.5) / 2, rel=0.01)
     # with the rate the sender's call writes at, the reader is busy only while it copies:
     # 1000 bytes at 4000 per unit, half the span, so x = 1 + 0.125 / x
-    module = importlib.import_module("piper_nb.sim.simulate")  # (pn.sim.simulate: the function)
+    module = importlib.import_module("piper_nb.sim.sharing")   # where the reader is timed
     monkeypatch.setattr(module, "message_bytes", lambda plan, ins: 1000)
     copying = simulate(plan, _host_model(sync=True, cores=2, comm_cores=1.0,
                                          issue={"SEND": (0.0, 4000.0)}))
