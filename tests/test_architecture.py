@@ -100,3 +100,24 @@ def test_no_cycle_between_parts():
     for part in graph:
         if part not in state:
             visit(part, [])
+
+
+MAX_MODULE_LINES = 400
+MAX_FUNCTION_LINES = 80
+
+
+def test_modules_and_functions_stay_small():
+    """No module over 400 lines, no function (or method) over 80: split along a seam."""
+    big = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        text = path.read_text()
+        name = str(path.relative_to(PACKAGE.parent))
+        lines = len(text.splitlines())
+        if lines > MAX_MODULE_LINES:
+            big.append(f"{name}: {lines} lines (module)")
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                length = node.end_lineno - node.lineno + 1
+                if length > MAX_FUNCTION_LINES:
+                    big.append(f"{name}:{node.lineno} {node.name}: {length} lines (function)")
+    assert big == [], "over the size limits:\n" + "\n".join(big)

@@ -30,6 +30,7 @@ import time
 from typing import NoReturn
 
 from piper_nb.cluster import engine as eng
+from piper_nb.cluster.failure import worker_failure
 from piper_nb.cluster.protocol import ClusterCommands
 from piper_nb.cluster.roster import Roster, engine_error
 from piper_nb.errors import RuntimeFailure, WorkerLost
@@ -312,12 +313,8 @@ class IPyParallelCluster(ClusterCommands):
             r, code = exited[0]
             self._lost(r, f"its worker process died (exit code {code})", what, engine_gone=False)
         self._kill_workers()
-        instr = info.get("instruction")
-        where = f" at instruction {instr}" if instr else ""
-        raise RuntimeFailure(f"{self._where(rank)} failed{where} during {what}: {info['error']}\n"
-                             f"--- worker traceback ---\n{info['traceback']}"
-                             "(the workers were stopped; the next call restarts them)",
-                             device=rank, instruction=instr, original=info["error"])
+        raise worker_failure(self._where(rank), rank, info, what,
+                             "the workers were stopped; the next call restarts them")
 
     def _interrupted(self, seq: int, calls: dict, what: str) -> None:
         """Ctrl-C: let the running command finish within `grace` s, else kill the workers."""

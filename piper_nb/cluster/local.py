@@ -23,6 +23,7 @@ from collections import Counter
 
 import torch.multiprocessing as mp
 
+from piper_nb.cluster.failure import worker_failure
 from piper_nb.cluster.protocol import ClusterCommands
 from piper_nb.errors import PlanError, RuntimeFailure, WorkerLost
 from piper_nb.host import core_plan, free_port
@@ -173,13 +174,8 @@ class LocalCluster(ClusterCommands):
         time.sleep(0.3)  # a dead peer makes the others fail too: report the death instead
         self._check_alive(what)
         self._kill()
-        instr = info.get("instruction")
-        where = f" at instruction {instr}" if instr else ""
-        raise RuntimeFailure(
-            f"device {rank} failed{where} during {what}: {info['error']}\n"
-            f"--- worker traceback ---\n{info['traceback']}"
-            "(the cluster was stopped; the next call restarts it)",
-            device=rank, instruction=instr, original=info["error"])
+        raise worker_failure(f"device {rank}", rank, info, what,
+                             "the cluster was stopped; the next call restarts it")
 
     def _run(self, op: str, key, payload=None, per_rank: list | None = None) -> dict[int, object]:
         return self._send(op, key, payload, per_rank=per_rank)

@@ -9,7 +9,7 @@ contributions arrived, when a contribution arrives twice (two messages cut from 
 running sum), or when an update runs before its gradient reduction is complete.
 
 This check replays the plan symbolically, in the lockstep order of the deadlock dry run
-(`checks.dry_run` calls a `Flow` for each instruction that moves gradients, as it runs),
+(`dryrun.dry_run` calls a `Flow` for each instruction that moves gradients, as it runs),
 with the worker's bookkeeping over *sets of contributions* instead of tensors: bit c of a
 value's mask is region c's contribution, bit (region, microbatch, replica) of a parameter
 unit's mask (a bucket, or a parameter outside buckets) is one backward's. A RECV adds the
@@ -20,13 +20,14 @@ be exactly the set of the value's readers; before an update, each parameter unit
 every backward that uses it. An overlap while adding is a contribution counted twice.
 Either is a `PlanError` naming the value or parameter, the devices and the order directive.
 Activations are not followed: a missing one stops the worker with a clear error, it never
-trains silently wrong.
+trains silently wrong. The parameter units and their bits live in `gradunits`.
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
 
+from piper_nb.compiler.gradunits import Units, set_bits
 from piper_nb.errors import PlanError
 from piper_nb.ir.kinds import PASSES
 
@@ -41,89 +42,8 @@ class Asymmetric(Exception):
     replay every device instead (`checks.check_plan` does)."""
 
 
-def _bits(mask: int) -> list[int]:
-    return [i for i in range(mask.bit_length()) if mask >> i & 1]
-
-
-class _Units:
-    """Parameter units and their bits: a bucket's parameters are reduced together, so the
-    bucket is one unit; a parameter outside buckets (one holder) is its own. Bit
-    ((position of the region in the unit) * microbatches + mb) * width + replica."""
-
-    def __init__(self, plan, width: dict[int, int], frozen: frozenset[str]):
-        self.plan, self.frozen = plan, frozen
-        self.mbs = max(plan.microbatches, 1)
-        self.bucket_of = {p: b.index for b in plan.buckets for p in b.params}
-        regions_of: dict[object, list[int]] = defaultdict(list)
-        for r in plan.regions:
-            for p in r.params:
-                u = self.bucket_of.get(p, p)
-                if p not in frozen and r.index not in regions_of[u]:
-                    regions_of[u].append(r.index)
-        self.regions_of = dict(regions_of)
-        self.wmax = {u: max(width.get(r, 1) for r in rs) for u, rs in self.regions_of.items()}
-        self.expected: dict[object, int] = {}
-        for u, rs in self.regions_of.items():
-            mask = 0
-            for r in rs:
-                for m in range(self.mbs):
-                    for rep in range(width.get(r, 1)):
-                        mask |= 1 << self.offset(u, r) + m * self.wmax[u] + rep
-            self.expected[u] = mask
-        self._of_region: dict[tuple[int, int], tuple] = {}
-        self._columns: dict[tuple, int] = {}
-
-    def offset(self, u, region: int) -> int:
-        return self.regions_of[u].index(region) * self.mbs * self.wmax[u]
-
-    def column(self, u, region: int, rep: int | None) -> int:
-        """The bits of `region` in unit u: all of them, or one replica's (`rep`)."""
-        key = (u, region, rep)
-        mask = self._columns.get(key)
-        if mask is None:
-            off, w = self.offset(u, region), self.wmax[u]
-            reps = range(w) if rep is None else (rep,)
-            mask = sum(1 << off + m * w + r for m in range(self.mbs) for r in reps)
-            self._columns[key] = mask
-        return mask
-
-    def of_region(self, region: int, device: int) -> tuple:
-        """(unit, bit offset, width) for each unit region `region` adds to on `device`."""
-        key = (region, device)
-        out = self._of_region.get(key)
-        if out is None:
-            units = []
-            for p in self.plan.regions[region].params:
-                if p in self.frozen:
-                    continue
-                b = self.bucket_of.get(p)
-                u = b if b is not None and device in self.plan.buckets[b].group else p
-                if all(u != x[0] for x in units):
-                    units.append((u, self.offset(u, region), self.wmax[u]))
-            out = self._of_region[key] = tuple(units)
-        return out
-
-    def unit(self, p: str, device: int):
-        b = self.bucket_of.get(p)
-        return b if b is not None and device in self.plan.buckets[b].group else p
-
-    def name(self, u) -> str:
-        if isinstance(u, int):
-            ps = self.plan.buckets[u].params
-            return f"bucket {u} ({', '.join(ps[:3])}{' ...' if len(ps) > 3 else ''})"
-        return f"parameter {u}"
-
-    def describe(self, u, mask: int) -> str:
-        rs, w, bits = self.regions_of[u], self.wmax[u], _bits(mask)
-        out = []
-        for i in bits[:4]:
-            ri, m = divmod(i // w, self.mbs)
-            out.append(f"{{{self.plan.regions[rs[ri]].name}}} microbatch {m} replica {i % w}")
-        return ", ".join(out) + (f" and {len(bits) - 4} more" if len(bits) > 4 else "")
-
-
 class Flow:
-    """The symbolic replay. `checks.dry_run` calls, in a valid global order: `backward`
+    """The symbolic replay. `dryrun.dry_run` calls, in a valid global order: `backward`
     (B, BI), `weights` (BW), `update` (U), `send` (a gradient SEND), `received` (the WAIT of
     a gradient RECV), `issued` / `completed` (reductions and exchanges, and their WAITs) and
     `free` (a FREE of gradient buffers, see `frees_grads`)."""
@@ -155,7 +75,7 @@ class Flow:
         self.passes = [(tuple((v, self.expect[v]) for v in r.outputs if v in self.expect),
                         tuple(v for v in r.inputs if v in self.expect), 1 << r.index)
                        for r in plan.regions]
-        self.units = _Units(plan, self._widths(plan), frozenset(plan.frozen))
+        self.units = Units(plan, self._widths(plan), frozenset(plan.frozen))
         self.position: dict[tuple[int, int], int] = {}   # (device, region) -> replica
         if self.template:
             for node in plan.dag.nodes:
@@ -215,7 +135,7 @@ class Flow:
                     where[i.region].append(dp.device)
         return ", ".join(f"{{{self.plan.regions[r].name}}} on device"
                          f"{'s' if len(where[r]) > 1 else ''} "
-                         f"{', '.join(map(str, where[r])) or '?'}" for r in _bits(mask))
+                         f"{', '.join(map(str, where[r])) or '?'}" for r in set_bits(mask))
 
     def _twice(self, d: int, ins, key, both: int) -> PlanError:
         if isinstance(key, tuple):

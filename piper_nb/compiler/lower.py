@@ -367,8 +367,6 @@ def _add_frees(instrs: list[Instr], regions, dag) -> tuple[Instr, ...]:
         elif ins.kind == "WAIT" and instrs[ins.target].kind == "SEND":
             s = instrs[ins.target]
             reads = [f"{'grad' if s.grad else 'act'}:{v}@{s.mb}" for v in s.values]
-        elif ins.kind in PASSES:
-            pass
         if ins.kind in PASSES:
             reads += gathered.get(ins.node, ())
         for k in reads:

@@ -16,7 +16,7 @@ import torch
 from piper_nb.capture.split import BATCH_INPUT, BATCH_TARGET, LOSS
 from piper_nb.errors import PlanError
 
-__all__ = ["ValueInfo", "propagate", "SavedBytes", "region_args"]
+__all__ = ["ValueInfo", "random_value", "propagate", "SavedBytes", "region_args"]
 
 
 @dataclass(frozen=True)
@@ -26,12 +26,16 @@ class ValueInfo:
     dtype: str
     requires_grad: bool
 
-    @property
-    def nbytes(self) -> int:
-        n = 1
-        for s in self.shape:
-            n *= s
-        return n * torch.empty((), dtype=getattr(torch, self.dtype)).element_size()
+
+def random_value(info: ValueInfo, shape: tuple[int, ...] | None = None,
+                 generator: torch.Generator | None = None) -> torch.Tensor:
+    """A tensor shaped like value `info` (or `shape`), of its dtype: random normal floats,
+    zeros for an integer value (token ids, labels)."""
+    dtype = getattr(torch, info.dtype)
+    shape = info.shape if shape is None else shape
+    if dtype.is_floating_point:
+        return torch.randn(shape, generator=generator).to(dtype)
+    return torch.zeros(shape, dtype=dtype)
 
 
 class SavedBytes(contextlib.AbstractContextManager):

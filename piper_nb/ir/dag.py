@@ -15,7 +15,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from piper_nb.ir.filters import SEG, Tags, freeze_tags, matches, tags_text
+from piper_nb.ir.filters import SEG, Tags, matches, tags_text
 from piper_nb.ir.kinds import COLLECTIVES, COMM, COMPUTE, Op
 
 __all__ = ["Op", "Node", "Edge", "TrainingDAG", "COMPUTE", "COLLECTIVES", "COMM", "node_id"]
@@ -38,10 +38,6 @@ class Node:
     stream: str = "compute"
     attrs: tuple[tuple[str, Any], ...] = ()
 
-    @property
-    def tagmap(self) -> dict[str, Any]:
-        return dict(self.tags)
-
     def tag(self, key: str, default: Any = None) -> Any:
         for k, v in self.tags:
             if k == key:
@@ -62,11 +58,6 @@ class Node:
         merged = dict(self.attrs)
         merged.update(kw)
         return dataclasses.replace(self, attrs=tuple(sorted(merged.items())))
-
-    def with_tags(self, **kw: Any) -> Node:
-        merged = dict(self.tags)
-        merged.update(kw)
-        return dataclasses.replace(self, tags=freeze_tags(merged))
 
     def selected_by(self, filt: Mapping[str, Any]) -> bool:
         return matches(filt, dict(self.tags))

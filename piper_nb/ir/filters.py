@@ -57,7 +57,8 @@ def matches(filt: Mapping[str, Any], tags: Mapping[str, Any]) -> bool:
     return True
 
 
-def tags_text(tags: Mapping[str, Any] | Tags) -> str:
-    """Compact text of tags: `PP=1,MB=0` (PASS left out; it is the node's op)."""
+def tags_text(tags: Mapping[str, Any] | Tags, skip: tuple[str, ...] = ("PASS",)) -> str:
+    """Compact text of tags: `PP=1,MB=0`, the tags in `skip` left out (by default PASS: it
+    is the node's op; the DAG's text form, which keeps every tag, passes `skip=()`)."""
     items = tags.items() if isinstance(tags, Mapping) else tags
-    return ",".join(f"{k}={v}" for k, v in items if k != "PASS")
+    return ",".join(f"{k}={v}" for k, v in items if k not in skip)

@@ -16,12 +16,9 @@ from dataclasses import asdict, is_dataclass
 
 from piper_nb.errors import PlanError
 from piper_nb.ir.dag import Edge, Node, Op, TrainingDAG
+from piper_nb.ir.filters import tags_text
 
 __all__ = ["dag_to_text", "dag_from_text", "dag_to_json", "dag_from_json"]
-
-
-def _tags_text(tags) -> str:
-    return ",".join(f"{k}={v}" for k, v in tags)
 
 
 def _tags_parse(text: str) -> tuple:
@@ -49,7 +46,7 @@ def dag_to_text(dag: TrainingDAG) -> str:
     for n in dag.nodes:
         attrs = json.dumps({k: _jsonable(v) for k, v in n.attrs}, separators=(",", ":"))
         lines.append(f"N {n.id} region={n.region} devices={','.join(map(str, n.devices))} "
-                     f"stream={n.stream} op={n.op.value} tags={_tags_text(n.tags)} attrs={attrs}")
+                     f"stream={n.stream} op={n.op.value} tags={tags_text(n.tags, skip=())} attrs={attrs}")
     for e in dag.edges:
         arrow = "->" if e.kind == "data" else "~>"
         extra = f" values={','.join(e.values)}" if e.values else ""

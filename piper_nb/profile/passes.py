@@ -23,6 +23,7 @@ import time
 
 import torch
 
+from piper_nb.compiler.shapes import random_value
 from piper_nb.ir.kinds import BUCKET_COLLECTIVES
 from piper_nb.runtime.bundle import load_bundle, make_bundle
 from piper_nb.runtime.worker import Worker
@@ -73,10 +74,7 @@ def _batch(plan) -> tuple[torch.Tensor, torch.Tensor]:
     out = []
     for v in ("inputs", "targets"):
         info = plan.values[v]
-        dtype = getattr(torch, info.dtype)
-        shape = (plan.batch_size, *info.shape[1:])
-        out.append(torch.randn(shape).to(dtype) if dtype.is_floating_point else
-                   torch.zeros(shape, dtype=dtype))
+        out.append(random_value(info, (plan.batch_size, *info.shape[1:])))
     return out[0], out[1]
 
 
@@ -103,11 +101,7 @@ class _Bench:
     def _inputs(self, ins) -> None:
         for v in self.plan.regions[ins.region].inputs:
             if v not in ("inputs", "targets"):
-                info = self.plan.values[v]
-                dtype = getattr(torch, info.dtype)
-                self.w.values.acts[(v, ins.mb)] = (torch.randn(info.shape).to(dtype)
-                                                   if dtype.is_floating_point
-                                                   else torch.zeros(info.shape, dtype=dtype))
+                self.w.values.acts[(v, ins.mb)] = random_value(self.plan.values[v])
 
     def _out_grads(self, ins) -> None:
         """Gradients for the outputs forward `ins` just made, shaped like them: an expert

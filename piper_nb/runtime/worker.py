@@ -4,7 +4,8 @@ The runtime knows nothing of ZeRO, 1F1B or DualPipe: it runs `plan.devices[rank]
 in order. F runs a region's GraphModule on detached input leaves and stashes the autograd
 state; B (or BI then BW) runs autograd from the stashed outputs with the received output
 gradients (the loss's gradient is `plan.loss_scale`) and hands input gradients upstream;
-U applies the optimizer to full parameters and to this device's bucket shards. SEND, RECV
+U applies the optimizer to full parameters and to this device's bucket shards (these
+compute passes live in `compute`). SEND, RECV
 and collectives are issued asynchronously and completed by their WAIT (ALL_TO_ALL, the
 token exchange around experts, lives in `exchange`); FREE drops buffers.
 Every instruction is timed and memory is counted after each one (see `timing`, `stores`).
@@ -17,26 +18,28 @@ import os
 
 import torch
 
-from piper_nb.capture.split import BATCH_INPUT, BATCH_TARGET, LOSS
-from piper_nb.compiler.shapes import SavedBytes
+from piper_nb.capture.split import BATCH_INPUT, BATCH_TARGET
 from piper_nb.ir.kinds import PASSES as _PASSES
-from piper_nb.runtime.buffers import Buffers, seed_forward
+from piper_nb.runtime.buffers import Buffers
 from piper_nb.runtime.bundle import Bundle, bind_params, direct_calls
 from piper_nb.runtime.comm import Comm, Pending
+from piper_nb.runtime.compute import ComputePasses
 from piper_nb.runtime.exchange import TokenExchange
-from piper_nb.runtime.layout import batch_part, bucket_layouts
-from piper_nb.runtime.stores import ParamStore, Stash, ValueStore, parse_free
+from piper_nb.runtime.layout import bucket_layouts
+from piper_nb.runtime.stores import ParamStore, ValueStore, parse_free
 from piper_nb.runtime.syncbn import sync_batchnorms
 from piper_nb.runtime.timing import Clock, Recorder
 
 __all__ = ["Worker", "FAIL_ENV"]
 
 FAIL_ENV = "PIPER_NB_FAIL_AT"   # test hook: "<device>:<instruction text>[:exit]"
-_BATCH = (BATCH_INPUT, BATCH_TARGET)
 _COMPUTE, _ISSUE, _WAIT, _FREE = range(4)    # how the step loop dispatches an instruction
 
 
-class Worker:
+class Worker(ComputePasses):
+    """Runs device `rank`'s instructions: the step loop, communication and memory
+    accounting here, the compute passes (`run`) in `compute.ComputePasses`."""
+
     def __init__(self, rank: int, bundle: Bundle, comm: Comm, device: torch.device,
                  timeout: float = 300.0):
         plan = bundle.plan
@@ -204,113 +207,6 @@ class Worker:
         self.store.load_train_state(state)
         self.buffers.load(state.get("buffers", {}))
         self.step_no = state["step"]
-
-    # ---- compute -----------------------------------------------------------------------
-    def run(self, ins) -> None:
-        """Run one compute instruction (F, B, BI, BW or U) as the step loop does."""
-        if ins.kind != "U":
-            missing = [b for b in self.needs[ins.region] if not self.store.gathered(b)]
-            if missing:
-                raise RuntimeError(f"{ins} on device {self.rank} needs the parameters of ZeRO-3 "
-                                   f"bucket {missing[0]}, which are not gathered: the plan has "
-                                   "no ALL_GATHER (or frees it too early) before this pass")
-        if ins.kind == "F":
-            self._forward(ins)
-        elif ins.kind == "U":
-            if self.optimizer is None:
-                raise RuntimeError("no optimizer: reset the worker before stepping")
-            self.store.update(self.optimizer, ins.params, ins.buckets, self.step_no)
-        else:
-            self._backward(ins)
-
-    def _forward(self, ins) -> None:
-        plan, info, mb = self.plan, self.plan.regions[ins.region], ins.mb
-        args, leaves = [], []
-        for v in info.inputs:
-            if v in _BATCH:
-                t = self._batch_part(v, mb, ins.replica, ins.replicas)
-            else:
-                t = self.values.acts.get((v, mb))
-                if t is None:
-                    raise RuntimeError(f"input {v}@{mb} of region {ins.region} is not on device "
-                                       f"{self.rank}: no RECV or forward produced it before {ins}")
-                vi = plan.values.get(v)
-                if t.is_floating_point() and (vi is None or vi.requires_grad):
-                    t = t.detach().requires_grad_(True)
-                    leaves.append((v, t))
-            args.append(t)
-        seed_forward(self.seed, self.step_no, ins, self.device)
-        saved = 0
-        if self.tracing:
-            exclude = {p.untyped_storage().data_ptr() for p in self.store.params.values()}
-            exclude |= {a.untyped_storage().data_ptr() for a in args}
-            with SavedBytes(exclude) as counter:
-                outs = self.modules[ins.region](*args)
-            saved = counter.bytes
-        else:
-            outs = self.modules[ins.region](*args)
-        outputs = dict(zip(info.outputs, outs, strict=True))
-        for name, out in outputs.items():
-            if name == LOSS:
-                self.losses.append(out.detach())
-            else:
-                self.values.acts[(name, mb)] = out
-        self.values.stash[(ins.region, mb)] = Stash(leaves, outputs, saved)
-
-    def _batch_part(self, v: str, mb: int, replica: int, replicas: int) -> torch.Tensor:
-        """`batch_part` of batch input `v`, from views cut once per step (one split per
-        input and replica count instead of a slice per forward)."""
-        parts = self.parts.get((v, replicas))
-        if parts is None:
-            t, m = self.batch[v], self.plan.microbatches
-            chunk = t.shape[0] // m
-            if chunk * m != t.shape[0] or chunk % replicas:  # uneven: slice as batch_part does
-                return batch_part(t, m, mb, replica, replicas)
-            parts = self.parts[(v, replicas)] = t.split(chunk // replicas)
-        return parts[mb * replicas + replica]
-
-    def _out_grads(self, st: Stash, mb: int) -> tuple[list, list]:
-        outs, grads = [], []
-        for name, out in st.outputs.items():
-            if name == LOSS:
-                outs.append(out)
-                grads.append(torch.full_like(out, self.plan.loss_scale))
-            elif out.requires_grad and (name, mb) in self.values.grads:
-                outs.append(out)
-                grads.append(self.values.grads[(name, mb)])
-        return outs, grads
-
-    def _backward(self, ins) -> None:
-        key = (ins.region, ins.mb)
-        st = self.values.stash.get(key)
-        if st is None:
-            raise RuntimeError(f"{ins} on device {self.rank} has no stashed forward "
-                               f"{ins.region}F{ins.mb} (never ran, or already dropped)")
-        if ins.kind == "BW":
-            outs, grads = st.out_grads or ([], [])
-            held = self.store.params
-            params = [held[p] for p in self.plan.regions[ins.region].params
-                      if p in held and held[p].requires_grad]
-            if outs and params:
-                torch.autograd.backward(outs, grads, inputs=params)
-            del self.values.stash[key]
-            return
-        outs, grads = self._out_grads(st, ins.mb)
-        if ins.kind == "B":
-            if outs:
-                torch.autograd.backward(outs, grads)
-            for v, leaf in st.leaves:
-                if leaf.grad is not None:
-                    self.values.add_grad(v, ins.mb, leaf.grad)
-            del self.values.stash[key]
-            return
-        leaves = [leaf for _, leaf in st.leaves]  # BI: input gradients only, keep the graph
-        if outs and leaves:
-            got = torch.autograd.grad(outs, leaves, grads, retain_graph=True, allow_unused=True)
-            for (v, _), g in zip(st.leaves, got, strict=True):
-                if g is not None:
-                    self.values.add_grad(v, ins.mb, g)
-        st.out_grads = (outs, grads)
 
     # ---- communication -----------------------------------------------------------------
     def _issue(self, idx: int, ins) -> None:

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import torch
 
+from piper_nb.compiler.shapes import random_value
+
 __all__ = ["region_flops", "region_inputs"]
 
 
@@ -16,12 +18,9 @@ def region_inputs(plan, r: int, seed: int = 0) -> list[torch.Tensor]:
     args = []
     for v in plan.regions[r].inputs:
         info = plan.values[v]
-        dtype = getattr(torch, info.dtype)
-        if dtype.is_floating_point:
-            t = torch.randn(info.shape, generator=gen).to(dtype)
+        t = random_value(info, generator=gen)
+        if t.is_floating_point():
             t.requires_grad_(info.requires_grad)
-        else:
-            t = torch.zeros(info.shape, dtype=dtype)
         args.append(t)
     return args
 

@@ -9,7 +9,7 @@ import piper_nb as pn
 from piper_nb import PlanError
 from piper_nb.compiler.plan import Instr
 from piper_nb.sim import CostModel, HardwareSpec
-from piper_nb.sim.cost import message_bytes
+from piper_nb.sim.cost import message_bytes, value_bytes
 
 
 def plan2(microbatches: int = 2):
@@ -44,7 +44,7 @@ def test_analytic_costs_come_from_flops_over_peak_and_links():
     assert cost.compute(Instr("B", region=0)) == pytest.approx(2 * flops / 0.5e9)
     send = next(i for i in plan[0].instrs if i.kind == "SEND")
     nbytes = message_bytes(plan, send)
-    assert nbytes == plan.values[send.values[0]].nbytes
+    assert nbytes == value_bytes(plan.values[send.values[0]])
     assert cost.message(plan, send, 0) == pytest.approx(nbytes / 1e5)   # two nodes of one
     assert CostModel.analytic(plan, "H100").meta["hardware"] == "H100"
     with pytest.raises(PlanError, match="unknown hardware"):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from piper_nb.compiler.rows import captured_rows
 from piper_nb.sim import CostModel, MemorySettings, simulate
+from piper_nb.sim.cost import value_bytes
 from piper_nb.sim.tokens import Routing
 from piper_nb.strategies import compile_strategy
 
@@ -36,7 +37,7 @@ def test_a_routing_sizes_values_and_saved_bytes_per_device():
     region = _expert(plan, 0, 0)
     (value,) = region.inputs
     routing = Routing(plan, {f"{value}@1": [3, 11]})   # device 0 sends 3 rows, device 2 11
-    row = plan.values[value].nbytes // plan.values[value].shape[0]
+    row = value_bytes(plan.values[value]) // plan.values[value].shape[0]
     assert routing.value_bytes(value, 1, 0) == 3 * row
     assert routing.value_bytes(value, 1, 2) == 11 * row
     assert routing.value_bytes(value, 1, 0, total=True) == 14 * row

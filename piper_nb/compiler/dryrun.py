@@ -1,0 +1,195 @@
+"""The deadlock check: a lockstep dry run of all devices.
+
+An issue never blocks (except a forward expert dispatch, which first exchanges token
+counts with its group), a WAIT on a point-to-point op needs the peer's matching issue, and
+a WAIT on a collective needs every member's. Each round runs every device until it blocks
+(or after one WAIT). When no device can move, the device-by-step grid is printed with the
+stuck instruction of each device marked. The gradient check (`gradflow.Flow`) rides along,
+shown the instructions that move gradients in this valid global order.
+"""
+
+from __future__ import annotations
+
+from collections import Counter, defaultdict
+
+from piper_nb.compiler.gradflow import Flow
+from piper_nb.compiler.plan import Plan, _columns
+from piper_nb.errors import PlanError
+from piper_nb.ir.kinds import COLLECTIVES as COLLECTIVE_KINDS
+from piper_nb.ir.kinds import REDUCTIONS as _REDUCTIONS
+
+__all__ = ["dry_run", "p2p_key"]
+
+
+def p2p_key(dev: int, ins) -> tuple:
+    """(sender, receiver, tag) of a SEND or RECV on device `dev`."""
+    return (dev, ins.peer, ins.tag) if ins.kind == "SEND" else (ins.peer, dev, ins.tag)
+
+
+def _blocks_at_issue(ins) -> bool:
+    """A forward expert dispatch first exchanges token counts, synchronously."""
+    return ins.kind == "ALL_TO_ALL" and ins.purpose == "dispatch" and not ins.grad
+
+
+class _Lockstep:
+    """The dry run's state: each device's next instruction (`ptr`) and the rounds its
+    instructions ran in, the point-to-point ops posted, and per group how many members
+    issued each of its collectives."""
+
+    def __init__(self, plan: Plan, flow: Flow | None, runs: list[bool] | None):
+        n = plan.world
+        self.flow = flow
+        self.ptr = [0] * n
+        self.rounds: list[list[int]] = [[] for _ in range(n)]
+        self.posted: set[tuple] = set()
+        self.coll_posted: dict[tuple, Counter] = defaultdict(Counter)
+        self.coll_index: list[dict] = [defaultdict(int) for _ in range(n)]
+        self.coll_seq: dict[tuple, int] = {}
+        self.instrs = [dp.instrs for dp in plan.devices]
+        if runs is None:
+            runs = flow.active if flow is not None else [True] * n
+        self.runs = runs
+        self.active = flow.active if flow is not None else [False] * n
+        self.freed = flow.freed if flow is not None else {}
+        self.members: dict[tuple, int] = {}   # group -> members that run
+        # what `advance` reads, unpacked at once (it runs once per device and round)
+        self.shared = (flow, self.ptr, self.rounds, self.posted, self.coll_posted,
+                       self.coll_seq, self.need, self.freed)
+        self.mine = list(zip(self.instrs, self.active, self.coll_index, strict=False))
+
+    def need(self, group: tuple) -> int:
+        """How many of the group's members run (a stamped replica does not)."""
+        if group not in self.members:
+            self.members[group] = sum(1 for m in group if self.runs[m])
+        return self.members[group]
+
+    def done(self) -> bool:
+        return all(self.ptr[d] == len(self.instrs[d]) for d in range(len(self.ptr))
+                   if self.runs[d])
+
+    def advance(self, d: int, r: int) -> bool:
+        """Run device d in round r until it blocks (or after one WAIT); True when it ran any."""
+        flow, ptr, rounds, posted, coll_posted, coll_seq, need, freed = self.shared
+        mine, on, index = self.mine[d]
+        progress = False
+        while ptr[d] < len(mine):
+            i = ptr[d]
+            ins = mine[i]
+            kind = ins.kind
+            if kind == "SEND" or kind == "RECV":
+                posted.add((kind, p2p_key(d, ins)))
+                if on and ins.grad and kind == "SEND":
+                    flow.send(d, ins)
+            elif kind in COLLECTIVE_KINDS:
+                if (d, i) not in coll_seq:
+                    k = index[ins.group]
+                    index[ins.group] = k + 1
+                    coll_posted[ins.group][k] += 1
+                    coll_seq[(d, i)] = k
+                if _blocks_at_issue(ins) and \
+                        coll_posted[ins.group][coll_seq[(d, i)]] < need(ins.group):
+                    break
+                if on and kind in _REDUCTIONS:
+                    flow.issued(d, i, ins)
+            elif kind == "WAIT":
+                t = mine[ins.target]
+                if t.kind == "SEND" or t.kind == "RECV":
+                    other = "RECV" if t.kind == "SEND" else "SEND"
+                    if (other, p2p_key(d, t)) not in posted:
+                        break
+                    if on and t.grad and t.kind == "RECV":
+                        flow.received(d, t)
+                else:
+                    if coll_posted[t.group][coll_seq[(d, ins.target)]] < need(t.group):
+                        break
+                    if on and t.kind in _REDUCTIONS:
+                        flow.completed(d, ins.target, t)
+            elif on:
+                if kind == "B" or kind == "BI":
+                    flow.backward(d, ins)
+                elif kind == "FREE":
+                    keys = freed.get(ins.keys)
+                    if keys is None:
+                        keys = flow.frees_grads(ins)
+                    if keys:
+                        flow.free(d, keys)
+                elif kind == "BW":
+                    flow.weights(d, ins)
+                elif kind == "U":
+                    flow.update(d, ins)
+            rounds[d].append(r)
+            ptr[d] = i + 1
+            progress = True
+            if kind == "WAIT":
+                break  # one blocking step per round keeps the grid readable
+        return progress
+
+
+def dry_run(plan: Plan, flow: Flow | None = None, runs: list[bool] | None = None
+            ) -> list[list[int]]:
+    """Run all devices in lockstep; returns per device the round each instruction ran in.
+
+    A `flow` (the gradient check, `gradflow.Flow`) is shown, as they run, the instructions
+    that move gradients: backwards and updates, gradient sends, reductions and exchanges,
+    the WAITs that complete them and the FREEs of gradient buffers. Only the devices in
+    `runs` (default: the flow's `active` ones, else all) run: a replica stamped from a
+    template (`Plan.stamps`) does what its template does, so a collective waits for its
+    running members only."""
+    run = _Lockstep(plan, flow, runs)
+    ptr, instrs, advance = run.ptr, run.instrs, run.advance
+    going = [d for d in range(plan.world) if run.runs[d]]
+    r = 0
+    while True:
+        progress = False
+        for d in going:
+            if ptr[d] < len(instrs[d]) and advance(d, r):
+                progress = True
+        if run.done():
+            return run.rounds
+        if not progress:
+            raise PlanError("deadlock: no device can make progress; the order of the marked "
+                            "passes cannot be met by their peers (check those devices' order "
+                            "directives)" + _segment_note(plan, run.ptr) + "\n"
+                            + _stuck_grid(plan, run.ptr))
+        r += 1
+
+
+def _segment_note(plan: Plan, ptr: list[int]) -> str:
+    """In the model's terms, when a stuck pass belongs to a stage that comes back later in
+    the model (a module called again after another stage: a SEG region)."""
+    seen = []
+    for dp in plan.devices:
+        if ptr[dp.device] < len(dp.instrs):
+            ins = dp.instrs[ptr[dp.device]]
+            if ins.kind == "WAIT":
+                ins = dp.instrs[ins.target]
+            if 0 <= ins.region < len(plan.regions) and "SEG" in dict(plan.regions[ins.region].tags):
+                info = plan.regions[ins.region]
+                if info not in seen:
+                    seen.append(info)
+    if not seen:
+        return ""
+    parts = [f"{{{r.name}}} runs {', '.join(r.modules) or 'operations'} of stage "
+             f"{{{r.name.split(',SEG')[0]}}} again, after other stages" for r in seen]
+    return ("; " + "; ".join(parts) + ": a schedule orders each stage's passes once per "
+            "microbatch, and this model goes through that stage twice. Name the later pass in "
+            "the order with its SEG tag, give the repeated call its own stage (pn.region, or a "
+            "tag on the caller), or use a schedule that runs each stage's forwards before its "
+            "backwards (gpipe)")
+
+
+def _stuck_grid(plan: Plan, ptr: list[int], context: int = 8) -> str:
+    cols, mark = [], {}
+    for dp in plan.devices:
+        lo = max(0, ptr[dp.device] - context)
+        rows = [f"dev{dp.device}"]
+        for i in range(lo, min(len(dp.instrs), ptr[dp.device] + 3)):
+            ins = dp.instrs[i]
+            label = f"wait({dp.instrs[ins.target]})" if ins.kind == "WAIT" else str(ins)
+            if i == ptr[dp.device]:
+                mark[dp.device] = len(rows)
+            rows.append(label)
+        if ptr[dp.device] >= len(dp.instrs):
+            rows.append("(done)")
+        cols.append(rows)
+    return _columns(cols, mark) + "\n(>x< marks where each device is stuck)"
