@@ -22,7 +22,7 @@ from piper_nb.compiler.gradflow import Asymmetric, Flow
 from piper_nb.compiler.nccl import check_nccl
 from piper_nb.compiler.plan import Plan
 from piper_nb.errors import PlanError
-from piper_nb.ir.kinds import COLLECTIVES as COLLECTIVE_KINDS
+from piper_nb.ir.kinds import COLLECTIVES, P2P
 
 __all__ = ["check_plan", "dry_run"]
 
@@ -35,7 +35,7 @@ def check_matching(plan: Plan) -> None:
                 sends[p2p_key(dp.device, ins)] += 1
             elif ins.kind == "RECV":
                 recvs[p2p_key(dp.device, ins)] += 1
-            if ins.kind in ("SEND", "RECV") and not 0 <= ins.peer < plan.world:
+            if ins.kind in P2P and not 0 <= ins.peer < plan.world:
                 raise PlanError(f"device {dp.device}: {ins} names device {ins.peer} outside the "
                                 f"world of {plan.world}")
     for key in (sends - recvs):
@@ -50,7 +50,7 @@ def _collectives(plan: Plan) -> dict[tuple, dict[int, list]]:
     seqs: dict[tuple, dict[int, list]] = defaultdict(lambda: defaultdict(list))
     for dp in plan.devices:
         for ins in dp.instrs:
-            if ins.kind in COLLECTIVE_KINDS:
+            if ins.kind in COLLECTIVES:
                 seqs[ins.group][dp.device].append(ins)
     return seqs
 

@@ -15,8 +15,7 @@ from collections import Counter, defaultdict
 from piper_nb.compiler.gradflow import Flow
 from piper_nb.compiler.plan import Plan, _columns
 from piper_nb.errors import PlanError
-from piper_nb.ir.kinds import COLLECTIVES as COLLECTIVE_KINDS
-from piper_nb.ir.kinds import REDUCTIONS as _REDUCTIONS
+from piper_nb.ir.kinds import COLLECTIVES, REDUCTIONS
 
 __all__ = ["dry_run", "p2p_key"]
 
@@ -80,7 +79,7 @@ class _Lockstep:
                 posted.add((kind, p2p_key(d, ins)))
                 if on and ins.grad and kind == "SEND":
                     flow.send(d, ins)
-            elif kind in COLLECTIVE_KINDS:
+            elif kind in COLLECTIVES:
                 if (d, i) not in coll_seq:
                     k = index[ins.group]
                     index[ins.group] = k + 1
@@ -89,7 +88,7 @@ class _Lockstep:
                 if _blocks_at_issue(ins) and \
                         coll_posted[ins.group][coll_seq[(d, i)]] < need(ins.group):
                     break
-                if on and kind in _REDUCTIONS:
+                if on and kind in REDUCTIONS:
                     flow.issued(d, i, ins)
             elif kind == "WAIT":
                 t = mine[ins.target]
@@ -102,7 +101,7 @@ class _Lockstep:
                 else:
                     if coll_posted[t.group][coll_seq[(d, ins.target)]] < need(t.group):
                         break
-                    if on and t.kind in _REDUCTIONS:
+                    if on and t.kind in REDUCTIONS:
                         flow.completed(d, ins.target, t)
             elif on:
                 if kind == "B" or kind == "BI":

@@ -11,8 +11,8 @@ passes cannot make two devices wait for each other.
 
 from __future__ import annotations
 
-from piper_nb.ir.dag import COLLECTIVES as _COLLECTIVES
 from piper_nb.ir.dag import Node, Op, TrainingDAG
+from piper_nb.ir.kinds import COLLECTIVES
 
 __all__ = ["merge_floating"]
 
@@ -47,7 +47,7 @@ def merge_floating(dag: TrainingDAG, seqs: list[list[Node]], floating: list[list
     def ready(nid: str, d: int) -> bool:
         """All inputs done. A collective waits for its inputs on this device only: the
         other members' reach it with their own copy of the node."""
-        group = dag[nid].op in _COLLECTIVES
+        group = dag[nid].op in COLLECTIVES
         return all(finished(e.src, d) for e in dag.in_edges(nid)
                    if not group or d in dag[e.src].devices)
 

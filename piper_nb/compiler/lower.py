@@ -22,7 +22,7 @@ from piper_nb.compiler.p2p import in_send_order
 from piper_nb.compiler.plan import DevicePlan, Instr
 from piper_nb.errors import PlanError
 from piper_nb.ir.dag import Node, TrainingDAG
-from piper_nb.ir.kinds import BACKWARDS, COLLECTIVES, COMPUTE, PASSES, Op
+from piper_nb.ir.kinds import BACKWARDS, COLLECTIVES, COMPUTE, P2P, PASSES, Op
 
 __all__ = ["lower", "owned_params"]
 
@@ -240,7 +240,7 @@ class _Stamper:
                 self.rows.append(None)
                 continue
             n = by_id[ins.node]
-            other = partner[n.id].devices if ins.kind in ("SEND", "RECV") else None
+            other = partner[n.id].devices if ins.kind in P2P else None
             self.rows.append(([getattr(ins, f) for f in _FIELDS], n.devices, other,
                               tags.get(n.id, -1)))
 

@@ -31,8 +31,7 @@ from dataclasses import dataclass, field
 
 from piper_nb.compiler.plan import Plan
 from piper_nb.errors import PlanError
-from piper_nb.ir.kinds import COMM as _ISSUES
-from piper_nb.ir.kinds import COMPUTE as _COMPUTE
+from piper_nb.ir.kinds import COMM, COMPUTE, P2P
 
 __all__ = ["check_nccl"]
 
@@ -61,7 +60,7 @@ class _Device:
 
 
 def _channel(d: int, ins, channels: str) -> tuple:
-    if ins.kind in ("SEND", "RECV"):
+    if ins.kind in P2P:
         src, dst = (d, ins.peer) if ins.kind == "SEND" else (ins.peer, d)
         if channels == "pair":
             return ("pair", min(src, dst), max(src, dst))
@@ -125,11 +124,11 @@ class _Run:
         while dev.host < len(dev.instrs):
             i, ins = dev.host, dev.instrs[dev.host]
             kind = ins.kind
-            if kind in _COMPUTE:
+            if kind in COMPUTE:
                 dev.stream.append(None)
             elif kind == "WAIT":
                 dev.stream.append(self.op_at[(d, ins.target)])
-            elif kind in _ISSUES:
+            elif kind in COMM:
                 if kind == "ALL_TO_ALL" and ins.purpose == "dispatch" and not ins.grad:
                     # the host exchanges its own token counts (its compute must have run)
                     group = tuple(ins.group)

@@ -19,7 +19,8 @@ One message per (pass, other device group), not one per edge:
 from __future__ import annotations
 
 from piper_nb.errors import PlanError
-from piper_nb.ir.dag import COMPUTE, Edge, Node, Op, TrainingDAG
+from piper_nb.ir.dag import Edge, Node, Op, TrainingDAG
+from piper_nb.ir.kinds import COMPUTE
 
 __all__ = ["insert_send_recv"]
 

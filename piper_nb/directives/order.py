@@ -24,8 +24,9 @@ from typing import Any
 
 from piper_nb.directives.base import Directive, py_literal
 from piper_nb.errors import PlanError
-from piper_nb.ir.dag import COMPUTE, Edge, Node, TrainingDAG
+from piper_nb.ir.dag import Edge, Node, TrainingDAG
 from piper_nb.ir.filters import SEG, as_filter
+from piper_nb.ir.kinds import COMPUTE
 
 __all__ = ["Order", "order", "apply_orders"]
 

@@ -47,9 +47,9 @@ from typing import Any
 
 from piper_nb.directives.base import Directive, call_code, check_devices, check_stream
 from piper_nb.errors import PlanError
-from piper_nb.ir.dag import COMPUTE, Edge, Node, Op, TrainingDAG, node_id
+from piper_nb.ir.dag import Edge, Node, Op, TrainingDAG, node_id
 from piper_nb.ir.filters import as_filter, freeze_tags, tags_text
-from piper_nb.ir.kinds import PASSES as _PASSES
+from piper_nb.ir.kinds import COMPUTE, PASSES
 
 __all__ = ["Shard", "shard", "shard_placement", "apply_shard", "insert_all_to_all", "EP"]
 
@@ -142,7 +142,7 @@ def _expert_edges(dag: TrainingDAG):
         if e.kind != "data":
             continue
         a, b = dag[e.src], dag[e.dst]
-        if a.op not in _PASSES or b.op not in _PASSES or a.region == b.region:
+        if a.op not in PASSES or b.op not in PASSES or a.region == b.region:
             continue
         if _is_expert(a):
             yield e, a, b
@@ -208,7 +208,7 @@ def insert_all_to_all(dag: TrainingDAG, experts: frozenset[int]) -> TrainingDAG:
     keep: list[Edge] = []
     for e in dag.edges:
         a, b = dag[e.src], dag[e.dst]
-        if (e.kind != "data" or a.op not in _PASSES or b.op not in _PASSES
+        if (e.kind != "data" or a.op not in PASSES or b.op not in PASSES
                 or a.region == b.region or (a.region in experts) == (b.region in experts)):
             keep.append(e)
             continue

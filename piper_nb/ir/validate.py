@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from piper_nb.errors import PlanError
-from piper_nb.ir.dag import COMM, COMPUTE, Op, TrainingDAG
+from piper_nb.ir.dag import TrainingDAG
+from piper_nb.ir.kinds import COMM, COMPUTE, Op
 
 __all__ = ["validate"]
 

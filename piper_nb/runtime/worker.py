@@ -19,7 +19,7 @@ import os
 import torch
 
 from piper_nb.capture.split import BATCH_INPUT, BATCH_TARGET
-from piper_nb.ir.kinds import PASSES as _PASSES
+from piper_nb.ir.kinds import P2P, PASSES
 from piper_nb.runtime.buffers import Buffers
 from piper_nb.runtime.bundle import Bundle, bind_params, direct_calls
 from piper_nb.runtime.comm import Comm, Pending
@@ -46,7 +46,7 @@ class Worker(ComputePasses):
         self.plan, self.rank, self.comm, self.device = plan, rank, comm, device
         self.timeout = timeout
         self.instrs = plan.devices[rank].instrs if rank < plan.world else ()
-        regions = sorted({i.region for i in self.instrs if i.kind in _PASSES})
+        regions = sorted({i.region for i in self.instrs if i.kind in PASSES})
         names = dict.fromkeys(p for r in regions for p in plan.regions[r].params)
         names.update(dict.fromkeys(p for i in self.instrs if i.kind == "U" for p in i.params))
         self.layouts = bucket_layouts(plan)
@@ -244,7 +244,7 @@ class Worker(ComputePasses):
         span = comm.take_span()   # CUDA: the transfer's own events, on its stream
         p = Pending(idx, works, bufs, span[0] if span else start, memory=memory, new=new,
                     meta=meta, end=span[1] if span else None)
-        if ins.kind not in ("SEND", "RECV"):  # gloo p2p has no future and reports completion
+        if ins.kind not in P2P:  # gloo p2p has no future and reports completion
             comm.watch(p, self.clock)         # only at wait(): its WAIT marks the end
         self.pending[idx] = p
 

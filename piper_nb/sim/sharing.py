@@ -31,8 +31,7 @@ import math
 import random
 from collections.abc import Callable
 
-from piper_nb.ir.kinds import COLLECTIVES as _COLLECTIVES
-from piper_nb.ir.kinds import COMPUTE as _COMPUTE
+from piper_nb.ir.kinds import COLLECTIVES, COMPUTE
 from piper_nb.sim.cost import message_bytes
 from piper_nb.sim.host_model import HostModel
 from piper_nb.sim.slicing import slicing_slowdown
@@ -84,9 +83,9 @@ def _load_changes(sim, comm: float, reading: Callable) -> list[tuple[float, floa
         start, end = sim.start[d], sim.end[d]
         for i, ins in enumerate(instrs):
             if end[i] > start[i]:
-                if ins.kind in _COMPUTE:
+                if ins.kind in COMPUTE:
                     spans += [(start[i], 1.0), (end[i], -1.0)]
-                elif comm and ins.kind in _COLLECTIVES:
+                elif comm and ins.kind in COLLECTIVES:
                     spans += [(start[i], comm), (end[i], -comm)]
                 elif comm and ins.kind == "RECV":
                     load = reading(sim, d, i, ins)
@@ -126,10 +125,10 @@ def _stretches(host: HostModel, sim, integral: Callable[[float], float],
             s0, s1 = sim.start[d][i], sim.end[d][i]
             if s1 <= s0:
                 continue
-            if ins.kind in _COMPUTE:
+            if ins.kind in COMPUTE:
                 active = (integral(s1) - integral(s0)) / (s1 - s0)
                 share = slicing_slowdown((active + bg) / cores, slicing) / measured_at
-            elif comm and ins.kind in _COLLECTIVES:
+            elif comm and ins.kind in COLLECTIVES:
                 n = len(ins.group)   # profiled while link_world - n processes computed
                 profiled = max(1.0, (max(host.link_world - n, 0) + n * comm) / cores)
                 share = max(1.0, (integral(s1) - integral(s0)) / (s1 - s0) / cores) / profiled
@@ -153,7 +152,7 @@ def jittered(host: HostModel, sim, resimulate: Callable[[Stretch], object],
     shape = [j / mean for j in host.jitter]
     runs = []
     for _ in range(samples):
-        stretch = [{i: f * rng.choice(shape) if f > 1.0 and instrs[i].kind in _COMPUTE else f
+        stretch = [{i: f * rng.choice(shape) if f > 1.0 and instrs[i].kind in COMPUTE else f
                     for i, f in base.items()}
                    for instrs, base in zip(sim.instrs, sim.stretch, strict=True)]
         runs.append(resimulate(stretch))

@@ -39,8 +39,7 @@ from dataclasses import dataclass
 
 from piper_nb.compiler.plan import Plan
 from piper_nb.errors import PlanError
-from piper_nb.ir.kinds import COMM as _MESSAGES
-from piper_nb.ir.kinds import COMPUTE as _COMPUTE
+from piper_nb.ir.kinds import COMM, COMPUTE, P2P
 from piper_nb.sim.cost import CostModel
 from piper_nb.sim.host_model import NO_HOST
 from piper_nb.sim.sharing import jittered, shared_cores
@@ -78,14 +77,14 @@ def overlap_steps(instrs) -> list[int | tuple[int, ...]]:
     n, i = len(instrs), 0
     while i < n:
         ins = instrs[i]
-        if ins.kind not in _COMPUTE or ins.overlap < 0:
+        if ins.kind not in COMPUTE or ins.overlap < 0:
             steps.append(i)
             i += 1
             continue
         members, between, j = [i], [], i + 1
         while j < n:
             x = instrs[j]
-            if x.kind in _COMPUTE:
+            if x.kind in COMPUTE:
                 if x.overlap != ins.overlap:
                     break
                 members.append(j)
@@ -131,7 +130,7 @@ class _Sim:
              and not x.grad} for instrs in self.instrs]
 
     def _issue(self, d: int, i: int, ins, ready: float) -> None:
-        if ins.kind in ("SEND", "RECV"):
+        if ins.kind in P2P:
             key = (d, ins.peer, ins.tag) if ins.kind == "SEND" else (ins.peer, d, ins.tag)
             other = self.p2p.pop(key, None)
             if other is None:
@@ -183,7 +182,7 @@ class _Sim:
                 if packing:
                     src = instrs[ins.target]
                     t += packing.get((src.kind, src.bucket), _NONE)[1]
-            elif kind in _COMPUTE:
+            elif kind in COMPUTE:
                 st = t if t > cfree else cfree
                 cfree = st + cost.compute(ins) * stretch.get(s, 1.0)
                 posted[s], start[s], end[s] = t, st, cfree
@@ -267,7 +266,7 @@ def run_timing(plan: Plan, cost: CostModel) -> Timing:
     return Timing(plan, sim.posted, sim.start, sim.end, list(sim.t))
 
 
-_TIMED = _COMPUTE | _MESSAGES
+_TIMED = COMPUTE | COMM
 
 
 def _events(timing: Timing) -> list[Event]:

@@ -14,8 +14,8 @@ import html
 from collections import defaultdict
 from dataclasses import dataclass, field
 
-from piper_nb.ir.dag import COMM
 from piper_nb.ir.filters import tags_text
+from piper_nb.ir.kinds import COMM, P2P
 from piper_nb.viz.dag import STYLE
 
 __all__ = ["DagGroups", "dag_groups", "draw_groups", "dag_svg", "node_details", "MAX_NODES"]
@@ -66,7 +66,7 @@ def dag_groups(dag, collapse: str | tuple[str, ...] = "auto") -> DagGroups:
 def _label(n, collapse: tuple[str, ...], count: int) -> str:
     kept = [(k, v) for k, v in n.tags if k not in collapse]
     text = f"{n.op.value}[{tags_text(kept)}]"
-    if n.attr("grad") is not None and n.op.value in ("SEND", "RECV"):
+    if n.attr("grad") is not None and n.op in P2P:
         text += " grad" if n.attr("grad") else " act"
     elif n.op in COMM and n.attr("bucket") is not None:
         text += f" b{n.attr('bucket')}"

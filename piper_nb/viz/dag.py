@@ -13,8 +13,8 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass, field
 
-from piper_nb.ir.dag import COMM, Op
 from piper_nb.ir.filters import tags_text
+from piper_nb.ir.kinds import COMM, Op
 
 __all__ = ["DagView", "dag_view", "draw_dag", "dag_to_graphviz", "STYLE"]
 
