@@ -14,7 +14,7 @@ import json
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
-from piper_nb.ir.kinds import COLLECTIVES, COMM, COMPUTE, LETTER, SHORT
+from piper_nb.ir.kinds import COLLECTIVES, COMM, COMPUTE, LETTER, P2P, SHORT
 
 __all__ = ["Instr", "DevicePlan", "Plan", "COLLECTIVE_KINDS", "ISSUE_KINDS", "SHORT"]
 
@@ -61,7 +61,7 @@ class Instr:
             return f"{self.region}{LETTER[k]}{self.mb if self.mb >= 0 else ''}"
         if k == "U":
             return f"{self.region}U"
-        if k in ("SEND", "RECV"):
+        if k in P2P:
             arrow = ">" if k == "SEND" else "<"
             mb = self.mb if self.mb >= 0 else ""
             return f"{self.region}{k}_{'B' if self.grad else 'F'}{mb}{arrow}{self.peer}"
@@ -156,6 +156,12 @@ class Plan:
 
     def text(self) -> str:
         return self.grid()
+
+    def to_torch_csv(self, devices: tuple[int, ...] | list[int] | None = None) -> str:
+        """The compute passes per device (or per one of `devices`) as PyTorch pipelining's
+        schedule CSV (`0F1`, stage = PP index); see `piper_nb.schedules.torch_csv`."""
+        from piper_nb.schedules.torch_csv import plan_to_torch_csv
+        return plan_to_torch_csv(self, devices)
 
     def __repr__(self) -> str:
         n = sum(len(d.instrs) for d in self.devices)

@@ -2,9 +2,10 @@
 
 One technique per module: GPipe (`gpipe`), 1F1B (`one_f_one_b`), Megatron's interleaved
 1F1B (`interleaved`), ZB1P / ZB-H1 (`zero_bubble`), DeepSeek's DualPipe and DualPipeV
-(`dualpipe`), and hand-written grids (`grid`). Each `*_grid` returns a `Grid` in PyTorch
-pipelining's `0F1` text form; the directive builders return Piper's directives. `build`
-is the registry behind the JSON `{"op": "schedule", "name": ...}` directive.
+(`dualpipe`), hand-written grids (`grid`) and PyTorch pipelining's schedule CSV
+(`torch_csv`). Each `*_grid` returns a `Grid` in PyTorch pipelining's `0F1` text form; the
+directive builders return Piper's directives. `build` is the registry behind the JSON
+`{"op": "schedule", "name": ...}` directive.
 """
 
 from __future__ import annotations
@@ -20,12 +21,14 @@ from piper_nb.schedules.gpipe import gpipe, gpipe_grid
 from piper_nb.schedules.grid import from_grid, grid_directives, place_directives, validate_grid
 from piper_nb.schedules.interleaved import interleaved_1f1b, interleaved_1f1b_grid
 from piper_nb.schedules.one_f_one_b import one_f_one_b, one_f_one_b_grid
+from piper_nb.schedules.torch_csv import from_torch_csv, grid_to_torch_csv, parse_torch_csv
 from piper_nb.schedules.zero_bubble import zero_bubble, zero_bubble_grid
 
 __all__ = ["gpipe_grid", "one_f_one_b_grid", "interleaved_1f1b_grid", "zero_bubble_grid",
            "dualpipev_grid", "dualpipe_grid", "gpipe", "one_f_one_b", "interleaved_1f1b",
            "zero_bubble", "dualpipev", "dualpipe", "from_grid", "validate_grid",
-           "grid_directives", "place_directives", "build", "BUILDERS", "ALIASES"]
+           "grid_directives", "place_directives", "from_torch_csv", "parse_torch_csv",
+           "grid_to_torch_csv", "build", "BUILDERS", "ALIASES"]
 
 
 def _grid(text: str, microbatches: int | None = None, place: bool = False) -> list[Directive]:
