@@ -14,12 +14,9 @@ import json
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
-from piper_nb.ir.kinds import COLLECTIVES, COMM, COMPUTE, LETTER, P2P, SHORT
+from piper_nb.ir.kinds import COMM, COMPUTE, LETTER, P2P, SHORT
 
-__all__ = ["Instr", "DevicePlan", "Plan", "COLLECTIVE_KINDS", "ISSUE_KINDS", "SHORT"]
-
-COLLECTIVE_KINDS = COLLECTIVES   # (the names other modules import)
-ISSUE_KINDS = COMM
+__all__ = ["Instr", "DevicePlan", "Plan"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,7 +50,7 @@ class Instr:
 
     @property
     def is_issue(self) -> bool:
-        return self.kind in ISSUE_KINDS
+        return self.kind in COMM
 
     def __str__(self) -> str:
         k = self.kind
