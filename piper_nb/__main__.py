@@ -1,22 +1,33 @@
 """Command line: `python -m piper_nb run STRATEGY.json --model tiny_gpt --devices 4 ...`.
 
-Builds a small example model, cuts it into as many pipeline stages as the strategy's
-largest `PP` tag + 1 (`pn.cut_stages`), compiles the strategy (Piper's JSON directive list),
-trains it on local workers next to the single-process reference, prints a per-step table of
-both losses, and writes the measured timeline as a plotly HTML page (one bar per event, one
-row per device and stream) plus the trace and the plan as text into `--out`.
+Builds a small example model (or the user's own: `--model package.module:function`), cuts it
+into as many pipeline stages as the strategy's largest `PP` tag + 1 (`pn.cut_stages`),
+compiles the strategy (Piper's JSON directive list), trains it on local workers next to the
+single-process reference, prints a per-step table of both losses, and writes the measured
+timeline as a plotly HTML page (one bar per event, one row per device and stream) plus the
+trace and the plan as text into `--out`.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
+import inspect
 import json
+import os
 import sys
 from pathlib import Path
 
-__all__ = ["main", "build_model", "stage_count"]
+__all__ = ["main", "build_model", "load_user_model", "stage_count"]
 
 MODELS = ("tiny_gpt", "mlp", "tiny_moe")
+DEFAULT_BATCH_SIZE = 16
+
+MODEL_HELP = (f"a built-in model ({', '.join(MODELS)}; default tiny_gpt) or your own, "
+              "'package.module:function': the module is imported with the current directory on "
+              "sys.path and the function is called with no arguments; it returns (model, batch) "
+              "or (model, batch, loss_fn), where batch is an (inputs, targets) pair of tensors and "
+              "loss_fn(output, targets) defaults to model.loss_fn")
 
 
 def build_model(name: str, tied: bool = False):
@@ -28,7 +39,71 @@ def build_model(name: str, tied: bool = False):
     if name == "tiny_moe":
         return pn.models.TinyMoE(vocab=64, dim=32, layers=2, experts=4, top_k=2, seq=16,
                                  tie_embeddings=tied)
-    raise SystemExit(f"unknown model {name!r}; choose one of {', '.join(MODELS)}")
+    raise SystemExit(f"unknown model {name!r}; choose one of {', '.join(MODELS)} "
+                     "or name your own as package.module:function")
+
+
+_EXPECTED = "(model, batch) or (model, batch, loss_fn)"
+
+
+def load_user_model(target: str):
+    """`package.module:function` -> (model, batch, loss_fn or None); SystemExit on any misfit."""
+    import torch
+    from torch import nn
+    modname, _, attr = target.partition(":")
+    if not modname or not attr:
+        raise SystemExit(f"--model {target!r}: expected package.module:function")
+    cwd = os.getcwd()
+    if cwd not in sys.path:
+        sys.path.insert(0, cwd)
+    try:
+        module = importlib.import_module(modname)
+    except ModuleNotFoundError as err:
+        if err.name and (modname == err.name or modname.startswith(err.name + ".")):
+            raise SystemExit(f"--model {target!r}: no module named {err.name!r} (looked in the "
+                             f"current directory {cwd} and on sys.path)") from None
+        raise SystemExit(f"--model {target!r}: importing {modname!r} failed: {err}") from None
+    fn = module
+    for part in attr.split("."):
+        if not hasattr(fn, part):
+            raise SystemExit(f"--model {target!r}: module {modname!r} ({module.__file__}) has no "
+                             f"{attr!r}") from None
+        fn = getattr(fn, part)
+    if not callable(fn):
+        raise SystemExit(f"--model {target!r}: {attr!r} is not callable ({type(fn).__name__}); "
+                         f"name a function returning {_EXPECTED}")
+    try:
+        inspect.signature(fn).bind()
+    except TypeError:
+        raise SystemExit(f"--model {target!r}: {attr}{inspect.signature(fn)} must be callable with no "
+                         "arguments") from None
+    except ValueError:  # no signature (a builtin): just call it
+        pass
+    got = fn()
+    if not isinstance(got, (tuple, list)) or len(got) not in (2, 3):
+        what = f"a {len(got)}-tuple" if isinstance(got, (tuple, list)) else type(got).__name__
+        raise SystemExit(f"--model {target!r}: {attr}() must return {_EXPECTED}, got {what}")
+    model, batch, loss_fn = (*got, None) if len(got) == 2 else got
+    if not isinstance(model, nn.Module):
+        raise SystemExit(f"--model {target!r}: {attr}() must return {_EXPECTED} with a "
+                         f"torch.nn.Module first, got {type(model).__name__}")
+    if not (isinstance(batch, (tuple, list)) and len(batch) == 2
+            and all(isinstance(t, torch.Tensor) for t in batch)):
+        raise SystemExit(f"--model {target!r}: {attr}() must return {_EXPECTED} with batch an "
+                         f"(inputs, targets) pair of tensors, got {_describe(batch)}")
+    if loss_fn is None and not callable(getattr(model, "loss_fn", None)):
+        raise SystemExit(f"--model {target!r}: {type(model).__name__} has no loss_fn method; "
+                         f"return (model, batch, loss_fn) with loss_fn(output, targets) -> scalar")
+    if loss_fn is not None and not callable(loss_fn):
+        raise SystemExit(f"--model {target!r}: {attr}() must return {_EXPECTED} with "
+                         f"loss_fn(output, targets) callable, got {type(loss_fn).__name__}")
+    return model, batch, loss_fn
+
+
+def _describe(batch) -> str:
+    if isinstance(batch, (tuple, list)):
+        return f"a {len(batch)}-{type(batch).__name__} of ({', '.join(type(t).__name__ for t in batch)})"
+    return type(batch).__name__
 
 
 def stage_count(program) -> int:
@@ -52,14 +127,17 @@ def _run(args) -> int:
     from piper_nb.train import reference_train, train
     torch.manual_seed(0)
     program = pn.Program.from_json(Path(args.strategy).read_text())
-    model = build_model(args.model, args.tied)
-    batch = model.example_batch(batch_size=args.batch_size, seed=0)
+    if ":" in args.model:
+        model, batch, loss_fn = load_user_model(args.model)
+    else:
+        model, loss_fn = build_model(args.model, args.tied), None
+        batch = model.example_batch(batch_size=args.batch_size or DEFAULT_BATCH_SIZE, seed=0)
     spec = pn.annotate(model, pn.cut_stages(model, stage_count(program)))
-    plan = pn.compile(spec, program, batch, world=args.devices)
+    plan = pn.compile(spec, program, batch, world=args.devices, loss_fn=loss_fn)
     opt = optim.AdamW(args.lr) if args.optimizer == "adamw" else optim.SGD(args.lr, momentum=0.9)
     with LocalCluster(args.devices) as cluster:
         result = train(plan, batch, args.steps, opt, cluster=cluster)
-    ref = reference_train(model, batch, args.steps, plan.microbatches, opt)
+    ref = reference_train(model, batch, args.steps, plan.microbatches, opt, loss_fn=loss_fn)
     print(f"{'step':>4}  {'loss':>12}  {'reference':>12}  {'|diff|':>9}  {'time ms':>8}")
     for s, (a, b, t) in enumerate(zip(result.losses, ref.losses, result.step_times, strict=True)):
         print(f"{s + 1:>4}  {a:>12.6f}  {b:>12.6f}  {abs(a - b):>9.2e}  {t * 1e3:>8.2f}")
@@ -81,15 +159,24 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     run = sub.add_parser("run", help="train a strategy on local workers")
     run.add_argument("strategy", help="JSON list of directives (Piper's format)")
-    run.add_argument("--model", choices=MODELS, default="tiny_gpt")
-    run.add_argument("--tied", action="store_true", help="tie the embeddings (GPT models)")
+    run.add_argument("--model", default="tiny_gpt", metavar="NAME|MODULE:FUNCTION", help=MODEL_HELP)
+    run.add_argument("--tied", action="store_true", help="tie the embeddings (built-in GPT models)")
     run.add_argument("--devices", type=int, default=2)
     run.add_argument("--steps", type=int, default=5)
-    run.add_argument("--batch-size", type=int, default=16)
+    run.add_argument("--batch-size", type=int, default=None,
+                     help=f"batch of a built-in model (default {DEFAULT_BATCH_SIZE}); "
+                          "a user function returns its own batch")
     run.add_argument("--optimizer", choices=("sgd", "adamw"), default="adamw")
     run.add_argument("--lr", type=float, default=1e-3)
     run.add_argument("--out", default="piper_nb_out")
     args = parser.parse_args(argv)
+    if ":" in args.model:
+        for flag, given in (("--batch-size", args.batch_size is not None), ("--tied", args.tied)):
+            if given:
+                run.error(f"{flag} applies to the built-in models only; {args.model} builds its own")
+    elif args.model not in MODELS:
+        run.error(f"--model {args.model!r}: choose one of {', '.join(MODELS)} or name your own "
+                  "as package.module:function")
     from piper_nb.errors import PlanError, RuntimeFailure
     try:
         return _run(args)

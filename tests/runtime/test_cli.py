@@ -4,12 +4,14 @@ the measured timeline."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 import piper_nb as pn
-from piper_nb.__main__ import main, stage_count
+from piper_nb.__main__ import load_user_model, main, stage_count
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
@@ -45,3 +47,128 @@ def test_cli_reports_plan_errors(tmp_path, capsys):
     assert main(["run", str(bad), "--model", "mlp", "--devices", "1", "--out",
                  str(tmp_path / "o")]) == 2
     assert "unknown op" in capsys.readouterr().err
+
+
+USER_MODULE = '''
+import piper_nb as pn
+
+
+def build():
+    m = pn.models.MLP(dim=8, depth=2)
+    return m, m.example_batch(batch_size=8, seed=0)
+
+
+def build_with_loss():
+    m, batch = build()
+    return m, batch, lambda out, target: (out - target).abs().mean()
+
+
+def wrong_count():
+    return build()[0]
+
+
+def wrong_batch():
+    m, (x, y) = build()
+    return m, [x, y, y]
+
+
+def no_loss():
+    import torch
+    m = torch.nn.Sequential(torch.nn.Linear(8, 8))
+    return m, (torch.zeros(8, 8), torch.zeros(8, 8))
+
+
+def needs_args(size):
+    return build()
+
+
+not_callable = 3
+'''
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(180)
+def test_cli_runs_a_user_model_function(tmp_path):
+    """`--model mymod:build` imports mymod from the current directory, in a real subprocess."""
+    (tmp_path / "mymod.py").write_text(USER_MODULE)
+    out = tmp_path / "run"
+    proc = subprocess.run([sys.executable, "-m", "piper_nb", "run", str(EXAMPLES / "pp2_1f1b.json"),
+                           "--model", "mymod:build", "--devices", "2", "--steps", "2",
+                           "--optimizer", "sgd", "--lr", "0.1", "--out", str(out)],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=170)
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-4000:]
+    rows = [line.split() for line in proc.stdout.splitlines() if line.strip()[:1].isdigit()]
+    assert [r[0] for r in rows] == ["1", "2"]
+    for _, loss, ref, diff, _ in rows:
+        assert float(loss) == pytest.approx(float(ref), abs=1e-5) and float(diff) < 1e-5
+    assert float(rows[1][1]) < float(rows[0][1])  # it trains
+    for name in ("timeline.html", "trace.json", "plan.txt", "losses.json"):
+        assert (out / name).stat().st_size > 0, name
+    saved = json.loads((out / "losses.json").read_text())
+    assert saved["losses"] == pytest.approx(saved["reference"], abs=1e-5)
+    # the batch is the user's own: 8 samples over 4 microbatches of the 1F1B example
+    assert (out / "plan.txt").read_text().startswith("dev0")
+
+
+@pytest.fixture
+def user_module(tmp_path, monkeypatch):
+    """A uniquely named user module in tmp_path, the working directory; sys.path restored."""
+    name = f"user_model_{abs(hash(str(tmp_path)))}"
+    (tmp_path / f"{name}.py").write_text(USER_MODULE)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    yield name
+    sys.modules.pop(name, None)
+
+
+def _exit_message(argv) -> str:
+    with pytest.raises(SystemExit) as info:
+        main(argv)
+    return str(info.value)
+
+
+def test_load_user_model_imports_from_the_working_directory(user_module):
+    model, batch, loss_fn = load_user_model(f"{user_module}:build")
+    assert isinstance(model, pn.models.MLP) and loss_fn is None
+    assert [tuple(t.shape) for t in batch] == [(8, 8), (8, 8)]
+    model, batch, loss_fn = load_user_model(f"{user_module}:build_with_loss")
+    assert float(loss_fn(batch[1], batch[1])) == 0.0
+
+
+@pytest.mark.parametrize("target, expected", [
+    ("no_such_module_xyz:build", "no module named 'no_such_module_xyz'"),
+    ("no_such_pkg_xyz.mod:build", "no module named 'no_such_pkg_xyz'"),
+    ("{mod}:missing", "has no 'missing'"),
+    ("{mod}:not_callable", "is not callable (int); name a function returning (model, batch) or (model, "),
+    ("{mod}:needs_args", "must be callable with no arguments"),
+    ("{mod}:wrong_count", "must return (model, batch) or (model, batch, loss_fn), got MLP"),
+    ("{mod}:wrong_batch", "batch an (inputs, targets) pair of tensors, got a 3-list"),
+    ("{mod}:no_loss", "has no loss_fn method; return (model, batch, loss_fn)"),
+    ("{mod}:", "expected package.module:function"),
+])
+def test_cli_user_model_errors_name_what_was_expected(user_module, tmp_path, target, expected):
+    message = _exit_message(["run", str(EXAMPLES / "pp2_1f1b.json"), "--model",
+                             target.format(mod=user_module), "--out", str(tmp_path / "o")])
+    assert expected in message
+    assert not (tmp_path / "o").exists()
+
+
+def test_cli_rejects_builtin_only_flags_and_unknown_names(user_module, tmp_path, capsys):
+    strategy = str(EXAMPLES / "pp2_1f1b.json")
+    for flags in (["--batch-size", "8"], ["--tied"]):
+        with pytest.raises(SystemExit) as info:
+            main(["run", strategy, "--model", f"{user_module}:build", *flags])
+        assert info.value.code == 2
+        assert f"{flags[0]} applies to the built-in models only" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as info:
+        main(["run", strategy, "--model", "resnet"])
+    assert info.value.code == 2
+    assert "choose one of tiny_gpt, mlp, tiny_moe or name your own" in capsys.readouterr().err
+
+
+def test_cli_help_documents_user_models(capsys):
+    with pytest.raises(SystemExit):
+        main(["run", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "package.module:function" in text and "(model, batch, loss_fn)" in text
+    assert "defaults to model.loss_fn" in text
