@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from piper_nb.capture.loss import compute_loss, resolve_loss
 from piper_nb.errors import PlanError
 from piper_nb.optim import check_optimizer
 from piper_nb.runtime.bundle import param_aliases
@@ -153,9 +154,7 @@ def reference_train(model: nn.Module, batch, steps: int, microbatches: int, opti
     """Single-process training of a deep copy of `model`, microbatch by microbatch."""
     check_optimizer(optimizer, "reference_train")
     model = copy.deepcopy(model).train()
-    loss_fn = loss_fn if loss_fn is not None else getattr(model, "loss_fn", None)
-    if loss_fn is None:
-        raise PlanError("the model has no loss_fn: pass loss_fn= to reference_train")
+    loss_fn = resolve_loss(model, loss_fn, "reference_train")
     params = dict(model.named_parameters())
     state: dict[str, dict] = {n: {} for n in params}
     it = iter(_batches(batch, steps))
@@ -173,7 +172,7 @@ def reference_train(model: nn.Module, batch, steps: int, microbatches: int, opti
         for mb in range(microbatches):
             sl = slice(mb * chunk, (mb + 1) * chunk)
             start = time.perf_counter() - t0
-            loss = loss_fn(model(inputs[sl]), targets[sl])
+            loss = compute_loss(model, loss_fn, inputs[sl], targets[sl])
             mid = time.perf_counter() - t0
             torch.autograd.backward(loss, torch.full_like(loss, scale))
             total += float(loss.detach().double() * scale)

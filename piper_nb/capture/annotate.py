@@ -38,14 +38,16 @@ class Spec:
             tags.update(self.module_tags.get(".".join(parts[:i]), {}))
         return tags
 
-    def capture(self, loss_fn: Callable | None = None, example: tuple | None = None):
+    def capture(self, loss_fn: Callable | None = None, example: tuple | None = None,
+                method: str = "auto"):
+        """The model cut into regions (cached per loss function and front end); `example`,
+        an (inputs, targets) batch, lets models torch.fx cannot trace be exported."""
+        from piper_nb.capture.loss import resolve_loss
         from piper_nb.capture.split import capture_regions
-        loss_fn = loss_fn if loss_fn is not None else getattr(self.model, "loss_fn", None)
-        if loss_fn is None:
-            raise PlanError("the model has no loss_fn: pass loss_fn= to pn.compile")
-        key = id(loss_fn) if not hasattr(loss_fn, "__func__") else id(loss_fn.__func__)
+        loss_fn = resolve_loss(self.model, loss_fn, "pn.compile")
+        key = (id(loss_fn) if not hasattr(loss_fn, "__func__") else id(loss_fn.__func__), method)
         if key not in self._captures:
-            self._captures[key] = capture_regions(self, loss_fn)
+            self._captures[key] = capture_regions(self, loss_fn, example, method)
         return self._captures[key]
 
     def __repr__(self) -> str:

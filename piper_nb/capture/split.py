@@ -22,7 +22,6 @@ Assigning ops to regions (tags, segment) lives in `capture.segments`.
 from __future__ import annotations
 
 import math
-import operator
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -30,7 +29,8 @@ import torch
 import torch.fx as fx
 from torch import nn
 
-from piper_nb.capture.region import current_region_tags, tracing_scope
+from piper_nb.capture.export import custom_op_modules, rematerialize
+from piper_nb.capture.front import FrontEnd, front_end
 from piper_nb.capture.segments import assign_regions
 from piper_nb.errors import PlanError
 from piper_nb.ir.filters import SEG, Tags, freeze_tags, tags_text
@@ -71,6 +71,8 @@ class Capture:
     producer: dict[str, int]                   # value -> region index (-1: the batch)
     consumers: dict[str, tuple[int, ...]]      # value -> reading regions
     tied: dict[str, tuple[int, ...]] = field(default_factory=dict)  # param -> regions
+    method: str = "fx"                         # the front end: "fx" or "export"
+    imports: tuple[str, ...] = ()              # modules registering custom ops the regions call
 
     def region_of_tags(self, tags: dict) -> int:
         key = freeze_tags(tags)
@@ -78,63 +80,6 @@ class Capture:
             if r.tags == key:
                 return r.index
         raise KeyError(tags)
-
-
-class _WithLoss(nn.Module):
-    def __init__(self, model: nn.Module, loss_fn: Callable):
-        super().__init__()
-        self.model = model
-        self._loss_fn = loss_fn
-
-    def forward(self, inputs, targets):
-        return self._loss_fn(self.model(inputs), targets)
-
-
-class _Tracer(fx.Tracer):
-    def create_node(self, kind, target, args, kwargs, name=None, type_expr=None):
-        node = super().create_node(kind, target, args, kwargs, name, type_expr)
-        node.meta["pn_tags"] = current_region_tags()
-        return node
-
-
-def _module_path(node: fx.Node) -> str:
-    stack = node.meta.get("nn_module_stack") or {}
-    path = next(reversed(stack), "") if stack else ""
-    if node.op == "call_module":
-        path = str(node.target)
-    return path.removeprefix("model.").removeprefix("model") if path.startswith("model") else path
-
-
-def _trace(model: nn.Module, loss_fn: Callable) -> fx.GraphModule:
-    root = _WithLoss(model, loss_fn)
-    with tracing_scope():
-        try:
-            graph = _Tracer().trace(root)
-        except Exception as err:  # fx raises many kinds; the user needs the reason
-            raise PlanError(f"could not trace {type(model).__name__} with torch.fx: {err}. "
-                            "Regions are found by tracing; avoid Python control flow on tensor "
-                            "values inside forward()") from err
-    return fx.GraphModule(root, graph)
-
-
-_SIZE_METHODS = frozenset({"size", "dim", "ndimension", "numel", "nelement"})
-_SIZE_ATTRS = frozenset({"shape", "ndim"})
-_ARITH = frozenset({operator.getitem, operator.add, operator.sub, operator.mul,
-                    operator.floordiv, operator.truediv, operator.mod, operator.neg, operator.pow})
-
-
-def _size_nodes(nodes: list[fx.Node]) -> set[fx.Node]:
-    """Nodes that surely compute sizes (ints, torch.Size), not tensors: `x.shape`,
-    `x.size(-1)`, `x.shape[0] * 2`. When one crosses regions it is packed into a tensor."""
-    out: set[fx.Node] = set()
-    for n in nodes:
-        if ((n.op == "call_method" and n.target in _SIZE_METHODS)
-                or (n.op == "call_function" and n.target is getattr
-                    and len(n.args) == 2 and n.args[1] in _SIZE_ATTRS)
-                or (n.op == "call_function" and n.target in _ARITH and n.all_input_nodes
-                    and all(a in out for a in n.all_input_nodes))):
-            out.add(n)
-    return out
 
 
 _SIZE_DTYPE, _INT_DTYPE = torch.uint8, torch.int8
@@ -178,34 +123,48 @@ def _strip(target: str) -> str:
     return target.removeprefix("model.")
 
 
-def capture_regions(spec, loss_fn: Callable) -> Capture:
-    """Trace `spec.model` with `loss_fn` and split it into one GraphModule per region."""
+def capture_regions(spec, loss_fn: Callable, example: tuple | None = None,
+                    method: str = "auto") -> Capture:
+    """Capture `spec.model` with `loss_fn` and split it into one GraphModule per region."""
     model = spec.model
-    gm = _trace(model, loss_fn)
+    front = front_end(model, loss_fn, example, method)
+    gm = front.gm
     nodes = list(gm.graph.nodes)
-    own = _own_tags(spec, gm, nodes)
+    own = _own_tags(spec, gm, nodes, front.module_path)
     # a tag combination re-entered after a region that depends on it (MoE: dispatch ->
     # experts -> combine) starts a new segment, so the region graph stays acyclic
     region_of, tags_of_region = assign_regions(nodes, own)
-    holdings = _region_holdings(model, gm, nodes, region_of, tags_of_region)
-    flow = _cross_region_values(nodes, region_of)
+    if front.method == "export" and _recompute_free_values(model, gm, region_of):
+        nodes = list(gm.graph.nodes)
+        own = _own_tags(spec, gm, nodes, front.module_path)
+        region_of, tags_of_region = assign_regions(nodes, own)
+    holdings = _region_holdings(model, gm, nodes, region_of, tags_of_region, front)
+    flow = _cross_region_values(nodes, region_of, front.size_nodes)
     regions, modules = _build_regions(gm, nodes, region_of, tags_of_region, holdings, flow)
     name_map = flow.name_map
     return Capture(model=model, loss_fn=loss_fn, regions=tuple(regions), modules=tuple(modules),
                    producer={name_map.get(v, v): p for v, p in flow.producer.items()},
                    consumers={name_map.get(v, v): tuple(sorted(cs))
                               for v, cs in flow.consumers.items()},
-                   tied=holdings.tied)
+                   tied=holdings.tied, method=front.method,
+                   imports=custom_op_modules(modules) if front.method == "export" else ())
 
 
-def _own_tags(spec, gm: fx.GraphModule, nodes: list[fx.Node]) -> dict[fx.Node, dict]:
+def _recompute_free_values(model: nn.Module, gm: fx.GraphModule, region_of) -> int:
+    """Masks, rotary tables and position ids are recomputed where read, not sent."""
+    params = {"model." + n for n, _ in model.named_parameters(remove_duplicate=False)}
+    return rematerialize(gm, region_of, params)
+
+
+def _own_tags(spec, gm: fx.GraphModule, nodes: list[fx.Node],
+              module_path: Callable[[fx.Node], str]) -> dict[fx.Node, dict]:
     """Own tags of each op (module annotations + pn.region scopes); untagged params fail."""
     own: dict[fx.Node, dict] = {}
     untagged: set[str] = set()
     for n in nodes:
         if n.op in ("placeholder", "output", "get_attr"):
             continue
-        path = _module_path(n)
+        path = module_path(n)
         tags = {**spec.tags_of(path), **n.meta.get("pn_tags", {})}
         if tags:
             own[n] = tags
@@ -232,9 +191,12 @@ class _Holdings:
 
 
 def _region_holdings(model: nn.Module, gm: fx.GraphModule, nodes: list[fx.Node],
-                     region_of: dict[fx.Node, int], tags_of_region: dict[int, Tags]) -> _Holdings:
-    """Modules, parameters (call_module + get_attr) and buffers of each region, tied params."""
+                     region_of: dict[fx.Node, int], tags_of_region: dict[int, Tags],
+                     front: FrontEnd) -> _Holdings:
+    """Modules, parameters (call_module + get_attr) and buffers of each region, tied params.
+    A get_attr that is neither (a constant made in forward) stays with the region's code."""
     params = dict(model.named_parameters(remove_duplicate=False))
+    buffers = {name for name, _ in model.named_buffers(remove_duplicate=False)}
     param_ids: dict[int, list[str]] = {}
     for name, p in params.items():
         param_ids.setdefault(id(p), []).append(name)
@@ -258,8 +220,10 @@ def _region_holdings(model: nn.Module, gm: fx.GraphModule, nodes: list[fx.Node],
             for r in users:
                 if obj is not None:
                     region_params[r][canonical[id(obj)]] = None
-                else:
+                elif target in buffers:
                     region_buffers[r][target] = None
+        elif front.method == "export" and n in region_of and front.module_path(n):
+            region_modules[region_of[n]][front.module_path(n)] = None
     return _Holdings(region_modules, region_params, region_buffers,
                      _tied_params(param_ids, region_params))
 
@@ -290,7 +254,8 @@ class _Dataflow:
     loss_node: fx.Node
 
 
-def _cross_region_values(nodes: list[fx.Node], region_of: dict[fx.Node, int]) -> _Dataflow:
+def _cross_region_values(nodes: list[fx.Node], region_of: dict[fx.Node, int],
+                         size_nodes: Callable[[list[fx.Node]], set[fx.Node]]) -> _Dataflow:
     """The values that cross regions (batch inputs included), who produces and reads them."""
     producer: dict[str, int] = {}
     consumers: dict[str, set[int]] = {}
@@ -311,7 +276,7 @@ def _cross_region_values(nodes: list[fx.Node], region_of: dict[fx.Node, int]) ->
                 consumers.setdefault(a.name, set()).add(r)
     placeholders = [n.name for n in nodes if n.op == "placeholder"]
     name_map = dict(zip(placeholders, (BATCH_INPUT, BATCH_TARGET), strict=True))
-    return _Dataflow(producer, consumers, name_map, _size_nodes(nodes), loss_node)
+    return _Dataflow(producer, consumers, name_map, size_nodes(nodes), loss_node)
 
 
 def _build_regions(gm: fx.GraphModule, nodes: list[fx.Node], region_of: dict[fx.Node, int],

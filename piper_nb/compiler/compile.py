@@ -141,23 +141,27 @@ def _place_replicas(dag: TrainingDAG, replicates: list[tuple[int, Replicate]]) -
 
 
 def compile(spec: Spec, program: Program | Iterable, batch, *, loss_fn: Callable | None = None,
-            world: int | None = None, check: bool = True) -> Plan:
-    """Compile `program` for `spec` on `batch` into a checked Plan (raises PlanError)."""
+            world: int | None = None, check: bool = True, capture: str = "auto") -> Plan:
+    """Compile `program` for `spec` on `batch` into a checked Plan (raises PlanError).
+
+    `capture` picks the front end that cuts the model into regions: "fx" (symbolic
+    tracing), "export" (`torch.export`, non-strict, on `batch`: any model whose forward
+    runs, Hugging Face models among them) or "auto" (fx, else export)."""
     enabled = gc.isenabled()
     gc.disable()  # large plans allocate millions of small immutable values; none form cycles
     try:
-        return _compile(spec, program, batch, loss_fn, world, check)
+        return _compile(spec, program, batch, loss_fn, world, check, capture)
     finally:
         if enabled:
             gc.enable()
 
 
-def _compile(spec, program, batch, loss_fn, world, check) -> Plan:
+def _compile(spec, program, batch, loss_fn, world, check, method) -> Plan:
     if not isinstance(spec, Spec):
         raise PlanError("compile takes the Spec returned by pn.annotate(model, {...})")
     inputs, targets = _check_batch(batch)
     directives = expand(program)
-    capture = spec.capture(loss_fn)
+    capture = spec.capture(loss_fn, (inputs, targets), method)
     bsz = inputs.shape[0]
     micro = _microbatches(directives, bsz)
     frozen = frozenset(n for n, p in capture.model.named_parameters() if not p.requires_grad)

@@ -11,16 +11,18 @@ regions on one device share one tensor per parameter, as the original model did.
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import pickle
 from dataclasses import dataclass
 
 import torch
+import torch.fx as fx
 from torch import nn
 
 from piper_nb.errors import PlanError
 
 __all__ = ["Bundle", "make_bundle", "load_bundle", "bind_params", "direct_calls",
-           "param_aliases"]
+           "param_aliases", "to_device"]
 
 
 @dataclass
@@ -48,11 +50,43 @@ def make_bundle(plan) -> bytes:
                         "compile it with pn.compile(spec, program, batch) to train it")
     tables = dataclasses.replace(plan, dag=None, program=None, capture=None)
     init = {n: p.detach().clone() for n, p in cap.model.named_parameters()}
-    return pickle.dumps(Bundle(tables, tuple(cap.modules), init, param_aliases(cap.model)))
+    inner = pickle.dumps(Bundle(tables, tuple(cap.modules), init, param_aliases(cap.model)))
+    return pickle.dumps((tuple(getattr(cap, "imports", ())), inner))
 
 
 def load_bundle(blob: bytes) -> Bundle:
-    return pickle.loads(blob)
+    imports, inner = pickle.loads(blob)
+    for name in imports:
+        try:
+            importlib.import_module(name)
+        except ImportError as err:
+            raise PlanError(f"the plan's regions call ops registered by {name}, which this "
+                            f"worker cannot import ({err}); install the same packages on "
+                            "every worker") from None
+    return pickle.loads(inner)
+
+
+def to_device(module: nn.Module, device: torch.device) -> nn.Module:
+    """`module.to(device)`, and in a region graph the devices the capture wrote into its
+    ops (torch.export records `arange(..., device=cpu)`, `x.to(cpu)`) rewritten to
+    `device`, so a region captured on the CPU runs on a GPU."""
+    module = module.to(device)
+    graph = getattr(module, "graph", None)
+    if graph is None or device.type == "cpu":
+        return module
+    def move(a):
+        return device if isinstance(a, torch.device) and a.type == "cpu" else a
+
+    changed = False
+    for node in graph.nodes:
+        if node.op == "call_function":
+            args, kwargs = fx.node.map_aggregate(node.args, move), fx.node.map_aggregate(
+                node.kwargs, move)
+            if args != node.args or kwargs != node.kwargs:
+                node.args, node.kwargs, changed = args, kwargs, True
+    if changed:
+        module.recompile()
+    return module
 
 
 def direct_calls(module: nn.Module) -> nn.Module:

@@ -21,7 +21,7 @@ import torch
 from piper_nb.capture.split import BATCH_INPUT, BATCH_TARGET
 from piper_nb.ir.kinds import P2P, PASSES
 from piper_nb.runtime.buffers import Buffers
-from piper_nb.runtime.bundle import Bundle, bind_params, direct_calls
+from piper_nb.runtime.bundle import Bundle, bind_params, direct_calls, to_device
 from piper_nb.runtime.comm import Comm, Pending
 from piper_nb.runtime.compute import ComputePasses
 from piper_nb.runtime.exchange import TokenExchange
@@ -55,7 +55,7 @@ class Worker(ComputePasses):
                                 frozenset(plan.frozen))
         self.modules = {}
         for r in regions:
-            mod = bundle.modules[r].to(device)
+            mod = to_device(bundle.modules[r], device)
             bind_params(mod, self.store.params, bundle.aliases)
             self.modules[r] = mod.train()
         self.buffers = Buffers(plan, self.modules, self.instrs)

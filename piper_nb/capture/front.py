@@ -1,0 +1,114 @@
+"""The two front ends that turn model + loss into one graph: torch.fx and torch.export.
+
+fx symbolic tracing is fast and serves the models written for it (and `pn.region` scopes);
+`torch.export` (non-strict, `capture.export`) runs the real forward on the example batch
+and serves models whose Python branches fx cannot follow, Hugging Face models among them.
+Each front end also says how to read its graph: the module path a node ran in, and which
+nodes compute sizes rather than tensors. `capture="auto"` (the default) tries fx first and
+falls back to export, so a model fx handles is captured as before, in milliseconds.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch.fx as fx
+from torch import nn
+
+from piper_nb.capture.export import export_graph, export_module_path, export_size_nodes
+from piper_nb.capture.loss import compute_loss
+from piper_nb.capture.region import current_region_tags, tracing_scope
+from piper_nb.errors import PlanError
+
+__all__ = ["FrontEnd", "front_end", "METHODS"]
+
+
+class _WithLoss(nn.Module):
+    def __init__(self, model: nn.Module, loss_fn: Callable):
+        super().__init__()
+        self.model = model
+        self._loss_fn = loss_fn
+
+    def forward(self, inputs, targets):
+        return compute_loss(self.model, self._loss_fn, inputs, targets)
+
+
+class _Tracer(fx.Tracer):
+    def create_node(self, kind, target, args, kwargs, name=None, type_expr=None):
+        node = super().create_node(kind, target, args, kwargs, name, type_expr)
+        node.meta["pn_tags"] = current_region_tags()
+        return node
+
+
+def _module_path(node: fx.Node) -> str:
+    stack = node.meta.get("nn_module_stack") or {}
+    path = next(reversed(stack), "") if stack else ""
+    if node.op == "call_module":
+        path = str(node.target)
+    return path.removeprefix("model.").removeprefix("model") if path.startswith("model") else path
+
+
+def _trace(root: nn.Module, name: str) -> fx.GraphModule:
+    with tracing_scope():
+        try:
+            graph = _Tracer().trace(root)
+        except Exception as err:  # fx raises many kinds; the user needs the reason
+            raise PlanError(f"could not trace {name} with torch.fx: {err}. "
+                            "Regions are found by tracing; avoid Python control flow on tensor "
+                            "values inside forward(), or give pn.compile the batch so it can "
+                            "capture by torch.export (capture='export')") from err
+    return fx.GraphModule(root, graph)
+
+
+@dataclass(frozen=True)
+class FrontEnd:
+    """A captured graph and how to read it: module path of a node, which nodes are sizes."""
+
+    method: str
+    gm: fx.GraphModule
+    module_path: Callable[[fx.Node], str]
+    size_nodes: Callable[[list[fx.Node]], set[fx.Node]]
+
+
+METHODS = ("auto", "fx", "export")
+
+
+def front_end(model: nn.Module, loss_fn: Callable, example: tuple | None,
+               method: str) -> FrontEnd:
+    """fx symbolic tracing (fast: the models written for it), or torch.export (any model
+    whose forward runs on the example batch); "auto" tries fx, then export."""
+    if method not in METHODS:
+        raise PlanError(f"capture={method!r}: choose one of {', '.join(METHODS)}")
+    root, name = _WithLoss(model, loss_fn), type(model).__name__
+    if method != "export":
+        try:
+            return FrontEnd("fx", _trace(root, name), _module_path, _size_nodes)
+        except PlanError:
+            if method == "fx" or example is None:
+                raise
+    if example is None:
+        raise PlanError("capture='export' needs the example batch: pass it to spec.capture")
+    return FrontEnd("export", export_graph(root, example, name), export_module_path,
+                     export_size_nodes)
+
+
+_SIZE_METHODS = frozenset({"size", "dim", "ndimension", "numel", "nelement"})
+_SIZE_ATTRS = frozenset({"shape", "ndim"})
+_ARITH = frozenset({operator.getitem, operator.add, operator.sub, operator.mul,
+                    operator.floordiv, operator.truediv, operator.mod, operator.neg, operator.pow})
+
+
+def _size_nodes(nodes: list[fx.Node]) -> set[fx.Node]:
+    """Nodes that surely compute sizes (ints, torch.Size), not tensors: `x.shape`,
+    `x.size(-1)`, `x.shape[0] * 2`. When one crosses regions it is packed into a tensor."""
+    out: set[fx.Node] = set()
+    for n in nodes:
+        if ((n.op == "call_method" and n.target in _SIZE_METHODS)
+                or (n.op == "call_function" and n.target is getattr
+                    and len(n.args) == 2 and n.args[1] in _SIZE_ATTRS)
+                or (n.op == "call_function" and n.target in _ARITH and n.all_input_nodes
+                    and all(a in out for a in n.all_input_nodes))):
+            out.add(n)
+    return out

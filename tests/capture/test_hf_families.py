@@ -1,0 +1,102 @@
+"""Hugging Face models, dense and mixture-of-experts, built from tiny configs with random
+weights, captured by torch.export and trained like one process: Llama, Qwen3, GPT-2 (tied
+embeddings), Mixtral and Qwen3-MoE, each under PP2 1F1B, PP2 x DP2 with ZeRO-1 and ZeRO-3,
+and DualPipeV on 2 ranks. The loss is the model's own (`forward(input_ids, labels=...)`),
+no loss_fn given; dropout is off, as equality with the reference needs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import piper_nb as pn
+
+transformers = pytest.importorskip("transformers")
+
+pytestmark = pytest.mark.dist
+
+VOCAB, SEQ, BATCH, STEPS = 64, 8, 8, 2
+_COMMON = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+               attn_implementation="eager")
+
+
+def llama():
+    return transformers.LlamaForCausalLM(transformers.LlamaConfig(**_COMMON))
+
+
+def qwen3():
+    return transformers.Qwen3ForCausalLM(transformers.Qwen3Config(head_dim=8, **_COMMON))
+
+
+def gpt2():
+    return transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        vocab_size=VOCAB, n_embd=32, n_layer=4, n_head=4, n_positions=64, resid_pdrop=0.0,
+        embd_pdrop=0.0, attn_pdrop=0.0, attn_implementation="eager"))
+
+
+def mixtral():
+    return transformers.MixtralForCausalLM(transformers.MixtralConfig(
+        num_local_experts=4, num_experts_per_tok=2, **_COMMON))
+
+
+def qwen3_moe():
+    return transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(
+        num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, decoder_sparse_step=1,
+        head_dim=8, **_COMMON))
+
+
+FAMILIES = {"llama": llama, "qwen3": qwen3, "gpt2": gpt2, "mixtral": mixtral,
+            "qwen3_moe": qwen3_moe}
+
+
+def stages(name: str, n: int) -> dict:
+    """Layer i of 4 on stage i * n // 4; the embeddings on the first, the head on the last."""
+    base = "transformer" if name == "gpt2" else "model"
+    layers = "h" if name == "gpt2" else "layers"
+    ann = {f"{base}.{layers}.{i}": {"PP": i * n // 4} for i in range(4)}
+    first = ["transformer.wte", "transformer.wpe"] if name == "gpt2" else ["model.embed_tokens"]
+    last = ["transformer.ln_f", "lm_head"] if name == "gpt2" else ["model.norm", "lm_head"]
+    return {**{p: {"PP": 0} for p in first}, **ann, **{p: {"PP": n - 1} for p in last}}
+
+
+def pp_dp(zero: int) -> list:
+    return [pn.place({"PP": 0}, [0, 2]), pn.place({"PP": 1}, [1, 3]),
+            pn.replicate({"PP": 0}, [0, 2], zero=zero), pn.replicate({"PP": 1}, [1, 3], zero=zero),
+            *pn.schedules.one_f_one_b(ranks=2, microbatches=4)]
+
+
+STRATEGIES = {
+    "pp2_1f1b": (2, lambda: [pn.place({"PP": 0}, [0]), pn.place({"PP": 1}, [1]),
+                             *pn.schedules.one_f_one_b(ranks=2, microbatches=4)]),
+    "pp2_dp2_zero1": (2, lambda: pp_dp(1)),
+    "pp2_dp2_zero3": (2, lambda: pp_dp(3)),
+    "dualpipev": (4, lambda: pn.schedules.dualpipev(ranks=2, microbatches=4, place=True)),
+}
+
+
+def batch():
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
+    return ids, torch.roll(ids, -1, dims=1)
+
+
+@pytest.mark.parametrize("strategy", list(STRATEGIES))
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_family_trains_like_one_process(family, strategy, cluster2, cluster4, one_thread):
+    torch.manual_seed(0)
+    model = FAMILIES[family]()
+    n_stages, program = STRATEGIES[strategy]
+    plan = pn.compile(pn.annotate(model, stages(family, n_stages)), program(), batch())
+    assert plan.capture.method == "export"
+    cluster = cluster4 if plan.world == 4 else cluster2
+    opt = pn.optim.SGD(lr=0.05, momentum=0.9)
+    got = pn.train(plan, batch(), steps=STEPS, optimizer=opt, cluster=cluster)
+    ref = pn.reference_train(model, batch(), steps=STEPS, microbatches=4, optimizer=opt)
+    torch.testing.assert_close(torch.tensor(got.losses), torch.tensor(ref.losses),
+                               rtol=1e-5, atol=1e-6)
+    mine, theirs = got.state_dict(), ref.state_dict()
+    assert mine.keys() == theirs.keys()
+    for k in theirs:
+        torch.testing.assert_close(mine[k], theirs[k], rtol=1e-5, atol=1e-6,
+                                   msg=lambda m, k=k: f"{k}: {m}")
