@@ -11,12 +11,13 @@ from __future__ import annotations
 import copy
 import os
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
+from piper_nb.capture.batch import batch_size, named_batch, ordered, slice_batch
 from piper_nb.capture.loss import compute_loss, resolve_loss
 from piper_nb.errors import PlanError
 from piper_nb.optim import check_optimizer
@@ -56,19 +57,21 @@ class Result:
 
 
 def _batches(batch_or_loader, steps: int) -> Iterable:
-    if isinstance(batch_or_loader, (tuple, list)) and len(batch_or_loader) == 2 and all(
-            isinstance(t, torch.Tensor) for t in batch_or_loader):
-        return [tuple(batch_or_loader)] * steps
-    return batch_or_loader
+    """One batch ((inputs, targets) or a dict of tensors) repeated, or the loader itself."""
+    one = (isinstance(batch_or_loader, Mapping) and all(
+        isinstance(t, torch.Tensor) for t in batch_or_loader.values())) or (
+        isinstance(batch_or_loader, (tuple, list)) and len(batch_or_loader) == 2 and all(
+            isinstance(t, torch.Tensor) for t in batch_or_loader))
+    return [batch_or_loader] * steps if one else batch_or_loader
 
 
-def _check_batch(batch, size: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
-    if not (isinstance(batch, (tuple, list)) and len(batch) == 2):
-        raise PlanError(f"step {step}: a batch is (inputs, targets), got {type(batch).__name__}")
-    if batch[0].shape[0] != size:
-        raise PlanError(f"step {step}: the batch has {batch[0].shape[0]} samples but the plan was "
-                        f"compiled for {size}; compile with a batch of this size")
-    return batch[0], batch[1]
+def _check_batch(batch, plan, step: int) -> tuple[torch.Tensor, ...]:
+    """The step's tensors in the plan's order, checked against what it was compiled for."""
+    named = named_batch(batch, f"step {step}")
+    if batch_size(named) != plan.batch_size:
+        raise PlanError(f"step {step}: the batch has {batch_size(named)} samples but the plan "
+                        f"was compiled for {plan.batch_size}; compile with a batch of this size")
+    return ordered(named, plan.batch_names, f"step {step}")
 
 
 def train(plan, batch_or_loader, steps: int, optimizer, cluster=None, *,
@@ -113,7 +116,7 @@ def train(plan, batch_or_loader, steps: int, optimizer, cluster=None, *,
                                 f"{start} a checkpoint already trained on")
         for s in range(start + 1, steps + 1):
             try:
-                batch = _check_batch(next(it), plan.batch_size, s)
+                batch = _check_batch(next(it), plan, s)
             except StopIteration:
                 raise PlanError(f"the loader ran out after {s - 1} of {steps} steps") from None
             outs = cluster.step(plan, batch, trace=s == steps)  # memory is counted on the kept step
@@ -161,18 +164,18 @@ def reference_train(model: nn.Module, batch, steps: int, microbatches: int, opti
     losses, times, events, memory = [], [], [], []
     scale = 1.0 / microbatches
     for s in range(1, steps + 1):
-        inputs, targets = next(it)
-        if inputs.shape[0] % microbatches:
+        named = named_batch(next(it), f"reference_train step {s}")
+        if batch_size(named) % microbatches:
             raise PlanError(f"{microbatches} microbatches do not divide the batch of "
-                            f"{inputs.shape[0]}")
-        chunk = inputs.shape[0] // microbatches
+                            f"{batch_size(named)}")
+        chunk = batch_size(named) // microbatches
         events, t0, total = [], time.perf_counter(), 0.0
         for p in params.values():
             p.grad = None
         for mb in range(microbatches):
             sl = slice(mb * chunk, (mb + 1) * chunk)
             start = time.perf_counter() - t0
-            loss = compute_loss(model, loss_fn, inputs[sl], targets[sl])
+            loss = compute_loss(model, loss_fn, slice_batch(named, sl))
             mid = time.perf_counter() - t0
             torch.autograd.backward(loss, torch.full_like(loss, scale))
             total += float(loss.detach().double() * scale)

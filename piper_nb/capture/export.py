@@ -36,19 +36,23 @@ __all__ = ["export_graph", "export_module_path", "export_size_nodes", "remateria
            "custom_op_modules"]
 
 
-def export_graph(root: nn.Module, example: tuple, name: str) -> fx.GraphModule:
-    """`root(inputs, targets) -> loss` exported on `example` with a dynamic batch dimension,
-    unlifted and cleaned (see the module docstring). `name` names the model in errors."""
-    inputs, targets = example
-    if inputs.shape[0] < 2:
+def export_graph(root: nn.Module, example: dict[str, torch.Tensor], name: str
+                 ) -> fx.GraphModule:
+    """`root` (model + loss) exported on the named batch `example` with a dynamic batch
+    dimension, unlifted and cleaned (see the module docstring); its inputs are the batch's
+    tensors in order. `name` names the model in errors."""
+    if next(iter(example.values())).shape[0] < 2:
         raise PlanError(f"capturing {name} by torch.export needs an example batch of at least "
                         "2 samples (a batch of 1 is specialised); use a larger batch")
     batch = torch.export.Dim("batch", min=1, max=1 << 20)
-    dynamic = ({0: batch}, {0: batch} if targets.dim() else None)
+    dims = {k: {0: batch} for k in example}
+    if tuple(example) == ("inputs", "targets"):
+        args, dynamic = tuple(example.values()), tuple(dims.values())
+    else:
+        args, dynamic = (dict(example),), (dims,)
     try:
         with tracing_scope(), fx_traceback.preserve_node_meta():
-            program = torch.export.export(root, (inputs, targets), dynamic_shapes=dynamic,
-                                          strict=False)
+            program = torch.export.export(root, args, dynamic_shapes=dynamic, strict=False)
     except Exception as err:  # export raises many kinds; the user needs the reason and where
         raise PlanError(_export_failure(name, err)) from err
     gm = program.module()
@@ -86,7 +90,7 @@ def _clean(g: fx.Graph) -> None:
     out = next(n for n in g.nodes if n.op == "output")
     (loss,) = out.args[0]                      # the flattened outputs: one loss
     out.args = (loss,)
-    g._codegen = fx.graph.CodeGen()            # a plain (inputs, targets) signature
+    g._codegen = fx.graph.CodeGen()            # one plain input per batch tensor
     for n in g.nodes:                          # pn.region scopes -> the tags capture reads
         custom = n.meta.get("custom")
         if custom:

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch.fx as fx
 from torch import nn
 
+from piper_nb.capture.batch import PAIR
 from piper_nb.capture.export import export_graph, export_module_path, export_size_nodes
 from piper_nb.capture.loss import compute_loss
 from piper_nb.capture.region import current_region_tags, tracing_scope
@@ -26,13 +27,22 @@ __all__ = ["FrontEnd", "front_end", "METHODS"]
 
 
 class _WithLoss(nn.Module):
+    """model + loss on an (inputs, targets) batch: what the graph computes."""
+
     def __init__(self, model: nn.Module, loss_fn: Callable):
         super().__init__()
         self.model = model
         self._loss_fn = loss_fn
 
     def forward(self, inputs, targets):
-        return compute_loss(self.model, self._loss_fn, inputs, targets)
+        return compute_loss(self.model, self._loss_fn, {"inputs": inputs, "targets": targets})
+
+
+class _WithLossOnDict(_WithLoss):
+    """model + loss on a dict batch (export flattens it into one input per key, in order)."""
+
+    def forward(self, batch):
+        return compute_loss(self.model, self._loss_fn, batch)
 
 
 class _Tracer(fx.Tracer):
@@ -75,23 +85,31 @@ class FrontEnd:
 METHODS = ("auto", "fx", "export")
 
 
-def front_end(model: nn.Module, loss_fn: Callable, example: tuple | None,
-               method: str) -> FrontEnd:
+def front_end(model: nn.Module, loss_fn: Callable, example: dict | None,
+              method: str, names: tuple[str, ...] = PAIR) -> FrontEnd:
     """fx symbolic tracing (fast: the models written for it), or torch.export (any model
-    whose forward runs on the example batch); "auto" tries fx, then export."""
+    whose forward runs on the example batch); "auto" tries fx, then export. A dict batch
+    (`names` other than inputs, targets) is always exported."""
     if method not in METHODS:
         raise PlanError(f"capture={method!r}: choose one of {', '.join(METHODS)}")
-    root, name = _WithLoss(model, loss_fn), type(model).__name__
+    name = type(model).__name__
+    if names != PAIR:
+        if method == "fx":
+            raise PlanError("capture='fx' takes (inputs, targets) batches; a dict batch is "
+                            "captured by torch.export (capture='auto' or 'export')")
+        method = "export"
     if method != "export":
         try:
-            return FrontEnd("fx", _trace(root, name), _module_path, _size_nodes)
+            return FrontEnd("fx", _trace(_WithLoss(model, loss_fn), name), _module_path,
+                            _size_nodes)
         except PlanError:
             if method == "fx" or example is None:
                 raise
     if example is None:
         raise PlanError("capture='export' needs the example batch: pass it to spec.capture")
+    root = _WithLoss(model, loss_fn) if names == PAIR else _WithLossOnDict(model, loss_fn)
     return FrontEnd("export", export_graph(root, example, name), export_module_path,
-                     export_size_nodes)
+                    export_size_nodes)
 
 
 _SIZE_METHODS = frozenset({"size", "dim", "ndimension", "numel", "nelement"})

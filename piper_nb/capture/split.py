@@ -29,6 +29,7 @@ import torch
 import torch.fx as fx
 from torch import nn
 
+from piper_nb.capture.batch import PAIR
 from piper_nb.capture.export import custom_op_modules, rematerialize
 from piper_nb.capture.front import FrontEnd, front_end
 from piper_nb.capture.segments import assign_regions
@@ -38,7 +39,8 @@ from piper_nb.ir.filters import SEG, Tags, freeze_tags, tags_text
 __all__ = ["RegionInfo", "Capture", "capture_regions", "BATCH_INPUT", "BATCH_TARGET", "LOSS",
            "SEG"]
 
-BATCH_INPUT, BATCH_TARGET, LOSS = "inputs", "targets", "loss"
+BATCH_INPUT, BATCH_TARGET = PAIR
+LOSS = "loss"
 
 
 @dataclass(frozen=True)
@@ -72,6 +74,7 @@ class Capture:
     consumers: dict[str, tuple[int, ...]]      # value -> reading regions
     tied: dict[str, tuple[int, ...]] = field(default_factory=dict)  # param -> regions
     method: str = "fx"                         # the front end: "fx" or "export"
+    batch: tuple[str, ...] = PAIR              # the batch's tensors, as the graph reads them
     imports: tuple[str, ...] = ()              # modules registering custom ops the regions call
 
     def region_of_tags(self, tags: dict) -> int:
@@ -123,11 +126,13 @@ def _strip(target: str) -> str:
     return target.removeprefix("model.")
 
 
-def capture_regions(spec, loss_fn: Callable, example: tuple | None = None,
+def capture_regions(spec, loss_fn: Callable, example: dict | None = None,
                     method: str = "auto") -> Capture:
-    """Capture `spec.model` with `loss_fn` and split it into one GraphModule per region."""
+    """Capture `spec.model` with `loss_fn` and split it into one GraphModule per region;
+    `example` is a named batch (`capture.batch.named_batch`)."""
     model = spec.model
-    front = front_end(model, loss_fn, example, method)
+    names = tuple(example) if example is not None else PAIR
+    front = front_end(model, loss_fn, example, method, names)
     gm = front.gm
     nodes = list(gm.graph.nodes)
     own = _own_tags(spec, gm, nodes, front.module_path)
@@ -139,14 +144,14 @@ def capture_regions(spec, loss_fn: Callable, example: tuple | None = None,
         own = _own_tags(spec, gm, nodes, front.module_path)
         region_of, tags_of_region = assign_regions(nodes, own)
     holdings = _region_holdings(model, gm, nodes, region_of, tags_of_region, front)
-    flow = _cross_region_values(nodes, region_of, front.size_nodes)
+    flow = _cross_region_values(nodes, region_of, front.size_nodes, names)
     regions, modules = _build_regions(gm, nodes, region_of, tags_of_region, holdings, flow)
     name_map = flow.name_map
     return Capture(model=model, loss_fn=loss_fn, regions=tuple(regions), modules=tuple(modules),
                    producer={name_map.get(v, v): p for v, p in flow.producer.items()},
                    consumers={name_map.get(v, v): tuple(sorted(cs))
                               for v, cs in flow.consumers.items()},
-                   tied=holdings.tied, method=front.method,
+                   tied=holdings.tied, method=front.method, batch=names,
                    imports=custom_op_modules(modules) if front.method == "export" else ())
 
 
@@ -249,13 +254,14 @@ class _Dataflow:
 
     producer: dict[str, int]          # value -> region index (-1: the batch)
     consumers: dict[str, set[int]]    # value -> reading regions
-    name_map: dict[str, str]          # placeholder name -> BATCH_INPUT / BATCH_TARGET
+    name_map: dict[str, str]          # placeholder name -> the batch tensor's name
     sizes: set[fx.Node]               # nodes computing sizes: packed when they cross
     loss_node: fx.Node
 
 
 def _cross_region_values(nodes: list[fx.Node], region_of: dict[fx.Node, int],
-                         size_nodes: Callable[[list[fx.Node]], set[fx.Node]]) -> _Dataflow:
+                         size_nodes: Callable[[list[fx.Node]], set[fx.Node]],
+                         names: tuple[str, ...]) -> _Dataflow:
     """The values that cross regions (batch inputs included), who produces and reads them."""
     producer: dict[str, int] = {}
     consumers: dict[str, set[int]] = {}
@@ -275,7 +281,11 @@ def _cross_region_values(nodes: list[fx.Node], region_of: dict[fx.Node, int],
                 producer.setdefault(a.name, region_of.get(a, -1))
                 consumers.setdefault(a.name, set()).add(r)
     placeholders = [n.name for n in nodes if n.op == "placeholder"]
-    name_map = dict(zip(placeholders, (BATCH_INPUT, BATCH_TARGET), strict=True))
+    clash = set(names) & {n.name for n in nodes if n.op != "placeholder"}
+    if clash:
+        raise PlanError(f"batch key {sorted(clash)[0]!r} is also the name of a value inside the "
+                        "model; rename that batch entry")
+    name_map = dict(zip(placeholders, names, strict=True))
     return _Dataflow(producer, consumers, name_map, size_nodes(nodes), loss_node)
 
 
@@ -329,9 +339,11 @@ def _region_module(gm: fx.GraphModule, r: int, mine: list[fx.Node], in_names: li
     return fx.GraphModule(gm, g, class_name=f"Region{r}")
 
 
-def run_reference(capture: Capture, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Run the regions in order on one process (used to check the split is faithful)."""
-    values = {BATCH_INPUT: inputs, BATCH_TARGET: targets}
+def run_reference(capture: Capture, inputs, targets: torch.Tensor | None = None
+                  ) -> torch.Tensor:
+    """Run the regions in order on one process (used to check the split is faithful): on
+    `(inputs, targets)`, or on a dict batch given as `inputs`."""
+    values = dict(inputs) if targets is None else {BATCH_INPUT: inputs, BATCH_TARGET: targets}
     loss = None
     for info, mod in zip(capture.regions, capture.modules, strict=True):
         outs = mod(*(values[v] for v in info.inputs))

@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterable
 import torch
 
 from piper_nb.capture.annotate import Spec
+from piper_nb.capture.batch import batch_size, named_batch, slice_batch
 from piper_nb.capture.untouched import untouched
 from piper_nb.compiler.buffers import check_buffer_order, check_buffers
 from piper_nb.compiler.checks import check_plan
@@ -69,16 +70,6 @@ def _guard(idx: int, d: Directive, fn: Callable, *args):
         return fn(*args)
     except PlanError as err:
         raise err.at(idx, d.op) from None
-
-
-def _check_batch(batch) -> tuple[torch.Tensor, torch.Tensor]:
-    if not (isinstance(batch, (tuple, list)) and len(batch) == 2
-            and all(isinstance(t, torch.Tensor) for t in batch)):
-        raise PlanError("batch must be (inputs, targets), two tensors with the batch on dim 0")
-    if batch[0].shape[0] != batch[1].shape[0]:
-        raise PlanError(f"inputs and targets disagree on the batch size: {batch[0].shape[0]} vs "
-                        f"{batch[1].shape[0]}")
-    return batch[0], batch[1]
 
 
 def build_global_dag(capture, directives: list[tuple[int, Directive]], values: dict,
@@ -159,21 +150,21 @@ def compile(spec: Spec, program: Program | Iterable, batch, *, loss_fn: Callable
 def _compile(spec, program, batch, loss_fn, world, check, method) -> Plan:
     if not isinstance(spec, Spec):
         raise PlanError("compile takes the Spec returned by pn.annotate(model, {...})")
-    inputs, targets = _check_batch(batch)
+    named = named_batch(batch, "pn.compile")
     directives = expand(program)
-    capture = spec.capture(loss_fn, (inputs, targets), method)
-    bsz = inputs.shape[0]
+    capture = spec.capture(loss_fn, named, method)
+    bsz = batch_size(named)
     micro = _microbatches(directives, bsz)
     frozen = frozenset(n for n, p in capture.model.named_parameters() if not p.requires_grad)
     # shapes are per replica's share of a microbatch; the replicate directives give the
     # width, unless their regions are placed on smaller groups (a stage's two copies)
     width = max((len(d.devices) for _, d in directives if isinstance(d, Replicate)), default=1)
     width = width if (bsz // micro) % width == 0 else 1
-    shapes = _shapes(capture, directives, inputs, targets, bsz // micro // width)
+    shapes = _shapes(capture, directives, named, bsz // micro // width)
     dag, _ = build_global_dag(capture, directives, shapes["values"], frozen)
     actual = _check_widths(dag, directives, bsz, micro)
     if actual != width:
-        shapes = _shapes(capture, directives, inputs, targets, bsz // micro // actual)
+        shapes = _shapes(capture, directives, named, bsz // micro // actual)
         dag, _ = build_global_dag(capture, directives, shapes["values"], frozen)
     check_buffers(dag, shapes["changed"])
     n_world = _world(dag, directives, world)
@@ -187,7 +178,7 @@ def _compile(spec, program, batch, loss_fn, world, check, method) -> Plan:
         saved_rows=shapes["saved_rows"],
         params={k: (tuple(p.shape), str(p.dtype).removeprefix("torch."))
                 for k, p in capture.model.named_parameters()},
-        frozen=tuple(sorted(frozen)),
+        frozen=tuple(sorted(frozen)), batch_names=capture.batch,
         dag=dag, program=directives, capture=capture)
     check_buffer_order(plan, shapes["changed"])
     if check:
@@ -206,17 +197,17 @@ def _microbatches(directives, bsz: int) -> int:
     return micro
 
 
-def _shapes(capture, directives, inputs, targets, part: int) -> dict:
+def _shapes(capture, directives, named: dict, part: int) -> dict:
     """Run the regions once on `part` samples: value shapes, saved bytes, the buffers each
     forward changes and (for expert plans) the routed rows as symbols."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # tiny tensors: worker threads only get in each other's way
     try:
         with untouched(capture.model):   # the user's buffers and random state stay as they are
-            values, saved, _, changed = propagate(capture, inputs[:part], targets[:part])
+            values, saved, _, changed = propagate(capture, slice_batch(named, slice(part)))
             rows, saved_rows = {}, {}
             if any(isinstance(d, Shard) for _, d in directives):  # routed rows: symbolic
-                rows, saved_rows = token_rows(capture, inputs[:part], targets[:part], saved,
+                rows, saved_rows = token_rows(capture, slice_batch(named, slice(part)), saved,
                                               values)
     finally:
         torch.set_num_threads(threads)

@@ -33,7 +33,6 @@ from piper_nb.ir.kinds import PASSES
 
 __all__ = ["Flow", "Asymmetric"]
 
-_BATCH = frozenset({"inputs", "targets"})   # capture.split's BATCH_INPUT, BATCH_TARGET
 _LOSS = "loss"                              # capture.split's LOSS
 
 
@@ -66,7 +65,7 @@ class Flow:
         readers: dict[str, int] = defaultdict(int)
         for r in plan.regions:
             for v in r.inputs:
-                if v not in _BATCH:
+                if v not in plan.batch_names:
                     readers[v] |= 1 << r.index
         self.expect = {v: m for v, m in readers.items()
                        if v in plan.values and plan.values[v].requires_grad

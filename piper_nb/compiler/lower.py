@@ -357,11 +357,12 @@ def _add_frees(instrs: list[Instr], regions, dag) -> tuple[Instr, ...]:
     now: dict[int, list[str]] = defaultdict(list)
     grad_values = _grad_values(dag)
     gathered, kept = _gathered(dag)
+    made = {v for r in regions for v in r.outputs}     # not the batch: regions make these
     for i, ins in enumerate(instrs):
         reads: list[str] = []
         if ins.kind == "F":
             reads = [f"act:{v}@{ins.mb}" for v in regions[ins.region].inputs
-                     if v not in ("inputs", "targets")]
+                     if v in made]
         elif ins.kind in ("B", "BI"):
             reads = [f"grad:{v}@{ins.mb}" for v in regions[ins.region].outputs if v in grad_values]
         elif ins.kind == "WAIT" and instrs[ins.target].kind == "SEND":

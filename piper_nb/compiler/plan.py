@@ -123,6 +123,7 @@ class Plan:
     saved_rows: dict = field(default_factory=dict)    # region -> {symbol: saved bytes per row}
     params: dict = field(default_factory=dict)        # name -> (shape, dtype)
     frozen: tuple[str, ...] = ()    # parameters without requires_grad: never updated
+    batch_names: tuple[str, ...] = ("inputs", "targets")   # the batch's tensors, in order
     dag: Any = None
     program: Any = None
     capture: Any = None
@@ -180,6 +181,7 @@ class Plan:
             "saved_rows": {str(k): v for k, v in self.saved_rows.items()},
             "params": {k: {"shape": list(s), "dtype": d} for k, (s, d) in self.params.items()},
             "frozen": list(self.frozen),
+            "batch_names": list(self.batch_names),
             "devices": [[i.to_json() for i in dp.instrs] for dp in self.devices],
         }, indent=indent)
 
@@ -206,7 +208,8 @@ class Plan:
                    rows=obj.get("rows", {}),
                    saved_rows={int(k): v for k, v in obj.get("saved_rows", {}).items()},
                    params={k: (tuple(v["shape"]), v["dtype"]) for k, v in obj["params"].items()},
-                   frozen=tuple(obj.get("frozen", ())))
+                   frozen=tuple(obj.get("frozen", ())),
+                   batch_names=tuple(obj.get("batch_names", ("inputs", "targets"))))
 
 
 def _columns(cols: list[list[str]], mark: dict[int, int] | None = None) -> str:

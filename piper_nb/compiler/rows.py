@@ -21,7 +21,6 @@ from __future__ import annotations
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from piper_nb.capture.split import BATCH_INPUT, BATCH_TARGET
 from piper_nb.compiler.shapes import region_args
 
 __all__ = ["token_rows", "captured_rows", "saved_at"]
@@ -62,8 +61,8 @@ class _Saved:
         return t
 
 
-def token_rows(capture, inputs: torch.Tensor, targets: torch.Tensor, saved: dict[int, int],
-               values: dict) -> tuple[dict[str, str], dict[int, dict[str, int]]]:
+def token_rows(capture, batch: dict[str, torch.Tensor], saved: dict[int, int], values: dict,
+               ) -> tuple[dict[str, str], dict[int, dict[str, int]]]:
     """-> (rows: value -> the symbol its first dimension is, saved_rows: region -> bytes per
     row of each symbol its saved bytes depend on). Only data-dependent sizes appear; a
     value whose shape depends on the data past its first dimension is left as captured."""
@@ -82,11 +81,11 @@ def token_rows(capture, inputs: torch.Tensor, targets: torch.Tensor, saved: dict
                 memo[id(t)] = mode.from_tensor(t, static_shapes=True)
             return memo[id(t)]
         exclude: set = set()
-        vals = {BATCH_INPUT: fake(inputs), BATCH_TARGET: fake(targets)}
+        vals = {k: fake(t) for k, t in batch.items()}
         for info, mod in zip(capture.regions, capture.modules, strict=True):
             state = {n: fake(t) for n, t in [*mod.named_parameters(), *mod.named_buffers()]}
             exclude |= {StorageWeakRef(t.untyped_storage()) for t in state.values()}
-            args = region_args(info, vals)
+            args = region_args(info, vals, frozenset(batch))
             counter = _Saved(exclude | {StorageWeakRef(a.untyped_storage()) for a in args})
             with counter.hooks:
                 outs = torch.func.functional_call(mod, state, tuple(args))

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from piper_nb.capture.split import BATCH_INPUT, BATCH_TARGET, LOSS
+from piper_nb.capture.split import LOSS
 from piper_nb.errors import PlanError
 
 __all__ = ["ValueInfo", "random_value", "propagate", "SavedBytes", "region_args"]
@@ -72,29 +72,31 @@ def param_ptrs(capture) -> set[int]:
     return ptrs
 
 
-def region_args(info, vals: dict) -> list[torch.Tensor]:
-    """A region's inputs as its forward takes them: a float value that is not the batch
-    becomes a fresh autograd leaf, as the worker detaches what it receives."""
+def region_args(info, vals: dict, batch: frozenset[str]) -> list[torch.Tensor]:
+    """A region's inputs as its forward takes them: a float value that is not in the batch
+    (names `batch`) becomes a fresh autograd leaf, as the worker detaches what it receives."""
     args = []
     for v in info.inputs:
         t = vals[v]
-        if v not in (BATCH_INPUT, BATCH_TARGET) and t.is_floating_point():
+        if v not in batch and t.is_floating_point():
             t = t.detach().requires_grad_(True)
         args.append(t)
     return args
 
 
-def propagate(capture, inputs: torch.Tensor, targets: torch.Tensor):
+def propagate(capture, batch: dict[str, torch.Tensor]):
     """-> (values: name -> ValueInfo, saved: region -> bytes, loss value, changed: region ->
-    the buffers its forward changes, such as BatchNorm's running statistics). Run inside
-    `capture.untouched` so that the user's model keeps its buffers."""
-    vals: dict[str, torch.Tensor] = {BATCH_INPUT: inputs, BATCH_TARGET: targets}
+    the buffers its forward changes, such as BatchNorm's running statistics), running the
+    regions on the named `batch`. Run inside `capture.untouched` so that the user's model
+    keeps its buffers."""
+    vals: dict[str, torch.Tensor] = dict(batch)
+    names = frozenset(batch)
     saved: dict[int, int] = {}
     changed: dict[int, tuple[str, ...]] = {}
     exclude = param_ptrs(capture)
     loss = None
     for info, mod in zip(capture.regions, capture.modules, strict=True):
-        args = region_args(info, vals)
+        args = region_args(info, vals, names)
         before = {n: b.detach().clone() for n, b in mod.named_buffers()}
         with SavedBytes(exclude | {a.untyped_storage().data_ptr() for a in args}) as counter:
             outs = mod(*args)

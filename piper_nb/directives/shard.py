@@ -199,9 +199,10 @@ def apply_shard(dag: TrainingDAG, directive) -> TrainingDAG:
 def insert_all_to_all(dag: TrainingDAG, experts: frozenset[int]) -> TrainingDAG:
     """Turn every edge between an expert and a region on its group into ALL_TO_ALL nodes."""
     regions = dag.regions()
+    made = {v for info in regions for v in info.outputs}   # values regions make (not the batch)
 
     def first_input(r: int) -> str | None:
-        ins = [v for v in regions[r].inputs if v not in ("inputs", "targets")] if regions else []
+        ins = [v for v in regions[r].inputs if v in made] if regions else []
         return ins[0] if ins else None
 
     groups: dict[str, dict] = {}

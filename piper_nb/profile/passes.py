@@ -69,13 +69,11 @@ class _NoComm:
         pass
 
 
-def _batch(plan) -> tuple[torch.Tensor, torch.Tensor]:
-    """A full batch shaped like the one the plan was compiled for (random floats, zero ids)."""
-    out = []
-    for v in ("inputs", "targets"):
-        info = plan.values[v]
-        out.append(random_value(info, (plan.batch_size, *info.shape[1:])))
-    return out[0], out[1]
+def _batch(plan) -> tuple[torch.Tensor, ...]:
+    """A full batch shaped like the one the plan was compiled for (random floats, zero ids),
+    its tensors in the order of `plan.batch_names`."""
+    return tuple(random_value(plan.values[v], (plan.batch_size, *plan.values[v].shape[1:]))
+                 for v in plan.batch_names)
 
 
 class _Bench:
@@ -100,7 +98,7 @@ class _Bench:
 
     def _inputs(self, ins) -> None:
         for v in self.plan.regions[ins.region].inputs:
-            if v not in ("inputs", "targets"):
+            if v not in self.plan.batch_names:
                 self.w.values.acts[(v, ins.mb)] = random_value(self.plan.values[v])
 
     def _out_grads(self, ins) -> None:

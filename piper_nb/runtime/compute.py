@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from piper_nb.capture.split import BATCH_INPUT, BATCH_TARGET, LOSS
+from piper_nb.capture.split import LOSS
 from piper_nb.compiler.shapes import SavedBytes
 from piper_nb.runtime.buffers import seed_forward
 from piper_nb.runtime.layout import batch_part
@@ -21,7 +21,6 @@ from piper_nb.runtime.stores import Stash
 
 __all__ = ["ComputePasses"]
 
-_BATCH = (BATCH_INPUT, BATCH_TARGET)
 
 
 class ComputePasses:
@@ -51,7 +50,7 @@ class ComputePasses:
         plan, info, mb = self.plan, self.plan.regions[ins.region], ins.mb
         args, leaves = [], []
         for v in info.inputs:
-            if v in _BATCH:
+            if v in self.batch:
                 t = self._batch_part(v, mb, ins.replica, ins.replicas)
             else:
                 t = self.values.acts.get((v, mb))

@@ -18,7 +18,6 @@ import os
 
 import torch
 
-from piper_nb.capture.split import BATCH_INPUT, BATCH_TARGET
 from piper_nb.ir.kinds import P2P, PASSES
 from piper_nb.runtime.buffers import Buffers
 from piper_nb.runtime.bundle import Bundle, bind_params, direct_calls, to_device
@@ -164,8 +163,10 @@ class Worker(ComputePasses):
         self.rec = Recorder(self.rank, self.clock)
 
     def begin(self, batch) -> None:
-        """The per-step state, empty, for a step on `batch` (inputs, targets)."""
-        self.batch = {BATCH_INPUT: batch[0].to(self.device), BATCH_TARGET: batch[1].to(self.device)}
+        """The per-step state, empty, for a step on `batch`: its tensors in the order of
+        `plan.batch_names` ((inputs, targets) for a pair)."""
+        self.batch = {name: t.to(self.device)
+                      for name, t in zip(self.plan.batch_names, batch, strict=True)}
         self.parts: dict[tuple[str, int], tuple[torch.Tensor, ...]] = {}
         self.pending: dict[int, Pending] = {}
         self.exchange.reset()

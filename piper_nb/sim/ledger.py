@@ -23,7 +23,6 @@ from piper_nb.sim.trace import MemorySample
 if TYPE_CHECKING:
     from piper_nb.sim.memory import MemorySettings
 
-_BATCH = frozenset({"inputs", "targets"})   # capture.split's BATCH_INPUT, BATCH_TARGET
 _LOSS = "loss"                              # capture.split's LOSS
 
 # how the step loop dispatches an instruction: kind -> handler (the worker's names)
@@ -161,7 +160,7 @@ class _Ledger:
         out = []
         for v in self.plan.regions[region].inputs:
             info = self.plan.values.get(v)
-            if v not in _BATCH and (v, mb) in self.acts and (
+            if v not in self.plan.batch_names and (v, mb) in self.acts and (
                     info is None or (info.dtype.startswith(("float", "bfloat"))
                                      and info.requires_grad)):
                 out.append(v)

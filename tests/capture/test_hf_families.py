@@ -81,18 +81,38 @@ def batch():
     return ids, torch.roll(ids, -1, dims=1)
 
 
+OPTIMIZER = pn.optim.SGD(lr=0.05, momentum=0.9)
+
+
+@pytest.fixture(scope="module")
+def built():
+    """Per family: the model, its specs by stage count (one export each, shared by the
+    strategies through the spec's capture cache) and the reference run."""
+    cache: dict = {}
+
+    def get(family: str, n_stages: int):
+        if family not in cache:
+            torch.manual_seed(0)
+            model = FAMILIES[family]()
+            ref = pn.reference_train(model, batch(), steps=STEPS, microbatches=4,
+                                     optimizer=OPTIMIZER)
+            cache[family] = (model, {}, ref)
+        model, specs, ref = cache[family]
+        if n_stages not in specs:
+            specs[n_stages] = pn.annotate(model, stages(family, n_stages))
+        return specs[n_stages], ref
+    return get
+
+
 @pytest.mark.parametrize("strategy", list(STRATEGIES))
 @pytest.mark.parametrize("family", list(FAMILIES))
-def test_family_trains_like_one_process(family, strategy, cluster2, cluster4, one_thread):
-    torch.manual_seed(0)
-    model = FAMILIES[family]()
+def test_family_trains_like_one_process(family, strategy, built, cluster2, cluster4, one_thread):
     n_stages, program = STRATEGIES[strategy]
-    plan = pn.compile(pn.annotate(model, stages(family, n_stages)), program(), batch())
+    spec, ref = built(family, n_stages)
+    plan = pn.compile(spec, program(), batch())
     assert plan.capture.method == "export"
     cluster = cluster4 if plan.world == 4 else cluster2
-    opt = pn.optim.SGD(lr=0.05, momentum=0.9)
-    got = pn.train(plan, batch(), steps=STEPS, optimizer=opt, cluster=cluster)
-    ref = pn.reference_train(model, batch(), steps=STEPS, microbatches=4, optimizer=opt)
+    got = pn.train(plan, batch(), steps=STEPS, optimizer=OPTIMIZER, cluster=cluster)
     torch.testing.assert_close(torch.tensor(got.losses), torch.tensor(ref.losses),
                                rtol=1e-5, atol=1e-6)
     mine, theirs = got.state_dict(), ref.state_dict()
@@ -100,3 +120,21 @@ def test_family_trains_like_one_process(family, strategy, cluster2, cluster4, on
     for k in theirs:
         torch.testing.assert_close(mine[k], theirs[k], rtol=1e-5, atol=1e-6,
                                    msg=lambda m, k=k: f"{k}: {m}")
+
+
+def test_dropout_runs_repeat_exactly_given_the_seed(cluster2, one_thread):
+    """Each region's random stream is seeded per step, microbatch and replica: a run with
+    dropout repeats exactly under the same seed (equality with the single-process
+    reference needs dropout off: the reference draws one stream for the whole model)."""
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=64, resid_pdrop=0.1,
+        embd_pdrop=0.1, attn_pdrop=0.1, attn_implementation="eager"))
+    ann = {"transformer.wte": {"PP": 0}, "transformer.wpe": {"PP": 0}, "transformer.h.0": {"PP": 0},
+           "transformer.h.1": {"PP": 1}, "transformer.ln_f": {"PP": 1}, "lm_head": {"PP": 1}}
+    plan = pn.compile(pn.annotate(model, ann), STRATEGIES["pp2_1f1b"][1](), batch())
+    opt = pn.optim.SGD(lr=0.05)
+    runs = [pn.train(plan, batch(), steps=2, optimizer=opt, cluster=cluster2, seed=s).losses
+            for s in (7, 7, 8)]
+    assert runs[0] == runs[1]
+    assert runs[0] != runs[2]
