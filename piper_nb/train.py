@@ -74,6 +74,15 @@ def _check_batch(batch, plan, step: int) -> tuple[torch.Tensor, ...]:
     return ordered(named, plan.batch_names, f"step {step}")
 
 
+def _check_materialized(model: nn.Module, where: str) -> None:
+    meta = next((n for n, p in model.named_parameters() if p.is_meta), None)
+    if meta is not None:
+        raise PlanError(f"{where}: the model is on the meta device (parameter {meta} has no "
+                        "data): plan and simulate it as it is, but to train, build it on a real "
+                        "device (or load weights into it: model.to_empty(device='cpu') then "
+                        "load_state_dict) and compile again")
+
+
 def train(plan, batch_or_loader, steps: int, optimizer, cluster=None, *,
           progress: Callable[[int, int, float], None] | None = None,
           checkpoint_dir: str | os.PathLike | None = None, checkpoint_every: int | None = None,
@@ -95,6 +104,7 @@ def train(plan, batch_or_loader, steps: int, optimizer, cluster=None, *,
     from piper_nb.cluster.local import LocalCluster
     if plan.capture is None:
         raise PlanError("this plan has no captured model; compile it with pn.compile to train it")
+    _check_materialized(plan.capture.model, "pn.train")
     check_optimizer(optimizer, "pn.train")
     if seed is None:
         seed = int(torch.empty((), dtype=torch.int64).random_().item())
@@ -156,6 +166,7 @@ def reference_train(model: nn.Module, batch, steps: int, microbatches: int, opti
                     loss_fn: Callable | None = None) -> Result:
     """Single-process training of a deep copy of `model`, microbatch by microbatch."""
     check_optimizer(optimizer, "reference_train")
+    _check_materialized(model, "reference_train")
     model = copy.deepcopy(model).train()
     loss_fn = resolve_loss(model, loss_fn, "reference_train")
     params = dict(model.named_parameters())

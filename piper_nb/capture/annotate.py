@@ -38,16 +38,20 @@ class Spec:
             tags.update(self.module_tags.get(".".join(parts[:i]), {}))
         return tags
 
-    def capture(self, loss_fn: Callable | None = None, example: tuple | None = None,
-                method: str = "auto"):
-        """The model cut into regions (cached per loss function and front end); `example`,
-        an (inputs, targets) batch, lets models torch.fx cannot trace be exported."""
+    def capture(self, loss_fn: Callable | None = None, example=None, method: str = "auto"):
+        """The model cut into regions (cached per loss function, batch names and front end);
+        `example`, a batch ((inputs, targets) or a dict), lets models torch.fx cannot trace
+        be exported, and names the batch's tensors."""
+        from piper_nb.capture.batch import PAIR, named_batch
         from piper_nb.capture.loss import resolve_loss
         from piper_nb.capture.split import capture_regions
         loss_fn = resolve_loss(self.model, loss_fn, "pn.compile")
-        key = (id(loss_fn) if not hasattr(loss_fn, "__func__") else id(loss_fn.__func__), method)
+        named = named_batch(example) if example is not None else None
+        names = tuple(named) if named is not None else PAIR
+        key = (id(loss_fn) if not hasattr(loss_fn, "__func__") else id(loss_fn.__func__),
+               method, names)
         if key not in self._captures:
-            self._captures[key] = capture_regions(self, loss_fn, example, method)
+            self._captures[key] = capture_regions(self, loss_fn, named, method)
         return self._captures[key]
 
     def __repr__(self) -> str:
@@ -86,18 +90,85 @@ def annotate(model: nn.Module, mapping: Mapping[str, Mapping[str, int]] | None =
     return Spec(model=model, module_tags=module_tags, annotations=mapping)
 
 
+_LISTS = (nn.ModuleList, nn.Sequential)
+
+
 def pipeline_units(model: nn.Module) -> list[str]:
-    """The model's top-level children in order, ModuleLists/Sequentials expanded once."""
+    """The model's top-level children in order, ModuleLists/Sequentials expanded once.
+
+    A model with no such list at its top level wraps its pipeline (Hugging Face's
+    `LlamaForCausalLM` holds `model` and `lm_head`, and `model` holds `embed_tokens`, the
+    `layers` list and `norm`): a child that holds a list, directly or deeper, is expanded
+    the same way, so the units read `model.embed_tokens, model.layers.0, ..., lm_head`."""
+    wrapped = not any(isinstance(c, _LISTS) for c in model.children())
+    return _units(model, "", wrapped)
+
+
+def _units(mod: nn.Module, prefix: str, descend: bool) -> list[str]:
     units = []
-    for name, child in model.named_children():
-        if isinstance(child, (nn.ModuleList, nn.Sequential)):
-            units.extend(f"{name}.{i}" for i, _ in enumerate(child))
+    for name, child in mod.named_children():
+        path = prefix + name
+        if isinstance(child, _LISTS):
+            units.extend(f"{path}.{i}" for i, _ in enumerate(child))
+        elif descend and _wraps_list(child):
+            units.extend(_units(child, path + ".", True))
         else:
-            units.append(name)
+            units.append(path)
     return units
 
 
-def _unit_costs(model: nn.Module, units: list[str], by: str, example: tuple | None) -> list[float]:
+def _wraps_list(mod: nn.Module) -> bool:
+    """`mod` holds a ModuleList/Sequential, directly or deeper."""
+    return any(isinstance(c, _LISTS) or _wraps_list(c) for c in mod.children())
+
+
+def _example_call(model: nn.Module, example) -> tuple[tuple, dict]:
+    """How to run `model` once to count FLOPs: on the inputs of an (inputs, targets) batch,
+    on an inputs tensor, on a dict batch less its labels; with no example, on the model's
+    `example_batch` or (Hugging Face) `dummy_inputs`."""
+    if example is None:
+        if hasattr(model, "example_batch"):
+            example = model.example_batch(batch_size=2, seed=0)
+        elif isinstance(getattr(model, "dummy_inputs", None), Mapping):
+            example = dict(model.dummy_inputs)
+        else:
+            raise PlanError("cut_stages(by='flops') runs the model once: pass example=(inputs, "
+                            "targets), the inputs tensor, or a dict batch")
+    if isinstance(example, Mapping):
+        return (), {k: v for k, v in example.items() if k != "labels"}
+    if isinstance(example, torch.Tensor):
+        return (example,), {}
+    if isinstance(example, (tuple, list)) and example:
+        return (example[0],), {}
+    raise PlanError(f"cut_stages: example must be a batch or an inputs tensor, got "
+                    f"{type(example).__name__}")
+
+
+def _grouped_mm_flops(a_shape, b_shape, *args, out_shape=None, **kwargs) -> int:
+    """A grouped matmul (Hugging Face's stacked experts): 2 * rows * K * N, the rows of
+    every group of `a` (all rows of a 2-D `a`, whose groups are given by offsets)."""
+    rows = a_shape[0] * (a_shape[1] if len(a_shape) == 3 else 1)
+    return 2 * rows * a_shape[-1] * b_shape[-1]
+
+
+# grouped matmuls torch's FlopCounterMode has no formula for: (namespace, op name)
+_GROUPED_MMS = (("aten", "_grouped_mm"), ("transformers", "grouped_mm_fallback"))
+
+
+def flop_counter():
+    """`FlopCounterMode` that also counts grouped matmuls: `aten._grouped_mm`, and the
+    custom op Hugging Face's experts run when exported (when registered)."""
+    from torch.utils.flop_counter import FlopCounterMode
+    custom = {}
+    for namespace, name in _GROUPED_MMS:
+        try:
+            custom[getattr(getattr(torch.ops, namespace), name)] = _grouped_mm_flops
+        except (AttributeError, RuntimeError):
+            pass
+    return FlopCounterMode(display=False, custom_mapping=custom)
+
+
+def _unit_costs(model: nn.Module, units: list[str], by: str, example) -> list[float]:
     if by == "params":
         seen: set[int] = set()
         costs = []
@@ -111,16 +182,11 @@ def _unit_costs(model: nn.Module, units: list[str], by: str, example: tuple | No
             costs.append(float(c))
         return costs
     if by == "flops":
-        if example is None:
-            if not hasattr(model, "example_batch"):
-                raise PlanError("cut_stages(by='flops') needs example=(inputs, targets)")
-            example = model.example_batch(batch_size=2, seed=0)
-        from torch.utils.flop_counter import FlopCounterMode
-
+        args, kwargs = _example_call(model, example)
         from piper_nb.capture.untouched import untouched
-        counter = FlopCounterMode(display=False)
+        counter = flop_counter()
         with untouched(model), counter, torch.no_grad():
-            model(example[0])
+            model(*args, **kwargs)
         counts = counter.get_flop_counts()
         root = type(model).__name__
         costs = []
@@ -158,9 +224,15 @@ def _linear_partition(costs: list[float], n: int) -> list[int]:
 
 
 def cut_stages(model: nn.Module, n: int, *, by: str = "params", tag: str = "PP",
-               example: tuple | None = None) -> dict[str, dict[str, int]]:
-    """An annotation mapping that cuts `model` into `n` contiguous stages of even cost."""
+               example=None) -> dict[str, dict[str, int]]:
+    """An annotation mapping that cuts `model` into `n` contiguous stages of even cost.
+
+    The units are `pipeline_units(model)` that own parameters; the others (rotary tables,
+    dropout, activations) stay untagged and run with the stage of their input, since their
+    place among the children need not be their place in `forward`. `by="flops"` runs the
+    model once on `example` (see `_example_call`)."""
     units = pipeline_units(model)
+    units = [u for u in units if _owns_params(model, u)] or units
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
         raise PlanError(f"cut_stages: n must be a positive int, got {n!r}")
     if n > len(units):
@@ -168,3 +240,7 @@ def cut_stages(model: nn.Module, n: int, *, by: str = "params", tag: str = "PP",
                         f"{n} stages; use at most {len(units)}")
     parts = _linear_partition(_unit_costs(model, units, by, example), n)
     return {u: {tag: s} for u, s in zip(units, parts, strict=True)}
+
+
+def _owns_params(model: nn.Module, unit: str) -> bool:
+    return next(model.get_submodule(unit).parameters(), None) is not None

@@ -12,6 +12,7 @@ import contextlib
 from dataclasses import dataclass
 
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from piper_nb.capture.split import LOSS
 from piper_nb.errors import PlanError
@@ -38,8 +39,16 @@ def random_value(info: ValueInfo, shape: tuple[int, ...] | None = None,
     return torch.zeros(shape, dtype=dtype)
 
 
+def storage_key(t: torch.Tensor):
+    """What tells storages apart: the data pointer, or for a tensor on the meta device
+    (every meta storage has pointer 0) the storage's identity."""
+    storage = t.untyped_storage()
+    return StorageWeakRef(storage) if t.is_meta else storage.data_ptr()
+
+
 class SavedBytes(contextlib.AbstractContextManager):
-    """Counts the distinct storages autograd saves inside the block, minus `exclude` ptrs."""
+    """Counts the distinct storages autograd saves inside the block, minus `exclude` keys
+    (`storage_key`: data pointers for real tensors)."""
 
     def __init__(self, exclude: set[int]):
         self.exclude = exclude
@@ -49,7 +58,7 @@ class SavedBytes(contextlib.AbstractContextManager):
 
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
         try:
-            ptr = t.untyped_storage().data_ptr()
+            ptr = storage_key(t)
             size = t.untyped_storage().nbytes()
         except (RuntimeError, NotImplementedError):
             return t
@@ -67,8 +76,8 @@ class SavedBytes(contextlib.AbstractContextManager):
 
 
 def param_ptrs(capture) -> set[int]:
-    ptrs = {p.untyped_storage().data_ptr() for p in capture.model.parameters()}
-    ptrs |= {b.untyped_storage().data_ptr() for b in capture.model.buffers()}
+    ptrs = {storage_key(p) for p in capture.model.parameters()}
+    ptrs |= {storage_key(b) for b in capture.model.buffers()}
     return ptrs
 
 
@@ -98,11 +107,11 @@ def propagate(capture, batch: dict[str, torch.Tensor]):
     for info, mod in zip(capture.regions, capture.modules, strict=True):
         args = region_args(info, vals, names)
         before = {n: b.detach().clone() for n, b in mod.named_buffers()}
-        with SavedBytes(exclude | {a.untyped_storage().data_ptr() for a in args}) as counter:
+        with SavedBytes(exclude | {storage_key(a) for a in args}) as counter:
             outs = mod(*args)
         saved[info.index] = counter.bytes
-        moved = [n.removeprefix("model.") for n, b in mod.named_buffers()
-                 if n in before and not torch.equal(b, before[n])]
+        moved = [n.removeprefix("model.") for n, b in mod.named_buffers()   # (meta: unknown)
+                 if n in before and not b.is_meta and not torch.equal(b, before[n])]
         if moved:
             changed[info.index] = tuple(moved)
         for name, out in zip(info.outputs, outs, strict=True):

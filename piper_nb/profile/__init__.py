@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 
 from piper_nb import host
+from piper_nb.errors import PlanError
 from piper_nb.profile.links import profile_links
 from piper_nb.profile.passes import profile_packing, profile_plan
 from piper_nb.profile.slicing import profile_slicing
@@ -36,6 +37,10 @@ def profile_cost_model(plan, repeats: int = 5, comm: bool = True, optimizer=None
     devices computing at once; with more devices than cores (and `comm`), one process
     per device also measures what time-slicing costs on top (`profile.slicing`).
     """
+    if plan.capture is not None and any(p.is_meta for p in plan.capture.model.parameters()):
+        raise PlanError("this model is on the meta device (no weights): profiling runs its "
+                        "passes, so give simulate a cost model that does not, "
+                        "pn.CostModel.analytic(plan, 'H100') or pn.CostModel.uniform()")
     passes, overhead, background = profile_plan(plan, repeats, optimizer)
     packing = profile_packing(plan, repeats, optimizer)
     links: dict = {}

@@ -1,6 +1,7 @@
 """FLOPs per region, counted by running each region once on one microbatch slice under
-`FlopCounterMode` (the analytic cost model). Pure: no process, and the user's model keeps
-its buffers and random state (`capture.untouched`).
+`FlopCounterMode` (the analytic cost model; `capture.annotate.flop_counter` also counts the
+`_grouped_mm` of Hugging Face's stacked experts). Pure: no process, and the user's model
+keeps its buffers and random state (`capture.untouched`).
 """
 
 from __future__ import annotations
@@ -27,14 +28,15 @@ def region_inputs(plan, r: int, seed: int = 0) -> list[torch.Tensor]:
 
 def region_flops(plan) -> dict[int, float]:
     """Region -> forward FLOPs on one microbatch slice (FlopCounterMode)."""
-    from torch.utils.flop_counter import FlopCounterMode
-
+    from piper_nb.capture.annotate import flop_counter
     from piper_nb.capture.untouched import untouched
     out = {}
     for r in range(len(plan.regions)):
-        args = region_inputs(plan, r)
-        with untouched(plan.capture.model), FlopCounterMode(display=False) as counter, \
+        module = plan.capture.modules[r]
+        device = next((p.device for p in module.parameters()), torch.device("cpu"))
+        args = [a.to(device) for a in region_inputs(plan, r)]   # meta models count on meta
+        with untouched(plan.capture.model), flop_counter() as counter, \
                 torch.no_grad():
-            plan.capture.modules[r](*args)
+            module(*args)
         out[r] = float(counter.get_total_flops())
     return out

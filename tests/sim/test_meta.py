@@ -1,0 +1,54 @@
+"""Planning without weights: a model built under `torch.device("meta")` compiles, passes
+the static checks, simulates with uniform and analytic costs and gets a memory model, and
+allocates nothing; training it is refused with what to do."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import piper_nb as pn
+
+transformers = pytest.importorskip("transformers")
+
+ANNOTATIONS = {"model.embed_tokens": {"PP": 0}, "model.layers.[0-1]": {"PP": 0},
+               "model.layers.[2-3]": {"PP": 1}, "model.norm": {"PP": 1}, "lm_head": {"PP": 1}}
+
+
+def build(device: str):
+    cfg = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128,
+                                   num_hidden_layers=4, num_attention_heads=4,
+                                   num_key_value_heads=2, attn_implementation="eager")
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = transformers.LlamaForCausalLM(cfg)
+    ids = torch.zeros(8, 16, dtype=torch.long, device=device)
+    program = [pn.place({"PP": 0}, [0]), pn.place({"PP": 1}, [1]),
+               *pn.schedules.one_f_one_b(ranks=2, microbatches=4)]
+    return model, pn.compile(pn.annotate(model, ANNOTATIONS), program, (ids, ids))
+
+
+def test_a_meta_model_plans_like_the_real_one():
+    meta_model, meta = build("meta")
+    _, real = build("cpu")
+    assert all(p.is_meta for p in meta_model.parameters())
+    assert meta.values.keys() == real.values.keys()
+    assert meta.saved == real.saved                      # saved activations, byte for byte
+    for cost in (pn.CostModel.uniform(), pn.CostModel.analytic(real, "H100")):
+        a, b = pn.simulate(meta, cost), pn.simulate(real, cost)
+        assert a.peak_memory == b.peak_memory
+        assert a.step_time == pytest.approx(b.step_time)
+    analytic = pn.CostModel.analytic(meta, "H100")
+    assert analytic.passes == pytest.approx(pn.CostModel.analytic(real, "H100").passes)
+
+
+def test_profiling_and_training_a_meta_model_are_refused_with_the_way_out():
+    model, plan = build("meta")
+    with pytest.raises(pn.PlanError, match=r"meta device .*CostModel\.analytic"):
+        pn.simulate(plan)
+    with pytest.raises(pn.PlanError, match="pn.train: the model is on the meta device"):
+        pn.train(plan, (torch.zeros(8, 16, dtype=torch.long),) * 2, steps=1,
+                 optimizer=pn.optim.SGD(lr=0.1))
+    with pytest.raises(pn.PlanError, match="reference_train: the model is on the meta device"):
+        pn.reference_train(model, (torch.zeros(8, 16, dtype=torch.long),) * 2, steps=1,
+                           microbatches=4, optimizer=pn.optim.SGD(lr=0.1))
