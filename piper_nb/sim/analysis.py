@@ -12,7 +12,10 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass
 
-__all__ = ["step_window", "busy_time", "bubble", "bubble_fraction", "peak_memory", "compare",
+from piper_nb.trace import MEMORY_KINDS
+
+__all__ = ["step_window", "busy_time", "bubble", "bubble_fraction", "peak_memory",
+           "over_capacity", "compare",
            "Comparison"]
 
 
@@ -57,6 +60,32 @@ def peak_memory(trace) -> dict[int, int]:
     out: dict[int, int] = {}
     for m in trace.memory:
         out[m.device] = max(out.get(m.device, 0), m.total)
+    return out
+
+
+def gib(n: float) -> str:
+    return f"{n / 2**30:.1f} GiB"
+
+
+def over_capacity(trace, capacity: float | None = None) -> list[str]:
+    """One line per device whose peak exceeds `capacity` bytes (default: the trace's
+    `memory_capacity`, set by a cost model that knows its hardware): the device, its peak
+    and the largest kind of memory at the peak."""
+    capacity = trace.meta.get("memory_capacity") if capacity is None else capacity
+    if capacity is None:
+        from piper_nb.errors import PlanError
+        raise PlanError("this trace knows no device memory: simulate with "
+                        "pn.CostModel.analytic(plan, 'H100') or pass capacity= in bytes")
+    peaks: dict[int, object] = {}
+    for m in trace.memory:
+        if m.device not in peaks or m.total > peaks[m.device].total:
+            peaks[m.device] = m
+    out = []
+    for d, m in sorted(peaks.items()):
+        if m.total > capacity:
+            kind = max(MEMORY_KINDS, key=lambda k: getattr(m, k))
+            out.append(f"device {d} peaks at {gib(m.total)} of {gib(capacity)} "
+                       f"(largest: {kind} {gib(getattr(m, kind))})")
     return out
 
 

@@ -49,23 +49,27 @@ class HardwareSpec:
     node_size: int = 8          # devices per node
     nvlink_latency: float = 5e-6
     ib_latency: float = 15e-6
+    memory: float = math.inf    # bytes of device memory (HBM); a plan fits when its peak does
 
     def __post_init__(self):
         if not 0 < self.efficiency <= 1:
             raise PlanError(f"HardwareSpec {self.name}: efficiency {self.efficiency} must be in "
                             "(0, 1]; it is the fraction of peak FLOP/s a pass reaches")
         if min(self.peak_flops, self.hbm_bandwidth, self.nvlink_bandwidth,
-               self.ib_bandwidth) <= 0 or self.node_size < 1:
+               self.ib_bandwidth, self.memory) <= 0 or self.node_size < 1:
             raise PlanError(f"HardwareSpec {self.name}: rates and node_size must be positive")
 
 
-HARDWARE = {
+_GiB = 2**30
+HARDWARE = {       # memory: the vendor's figure (A100 40/80 GB, H100 80 GB, H200 141 GB) in GiB
     "A100": HardwareSpec(name="A100", peak_flops=312e12, hbm_bandwidth=2.0e12,
-                         nvlink_bandwidth=300e9, ib_bandwidth=25e9),
+                         nvlink_bandwidth=300e9, ib_bandwidth=25e9, memory=80 * _GiB),
+    "A100-40GB": HardwareSpec(name="A100-40GB", peak_flops=312e12, hbm_bandwidth=1.555e12,
+                              nvlink_bandwidth=300e9, ib_bandwidth=25e9, memory=40 * _GiB),
     "H100": HardwareSpec(name="H100", peak_flops=989e12, hbm_bandwidth=3.35e12,
-                         nvlink_bandwidth=450e9, ib_bandwidth=50e9),
+                         nvlink_bandwidth=450e9, ib_bandwidth=50e9, memory=80 * _GiB),
     "H200": HardwareSpec(name="H200", peak_flops=989e12, hbm_bandwidth=4.8e12,
-                         nvlink_bandwidth=450e9, ib_bandwidth=50e9),
+                         nvlink_bandwidth=450e9, ib_bandwidth=50e9, memory=141 * _GiB),
 }
 
 
@@ -169,7 +173,8 @@ class CostModel:
         return cls(name=f"analytic({hardware.name})", unit="s", passes=passes,
                    latency=hardware.nvlink_latency, bandwidth=hardware.nvlink_bandwidth,
                    inter_latency=hardware.ib_latency, inter_bandwidth=hardware.ib_bandwidth,
-                   node_size=hardware.node_size, meta={"hardware": hardware.name})
+                   node_size=hardware.node_size,
+                   meta={"hardware": hardware.name, "memory_capacity": hardware.memory})
 
     # ---- durations ----------------------------------------------------------------
     def compute(self, ins) -> float:

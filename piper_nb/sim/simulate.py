@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import gc
 import heapq
+import math
 from collections import defaultdict
 from dataclasses import dataclass
 
@@ -303,4 +304,6 @@ def simulate(plan: Plan, cost_model: CostModel | None = None, *, memory=None) ->
             gc.enable()
     meta = {"cost_model": cost.name, "world": plan.world, "microbatches": plan.microbatches,
             "host_end": max(timing.host_end, default=0.0)}   # when the last host finished
+    if math.isfinite(cost.meta.get("memory_capacity", math.inf)):
+        meta["memory_capacity"] = cost.meta["memory_capacity"]   # bytes per device
     return Trace(tuple(events), tuple(samples), "simulated", cost.unit, meta)

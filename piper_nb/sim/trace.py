@@ -57,6 +57,21 @@ class Trace:
         from piper_nb.sim.analysis import peak_memory
         return peak_memory(self)
 
+    @property
+    def memory_capacity(self) -> float | None:
+        """Bytes of memory per device, when the cost model knew its hardware."""
+        return self.meta.get("memory_capacity")
+
+    def over_capacity(self, capacity: float | None = None) -> list[str]:
+        """The devices whose peak exceeds `capacity` (default: `memory_capacity`), each
+        with its peak and largest kind of memory; empty when the plan fits."""
+        from piper_nb.sim.analysis import over_capacity
+        return over_capacity(self, capacity)
+
+    def fits(self, capacity: float | None = None) -> bool:
+        """Whether every device's peak memory is within `capacity` (default: the hardware's)."""
+        return not self.over_capacity(capacity)
+
     def live_stashes(self, device: int) -> int:
         """Peak count of activation stashes (region, microbatch) alive on `device`."""
         from piper_nb.sim.memory import live_stashes

@@ -46,7 +46,7 @@ class Problem:
     row: int | None = None          # index of the directive row to fix
     op: str | None = None
     layer: str | None = None        # module path whose tags are wrong
-    stage: str = "compile"          # "layer" | "directive" | "compile" | "simulate" | "internal"
+    stage: str = "compile"   # "layer" | "directive" | "compile" | "simulate" | "memory" | "internal"
 
     @property
     def where(self) -> str:
@@ -125,7 +125,10 @@ def row_problems(state: DesignerState) -> list[Problem]:
 def compile_state(state: DesignerState, cache: dict | None = None) -> tuple[Any, list[Problem]]:
     """(plan, []) or (None, problems) for the state's annotations and rows."""
     cache = {} if cache is None else cache
-    problems = layer_problems(state) + row_problems(state)
+    key = ("layers", json.dumps(state.annotations, sort_keys=True, default=str))
+    if key not in cache:        # one annotate per layer: checked once per annotation set
+        cache[key] = layer_problems(state)
+    problems = list(cache[key]) + row_problems(state)
     if problems:
         return None, problems
     if not state.rows:
@@ -155,8 +158,12 @@ def cost_model(state: DesignerState, plan, cache: dict | None = None) -> CostMod
 
 
 def simulate_plan(state: DesignerState, plan, cache: dict | None = None) -> tuple[Any, list[Problem]]:
+    """The trace, and a "memory" problem per device whose predicted peak exceeds the
+    hardware's memory (when the cost model knows it: analytic)."""
     try:
-        return simulate(plan, cost_model(state, plan, cache)), []
+        trace = simulate(plan, cost_model(state, plan, cache))
+        over = trace.over_capacity() if trace.memory_capacity is not None else []
+        return trace, [Problem(line, stage="memory") for line in over]
     except PlanError as err:
         return None, [_from_error(err, "simulate")]
     except Exception as err:

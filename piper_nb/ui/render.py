@@ -61,7 +61,9 @@ def problems_html(problems: list[Problem]) -> str:
         return "<p class='pn-good'>No problems: the plan compiles, passes its checks and simulates.</p>"
     items = []
     for p in problems:
-        items.append(f"<li class='pn-problem' data-row='{'' if p.row is None else p.row}'>"
+        style = " style='color: #b00020'" if p.stage == "memory" else ""   # does not fit
+        items.append(f"<li class='pn-problem pn-{p.stage}'{style} "
+                     f"data-row='{'' if p.row is None else p.row}'>"
                      f"<b>{html.escape(p.where)}</b>: {html.escape(p.message)}</li>")
     return "<ul class='pn-problems'>" + "".join(items) + "</ul>"
 

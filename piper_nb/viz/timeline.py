@@ -37,6 +37,7 @@ class TimelineData:
     memory: dict[int, tuple[list[float], list[float]]] = field(default_factory=dict)
     unit: str = "s"
     title: str = ""
+    capacity: float | None = None                     # bytes per device, drawn as a line
 
 
 def _row(d: int, stream: str) -> str:
@@ -77,7 +78,8 @@ def timeline_data(trace, devices=None) -> TimelineData:
             t.append(m.time)
             v.append(m.total)
     title = f"{trace.source} timeline, step {trace.step_time:.4g} {trace.unit}{note}"
-    return TimelineData(rows, dict(bars), memory, trace.unit, title)
+    return TimelineData(rows, dict(bars), memory, trace.unit, title,
+                        trace.meta.get("memory_capacity"))
 
 
 def _bytes_scale(peak: float) -> tuple[float, str]:
@@ -106,12 +108,17 @@ def draw_timeline(data: TimelineData, memory: bool = True):
     fig.update_yaxes(type="category", categoryorder="array",
                      categoryarray=list(reversed(data.rows)), row=1, col=1)
     if with_mem:
-        div, name = _bytes_scale(max(max(v) for _, v in data.memory.values()))
+        top = max(max(v) for _, v in data.memory.values())
+        div, name = _bytes_scale(max(top, data.capacity or 0))
         for d, (t, v) in data.memory.items():
             fig.add_trace(go.Scatter(x=t, y=[x / div for x in v], mode="lines", line_shape="hv",
                                      name=f"dev{d} memory", legendgroup="memory",
                                      hovertemplate=f"dev{d}: %{{y:.4g}} {name}<extra></extra>"),
                           row=2, col=1)
+        if data.capacity is not None:   # the device's memory: a plan fits below the line
+            fig.add_hline(y=data.capacity / div, line_dash="dash", line_color="crimson",
+                          annotation_text=f"capacity {data.capacity / div:.4g} {name}",
+                          annotation_position="top left", row=2, col=1)
         fig.update_yaxes(title_text=f"memory ({name})", row=2, col=1)
         fig.update_xaxes(title_text=f"time ({data.unit})", row=2, col=1)
     else:
