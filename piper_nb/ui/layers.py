@@ -16,6 +16,7 @@ from collections.abc import Callable
 import ipywidgets as W
 from torch import nn
 
+from piper_nb.capture.annotate import pipeline_units
 from piper_nb.ui.fields import parse_index, parse_tag_parts, tags_text
 from piper_nb.ui.state import DesignerState, cut, effective_tags, set_tags
 from piper_nb.ui.widgets import set_class
@@ -28,6 +29,19 @@ _NAME, _OTHER, _EFFECTIVE = "210px", "100px", "130px"
 
 def _count(n: int) -> str:
     return f"{n / 1e6:.1f}M" if n >= 1e6 else f"{n / 1e3:.1f}k" if n >= 1e3 else str(n)
+
+
+def _unfolded(model: nn.Module) -> list[str]:
+    """Rows shown unfolded at first: the ancestors of the pipeline units (`blocks` of
+    `blocks.0`; `model` and `model.layers` of a Hugging Face `model.layers.0`), parents first."""
+    out: list[str] = []
+    for unit in pipeline_units(model):
+        parts = unit.split(".")
+        for i in range(1, len(parts)):
+            path = ".".join(parts[:i])
+            if path not in out:
+                out.append(path)
+    return out
 
 
 class LayerRow:
@@ -94,7 +108,8 @@ class LayersPanel:
             parent = path.rsplit(".", 1)[0] if "." in path else ""
             self.kids.setdefault(parent, []).append(path)
         self.rows: dict[str, LayerRow] = {}
-        self.cut_n = W.BoundedIntText(value=2, min=1, max=max(len(self.kids.get("", [])) * 8, 2),
+        most = max(len(self.kids.get("", [])) * 8, len(pipeline_units(self.model)), 2)
+        self.cut_n = W.BoundedIntText(value=2, min=1, max=most,
                                       description="stages", layout=W.Layout(width="140px"))
         self.cut_by = W.Dropdown(options=[("by parameters", "params"), ("by FLOPs", "flops")],
                                  value="params", layout=W.Layout(width="140px"))
@@ -109,9 +124,8 @@ class LayersPanel:
         self.tree = W.VBox(self._build(""))
         self.widget = W.VBox([W.HBox([self.cut_n, self.cut_by, self.cut_button]), self.message,
                               header, self.tree])
-        for path in self.kids.get("", []):          # unfold the pipeline's lists of blocks
-            if isinstance(self.model.get_submodule(path), (nn.ModuleList, nn.Sequential)):
-                self.fold(self.rows[path])
+        for path in _unfolded(self.model):          # unfold down to the pipeline's blocks
+            self.fold(self.rows[path])
         self.sync(state)
 
     def _build(self, parent: str) -> list[W.Widget]:
