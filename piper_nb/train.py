@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import os
 import time
+import warnings
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
@@ -45,6 +46,7 @@ class Result:
     template: dict[str, torch.Tensor] = field(repr=False, default_factory=dict)
     aliases: dict[str, str] = field(repr=False, default_factory=dict)
     leftover: list[str] = field(default_factory=list)  # buffers a plan never freed
+    skipped: list[int] = field(default_factory=list)   # steps whose batch drop_last skipped
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The full trained model, keyed like `model.state_dict()` (tied names included),
@@ -65,13 +67,43 @@ def _batches(batch_or_loader, steps: int) -> Iterable:
     return [batch_or_loader] * steps if one else batch_or_loader
 
 
-def _check_batch(batch, plan, step: int) -> tuple[torch.Tensor, ...]:
-    """The step's tensors in the plan's order, checked against what it was compiled for."""
-    named = named_batch(batch, f"step {step}")
-    if batch_size(named) != plan.batch_size:
-        raise PlanError(f"step {step}: the batch has {batch_size(named)} samples but the plan "
-                        f"was compiled for {plan.batch_size}; compile with a batch of this size")
-    return ordered(named, plan.batch_names, f"step {step}")
+class _Sizes:
+    """The plan for each batch size a loader yields: the compiled one, and for another size
+    (a last, smaller batch) the same program compiled once for it (`compiler.rebatch`), or,
+    with `drop_last`, none: the batch is skipped. Either way the user is told, once."""
+
+    def __init__(self, plan, drop_last: bool):
+        self.plans = {plan.batch_size: plan}
+        self.base, self.drop_last, self.told = plan, drop_last, set()
+        self.reset: list = []       # other-size plans the cluster has been given
+
+    def plan_for(self, named: dict, step: int):
+        size = batch_size(named)
+        if size not in self.plans and not self.drop_last:
+            from piper_nb.compiler.compile import rebatch
+            try:
+                self.plans[size] = rebatch(self.base, named)
+            except PlanError as err:
+                raise PlanError(f"step {step}: a batch of {size} samples (the plan was compiled "
+                                f"for {self.base.batch_size}) cannot be trained: {err.reason}; "
+                                "pass drop_last=True to skip such batches") from None
+        if size not in self.told and size != self.base.batch_size:
+            self.told.add(size)
+            warnings.warn(f"pn.train step {step}: a batch of {size} samples (the plan is for "
+                          f"{self.base.batch_size}) " + (
+                              "is skipped (drop_last=True)" if self.drop_last else
+                              "trains on the same program compiled once for this size"),
+                          stacklevel=3)
+        return self.plans.get(size)
+
+
+def _other_size_step(cluster, base, plan, batch, trace: bool) -> list[dict]:
+    """One step on `plan` (compiled for another batch size) continuing `base`'s state: its
+    workers take the parameters, optimizer state and step count, run, and hand them back."""
+    cluster.load_train_state(plan, cluster.train_state(base))
+    outs = cluster.step(plan, batch, trace=trace)
+    cluster.load_train_state(base, cluster.train_state(plan))
+    return outs
 
 
 def _check_materialized(model: nn.Module, where: str) -> None:
@@ -86,8 +118,13 @@ def _check_materialized(model: nn.Module, where: str) -> None:
 def train(plan, batch_or_loader, steps: int, optimizer, cluster=None, *,
           progress: Callable[[int, int, float], None] | None = None,
           checkpoint_dir: str | os.PathLike | None = None, checkpoint_every: int | None = None,
-          resume: bool = False, seed: int | None = None) -> Result:
+          resume: bool = False, seed: int | None = None, drop_last: bool = False) -> Result:
     """Train `plan` for `steps` steps on local workers (or on `cluster`, left running).
+
+    Each step draws one batch. A batch of another size than the plan's (a loader's last,
+    smaller one) trains on the same program compiled once for that size, from the same
+    parameters and optimizer state; with `drop_last=True` it is skipped instead (no step is
+    taken; `Result.skipped` lists such steps). A warning says which, once per size.
 
     `seed` seeds the random operations (dropout) of every forward, per region, step,
     microbatch and replica, so the same plan trains the same way twice. By default it is
@@ -113,7 +150,8 @@ def train(plan, batch_or_loader, steps: int, optimizer, cluster=None, *,
     ckpt = Checkpointer.for_train(plan, optimizer, checkpoint_dir, checkpoint_every, resume)
     own = cluster is None
     cluster = LocalCluster(plan.world) if own else cluster
-    losses, times, trace, leftover = [], [], None, set()
+    losses, times, trace, leftover, skipped = [], [], None, set(), []
+    sizes = _Sizes(plan, drop_last)
     try:
         cluster.reset(plan, optimizer, seed)
         start = 0
@@ -126,10 +164,21 @@ def train(plan, batch_or_loader, steps: int, optimizer, cluster=None, *,
                                 f"{start} a checkpoint already trained on")
         for s in range(start + 1, steps + 1):
             try:
-                batch = _check_batch(next(it), plan, s)
+                named = named_batch(next(it), f"step {s}")
             except StopIteration:
                 raise PlanError(f"the loader ran out after {s - 1} of {steps} steps") from None
-            outs = cluster.step(plan, batch, trace=s == steps)  # memory is counted on the kept step
+            this = sizes.plan_for(named, s)
+            if this is None:
+                skipped.append(s)
+                continue
+            batch = ordered(named, plan.batch_names, f"step {s}")
+            if this is plan:
+                outs = cluster.step(plan, batch, trace=s == steps)  # memory: on the kept step
+            else:
+                if not any(p is this for p in sizes.reset):
+                    cluster.reset(this, optimizer, seed)
+                    sizes.reset.append(this)
+                outs = _other_size_step(cluster, plan, this, batch, s == steps)
             losses.append(sum(o["loss"] for o in outs))
             times.append(max(o["end"] for o in outs))
             for o in outs:
@@ -155,7 +204,7 @@ def train(plan, batch_or_loader, steps: int, optimizer, cluster=None, *,
             cluster.close()
     model = plan.capture.model
     return Result(losses, times, trace, params, _template(model), param_aliases(model),
-                  sorted(leftover))
+                  sorted(leftover), skipped)
 
 
 def _template(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -163,8 +212,9 @@ def _template(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def reference_train(model: nn.Module, batch, steps: int, microbatches: int, optimizer,
-                    loss_fn: Callable | None = None) -> Result:
-    """Single-process training of a deep copy of `model`, microbatch by microbatch."""
+                    loss_fn: Callable | None = None, drop_last: bool = False) -> Result:
+    """Single-process training of a deep copy of `model`, microbatch by microbatch; with
+    `drop_last`, a batch of another size than the first is skipped, as `pn.train` does."""
     check_optimizer(optimizer, "reference_train")
     _check_materialized(model, "reference_train")
     model = copy.deepcopy(model).train()
@@ -174,8 +224,13 @@ def reference_train(model: nn.Module, batch, steps: int, microbatches: int, opti
     it = iter(_batches(batch, steps))
     losses, times, events, memory = [], [], [], []
     scale = 1.0 / microbatches
+    first, skipped = None, []
     for s in range(1, steps + 1):
         named = named_batch(next(it), f"reference_train step {s}")
+        first = batch_size(named) if first is None else first
+        if drop_last and batch_size(named) != first:
+            skipped.append(s)
+            continue
         if batch_size(named) % microbatches:
             raise PlanError(f"{microbatches} microbatches do not divide the batch of "
                             f"{batch_size(named)}")
@@ -196,7 +251,7 @@ def reference_train(model: nn.Module, batch, steps: int, microbatches: int, opti
         start = time.perf_counter() - t0
         for n, p in params.items():
             if p.grad is not None:
-                optimizer.step(p.data, p.grad, state[n], s)
+                optimizer.step(p.data, p.grad, state[n], len(losses) + 1)   # steps taken
         end = time.perf_counter() - t0
         events.append(Event(0, "compute", "U", "U", start, end, -1, 0, "0U"))
         pbytes = sum(p.numel() * p.element_size() for p in params.values())
@@ -206,4 +261,5 @@ def reference_train(model: nn.Module, batch, steps: int, microbatches: int, opti
         times.append(end)
     trace = Trace(tuple(events), tuple(memory), source="measured", meta={"reference": True})
     canonical = {n: p.detach().clone() for n, p in params.items()}
-    return Result(losses, times, trace, canonical, _template(model), param_aliases(model))
+    return Result(losses, times, trace, canonical, _template(model), param_aliases(model),
+                  skipped=skipped)

@@ -2,8 +2,8 @@
 
 Directives apply in Piper's fixed order whatever their order in the program: split,
 BI/BW split, place (and the placement implied by replicate and shard), send/recv,
-gradient sync (replicate, tied and doubled parameters), shard (all-to-all), order. Every
-step is a pure function of the DAG; errors name the directive index.
+gradient sync (replicate, tied and doubled parameters), shard (all-to-all), order,
+recompute. Every step is a pure function of the DAG; errors name the directive index.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from piper_nb.directives.build import build_dag
 from piper_nb.directives.comm import insert_send_recv
 from piper_nb.directives.order import apply_orders
 from piper_nb.directives.place import apply_places, finish_placement
+from piper_nb.directives.recompute import apply_recompute, check_recompute
 from piper_nb.directives.replicate import insert_grad_sync, replica_configs
 from piper_nb.directives.shard import apply_shard, insert_all_to_all, shard_placement
 from piper_nb.directives.spec import (
@@ -35,6 +36,7 @@ from piper_nb.directives.spec import (
     Order,
     Place,
     Program,
+    Recompute,
     Replicate,
     Schedule,
     Shard,
@@ -46,7 +48,7 @@ from piper_nb.ir.dag import Op, TrainingDAG
 from piper_nb.ir.validate import validate
 from piper_nb.schedules import build
 
-__all__ = ["compile", "expand", "build_global_dag"]
+__all__ = ["compile", "expand", "build_global_dag", "rebatch"]
 
 
 def expand(program: Program | Iterable) -> list[tuple[int, Directive]]:
@@ -103,6 +105,7 @@ def build_global_dag(capture, directives: list[tuple[int, Directive]], values: d
     if experts:
         dag = insert_all_to_all(dag, frozenset(experts))
     dag = apply_orders(dag, by_op.get(Order, []))
+    dag = apply_recompute(dag, by_op.get(Recompute, []))
     return validate(dag, placed=True), configs
 
 
@@ -153,6 +156,30 @@ def _compile(spec, program, batch, loss_fn, world, check, method) -> Plan:
     named = named_batch(batch, "pn.compile")
     directives = expand(program)
     capture = spec.capture(loss_fn, named, method)
+    return _plan(capture, directives, named, world, check)
+
+
+def rebatch(plan: Plan, batch) -> Plan:
+    """`plan`'s program compiled for a batch of another size (a loader's last, smaller
+    batch): the same capture, directives and world, so the same devices, buckets and
+    parameter layouts; PlanError when the microbatches or replicas do not divide it."""
+    if plan.capture is None:
+        raise PlanError("this plan carries no captured model; compile it with pn.compile")
+    named = named_batch(batch, "rebatch")
+    if tuple(named) != plan.batch_names:
+        raise PlanError(f"the batch has {list(named)} but the plan was compiled for "
+                        f"{list(plan.batch_names)}")
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        return _plan(plan.capture, plan.program, named, plan.world, True)
+    finally:
+        if enabled:
+            gc.enable()
+
+
+def _plan(capture, directives, named: dict, world: int | None, check: bool) -> Plan:
+    """Lower and check the directives for the captured model on the named batch."""
     bsz = batch_size(named)
     micro = _microbatches(directives, bsz)
     frozen = frozenset(n for n, p in capture.model.named_parameters() if not p.requires_grad)
@@ -167,6 +194,7 @@ def _compile(spec, program, batch, loss_fn, world, check, method) -> Plan:
         shapes = _shapes(capture, directives, named, bsz // micro // actual)
         dag, _ = build_global_dag(capture, directives, shapes["values"], frozen)
     check_buffers(dag, shapes["changed"])
+    check_recompute(dag, shapes["changed"])
     n_world = _world(dag, directives, world)
     buckets = dag.get_meta("buckets", ())
     loss_region = next(r.index for r in capture.regions if r.has_loss)
