@@ -183,17 +183,7 @@ def train(plan, batch_or_loader, steps: int, optimizer, cluster=None, *,
             times.append(max(o["end"] for o in outs))
             for o in outs:
                 leftover.update(o["leftover"])
-            meta = {"step": s, "world": plan.world}
-            tokens = {k: v for o in outs for k, v in o.get("tokens", {}).items()}
-            if tokens:  # the routing this step made (expert parallelism): what sized its buffers
-                meta["tokens"] = tokens
-            cuda = {r: o["cuda_max_allocated"] for r, o in enumerate(outs)
-                    if "cuda_max_allocated" in o}
-            if cuda:  # GPU: torch.cuda.max_memory_allocated per device, beside the model's
-                meta["cuda_max_allocated"] = cuda
-            trace = Trace(tuple(e for o in outs for e in o["events"]),
-                          tuple(m for o in outs for m in o["memory"]), source="measured",
-                          meta=meta)
+            trace = _step_trace(outs, s, plan.world)
             if ckpt is not None:
                 ckpt.after_step(cluster, s, steps, losses, times)
             if progress is not None:
@@ -205,6 +195,19 @@ def train(plan, batch_or_loader, steps: int, optimizer, cluster=None, *,
     model = plan.capture.model
     return Result(losses, times, trace, params, _template(model), param_aliases(model),
                   sorted(leftover), skipped)
+
+
+def _step_trace(outs: list[dict], step: int, world: int) -> Trace:
+    """The measured trace of one step from the workers' reports."""
+    meta = {"step": step, "world": world}
+    tokens = {k: v for o in outs for k, v in o.get("tokens", {}).items()}
+    if tokens:  # the routing this step made (expert parallelism): what sized its buffers
+        meta["tokens"] = tokens
+    cuda = {r: o["cuda_max_allocated"] for r, o in enumerate(outs) if "cuda_max_allocated" in o}
+    if cuda:  # GPU: torch.cuda.max_memory_allocated per device, beside the model's
+        meta["cuda_max_allocated"] = cuda
+    return Trace(tuple(e for o in outs for e in o["events"]),
+                 tuple(m for o in outs for m in o["memory"]), source="measured", meta=meta)
 
 
 def _template(model: nn.Module) -> dict[str, torch.Tensor]:
