@@ -1,7 +1,7 @@
 """piper_nb: a programmable distributed training system for PyTorch that lives in Jupyter.
 
 Tag regions of a model (`annotate`), write a program of directives (`place`, `replicate`,
-`shard`, `split`, `order`, schedules), `compile` it into checked per-device plans,
+`shard`, `split`, `order`, `recompute`, schedules), `compile` it into checked per-device plans,
 `simulate` them, and `train` on real torch.distributed workers.
 """
 
@@ -10,7 +10,7 @@ from piper_nb.capture import annotate, cut_stages, region
 from piper_nb.cluster import IPyParallelCluster, LocalCluster
 from piper_nb.compiler.compile import compile
 from piper_nb.compiler.plan import DevicePlan, Instr, Plan
-from piper_nb.directives.spec import Program, order, place, replicate, shard, split
+from piper_nb.directives.spec import Program, order, place, recompute, replicate, shard, split
 from piper_nb.errors import PlanError, RuntimeFailure, WorkerLost
 from piper_nb.ir.dag import Edge, Node, Op, TrainingDAG
 from piper_nb.ir.validate import validate
@@ -18,7 +18,7 @@ from piper_nb.sim import CostModel, HardwareSpec, HostModel, MemorySettings, Tra
 from piper_nb.train import Result, reference_train, train
 
 __all__ = ["annotate", "cut_stages", "region", "compile", "Plan", "DevicePlan", "Instr",
-           "Program", "place", "replicate", "shard", "split", "order", "PlanError",
+           "Program", "place", "replicate", "shard", "split", "order", "recompute", "PlanError",
            "RuntimeFailure", "WorkerLost", "TrainingDAG", "Node", "Edge", "Op", "validate",
            "models", "schedules", "CostModel", "HostModel", "HardwareSpec", "MemorySettings",
            "Trace", "simulate", "train", "reference_train", "LocalCluster", "IPyParallelCluster",

@@ -2,8 +2,8 @@
 
 Directives apply in Piper's fixed order whatever their order in the program: split,
 BI/BW split, place (and the placement implied by replicate and shard), send/recv,
-gradient sync (replicate, tied and doubled parameters), shard (all-to-all), order. Every
-step is a pure function of the DAG; errors name the directive index.
+gradient sync (replicate, tied and doubled parameters), shard (all-to-all), order,
+recompute. Every step is a pure function of the DAG; errors name the directive index.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from piper_nb.directives.build import build_dag
 from piper_nb.directives.comm import insert_send_recv
 from piper_nb.directives.order import apply_orders
 from piper_nb.directives.place import apply_places, finish_placement
+from piper_nb.directives.recompute import apply_recompute, check_recompute
 from piper_nb.directives.replicate import insert_grad_sync, replica_configs
 from piper_nb.directives.shard import apply_shard, insert_all_to_all, shard_placement
 from piper_nb.directives.spec import (
@@ -35,6 +36,7 @@ from piper_nb.directives.spec import (
     Order,
     Place,
     Program,
+    Recompute,
     Replicate,
     Schedule,
     Shard,
@@ -103,6 +105,7 @@ def build_global_dag(capture, directives: list[tuple[int, Directive]], values: d
     if experts:
         dag = insert_all_to_all(dag, frozenset(experts))
     dag = apply_orders(dag, by_op.get(Order, []))
+    dag = apply_recompute(dag, by_op.get(Recompute, []))
     return validate(dag, placed=True), configs
 
 
@@ -191,6 +194,7 @@ def _plan(capture, directives, named: dict, world: int | None, check: bool) -> P
         shapes = _shapes(capture, directives, named, bsz // micro // actual)
         dag, _ = build_global_dag(capture, directives, shapes["values"], frozen)
     check_buffers(dag, shapes["changed"])
+    check_recompute(dag, shapes["changed"])
     n_world = _world(dag, directives, world)
     buckets = dag.get_meta("buckets", ())
     loss_region = next(r.index for r in capture.regions if r.has_loss)

@@ -266,7 +266,8 @@ def _instr(n: Node, d: int, partner, tags, owned) -> Instr:
     if n.op in COMPUTE:
         full, bks = owned.get(n.region, ((), ())) if n.op == Op.U else ((), ())
         return Instr(n.op.value, n.id, "compute", n.region, mb, pos, len(n.devices),
-                     overlap=n.attr("overlap", -1), params=tuple(full), buckets=tuple(bks))
+                     overlap=n.attr("overlap", -1), params=tuple(full), buckets=tuple(bks),
+                     recompute=n.attr("recompute") is not None)
     if n.op in (Op.SEND, Op.RECV):
         other = partner[n.id]
         return Instr(n.op.value, n.id, n.stream, n.region, mb, pos, len(n.devices),
@@ -365,6 +366,8 @@ def _add_frees(instrs: list[Instr], regions, dag) -> tuple[Instr, ...]:
                      if v in made]
         elif ins.kind in ("B", "BI"):
             reads = [f"grad:{v}@{ins.mb}" for v in regions[ins.region].outputs if v in grad_values]
+            if ins.recompute:   # the forward runs again on its inputs
+                reads += [f"act:{v}@{ins.mb}" for v in regions[ins.region].inputs if v in made]
         elif ins.kind == "WAIT" and instrs[ins.target].kind == "SEND":
             s = instrs[ins.target]
             reads = [f"{'grad' if s.grad else 'act'}:{v}@{s.mb}" for v in s.values]

@@ -43,6 +43,7 @@ class Instr:
     owners: tuple[int, ...] = ()    # ALL_TO_ALL: per value, the device holding its expert
     split_by: tuple[str, ...] = ()  # ALL_TO_ALL: per value, the dispatched value whose
                                     # per-replica token counts size its pieces
+    recompute: bool = False         # F / B / BI of a recomputed region (`pn.recompute`)
 
     @property
     def is_compute(self) -> bool:

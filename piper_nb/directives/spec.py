@@ -3,7 +3,7 @@
 Each directive is a frozen dataclass in its own module (value type, JSON fields, rewrite,
 Designer row defaults and code generation together; see `base.py`); `REGISTRY` maps each
 JSON `op` to its class. The `op` and field names in JSON are Piper's (`place`, `replicate`,
-`shard`, `split`, `order`), plus our `schedule` op that names a builder.
+`shard`, `split`, `order`), plus our `schedule` op that names a builder and `recompute`.
 """
 
 from __future__ import annotations
@@ -15,17 +15,20 @@ from typing import Any
 from piper_nb.directives.base import Directive
 from piper_nb.directives.order import Order, order
 from piper_nb.directives.place import Place, place
+from piper_nb.directives.recompute import Recompute, recompute
 from piper_nb.directives.replicate import Replicate, replicate
 from piper_nb.directives.schedule import Schedule
 from piper_nb.directives.shard import Shard, shard
 from piper_nb.directives.split import Split, split
 from piper_nb.errors import PlanError
 
-__all__ = ["Directive", "Place", "Replicate", "Shard", "Split", "Order", "Schedule", "Program",
-           "place", "replicate", "shard", "split", "order", "directive_from_json", "REGISTRY"]
+__all__ = ["Directive", "Place", "Replicate", "Shard", "Split", "Order", "Schedule", "Recompute",
+           "Program", "place", "replicate", "shard", "split", "order", "recompute",
+           "directive_from_json", "REGISTRY"]
 
 REGISTRY: dict[str, type[Directive]] = {cls.op: cls for cls in
-                                        (Place, Replicate, Shard, Split, Order, Schedule)}
+                                        (Place, Replicate, Shard, Split, Order, Schedule,
+                                                     Recompute)}
 
 
 def directive_from_json(obj: Any) -> Directive:

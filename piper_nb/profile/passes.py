@@ -18,6 +18,7 @@ step's median time is near the sum of its parts' means, their stalls included.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import statistics
 import time
 
@@ -86,9 +87,10 @@ class _Bench:
         w.reset(optimizer)
         w.bench(_batch(plan))
         self.first = {}
-        for ins in w.instrs:
+        for ins in w.instrs:   # timed without recompute: the cost model adds the forward
             if ins.is_compute:
-                self.first.setdefault((ins.region, ins.kind), ins)
+                self.first.setdefault((ins.region, ins.kind),
+                                      dataclasses.replace(ins, recompute=False))
 
     def _gather(self, r: int) -> None:
         st = self.w.store

@@ -6,7 +6,9 @@ microbatch and replica, or the activations received) and stashes the autograd st
 runs autograd from the stashed outputs with the received output gradients (the loss's
 gradient is `plan.loss_scale`) and hands input gradients upstream; BI computes the input
 gradients only and keeps the graph for BW, which then computes the parameters'. U applies
-the optimizer to full parameters and to this device's bucket shards.
+the optimizer to full parameters and to this device's bucket shards. A recomputed region
+(`Instr.recompute`, `pn.recompute`) runs its F under `torch.no_grad()` and stashes its
+inputs; its B or BI first runs the forward again, seeded as F was, with autograd.
 """
 
 from __future__ import annotations
@@ -62,9 +64,27 @@ class ComputePasses:
                     t = t.detach().requires_grad_(True)
                     leaves.append((v, t))
             args.append(t)
+        if ins.recompute:   # keep the inputs only: the backward runs this forward again
+            with torch.no_grad():
+                outputs, _ = self._run_region(ins, args, count=False)
+        else:
+            outputs, saved = self._run_region(ins, args, count=self.tracing)
+        for name, out in outputs.items():
+            if name == LOSS:
+                self.losses.append(out.detach())
+            else:
+                self.values.acts[(name, mb)] = out
+        if ins.recompute:
+            self.values.stash[(ins.region, mb)] = Stash(leaves, outputs, 0, args=args)
+        else:
+            self.values.stash[(ins.region, mb)] = Stash(leaves, outputs, saved)
+
+    def _run_region(self, ins, args: list, count: bool) -> tuple[dict, int]:
+        """Seed the random state for this forward, run the region on `args`: its outputs by
+        name and (`count`) the bytes autograd saved, parameters and inputs excluded."""
         seed_forward(self.seed, self.step_no, ins, self.device)
         saved = 0
-        if self.tracing:
+        if count:
             exclude = {p.untyped_storage().data_ptr() for p in self.store.params.values()}
             exclude |= {a.untyped_storage().data_ptr() for a in args}
             with SavedBytes(exclude) as counter:
@@ -72,13 +92,14 @@ class ComputePasses:
             saved = counter.bytes
         else:
             outs = self.modules[ins.region](*args)
-        outputs = dict(zip(info.outputs, outs, strict=True))
-        for name, out in outputs.items():
-            if name == LOSS:
-                self.losses.append(out.detach())
-            else:
-                self.values.acts[(name, mb)] = out
-        self.values.stash[(ins.region, mb)] = Stash(leaves, outputs, saved)
+        return dict(zip(self.plan.regions[ins.region].outputs, outs, strict=True)), saved
+
+    def _recompute(self, ins, st: Stash) -> None:
+        """B or BI of a recomputed region: its forward again, with autograd, on the stashed
+        inputs and the forward's random state; the stash then holds that graph."""
+        with torch.enable_grad():
+            st.outputs, st.saved = self._run_region(ins, st.args, count=self.tracing)
+        st.args = None
 
     def _batch_part(self, v: str, mb: int, replica: int, replicas: int) -> torch.Tensor:
         """`batch_part` of batch input `v`, from views cut once per step (one split per
@@ -118,6 +139,8 @@ class ComputePasses:
                 torch.autograd.backward(outs, grads, inputs=params)
             del self.values.stash[key]
             return
+        if ins.recompute and st.args is not None:
+            self._recompute(ins, st)
         outs, grads = self._out_grads(st, ins.mb)
         if ins.kind == "B":
             if outs:

@@ -198,6 +198,7 @@ class Stash:
     outputs: dict[str, torch.Tensor]            # value -> output (LOSS included)
     saved: int                                  # bytes autograd saved (SavedBytes)
     out_grads: list | None = None               # BI keeps (outputs, grads) for BW
+    args: list | None = None                    # a recomputed forward's inputs, until B/BI
 
 
 @dataclass

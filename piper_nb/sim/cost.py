@@ -16,6 +16,9 @@ Three ways to get one, all the same `CostModel` value:
   `torch.utils.flop_counter.FlopCounterMode`, divided by the hardware's peak and an
   efficiency factor; messages cost bytes / NVLink bandwidth inside a node of 8 devices and
   bytes / InfiniBand bandwidth across nodes (alpha-beta model, ring collectives).
+
+In every model the B or BI of a recomputed region (`pn.recompute`) costs one forward more:
+it runs the forward again first (`CostModel.compute`).
 """
 
 from __future__ import annotations
@@ -178,15 +181,22 @@ class CostModel:
 
     # ---- durations ----------------------------------------------------------------
     def compute(self, ins) -> float:
-        """Duration of one F/B/BI/BW/U instruction."""
+        """Duration of one F/B/BI/BW/U instruction; the B or BI of a recomputed region
+        (`ins.recompute`) runs its forward first, so costs one F more."""
+        took = self._pass(ins.region, ins.kind)
+        if ins.recompute and ins.kind in ("B", "BI"):
+            took += self._pass(ins.region, "F")
+        return took
+
+    def _pass(self, region: int, kind: str) -> float:
         p = self.passes
-        key = (ins.region, ins.kind)
+        key = (region, kind)
         if key in p:
             return p[key]
-        if (-1, ins.kind) in p:
-            return p[(-1, ins.kind)]
-        if ins.kind == "B" and (ins.region, "BI") in p:   # a profile without a full B
-            return p[(ins.region, "BI")] + p.get((ins.region, "BW"), 0.0)
+        if (-1, kind) in p:
+            return p[(-1, kind)]
+        if kind == "B" and (region, "BI") in p:   # a profile without a full B
+            return p[(region, "BI")] + p.get((region, "BW"), 0.0)
         return 0.0
 
     def overlapped(self, members) -> float:

@@ -201,7 +201,7 @@ class _Ledger:
                 self._put(self.acts, (v, ins.mb), buf)
         for buf in refs:
             self._hold(buf)
-        saved = self.routing.saved(ins.region, ins.mb, self.d)
+        saved = 0 if ins.recompute else self.routing.saved(ins.region, ins.mb, self.d)
         self.level[Memory.ACTIVATIONS] += saved
         key = (ins.region, ins.mb)
         if key in self.stash:
@@ -230,11 +230,26 @@ class _Ledger:
             self._param_grads(self.plan.regions[ins.region].params)
             self._drop_stash(key)
         else:
+            if ins.recompute:
+                self._recomputed(ins, st)
             st.out_grads = self._out_grads(ins)
         if ins.kind != Op.BW:
             expert = ins.region in self.routing.experts
             for v in st.leaves:
                 self._add_grad(v, ins.mb, expert)
+
+    def _recomputed(self, ins, st: _Stash) -> None:
+        """A recomputed region's BI ran its forward again: the stash now holds what autograd
+        saved and the new outputs in place of the forward's (a B drops the stash at once)."""
+        expert = ins.region in self.routing.experts
+        outs = [_Buf(self._vb(v, ins.mb, expert)) for v in self.plan.regions[ins.region].outputs]
+        for buf in outs:
+            self._hold(buf)
+        for buf in st.refs[len(st.leaves):]:
+            self._let_go(buf)
+        st.refs = st.refs[:len(st.leaves)] + outs
+        st.saved = self.routing.saved(ins.region, ins.mb, self.d)
+        self.level[Memory.ACTIVATIONS] += st.saved
 
     def _update(self, i: int, ins) -> None:
         """U (`ParamStore.update`): gradients consumed, updated ZeRO-1/2 shards held until

@@ -20,7 +20,9 @@ sample by sample (`tests/sim/test_memory_vs_runtime.py` checks they are equal). 
   (`MemorySettings(first_step=True)`: only from the update on, as in a first step);
 - activations: for each forward stash (region, microbatch) the bytes autograd saved
   (`plan.saved[region]`, as `pn.compile` measured them) from its F until its last backward
-  (B, or BW when split); each value buffer (a forward's outputs, received activations and
+  (B, or BW when split), or for a recomputed region (`pn.recompute`) none until its BI ran
+  the forward again (that BI's new outputs replace the forward's in the stash; a B runs
+  and drops it within the instruction); each value buffer (a forward's outputs, received activations and
   gradients, input gradients a backward makes) from its creation until it is freed *and*
   no live stash still refers to it (a stash keeps its inputs, its outputs and, between BI
   and BW, the output gradients); received buffers count from their RECV's issue;

@@ -3,9 +3,9 @@
 A row's fields come from the table `FIELDS`: each `Field` names the JSON key it edits,
 makes its widget, reads the widget value from a row and writes a value back as
 `(fields to set, keys to drop)`. The table is the whole difference between a place, a
-replicate (ZeRO level), a shard, a split, an order (slots, one per line) and a schedule
-row (builder, ranks, microbatches, chunks, place stages); rows of an unknown op are edited
-as raw JSON. Writes go through the panel's `on_edit` with `state.update_row`.
+replicate (ZeRO level), a shard, a split, an order (slots, one per line), a recompute
+(its filter) and a schedule row (builder, ranks, microbatches, chunks, place stages);
+rows of an unknown op are edited as raw JSON. Writes go through the panel's `on_edit` with `state.update_row`.
 """
 
 from __future__ import annotations
@@ -128,7 +128,7 @@ def _raw_write(value: str, row: dict) -> tuple[dict, tuple[str, ...]]:
 
 FIELDS = {"place": (FILTER, DEVICES, STREAM), "shard": (FILTER, DEVICES, STREAM),
           "replicate": (FILTER, DEVICES, ZERO), "split": (FILTER, DIM, NUM), "order": (SLOTS,),
-          "schedule": (NAME, RANKS, MICRO, CHUNKS, PLACE)}
+          "schedule": (NAME, RANKS, MICRO, CHUNKS, PLACE), "recompute": (FILTER,)}
 
 
 class DirectiveRow:

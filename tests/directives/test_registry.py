@@ -20,6 +20,7 @@ EXAMPLES = {
                   pn.replicate({"PP": 0, "EP": "*"}, [0, 1], zero=1)],
     "shard": [pn.shard({"PP": 0, "EP": "*"}, devices=[0, 2], stream="ep")],
     "split": [pn.split({"PP": "*"}, dim="CH", num=3)],
+    "recompute": [pn.recompute({"PP": 1, "MB": 0})],
     "order": [pn.order([[{"PP": 0, "MB": 0, "PASS": "F"}],
                         [{"PP": 0, "MB": 1, "PASS": "F"}, {"PP": 0, "MB": 0, "PASS": "B"}]])],
     "schedule": [directive_from_json({"op": "schedule", "name": "interleaved", "ranks": 2,
@@ -79,7 +80,9 @@ def test_json_keeps_piper_field_names():
     ({"op": "order"}, "order: missing field 'filters'"),
     ({"op": "split", "filter": {}, "num_microbatches": 0},
      "split: num (JSON num_microbatches) must be a positive integer"),
-    ({"op": "recompute"}, "unknown op 'recompute'; the ops are order, place, replicate"),
+    ({"op": "checkpoint"}, "unknown op 'checkpoint'; the ops are order, place, recompute"),
+    ({"op": "recompute"}, "recompute: missing field 'filter'"),
+    ({"op": "recompute", "filter": {"PASS": "F"}}, "recompute filter {'PASS': 'F'} names a PASS"),
 ])
 def test_json_errors_name_the_field_in_both_spellings(row, message):
     with pytest.raises(pn.PlanError, match=message.replace("(", r"\(").replace(")", r"\)")):

@@ -4,7 +4,8 @@ from one integer seed, trained and compared with `pn.reference_train`.
 A case is a `StageGraph` (skip edges from any earlier stage, values read by several
 stages, weights tied between any two stages, frozen stages, BatchNorm and constant
 buffers, a mix of activations, sometimes a module called from two stages, sometimes
-dropout) under one schedule builder (GPipe, 1F1B, interleaved 1F1B with 2 and 3 chunks,
+dropout), some stages recomputed (`pn.recompute`: all microbatches or one), under one
+schedule builder (GPipe, 1F1B, interleaved 1F1B with 2 and 3 chunks,
 ZB1P, DualPipeV, full DualPipe, a random valid hand-written grid, or none), with data
 parallel replicas and ZeRO 0-3 on every stage (PP x DP, at most 4 devices), SGD with
 momentum or AdamW, for 2-3 steps. The check: the losses and every entry of the trained
@@ -54,6 +55,7 @@ class Case:
     steps: int
     spec: GraphSpec
     grid: str = ""
+    recompute: tuple[tuple[int, int], ...] = ()   # (stage, microbatch or -1: all)
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -69,10 +71,11 @@ class Case:
         model = (f"{s.stages} stages dim {s.dim}, skips {list(s.skips)}, ties {list(s.ties)}, "
                  f"frozen {list(s.frozen)}, norms {list(s.norms)}, scales {list(s.scales)}, "
                  f"shared {s.shared}, dropout {s.dropout}, act modules {s.act_modules}")
+        rc = f", recompute {list(self.recompute)}" if self.recompute else ""
         return (f"seed {self.seed}: {self.schedule} x{self.ranks} ranks, DP {self.dp}, "
                 f"ZeRO {self.zero}{'' if self.reshard else ' (no reshard)'}, bucket "
                 f"{self.bucket_size}, {self.microbatches} microbatches of {self.dp * self.per_part}"
-                f", {self.optimizer}, {self.steps} steps; {model}")
+                f", {self.optimizer}, {self.steps} steps{rc}; {model}")
 
     def replay(self) -> str:
         return f".venv/bin/python tests/fuzz/run.py --seed {self.seed}"
@@ -96,6 +99,11 @@ def draw(seed: int) -> Case:
                 steps=rng.choice([2, 3]), spec=spec)
     if schedule == "grid":
         case.grid = _random_grid(rng, stages, ranks, micro, in_order=bool(spec.norms))
+    free = [s for s in range(stages) if s not in spec.norms]   # BatchNorm: refused
+    if free and rng.random() < 0.4:
+        picked = rng.sample(free, rng.randint(1, len(free)))
+        case.recompute = tuple(sorted((s, rng.choice([-1, -1, rng.randrange(micro)]))
+                                      for s in picked))
     return case
 
 
@@ -156,9 +164,10 @@ def program(case: Case) -> list:
     """The case's directives: the schedule's (with `place`), every pipeline rank r turned
     into the replica group [r, r + ranks, ...] and replicated with the case's ZeRO level."""
     r, c = case.ranks, case.microbatches
+    rc = [pn.recompute({"PP": s} if mb < 0 else {"PP": s, "MB": mb}) for s, mb in case.recompute]
     if case.schedule == "none":
         devs = list(range(case.dp))
-        return [pn.place({}, devs), _replicate({}, devs, case), pn.split({}, "MB", c)]
+        return [pn.place({}, devs), _replicate({}, devs, case), pn.split({}, "MB", c), *rc]
     build = {
         "gpipe": lambda: pn.schedules.gpipe(r, c, place=True),
         "1f1b": lambda: pn.schedules.one_f_one_b(r, c, place=True),
@@ -179,7 +188,7 @@ def program(case: Case) -> list:
         holders.setdefault(d.filter["PP"], set()).update(devs)
     if case.dp > 1 or case.schedule == "dualpipe":   # replicas, or a DualPipe stage's copies
         out += [_replicate({"PP": s}, sorted(devs), case) for s, devs in sorted(holders.items())]
-    return out
+    return out + rc
 
 
 def _replicate(filt: dict, devs: list[int], case: Case):

@@ -50,7 +50,8 @@ def main() -> int:
             mix.update([case.schedule, f"zero{case.zero}", f"dp{case.dp}"])
             mix.update(k for k, v in [("skips", case.spec.skips), ("ties", case.spec.ties),
                                       ("frozen", case.spec.frozen), ("batchnorm", case.spec.norms),
-                                      ("shared", case.spec.shared), ("dropout", case.spec.dropout)]
+                                      ("shared", case.spec.shared), ("dropout", case.spec.dropout),
+                                      ("recompute", case.recompute)]
                        if v)
             print(f"[{status} {time.perf_counter() - start:5.2f}s] {case.line()}"
                   + ("" if status == "ok" else f"\n{what}"), flush=True)

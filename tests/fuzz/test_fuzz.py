@@ -35,6 +35,9 @@ def test_the_draw_covers_every_schedule_zero_level_and_feature():
         assert any(getattr(c.spec, feature) for c in cases), feature
     assert {c.optimizer for c in cases} == {"sgd", "adamw"}
     assert any(c.spec.act_modules for c in cases)
+    assert any(c.recompute for c in cases if c.schedule in ("zb1p", "dualpipev"))
+    assert any(c.recompute and c.zero == 3 for c in cases)
+    assert any(mb >= 0 for c in cases for _, mb in c.recompute)
 
 
 def test_a_case_replays_from_its_seed():

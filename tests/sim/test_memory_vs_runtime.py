@@ -113,14 +113,29 @@ def _frozen_zero3():
     return model, {"layers": {"PP": 0}}, program
 
 
+def _recompute(kind: str):
+    """`pn.recompute` under a split backward (the stash holds BI's graph until BW), under
+    ZeRO-3 and on a 1F1B pipeline (one microbatch only)."""
+    model = pn.models.TinyGPT(vocab=64, dim=32, layers=2, heads=2, seq=16)
+    program = {
+        "zb1p": lambda: [*pn.schedules.zero_bubble(2, 4, place=True), pn.recompute({"PP": "*"})],
+        "zero3": lambda: [pn.place({}, [0, 1]), pn.replicate({}, [0, 1], zero=3),
+                          pn.split({}, "MB", 2), pn.recompute({"PP": 0})],
+        "1f1b": lambda: [*pn.schedules.one_f_one_b(2, 4, place=True),
+                         pn.recompute({"PP": 1, "MB": 1})],
+    }[kind]()
+    return model, pn.cut_stages(model, 2), program
+
+
 MORE = {**{f"tied-zero{z}-pp2-dp2": lambda z=z: _tied(z) for z in (1, 2, 3)},
         **{f"dualpipe-copies-zero{z}": lambda z=z: _dualpipe_zero(z) for z in (2, 3)},
+        **{f"recompute-{k}": lambda k=k: _recompute(k) for k in ("zb1p", "zero3", "1f1b")},
         "frozen-zero3": _frozen_zero3}
 
 
 @pytest.mark.parametrize("name", sorted(MORE))
 def test_predicted_memory_equals_measured_beyond_the_matrix(clusters, name):
-    """Weights tied across stages and DualPipe copies under ZeRO, frozen weights."""
+    """Weights tied across stages and DualPipe copies under ZeRO, frozen weights, recompute."""
     model, annotation, program = MORE[name]()
     batch = model.example_batch(batch_size=8, seed=0)
     plan = pn.compile(pn.annotate(model, annotation), program, batch)
