@@ -158,7 +158,10 @@ def _serve(rank: int, world: int, port: int, case: dict, conn, cores=None) -> No
 class PeerGroup:
     """`world` spawned ranks training `case` with PyTorch's own parallelism."""
 
-    def __init__(self, case: dict, world: int, timeout: float = 300.0, pin: bool | None = None):
+    def __init__(self, case: dict, world: int, timeout: float = 300.0, pin: bool | None = None,
+                 serve=None):
+        """Spawn `world` ranks each running `serve` (default `_serve`) on `case`."""
+        serve = _serve if serve is None else serve
         if case["kind"] not in KINDS:
             raise ValueError(f"unknown peer kind {case['kind']!r}; the kinds are {KINDS}")
         self.case, self.world, self.timeout = case, world, timeout
@@ -168,7 +171,7 @@ class PeerGroup:
         self.procs, self.conns = [], []
         for rank in range(world):
             parent, child = ctx.Pipe()
-            p = ctx.Process(target=_serve, args=(rank, world, port, case, child, cores[rank]),
+            p = ctx.Process(target=serve, args=(rank, world, port, case, child, cores[rank]),
                             daemon=True, name=f"peer-{case['kind']}-{rank}")
             p.start()
             child.close()

@@ -43,13 +43,11 @@ import time
 from pathlib import Path
 
 import torch
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import nn
 
 import piper_nb as pn
 import piper_nb.capture.front as _front
-from piper_nb.host import core_plan, free_port
 
 _HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(_HERE))                                   # _peers (spawned ranks too)
@@ -277,20 +275,7 @@ class HFPeerGroup(PeerGroup):
     gloo group, timing and result collection, with `_serve_hf` as each rank's main."""
 
     def __init__(self, case: dict, world: int, timeout: float = 300.0, pin: bool | None = None):
-        self.case, self.world, self.timeout = case, world, timeout
-        ctx = mp.get_context("spawn")
-        port = free_port()
-        cores = core_plan(world, pin)
-        self.procs, self.conns = [], []
-        for rank in range(world):
-            parent, child = ctx.Pipe()
-            p = ctx.Process(target=_serve_hf, args=(rank, world, port, case, child, cores[rank]),
-                            daemon=True, name=f"peer-hf-1f1b-{rank}")
-            p.start()
-            child.close()
-            self.procs.append(p)
-            self.conns.append(parent)
-        self._collect()
+        super().__init__(case, world, timeout, pin, serve=_serve_hf)
 
 
 class _Piper:

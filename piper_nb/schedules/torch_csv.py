@@ -22,7 +22,7 @@ from typing import Any
 
 from piper_nb.directives.spec import Directive
 from piper_nb.errors import PlanError
-from piper_nb.ir.action import Action, Grid, Slot, parse_slot
+from piper_nb.ir.action import Action, Grid, Slot, parse_slot, slot_text
 from piper_nb.schedules.grid import as_grid, from_grid, validate_grid
 
 __all__ = ["parse_torch_csv", "from_torch_csv", "grid_to_torch_csv", "plan_to_torch_csv"]
@@ -85,11 +85,10 @@ def from_torch_csv(source: str | os.PathLike, microbatches: int | None = None,
 
 
 def _slot_cell(slot: Slot) -> str:
+    """A grid slot as torch writes it: empty when idle, an overlapped pair suffixed."""
     if not slot:
         return ""
-    if len(slot) == 1:
-        return str(slot[0])
-    return "(" + ";".join(str(a) for a in slot) + ")OVERLAP_F_B"
+    return slot_text(slot) + ("OVERLAP_F_B" if len(slot) > 1 else "")
 
 
 def _write(rows: Sequence[Sequence[Slot]]) -> str:
