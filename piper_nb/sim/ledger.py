@@ -25,6 +25,10 @@ if TYPE_CHECKING:
 
 _LOSS = "loss"                              # capture.split's LOSS
 
+# the memory kinds as plain ints: indexing `level` with an IntEnum member costs six times an
+# int in this loop, which runs once per instruction of every device
+_PARAMS, _GRADS, _OPTIM, _ACTIVATIONS, _BUFFERS = (int(m) for m in Memory)
+
 # how the step loop dispatches an instruction: kind -> handler (the worker's names)
 _HANDLERS = {Op.F: "_forward", **dict.fromkeys(BACKWARDS, "_backward"), Op.U: "_update",
              **dict.fromkeys(COMM, "_issue"), Op.WAIT: "_wait", Op.FREE: "_free"}
@@ -86,7 +90,7 @@ class _Ledger:
         self.vgrads: dict[tuple[str, int], _Buf] = {}
         self.stash: dict[tuple[int, int], _Stash] = {}
         # decoded once, as the worker does: each instruction's handler (None: nothing held)
-        self.handlers = [self._handler(ins) for ins in self.instrs]
+        self.handlers = self._handlers()
 
     def _params_held(self) -> float:
         """Parameter bytes held throughout: full parameters and ZeRO-3 bucket shards."""
@@ -106,11 +110,12 @@ class _Ledger:
                 out[i] = st
         return out
 
-    def _handler(self, ins):
-        if ins.kind in PASSES and not 0 <= ins.region < len(self.plan.regions):
-            return None   # a hand-written plan without region tables: nothing to count
-        name = _HANDLERS.get(ins.kind)
-        return getattr(self, name) if name is not None else None
+    def _handlers(self) -> list:
+        """Each instruction's handler, looked up once (None: nothing to count)."""
+        by_kind = {kind: getattr(self, name) for kind, name in _HANDLERS.items()}
+        n_regions = len(self.plan.regions)
+        return [None if ins.kind in PASSES and not 0 <= ins.region < n_regions  # no tables
+                else by_kind.get(ins.kind) for ins in self.instrs]
 
     # -- sizes --
     def _elem(self, name: str) -> int:
@@ -137,14 +142,14 @@ class _Ledger:
     def _hold(self, buf: _Buf) -> None:
         buf.holders += 1
         if buf.holders == 1:
-            self.level[Memory.ACTIVATIONS] += buf.nbytes
+            self.level[_ACTIVATIONS] += buf.nbytes
 
     def _let_go(self, buf: _Buf | None) -> None:
         if buf is None:
             return
         buf.holders -= 1
         if buf.holders == 0:
-            self.level[Memory.ACTIVATIONS] -= buf.nbytes
+            self.level[_ACTIVATIONS] -= buf.nbytes
 
     def _put(self, table: dict, key: tuple[str, int], buf: _Buf) -> None:
         self._hold(buf)
@@ -168,7 +173,7 @@ class _Ledger:
 
     def _drop_stash(self, key: tuple[int, int]) -> None:
         st = self.stash.pop(key)
-        self.level[Memory.ACTIVATIONS] -= st.saved
+        self.level[_ACTIVATIONS] -= st.saved
         for buf in st.refs:
             self._let_go(buf)
         for buf in st.out_grads:
@@ -179,13 +184,13 @@ class _Ledger:
         for n in names:
             if n in self.names and n not in self.grads and n not in self.frozen:
                 self.grads[n] = None
-                self.level[Memory.GRADS] += self.gsize[n]
+                self.level[_GRADS] += self.gsize[n]
 
     def _drop_grads(self, names) -> None:
         for n in names:
             if n in self.grads:
                 del self.grads[n]
-                self.level[Memory.GRADS] -= self.gsize[n]
+                self.level[_GRADS] -= self.gsize[n]
 
     # -- compute (the worker's `run`) --
     def _forward(self, i: int, ins) -> None:
@@ -202,7 +207,7 @@ class _Ledger:
         for buf in refs:
             self._hold(buf)
         saved = 0 if ins.recompute else self.routing.saved(ins.region, ins.mb, self.d)
-        self.level[Memory.ACTIVATIONS] += saved
+        self.level[_ACTIVATIONS] += saved
         key = (ins.region, ins.mb)
         if key in self.stash:
             self._drop_stash(key)
@@ -249,7 +254,7 @@ class _Ledger:
             self._let_go(buf)
         st.refs = st.refs[:len(st.leaves)] + outs
         st.saved = self.routing.saved(ins.region, ins.mb, self.d)
-        self.level[Memory.ACTIVATIONS] += st.saved
+        self.level[_ACTIVATIONS] += st.saved
 
     def _update(self, i: int, ins) -> None:
         """U (`ParamStore.update`): gradients consumed, updated ZeRO-1/2 shards held until
@@ -258,10 +263,10 @@ class _Ledger:
         for b in ins.buckets:
             if b in self.buckets and self.buckets[b].zero != 3 and b not in self.zero_shards:
                 self.zero_shards[b] = self._shard(b, self.pb)
-                self.level[Memory.BUFFERS] += self.zero_shards[b]
-            self.level[Memory.GRADS] -= self.grad_shards.pop(b, 0)
+                self.level[_BUFFERS] += self.zero_shards[b]
+            self.level[_GRADS] -= self.grad_shards.pop(b, 0)
         for key, nbytes in self.ustate[i].items():
-            self.level[Memory.OPTIM] += nbytes - self.optim_state.get(key, 0)
+            self.level[_OPTIM] += nbytes - self.optim_state.get(key, 0)
             self.optim_state[key] = nbytes
 
     # -- communication --
@@ -272,17 +277,17 @@ class _Ledger:
         if k == Op.SEND or (k in BUCKET_COLLECTIVES and b not in self.buckets):
             return
         if k == Op.RECV:
-            kind, nbytes = Memory.ACTIVATIONS, sum(self._vb(v, ins.mb) for v in ins.values)
+            kind, nbytes = _ACTIVATIONS, sum(self._vb(v, ins.mb) for v in ins.values)
         elif k == Op.ALL_REDUCE:
-            kind, nbytes = Memory.BUFFERS, self._padded(b, self.gb)
+            kind, nbytes = _BUFFERS, self._padded(b, self.gb)
         elif k == Op.REDUCE_SCATTER:  # a flat copy of the gradients and the output shard
-            kind, nbytes = Memory.BUFFERS, self._padded(b, self.gb) + self._shard(b, self.gb)
+            kind, nbytes = _BUFFERS, self._padded(b, self.gb) + self._shard(b, self.gb)
             self._drop_grads(self.buckets[b].params)
         elif k == Op.ALL_GATHER:      # a gathered ZeRO-3 bucket counts as parameters
-            kind = Memory.PARAMS if self.buckets[b].zero == 3 else Memory.BUFFERS
+            kind = _PARAMS if self.buckets[b].zero == 3 else _BUFFERS
             nbytes = self._padded(b, self.pb)
         else:                         # ALL_TO_ALL: what it sends and what it gets
-            kind, nbytes = Memory.BUFFERS, self._exchanged(ins)
+            kind, nbytes = _BUFFERS, self._exchanged(ins)
         self.pending[i] = (kind, nbytes)
         self.level[kind] += nbytes
 
@@ -330,26 +335,26 @@ class _Ledger:
 
     def _add_grad_shard(self, b: int) -> None:
         shard = self._shard(b, self.gb)
-        self.level[Memory.GRADS] += shard - self.grad_shards.get(b, 0)
+        self.level[_GRADS] += shard - self.grad_shards.get(b, 0)
         self.grad_shards[b] = shard
 
     def _acquire(self, b: int) -> None:
         """A ZeRO-3 gather's WAIT: the full bucket, one buffer however many gathers overlap."""
         self.refs[b] = self.refs.get(b, 0) + 1
         if self.refs[b] == 1:
-            self.level[Memory.PARAMS] += self._padded(b, self.pb)
+            self.level[_PARAMS] += self._padded(b, self.pb)
 
     def _write_params(self, b: int) -> None:
         """A ZeRO-1/2 gather's WAIT: the updated shard waiting for it goes."""
         if b in self.zero_shards:
-            self.level[Memory.BUFFERS] -= self.zero_shards.pop(b)
+            self.level[_BUFFERS] -= self.zero_shards.pop(b)
 
     def _release(self, b: int) -> None:
         """`free(param:b)`: the full bucket goes with its last use."""
         if self.refs.get(b, 0) > 0:
             self.refs[b] -= 1
             if self.refs[b] == 0:
-                self.level[Memory.PARAMS] -= self._padded(b, self.pb)
+                self.level[_PARAMS] -= self._padded(b, self.pb)
 
     # -- the token exchange (runtime.exchange) --
     def _exchanged(self, ins) -> int:
@@ -383,7 +388,6 @@ class _Ledger:
         for i, (ins, handler) in enumerate(zip(self.instrs, self.handlers, strict=True)):
             if handler is not None:
                 handler(i, ins)
-            held = [int(x) for x in level]
-            held[Memory.BUFFERS] = int(level[Memory.BUFFERS] + extra)
-            out.append(MemorySample(device, times[i], *held))
+            out.append(MemorySample(device, times[i], int(level[0]), int(level[1]),
+                                    int(level[2]), int(level[3]), int(level[4] + extra)))
         return out
