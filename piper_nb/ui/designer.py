@@ -19,6 +19,7 @@ from typing import Any
 
 import ipywidgets as W
 
+from piper_nb.capture.batch import batch_size, named_batch
 from piper_nb.errors import PlanError
 from piper_nb.ui.compute import Outcome, evaluate
 from piper_nb.ui.directives import DirectivesPanel
@@ -51,14 +52,16 @@ class Designer:
     def __init__(self, model, batch, cluster=None, *, program: Iterable | str | None = None,
                  annotations: Mapping[str, Mapping[str, int]] | None = None,
                  debounce: float | None = 0.15, cost: str = "uniform", lazy_views: bool = True):
-        ann, rows = default_design(model, batch[0].shape[0])
+        named = named_batch(batch, "pn.Designer")      # (inputs, targets) or a dict of tensors
+        ann, rows = default_design(model, batch_size(named))
         if annotations is not None:
             ann = {k: dict(v) for k, v in annotations.items()}
         if program is not None:
             from piper_nb.directives.spec import Program
             prog = Program.from_json(program) if isinstance(program, str) else Program(program)
             rows = [d.to_json() for d in prog]
-        self.state = DesignerState(model=model, batch=tuple(batch), annotations=ann,
+        batch = dict(named) if isinstance(batch, Mapping) else tuple(batch)
+        self.state = DesignerState(model=model, batch=batch, annotations=ann,
                                    rows=tuple(rows), cost=cost)
         self.cluster, self._own_cluster = cluster, None
         self.debounce = debounce

@@ -37,7 +37,7 @@ class DesignerState:
     """What the Designer edits. `rows` are Piper JSON objects, possibly invalid."""
 
     model: Any                                   # the nn.Module being annotated
-    batch: tuple                                 # (inputs, targets)
+    batch: tuple | dict                          # (inputs, targets) or a dict of tensors
     annotations: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
     rows: tuple[Mapping[str, Any], ...] = ()
     cost: str = "uniform"                        # "uniform" | "analytic" | "profiled"
@@ -95,7 +95,7 @@ def effective_tags(state: DesignerState, path: str) -> dict[str, Any]:
 def cut(state: DesignerState, n: int, by: str = "params") -> DesignerState:
     """Drop every PP tag, then cut the model into `n` even stages (`pn.cut_stages`)."""
     proposal = cut_stages(state.model, n, by=by,
-                          example=tuple(state.batch) if by == "flops" else None)
+                          example=state.batch if by == "flops" else None)
     ann: dict[str, dict[str, Any]] = {}
     for p, tags in state.annotations.items():
         rest = {k: v for k, v in tags.items() if k != "PP"}

@@ -99,3 +99,14 @@ def test_training_on_a_batch_of_other_keys_is_refused(cluster2):
     other = {k: v for k, v in batch.items() if k != "attention_mask"}
     with pytest.raises(pn.PlanError, match="the batch has .* but the plan was compiled for"):
         pn.train(plan, other, steps=1, optimizer=pn.optim.SGD(lr=0.1), cluster=cluster2)
+
+
+def test_the_designer_opens_on_a_dict_batch():
+    from piper_nb.ui.designer import Designer
+    from piper_nb.ui.state import cut
+    model, batch = llama(), dict_batch()
+    d = Designer(model, batch, debounce=None, program=PROGRAM, annotations=ANNOTATIONS)
+    out = d.refresh()
+    assert out.problems == [] and out.plan.batch_names == tuple(batch)
+    assert isinstance(d.state.batch, dict)
+    assert cut(d.state, 2, by="flops").annotations      # FLOPs counted on the dict batch
