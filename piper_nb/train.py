@@ -75,7 +75,6 @@ class _Sizes:
     def __init__(self, plan, drop_last: bool):
         self.plans = {plan.batch_size: plan}
         self.base, self.drop_last, self.told = plan, drop_last, set()
-        self.reset: list = []       # other-size plans the cluster has been given
 
     def plan_for(self, named: dict, step: int):
         size = batch_size(named)
@@ -151,7 +150,7 @@ def train(plan, batch_or_loader, steps: int, optimizer, cluster=None, *,
     own = cluster is None
     cluster = LocalCluster(plan.world) if own else cluster
     losses, times, trace, leftover, skipped = [], [], None, set(), []
-    sizes = _Sizes(plan, drop_last)
+    sizes, shipped = _Sizes(plan, drop_last), set()   # other-size plans the cluster has
     try:
         cluster.reset(plan, optimizer, seed)
         start = 0
@@ -175,9 +174,9 @@ def train(plan, batch_or_loader, steps: int, optimizer, cluster=None, *,
             if this is plan:
                 outs = cluster.step(plan, batch, trace=s == steps)  # memory: on the kept step
             else:
-                if not any(p is this for p in sizes.reset):
+                if this.batch_size not in shipped:   # the workers load its state over this
                     cluster.reset(this, optimizer, seed)
-                    sizes.reset.append(this)
+                    shipped.add(this.batch_size)
                 outs = _other_size_step(cluster, plan, this, batch, s == steps)
             losses.append(sum(o["loss"] for o in outs))
             times.append(max(o["end"] for o in outs))

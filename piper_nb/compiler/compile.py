@@ -8,6 +8,7 @@ recompute. Every step is a pure function of the DAG; errors name the directive i
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import gc
 from collections.abc import Callable, Iterable
@@ -141,10 +142,18 @@ def compile(spec: Spec, program: Program | Iterable, batch, *, loss_fn: Callable
     `capture` picks the front end that cuts the model into regions: "fx" (symbolic
     tracing), "export" (`torch.export`, non-strict, on `batch`: any model whose forward
     runs, Hugging Face models among them) or "auto" (fx, else export)."""
-    enabled = gc.isenabled()
-    gc.disable()  # large plans allocate millions of small immutable values; none form cycles
-    try:
+    with _gc_paused():
         return _compile(spec, program, batch, loss_fn, world, check, capture)
+
+
+@contextlib.contextmanager
+def _gc_paused():
+    """Large plans allocate millions of small immutable values and none form cycles: the
+    garbage collector's passes over them are pure cost while compiling."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
     finally:
         if enabled:
             gc.enable()
@@ -169,13 +178,8 @@ def rebatch(plan: Plan, batch) -> Plan:
     if tuple(named) != plan.batch_names:
         raise PlanError(f"the batch has {list(named)} but the plan was compiled for "
                         f"{list(plan.batch_names)}")
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
+    with _gc_paused():
         return _plan(plan.capture, plan.program, named, plan.world, True)
-    finally:
-        if enabled:
-            gc.enable()
 
 
 def _plan(capture, directives, named: dict, world: int | None, check: bool) -> Plan:

@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass
 
+from piper_nb.errors import PlanError
 from piper_nb.trace import MEMORY_KINDS
 
 __all__ = ["step_window", "busy_time", "bubble", "bubble_fraction", "peak_memory",
@@ -73,7 +74,6 @@ def over_capacity(trace, capacity: float | None = None) -> list[str]:
     and the largest kind of memory at the peak."""
     capacity = trace.meta.get("memory_capacity") if capacity is None else capacity
     if capacity is None:
-        from piper_nb.errors import PlanError
         raise PlanError("this trace knows no device memory: simulate with "
                         "pn.CostModel.analytic(plan, 'H100') or pass capacity= in bytes")
     peaks: dict[int, object] = {}

@@ -30,11 +30,10 @@ from piper_nb.ui.fields import (
 from piper_nb.ui.state import SCHEDULES, move_row, remove_row, update_row
 from piper_nb.ui.widgets import set_class
 
-__all__ = ["Field", "FIELDS", "DirectiveRow", "schedule_name"]
+__all__ = ["Field", "FIELDS", "DirectiveRow"]
 
 _SMALL = W.Layout(width="34px", padding="0px")
 _NAMES = {v: k for k, v in SCHEDULES.items()}
-schedule_name = schedule_key       # the builder a row's name stands for
 
 
 @dataclass(frozen=True)
@@ -75,7 +74,7 @@ def _name_write(value: str, row: dict) -> tuple[dict, tuple[str, ...]]:
 
 def _options(row: dict) -> list[tuple[str, str]]:
     opts = [(label, name) for label, name in SCHEDULES.items()]
-    name = schedule_name(row.get("name"))
+    name = schedule_key(row.get("name"))
     if name not in _NAMES:
         opts.append((str(row.get("name")), name))
     return opts
@@ -100,7 +99,7 @@ SLOTS = Field("filters", lambda: W.Textarea(continuous_update=False, rows=4,
                                             layout=W.Layout(width="300px")),
               lambda r: slots_text(r.get("filters")), lambda v, r: ({"filters": parse_slots(v)}, ()))
 NAME = Field("name", lambda: W.Dropdown(options=list(SCHEDULES.items()), layout=W.Layout(width="130px")),
-             lambda r: schedule_name(r.get("name")), _name_write)
+             lambda r: schedule_key(r.get("name")), _name_write)
 RANKS = Field("ranks", _int("ranks", "95px"),
               lambda r: r.get("ranks") if isinstance(r.get("ranks"), int) else 1,
               lambda v, r: ({"ranks": v}, ()))
@@ -176,7 +175,7 @@ class DirectiveRow:
                 w.options = _options(row)
             w.value = field.read(row)
         if "chunks" in self.fields:
-            self.widget("chunks").disabled = schedule_name(row.get("name")) != "interleaved_1f1b"
+            self.widget("chunks").disabled = schedule_key(row.get("name")) != "interleaved_1f1b"
 
     def show_problem(self, message: str | None) -> None:
         set_class(self.box, "pn-row-error", message is not None)
