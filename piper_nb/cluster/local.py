@@ -8,7 +8,7 @@ instruction; a worker that dies (or stops answering) as `pn.WorkerLost`. Either 
 whole group is killed at once, since its peers may be blocked in a transfer with it, and the
 next call starts a fresh group: the cluster is usable again. Test hook: with the
 environment variable `PIPER_NB_FAIL_AT="<device>:<instruction text>"` set in the driver
-(e.g. `1:1B2`, or `0:wait(0RECV_B1<1)`), that worker raises there; append `:exit` to make
+(e.g. `1:r1:B2`, or `0:wait(r0:RECV_B1<1)`), that worker raises there; append `:exit` to make
 its process die instead. CPU workers are pinned one per core when there are enough cores
 (`pin`, see `host.core_plan`). Scripts that start a cluster need an
 `if __name__ == "__main__":` guard (workers are spawned, which re-imports the main module).

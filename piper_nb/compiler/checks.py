@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from collections import Counter, defaultdict
 
-from piper_nb.compiler.dryrun import dry_run, p2p_key
+from piper_nb.compiler.dryrun import dry_run, p2p_key, who_orders
 from piper_nb.compiler.gradflow import Asymmetric, Flow
 from piper_nb.compiler.nccl import check_nccl
 from piper_nb.compiler.plan import Plan
@@ -27,9 +27,19 @@ from piper_nb.ir.kinds import COLLECTIVES, P2P
 __all__ = ["check_plan", "dry_run"]
 
 
+def _checked(plan: Plan, on: list[bool] | None = None) -> list:
+    """The devices the checks read (`Plan.replayed`). A replica stamped from a template
+    sends, receives and issues what its template does, with the peers and tags of its own
+    position in the same nodes' device lists, so its messages meet its peers' at that
+    position and its collectives come in its template's order, the template being a member
+    of each of its groups: checking the replayed devices checks them all."""
+    on = plan.replayed() if on is None else on
+    return [dp for dp in plan.devices if on[dp.device]]
+
+
 def check_matching(plan: Plan) -> None:
     sends, recvs = Counter(), Counter()
-    for dp in plan.devices:
+    for dp in _checked(plan):
         for ins in dp.instrs:
             if ins.kind == "SEND":
                 sends[p2p_key(dp.device, ins)] += 1
@@ -46,9 +56,9 @@ def check_matching(plan: Plan) -> None:
                         "that is never sent")
 
 
-def _collectives(plan: Plan) -> dict[tuple, dict[int, list]]:
+def _collectives(plan: Plan, on: list[bool]) -> dict[tuple, dict[int, list]]:
     seqs: dict[tuple, dict[int, list]] = defaultdict(lambda: defaultdict(list))
-    for dp in plan.devices:
+    for dp in _checked(plan, on):
         for ins in dp.instrs:
             if ins.kind in COLLECTIVES:
                 seqs[ins.group][dp.device].append(ins)
@@ -56,10 +66,12 @@ def _collectives(plan: Plan) -> dict[tuple, dict[int, list]]:
 
 
 def check_collective_order(plan: Plan) -> None:
-    for group, per_dev in _collectives(plan).items():
-        ref_dev = group[0]
+    on = plan.replayed()
+    for group, per_dev in _collectives(plan, on).items():
+        members = [d for d in group if on[d]]
+        ref_dev = members[0]
         ref = per_dev.get(ref_dev, [])
-        for dev in group:
+        for dev in members:
             mine = per_dev.get(dev, [])
             for k in range(max(len(ref), len(mine))):
                 a = ref[k] if k < len(ref) else None
@@ -68,10 +80,11 @@ def check_collective_order(plan: Plan) -> None:
                 if sig(a) != sig(b):
                     raise PlanError(
                         f"devices {ref_dev} and {dev} of group {list(group)} issue their "
-                        f"collective #{k} differently: {a.node if a else 'nothing'} vs "
-                        f"{b.node if b else 'nothing'}; every member must issue the same "
-                        "collectives in the same order (check the order directives of these "
-                        "devices)")
+                        f"collective #{k} differently: {a if a else 'nothing'} vs "
+                        f"{b if b else 'nothing'}; every member must issue the same "
+                        "collectives in the same order: "
+                        + who_orders(plan, "the passes before them",
+                                     "give the members of the group the same order"))
 
 
 def check_plan(plan: Plan) -> None:

@@ -16,8 +16,9 @@ from piper_nb.compiler.gradflow import Flow
 from piper_nb.compiler.plan import Plan, _columns
 from piper_nb.errors import PlanError
 from piper_nb.ir.kinds import COLLECTIVES, REDUCTIONS
+from piper_nb.ir.text import wait_text
 
-__all__ = ["dry_run", "p2p_key"]
+__all__ = ["dry_run", "p2p_key", "who_orders"]
 
 
 def p2p_key(dev: int, ins) -> tuple:
@@ -44,9 +45,10 @@ class _Lockstep:
         self.coll_posted: dict[tuple, Counter] = defaultdict(Counter)
         self.coll_index: list[dict] = [defaultdict(int) for _ in range(n)]
         self.coll_seq: dict[tuple, int] = {}
-        self.instrs = [dp.instrs for dp in plan.devices]
         if runs is None:
             runs = flow.active if flow is not None else [True] * n
+        # a device that does not run keeps its (lazily stamped) instructions unmade
+        self.instrs = [dp.instrs if on else () for dp, on in zip(plan.devices, runs, strict=True)]
         self.runs = runs
         self.active = flow.active if flow is not None else [False] * n
         self.freed = flow.freed if flow is not None else {}
@@ -146,11 +148,42 @@ def dry_run(plan: Plan, flow: Flow | None = None, runs: list[bool] | None = None
         if run.done():
             return run.rounds
         if not progress:
-            raise PlanError("deadlock: no device can make progress; the order of the marked "
-                            "passes cannot be met by their peers (check those devices' order "
-                            "directives)" + _segment_note(plan, run.ptr) + "\n"
-                            + _stuck_grid(plan, run.ptr))
+            raise PlanError("deadlock: no device can make progress; " + who_orders(plan)
+                            + _segment_note(plan, run.ptr) + "\n" + _stuck_grid(plan, run.ptr))
         r += 1
+
+
+def who_orders(plan: Plan, what: str = "the marked passes",
+               unordered: str = "they wait for each other (no order directive orders them)"
+               ) -> str:
+    """Who put `what` in an order their peers cannot meet, in the user's terms: the schedule
+    builder or grid they used (the `schedule` an order remembers), else their order
+    directives by index, and what to change."""
+    labels, hand = [], []
+    for i, d in plan.program or ():
+        if getattr(d, "op", "") != "order":
+            continue
+        if d.schedule and d.schedule not in labels:
+            labels.append(d.schedule)
+        elif not d.schedule and i not in hand:
+            hand.append(i)
+    parts = []
+    if labels and all("from_grid" in x for x in labels):
+        parts.append(f"{labels[0]} orders {what} so that their peers cannot meet them: "
+                     "reorder them in the grid's rows")
+    elif labels:
+        parts.append(f"{' and '.join(labels)} orders {what} in a way their peers cannot "
+                     "meet with the stages placed as they are: place each stage where the "
+                     "schedule runs it (its place=True does), or write the order as a grid "
+                     "(pn.schedules.from_grid) and fix it there")
+    if hand:
+        nums = ", ".join(f"#{i}" for i in hand)
+        parts.append(f"the order directive{'s' * (len(hand) > 1)} {nums} put {what} in an "
+                     "order their peers cannot meet: reorder those passes on the marked "
+                     "devices")
+    if not parts:
+        return unordered
+    return "; ".join(parts)
 
 
 def _segment_note(plan: Plan, ptr: list[int]) -> str:
@@ -184,7 +217,7 @@ def _stuck_grid(plan: Plan, ptr: list[int], context: int = 8) -> str:
         rows = [f"dev{dp.device}"]
         for i in range(lo, min(len(dp.instrs), ptr[dp.device] + 3)):
             ins = dp.instrs[i]
-            label = f"wait({dp.instrs[ins.target]})" if ins.kind == "WAIT" else str(ins)
+            label = wait_text(dp.instrs[ins.target]) if ins.kind == "WAIT" else str(ins)
             if i == ptr[dp.device]:
                 mark[dp.device] = len(rows)
             rows.append(label)

@@ -75,19 +75,23 @@ class Directive:
     json_names: ClassVar[Mapping[str, str]] = {}      # Python field -> Piper's JSON key
     json_extra: ClassVar[frozenset[str]] = frozenset()  # JSON keys read besides the fields
     json_open: ClassVar[bool] = False                  # any other key is an argument
+    json_skip: ClassVar[frozenset[str]] = frozenset()  # fields never written nor read
 
     # ---- JSON -------------------------------------------------------------------------
     @classmethod
     def json_keys(cls) -> frozenset[str]:
         """Every key a JSON object of this op may carry (`op` included)."""
-        return frozenset({"op", *(cls.json_names.get(f.name, f.name) for f in fields(cls)),
-                          *cls.json_extra})
+        return frozenset({"op", *(cls.json_names.get(f.name, f.name) for f in fields(cls)
+                                  if f.name not in cls.json_skip), *cls.json_extra})
 
     def to_json(self) -> dict:
-        """Piper's JSON object: every field under its JSON name, mappings as dicts."""
+        """Piper's JSON object: every field under its JSON name, mappings as dicts; a field
+        that is None (unset, e.g. `stream`) is left out, and reads back as its default."""
         out = {"op": self.op}
         for f in fields(self):
-            out[self.json_names.get(f.name, f.name)] = _plain(getattr(self, f.name))
+            value = getattr(self, f.name)
+            if value is not None and f.name not in self.json_skip:
+                out[self.json_names.get(f.name, f.name)] = _plain(value)
         return out
 
     @classmethod
@@ -96,6 +100,8 @@ class Directive:
         kwargs = {}
         for f in fields(cls):
             key = cls.json_names.get(f.name, f.name)
+            if f.name in cls.json_skip:
+                continue
             if key in obj:
                 kwargs[f.name] = obj[key]
             elif f.default is MISSING and f.default_factory is MISSING:

@@ -19,11 +19,12 @@ that stay within their stage (a mixture of experts' combine after its experts) a
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from piper_nb.directives.base import Directive, py_literal
 from piper_nb.errors import PlanError
+from piper_nb.ir.action import Action
 from piper_nb.ir.dag import Edge, Node, TrainingDAG
 from piper_nb.ir.filters import SEG, as_filter
 from piper_nb.ir.kinds import COMPUTE
@@ -37,8 +38,12 @@ class Order(Directive):
     slot and may overlap."""
 
     groups: tuple[tuple[Mapping[str, Any], ...], ...]
+    # the schedule that wrote this order, for messages (`"the 1F1B schedule
+    # (pn.schedules.one_f_one_b)"`); "" for an order the user wrote. Not part of the JSON.
+    schedule: str = field(default="", compare=False)
     op = "order"
     json_names = {"groups": "filters"}
+    json_skip = frozenset({"schedule"})
 
     def __post_init__(self):
         groups = self.groups
@@ -96,6 +101,24 @@ def apply_orders(dag: TrainingDAG, orders: list[tuple[int, object]]) -> Training
     return out
 
 
+def _action(f: Mapping[str, Any]) -> str:
+    """A filter of a schedule's slot in the grid's text form (`0F1`), else as a dict."""
+    try:
+        return str(Action(f["PP"], f["PASS"], f["MB"]))
+    except (KeyError, TypeError, PlanError):
+        return str(dict(f))
+
+
+def _action_of(node: Node) -> str:
+    return _action({**dict(node.tags), "PASS": node.op.value})
+
+
+def _share(a: tuple[int, ...], b: tuple[int, ...]) -> bool:
+    """Whether two device lists meet (the same list, on one stage's thousands of replicas,
+    without building sets)."""
+    return bool(a) and (a is b or a == b or not set(a).isdisjoint(b))
+
+
 def _order_edges(dag: TrainingDAG, directive, index: int, first_overlap: int):
     slots: list[list[str]] = []
     dropped: set[str] = set()
@@ -106,6 +129,11 @@ def _order_edges(dag: TrainingDAG, directive, index: int, first_overlap: int):
             named = _named(dag, selected, f)
             dropped.update(n.id for n in selected if n not in named)
             hit = [n.id for n in named]
+            if not hit and directive.schedule:
+                raise PlanError(f"{directive.schedule}: its slot {i} ({_action(f)}) matches no "
+                                "pass of this model; cut the model into the stages the "
+                                "schedule runs (pn.cut_stages) and split it into as many "
+                                "microbatches", directive=index, op="order")
             if not hit:
                 raise PlanError(f"order slot {i}: filter {dict(f)} matches no pass; check the "
                                 "stage, microbatch and PASS (F, B, BI, BW)", directive=index,
@@ -122,9 +150,16 @@ def _order_edges(dag: TrainingDAG, directive, index: int, first_overlap: int):
             overlap += 1
     for i in range(len(slots) - 1):
         pairs = [(a, b) for a in slots[i] for b in slots[i + 1]
-                 if set(dag[a].devices) & set(dag[b].devices)]
+                 if _share(dag[a].devices, dag[b].devices)]
         if not pairs:
             a, b = slots[i][0], slots[i + 1][0]
+            if directive.schedule:
+                raise PlanError(
+                    f"{directive.schedule} runs {_action_of(dag[a])} and then "
+                    f"{_action_of(dag[b])} on one rank, but they are "
+                    f"placed on devices {list(dag[a].devices)} and {list(dag[b].devices)}; "
+                    "place the stages where the schedule runs them (its place=True does)",
+                    directive=index, op="order")
             raise PlanError(
                 f"order slot {i} ({a} on {list(dag[a].devices)}) and slot {i + 1} ({b} on "
                 f"{list(dag[b].devices)}) run on different devices; an order sequences "

@@ -95,3 +95,25 @@ class Program:
 
     def __repr__(self) -> str:
         return f"Program({len(self.directives)} directives)"
+
+    def __str__(self) -> str:
+        """The JSON list, one directive per line (an order's slots wrapped to lines of about
+        100 characters): what `print(program)` shows; it reads back with `from_json`."""
+        return "[" + ",\n ".join(_json_lines(d.to_json()) for d in self.directives) + "]"
+
+
+def _json_lines(obj: dict, width: int = 100) -> str:
+    """One directive's JSON; a long list of order slots continues on indented lines."""
+    text = json.dumps(obj)
+    if len(text) <= width or not isinstance(obj.get("filters"), list):
+        return text
+    head = json.dumps({k: v for k, v in obj.items() if k != "filters"})[:-1] + ', "filters": ['
+    lines, line = [], head
+    for i, slot in enumerate(obj["filters"]):
+        item = json.dumps(slot) + ("," if i < len(obj["filters"]) - 1 else "]}")
+        if len(line) + 1 + len(item) > width and line.strip():
+            lines.append(line)
+            line = "   " + item
+        else:
+            line = line + ("" if line.endswith("[") else " ") + item
+    return "\n".join([*lines, line])

@@ -1,24 +1,152 @@
-"""Text and JSON forms of a TrainingDAG that round-trip (nodes, edges, pass history).
+"""The text forms of piper_nb, and the one notation they share.
 
-Text: one line per node, then one per edge, so a DAG diff reads like a schedule diff:
+Four things are written as text; each number in them says what it counts.
 
-    N F[PP=0,MB=1] region=0 devices=0,2 stream=compute tags=PP=0,MB=1,PASS=F attrs={}
-    E F[PP=0,MB=1] -> F[PP=1,MB=1] values=h
-    E F[PP=1,MB=0] ~> B[PP=1,MB=0] origin=4
+**Schedule actions** (grids, `pn.schedules.*_grid`, `from_grid`, PyTorch's action CSV):
+`{stage}{pass}{microbatch}`, PyTorch pipelining's form, unchanged. The leading number is a
+*stage* (a `PP` index), never a region or a device.
 
-Program-level facts (regions, buckets) travel in the JSON form's `meta`.
+    0F1       stage 0, forward, microbatch 1
+    2B0       stage 2, full backward (inputs' and weights' gradients at once)
+    1I3 1W3   stage 1's backward split in two: I for the inputs' gradients, W for the
+              weights' (the filter `PASS` values BI and BW; I and W are PyTorch's letters)
+    (0F3;3B1) one slot whose two actions may overlap (an F&B pair; PyTorch writes
+              `(0F3;3B1)OVERLAP_F_B`, also accepted); `.` is an idle slot
+
+A grid is one line of slots per rank (`rank 0: 0F0 0F1 0B0 ...`).
+
+**Plan instructions** (`print(plan)`, `plan.grid()`, `print(plan[d])`, timeline labels):
+what one device executes. A prefix says whose it is: `r{region}:` for a region's
+instructions (a region is one unique tag combination, e.g. `{PP=0,EP=1}`; `print(plan)`
+lists them), `b{bucket}:` for a collective over a parameter bucket. A trailing number is
+always a microbatch.
+
+    r0:F1           region 0, forward, microbatch 1      r0:B1  full backward
+    r0:I1  r0:W1    backward split into input / weight gradients (PASS BI / BW)
+    r0:U            region 0's optimizer update (once per step)
+    r0:SEND_F1>2    send region 0's activations of microbatch 1 to device 2
+    r1:RECV_B0<3    receive the gradients of region 1's outputs, microbatch 0, from device 3
+    b0:AR           all-reduce bucket 0's gradients once per step (plain data parallel)
+    b0:RS  b0:RS1   reduce-scatter bucket 0 once per step / after microbatch 1 (ZeRO-1..3)
+    b0:AG           all-gather bucket 0's updated shards after the update (ZeRO-1, ZeRO-2)
+    b0:AG@F1        all-gather bucket 0's parameters for the forward of microbatch 1
+                    (ZeRO-3: one gather before every pass, so `b0:AG@F0 b0:AG@B0`)
+    norm:AR         all-reduce of the squared gradient norm before the updates
+                    (`clip_grad_norm`)
+    r0:DISPATCH_F1  all-to-all sending microbatch 1's tokens from region 0 to the experts
+    r3:COMBINE_F1   all-to-all bringing the experts' outputs back to region 3
+    r3:DISPATCH_B1  r0:COMBINE_B1   the same two exchanges carrying gradients, backwards
+    wait(r0:RECV_B0<1)   block until that issued transfer is complete
+    free(act:x@1)        release buffers (activation x of microbatch 1; `param:0` is
+                         bucket 0's gathered parameters)
+
+Communication is issued early on its own stream and waited for right before its consumer,
+which is why `plan.grid()` (no waits) shows a receive several lines above its use.
+
+**Directive programs**: Piper's JSON list (`print(program)`: one directive per line;
+`Program.to_json`); fields left at their default (`stream`, `bucket_size`, ...) are not
+written. Filters are `{tag: index}` maps; tags are the user's (`PP`, `EP`, ...) plus
+`MB` (microbatch), `PASS` (F, B, BI, BW, U) and `SEG` (see below).
+
+**The training DAG** (`dag.text()`, this module): one line per node, then one per edge,
+node ids being the op and the tags, so a DAG diff reads like a schedule diff:
+
+    N F[PP=0,MB=1] region=0 devices=0,2 stream=compute op=F tags=PP=0,MB=1,PASS=F attrs={}
+    E F[PP=0,MB=1] -> F[PP=1,MB=1] values=h       (data: the values it carries)
+    E F[PP=1,MB=0] ~> B[PP=1,MB=0] origin=4       (temporal: from directive #4)
+
+Words: *stage* = a `PP` index; *region* = the part of the model one unique tag combination
+selects (a stage holds one region, or several: a mixture-of-experts block is the router
+side `{PP=0}`, one region per expert `{PP=0,EP=e}` and the part after the experts
+`{PP=0,SEG=1}`); *SEG* numbers the later segments of a stage, the code that runs after
+another tagged part inside it (the combine after the experts) or after another stage (a
+module called twice); *device* = a rank; *bucket* = a group of parameters synchronized by
+one collective. Costs in `pn.CostModel.uniform(F=, B=, W=, FB=)` are the time of one pass
+of one region: F forward, B full backward, W the weight half of a split backward (its input
+half I costs B - W), FB an overlapped F&B slot (unset: F + B).
+
+`instr_text` writes an instruction, `wait_text` a wait, `region_legend` / `bucket_legend`
+the prefixes; the JSON form (`Plan.to_json`) is the exact exchange form of a plan, the text
+is for reading. `dag_to_text` / `dag_from_text` (and the JSON pair) round-trip a DAG.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import asdict, is_dataclass
+from typing import Any
 
 from piper_nb.errors import PlanError
 from piper_nb.ir.dag import Edge, Node, Op, TrainingDAG
 from piper_nb.ir.filters import tags_text
+from piper_nb.ir.kinds import LETTER, P2P, SHORT
 
-__all__ = ["dag_to_text", "dag_from_text", "dag_to_json", "dag_from_json"]
+__all__ = ["dag_to_text", "dag_from_text", "dag_to_json", "dag_from_json", "instr_text",
+           "wait_text", "region_legend", "bucket_legend"]
+
+_FEEDS = re.compile(r"#b\d+\.(F|B|BI|BW)\d+$")     # a ZeRO-3 gather's node: the pass it feeds
+
+
+def _mb(ins: Any) -> str:
+    return str(ins.mb) if ins.mb >= 0 else ""
+
+
+def instr_text(ins: Any) -> str:
+    """One plan instruction (a `compiler.plan.Instr`, or anything with its fields) in the
+    notation above: `r0:F1`, `r0:SEND_F1>2`, `b0:RS1`, `b0:AG@F1`, `r0:DISPATCH_F1`."""
+    k = ins.kind
+    scope = f"r{ins.region}:" if ins.region >= 0 else ""
+    if k in LETTER:
+        return f"{scope}{LETTER[k]}{_mb(ins)}"
+    if k == "U":
+        return f"{scope}U"
+    if k in P2P:
+        arrow = ">" if k == "SEND" else "<"
+        return f"{scope}{k}_{'B' if ins.grad else 'F'}{_mb(ins)}{arrow}{ins.peer}"
+    if k == "ALL_TO_ALL" and ins.purpose in ("dispatch", "combine"):
+        return f"{scope}{ins.purpose.upper()}_{'B' if ins.grad else 'F'}{_mb(ins)}"
+    if k in SHORT and ins.purpose == "norm":   # clipping's all-reduce of the gradient norm
+        return f"norm:{SHORT[k]}"
+    if k in SHORT:
+        if ins.bucket < 0:                  # not over a bucket (hand-written plans)
+            return f"{scope}{SHORT[k]}" + (f"@{ins.mb}" if ins.mb >= 0 else "")
+        feeds = _FEEDS.search(ins.node or "")
+        if feeds:
+            return f"b{ins.bucket}:{SHORT[k]}@{LETTER[Op(feeds.group(1))]}{_mb(ins)}"
+        return f"b{ins.bucket}:{SHORT[k]}{_mb(ins)}"
+    if k == "FREE":
+        return "free(" + ",".join(ins.keys) + ")"
+    return k
+
+
+def wait_text(target: Any) -> str:
+    """The WAIT that completes the issued instruction `target`: `wait(r0:RECV_B0<1)`."""
+    return f"wait({instr_text(target)})"
+
+
+def region_legend(regions, width: int = 96) -> str:
+    """`r0 = {PP=0}   r1 = {PP=1,EP=0}`: what the `r` prefixes of a plan's text stand for
+    (lines wrapped at `width`)."""
+    lines, line = [], ""
+    for r in regions:
+        item = f"r{r.index} = {{{tags_text(r.tags)}}}"
+        if line and len(line) + 3 + len(item) > width:
+            lines.append(line)
+            line = ""
+        line = f"{line}   {item}" if line else item
+    return "\n".join([*lines, line] if line else lines)
+
+
+def bucket_legend(buckets) -> list[str]:
+    """One line per bucket: `b0 = 12 parameters of r0, r3 over devices 0,1 (ZeRO-0)`."""
+    out = []
+    for b in buckets:
+        n = len(b.params)
+        out.append(f"b{b.index} = {n} parameter{'s' * (n != 1)} of "
+                   f"{', '.join(f'r{r}' for r in b.regions)} over devices "
+                   f"{','.join(map(str, b.group))} (ZeRO-{b.zero})")
+    return out
 
 
 def _tags_parse(text: str) -> tuple:

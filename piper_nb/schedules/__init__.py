@@ -3,9 +3,9 @@
 One technique per module: GPipe (`gpipe`), 1F1B (`one_f_one_b`), Megatron's interleaved
 1F1B (`interleaved`), ZB1P / ZB-H1 (`zero_bubble`), DeepSeek's DualPipe and DualPipeV
 (`dualpipe`), hand-written grids (`grid`) and PyTorch pipelining's schedule CSV
-(`torch_csv`). Each `*_grid` returns a `Grid` in PyTorch pipelining's `0F1` text form; the
-directive builders return Piper's directives. `build` is the registry behind the JSON
-`{"op": "schedule", "name": ...}` directive.
+(`torch_csv`). Each `*_grid` returns a `Grid` in PyTorch pipelining's `0F1` text form
+(`grid_text` prints one); the directive builders return Piper's directives. `build` is the
+registry behind the JSON `{"op": "schedule", "name": ...}` directive.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from collections.abc import Callable
 from piper_nb.directives.schedule import ALIASES, FUNCTIONS, schedule_key
 from piper_nb.directives.spec import Directive
 from piper_nb.errors import PlanError
+from piper_nb.ir.action import grid_text
 from piper_nb.schedules.dualpipe import dualpipe, dualpipe_grid, dualpipev, dualpipev_grid
 from piper_nb.schedules.gpipe import gpipe, gpipe_grid
 from piper_nb.schedules.grid import from_grid, grid_directives, place_directives, validate_grid
@@ -28,7 +29,7 @@ __all__ = ["gpipe_grid", "one_f_one_b_grid", "interleaved_1f1b_grid", "zero_bubb
            "dualpipev_grid", "dualpipe_grid", "gpipe", "one_f_one_b", "interleaved_1f1b",
            "zero_bubble", "dualpipev", "dualpipe", "from_grid", "validate_grid",
            "grid_directives", "place_directives", "from_torch_csv", "parse_torch_csv",
-           "grid_to_torch_csv", "build", "BUILDERS", "ALIASES"]
+           "grid_to_torch_csv", "grid_text", "build", "BUILDERS", "ALIASES"]
 
 
 def _grid(text: str, microbatches: int | None = None, place: bool = False) -> list[Directive]:

@@ -131,11 +131,11 @@ def dualpipe_grid(ranks: int, microbatches: int) -> Grid:
 def dualpipev(ranks: int, microbatches: int, place: bool = False) -> list[Directive]:
     """split + one order per rank (+ stages r and 2N-1-r on rank r when `place`)."""
     grid = dualpipev_grid(ranks, microbatches)
-    return grid_directives(grid, microbatches, check_flag(place, "place", "dualpipev"))
+    return grid_directives(grid, microbatches, check_flag(place, "place", "dualpipev"), "dualpipev")
 
 
 def dualpipe(ranks: int, microbatches: int, place: bool = False) -> list[Directive]:
     """split + one order per rank (+ per (stage, microbatch) places when `place`: each stage
     has a copy on ranks s and PP-1-s; the compiler sums the two copies' gradients)."""
     grid = dualpipe_grid(ranks, microbatches)
-    return grid_directives(grid, microbatches, check_flag(place, "place", "dualpipe"))
+    return grid_directives(grid, microbatches, check_flag(place, "place", "dualpipe"), "dualpipe")

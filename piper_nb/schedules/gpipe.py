@@ -27,4 +27,4 @@ def gpipe_grid(ranks: int, microbatches: int) -> Grid:
 def gpipe(ranks: int, microbatches: int, place: bool = False) -> list[Directive]:
     """split + one order per rank (+ stage s on rank s when `place`)."""
     grid = gpipe_grid(ranks, microbatches)
-    return grid_directives(grid, microbatches, check_flag(place, "place", "gpipe"))
+    return grid_directives(grid, microbatches, check_flag(place, "place", "gpipe"), "gpipe")

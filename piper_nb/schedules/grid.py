@@ -14,7 +14,9 @@ from collections import defaultdict
 from collections.abc import Sequence
 from itertools import pairwise
 
-from piper_nb.directives.spec import Directive, order, place, split
+from piper_nb.directives.order import Order
+from piper_nb.directives.schedule import FUNCTIONS
+from piper_nb.directives.spec import Directive, place, split
 from piper_nb.errors import PlanError
 from piper_nb.ir.action import Action, Grid, parse_grid, slot_text
 from piper_nb.ir.kinds import PASS_ORDER
@@ -158,12 +160,26 @@ def place_directives(grid: Grid) -> list[Directive]:
     return out
 
 
-def grid_directives(grid: Grid, microbatches: int, place: bool = False) -> list[Directive]:
-    """[place...] + split into `microbatches` + one `order` per rank (idle slots dropped)."""
+_TITLES = {"gpipe": "GPipe", "1f1b": "1F1B", "interleaved_1f1b": "interleaved 1F1B",
+           "zb1p": "ZB1P", "dualpipev": "DualPipeV", "dualpipe": "DualPipe"}
+
+
+def schedule_label(name: str) -> str:
+    """How messages name the schedule a builder (or a grid) wrote."""
+    if name in _TITLES:
+        return f"the {_TITLES[name]} schedule (pn.schedules.{FUNCTIONS[name]})"
+    return "the schedule grid (pn.schedules.from_grid)"
+
+
+def grid_directives(grid: Grid, microbatches: int, place: bool = False,
+                    schedule: str = "grid") -> list[Directive]:
+    """[place...] + split into `microbatches` + one `order` per rank (idle slots dropped);
+    each order remembers the `schedule` (builder name) that wrote it, for messages."""
     out = place_directives(grid) if place else []
     out.append(split({}, "MB", microbatches))
+    label = schedule_label(schedule)
     for row in grid:
-        out.append(order([[a.filter() for a in slot] for slot in row if slot]))
+        out.append(Order([[a.filter() for a in slot] for slot in row if slot], label))
     return out
 
 
@@ -179,4 +195,4 @@ def from_grid(text_or_grid: str | Sequence, microbatches: int | None = None,
     if microbatches != used:
         raise PlanError(f"schedule 'grid': microbatches={microbatches} but the grid runs "
                         f"microbatches 0..{used - 1}; pass microbatches={used} or leave it out")
-    return grid_directives(grid, microbatches, check_flag(place, "place", "grid"))
+    return grid_directives(grid, microbatches, check_flag(place, "place", "grid"), "grid")

@@ -63,4 +63,5 @@ def interleaved_1f1b(ranks: int, microbatches: int, chunks: int,
                      place: bool = False) -> list[Directive]:
     """split + one order per rank (+ stage s on rank s % ranks when `place`)."""
     grid = interleaved_1f1b_grid(ranks, microbatches, chunks)
-    return grid_directives(grid, microbatches, check_flag(place, "place", "interleaved_1f1b"))
+    return grid_directives(grid, microbatches, check_flag(place, "place", "interleaved_1f1b"),
+                           "interleaved_1f1b")

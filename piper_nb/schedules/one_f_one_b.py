@@ -37,4 +37,4 @@ def one_f_one_b_grid(ranks: int, microbatches: int) -> Grid:
 def one_f_one_b(ranks: int, microbatches: int, place: bool = False) -> list[Directive]:
     """split + one order per rank (+ stage s on rank s when `place`)."""
     grid = one_f_one_b_grid(ranks, microbatches)
-    return grid_directives(grid, microbatches, check_flag(place, "place", "1f1b"))
+    return grid_directives(grid, microbatches, check_flag(place, "place", "1f1b"), "1f1b")

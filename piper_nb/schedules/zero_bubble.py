@@ -52,4 +52,4 @@ def zero_bubble_grid(ranks: int, microbatches: int) -> Grid:
 def zero_bubble(ranks: int, microbatches: int, place: bool = False) -> list[Directive]:
     """split + one order per rank (+ stage s on rank s when `place`)."""
     grid = zero_bubble_grid(ranks, microbatches)
-    return grid_directives(grid, microbatches, check_flag(place, "place", "zb1p"))
+    return grid_directives(grid, microbatches, check_flag(place, "place", "zb1p"), "zb1p")

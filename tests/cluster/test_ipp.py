@@ -87,13 +87,13 @@ def test_trains_like_the_reference(cluster, setup):
 
 def test_worker_failures_name_the_device(cluster, setup, monkeypatch):
     _, batch, plan, _ = setup
-    monkeypatch.setenv("PIPER_NB_FAIL_AT", "1:1B2")
+    monkeypatch.setenv("PIPER_NB_FAIL_AT", "1:r1:B2")
     with pytest.raises(RuntimeFailure) as info:
         train(plan, batch, 2, optim.SGD(0.1), cluster=cluster)
     assert not isinstance(info.value, WorkerLost)
-    assert info.value.device == 1 and info.value.instruction == "1B2"
+    assert info.value.device == 1 and info.value.instruction == "r1:B2"
     assert "injected failure" in str(info.value) and not cluster.running
-    monkeypatch.setenv("PIPER_NB_FAIL_AT", "0:0F2:exit")   # the worker process dies, the engine lives
+    monkeypatch.setenv("PIPER_NB_FAIL_AT", "0:r0:F2:exit")   # the worker process dies, the engine lives
     with pytest.raises(WorkerLost) as info:
         train(plan, batch, 2, optim.SGD(0.1), cluster=cluster)
     assert info.value.device == 0 and "exit code 17" in str(info.value)

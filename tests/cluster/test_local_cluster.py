@@ -42,15 +42,15 @@ def setup():
 
 def test_region_failure_names_device_and_instruction(cluster, setup, monkeypatch):
     model, batch, plan = setup
-    monkeypatch.setenv("PIPER_NB_FAIL_AT", "1:1B2")
+    monkeypatch.setenv("PIPER_NB_FAIL_AT", "1:r1:B2")
     t0 = time.monotonic()
     with pytest.raises(RuntimeFailure) as info:
         train(plan, batch, 2, optim.SGD(0.1), cluster=cluster)
     assert time.monotonic() - t0 < 20
     err = info.value
     assert not isinstance(err, WorkerLost)
-    assert err.device == 1 and err.instruction == "1B2"
-    assert "injected failure" in err.original and "1B2" in str(err) and "device 1" in str(err)
+    assert err.device == 1 and err.instruction == "r1:B2"
+    assert "injected failure" in err.original and "r1:B2" in str(err) and "device 1" in str(err)
     # the group was stopped; the next call restarts it and trains correctly
     monkeypatch.delenv("PIPER_NB_FAIL_AT")
     starts = cluster.starts
@@ -62,17 +62,17 @@ def test_region_failure_names_device_and_instruction(cluster, setup, monkeypatch
 
 def test_failure_in_a_wait_while_the_peer_blocks(cluster, setup, monkeypatch):
     _, batch, plan = setup
-    monkeypatch.setenv("PIPER_NB_FAIL_AT", "0:wait(0RECV_B1<1)")
+    monkeypatch.setenv("PIPER_NB_FAIL_AT", "0:wait(r0:RECV_B1<1)")
     t0 = time.monotonic()
     with pytest.raises(RuntimeFailure) as info:
         train(plan, batch, 1, optim.SGD(0.1), cluster=cluster)
     assert time.monotonic() - t0 < 20
-    assert info.value.device == 0 and info.value.instruction == "wait(0RECV_B1<1)"
+    assert info.value.device == 0 and info.value.instruction == "wait(r0:RECV_B1<1)"
 
 
 def test_dead_worker_is_worker_lost(cluster, setup, monkeypatch):
     _, batch, plan = setup
-    monkeypatch.setenv("PIPER_NB_FAIL_AT", "0:0F2:exit")
+    monkeypatch.setenv("PIPER_NB_FAIL_AT", "0:r0:F2:exit")
     t0 = time.monotonic()
     with pytest.raises(WorkerLost) as info:
         train(plan, batch, 1, optim.SGD(0.1), cluster=cluster)

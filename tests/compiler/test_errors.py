@@ -101,6 +101,22 @@ def test_hand_written_grid_that_deadlocks_prints_the_grid(setup):
         pn.compile(spec, pn.schedules.from_grid(grid, place=True), batch)
     text = str(info.value)
     assert "dev0" in text and "dev1" in text and ">" in text and "(>x< marks" in text
+    # the user wrote a grid, not order directives: the message names the grid
+    assert "the schedule grid (pn.schedules.from_grid)" in text
+    assert "reorder them in the grid's rows" in text
+    assert "order directive" not in text
+
+
+def test_a_schedule_placed_against_its_grid_is_named(setup):
+    import piper_nb.models
+    model = piper_nb.models.MLP(dim=8, depth=8)
+    spec = pn.annotate(model, pn.cut_stages(model, 4))
+    swapped = [pn.place({"PP": s}, [d]) for s, d in ((0, 0), (1, 1), (2, 0), (3, 1))]
+    with pytest.raises(pn.PlanError, match=r"the DualPipeV schedule \(pn.schedules.dualpipev\) "
+                                           r"runs 0F2 and then 3F0 on one rank, but they are "
+                                           r"placed on devices \[0\] and \[1\]"):
+        pn.compile(spec, [*swapped, *pn.schedules.dualpipev(ranks=2, microbatches=4)],
+                   model.example_batch(batch_size=8, seed=0))
 
 
 def test_collective_order_mismatch_is_caught(setup):
@@ -175,7 +191,8 @@ def test_a_deadlock_through_a_stage_that_comes_back_is_explained_in_model_terms(
                pn.order([[f(0, PP=0, SEG=0)], [f(0, PP=0, SEG=1)], [f(1, PP=0, SEG=0)]]),
                pn.order([[f(1, PP=1)], [f(0, PP=1)]])]
     batch = (torch.randn(4, 4), torch.randn(4, 4))
-    with pytest.raises(pn.PlanError, match=r"deadlock.*\{PP=0,SEG=1\} runs shared of stage "
+    with pytest.raises(pn.PlanError, match=r"deadlock.*the order directives #3, #4 put .*"
+                                           r"\{PP=0,SEG=1\} runs shared of stage "
                                            r"\{PP=0\} again, after other stages"):
         pn.compile(spec, program, batch)
 

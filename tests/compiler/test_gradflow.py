@@ -59,10 +59,10 @@ def test_a_value_read_on_another_rank_by_a_later_chunk_is_summed_there_and_sent_
     plan = skip_plan("interleaved", 0, 3)
     skip = plan.regions[0].outputs[0]
     sends = grad_sends(plan, 1, skip)
-    assert sends == ["1SEND_B0>0", "1SEND_B1>0", "1SEND_B2>0", "1SEND_B3>0"]
+    assert sends == ["r1:SEND_B0>0", "r1:SEND_B1>0", "r1:SEND_B2>0", "r1:SEND_B3>0"]
     # after both backwards that read it, not after the first
     text = plan[1].text()
-    assert text.index("3B0") < text.index("1B0") < text.index("1SEND_B0>0")
+    assert text.index("r3:B0") < text.index("r1:B0") < text.index("r1:SEND_B0>0")
 
 
 def test_a_value_read_by_both_arms_of_a_v_is_summed_before_it_is_sent():
@@ -160,8 +160,8 @@ def test_correct_plans_pass():
 
 
 def test_a_backward_before_its_gradient_arrives_fails():
-    broken = mutate(one_f_one_b(), 0, lambda x: move(x, "wait(0RECV_B0<1)", "0B0"))
-    with pytest.raises(pn.PlanError, match=r"device 0: 0B0 runs before the gradient of "
+    broken = mutate(one_f_one_b(), 0, lambda x: move(x, "wait(r0:RECV_B0<1)", "r0:B0"))
+    with pytest.raises(pn.PlanError, match=r"device 0: r0:B0 runs before the gradient of "
                        r"\S+@0 is complete: it lacks the contribution of \{PP=1\} on device 1"):
         check_plan(broken)
 
@@ -170,8 +170,8 @@ def test_a_gradient_freed_before_its_backward_fails():
     plan = one_f_one_b()
     value = plan.regions[0].outputs[0]
     free = Instr("FREE", "x", "compute", keys=(f"grad:{value}@0",))
-    broken = mutate(plan, 0, lambda x: x[:index(x, "0B0")] + [free] + x[index(x, "0B0"):])
-    with pytest.raises(pn.PlanError, match="0B0 runs before the gradient"):
+    broken = mutate(plan, 0, lambda x: x[:index(x, "r0:B0")] + [free] + x[index(x, "r0:B0"):])
+    with pytest.raises(pn.PlanError, match="r0:B0 runs before the gradient"):
         check_plan(broken)
 
 
@@ -186,17 +186,17 @@ def dp_plan(zero: int):
 def test_an_update_before_the_all_reduce_completes_fails_on_any_replica(device):
     plan = dp_plan(0)
     assert plan.stamps() == {1: 0}   # device 1 is a stamp of device 0's instructions
-    broken = mutate(plan, device, lambda x: move(x, "wait(AR0)", "0U"))
+    broken = mutate(plan, device, lambda x: move(x, "wait(b0:AR)", "r0:U"))
     assert broken.stamps() == {}     # so both are replayed
-    with pytest.raises(pn.PlanError, match=rf"device {device}: 0U updates bucket 0 .* before "
+    with pytest.raises(pn.PlanError, match=rf"device {device}: r0:U updates bucket 0 .* before "
                                            "its gradient is complete"):
         check_plan(broken)
 
 
 def test_a_reduce_scatter_before_the_last_backward_loses_a_microbatch():
     plan = dp_plan(1)   # ZeRO-1: one reduce-scatter after the last backward
-    broken = mutate(plan, 0, lambda x: move(x, "0B1", "wait(RS0)"))
-    with pytest.raises(pn.PlanError, match=r"0U updates bucket 0 .* it lacks \{PP=0\} "
+    broken = mutate(plan, 0, lambda x: move(x, "r0:B1", "wait(b0:RS)"))
+    with pytest.raises(pn.PlanError, match=r"r0:U updates bucket 0 .* it lacks \{PP=0\} "
                                            "microbatch 1 replica 0"):
         check_plan(broken)
 
@@ -205,7 +205,7 @@ def test_a_gradient_all_reduced_twice_is_counted_twice():
     plan = dp_plan(0)
     def twice(x):
         again = dataclasses.replace(next(i for i in x if i.kind == "ALL_REDUCE"))
-        k = index(x, "0U")
+        k = index(x, "r0:U")
         return x[:k] + [again, ("wait", again)] + x[k:]
 
     broken = plan
@@ -218,7 +218,7 @@ def test_a_gradient_all_reduced_twice_is_counted_twice():
 
 def test_the_check_names_the_order_directive_that_placed_the_backward():
     plan = skip_plan("interleaved", 0, 3)
-    broken = mutate(plan, 0, lambda x: move(x, "wait(0RECV_B0<1)", "0B0"))
+    broken = mutate(plan, 0, lambda x: move(x, "wait(r0:RECV_B0<1)", "r0:B0"))
     with pytest.raises(pn.PlanError) as info:
         check_plan(broken)
     assert info.value.directive is not None and info.value.op == "order"

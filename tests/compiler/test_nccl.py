@@ -27,8 +27,8 @@ def test_1f1b_deadlocks_when_both_directions_share_one_communicator():
     text = str(info.value)
     assert text.startswith("NCCL deadlock")
     # rank 0 waits on RECV_B0 at the head, rank 1 on RECV_F1, queued behind rank 0's RECV_B0
-    assert "stream 0<->1: (0SEND_F0>1) >0RECV_B0<1< 0SEND_F1>1" in text
-    assert "stream 0<->1: (1RECV_F0<0) >1RECV_F1<0< 1SEND_B0>0" in text
+    assert "stream 0<->1: (r0:SEND_F0>1) >r0:RECV_B0<1< r0:SEND_F1>1" in text
+    assert "stream 0<->1: (r1:RECV_F0<0) >r1:RECV_F1<0< r1:SEND_B0>0" in text
 
 
 def test_receives_out_of_their_senders_order_would_swap_messages(monkeypatch):
@@ -39,7 +39,7 @@ def test_receives_out_of_their_senders_order_would_swap_messages(monkeypatch):
     monkeypatch.setattr(lowering, "in_send_order", lambda programs, *rest: programs)
     old = mlp_plan(8, program, check=False)
     with pytest.raises(pn.PlanError, match=r"NCCL would swap messages: device 0's send "
-                                           r"0SEND_F6>1 meets device 1's receive 6RECV_B0<0"):
+                                           r"r0:SEND_F6>1 meets device 1's receive r6:RECV_B0<0"):
         check_nccl(old)
 
 

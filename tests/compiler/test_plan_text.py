@@ -13,14 +13,14 @@ def stages(model, n):
 def test_one_f_one_b_two_ranks_with_sends_receives_and_waits(mlp):
     model, batch = mlp
     plan = pn.compile(stages(model, 2), pn.schedules.one_f_one_b(2, 2, place=True), batch)
-    assert plan[0].text() == ["0F0", "0SEND_F0>1", "0RECV_B0<1", "0F1", "0SEND_F1>1",
-                              "0RECV_B1<1", "0B0", "0B1", "0U"]
-    assert plan[1].text() == ["1RECV_F0<0", "1F0", "1RECV_F1<0", "1B0", "1SEND_B0>0", "1F1",
-                              "1B1", "1SEND_B1>0", "1U"]
+    assert plan[0].text() == ["r0:F0", "r0:SEND_F0>1", "r0:RECV_B0<1", "r0:F1", "r0:SEND_F1>1",
+                              "r0:RECV_B1<1", "r0:B0", "r0:B1", "r0:U"]
+    assert plan[1].text() == ["r1:RECV_F0<0", "r1:F0", "r1:RECV_F1<0", "r1:B0", "r1:SEND_B0>0",
+                              "r1:F1", "r1:B1", "r1:SEND_B1>0", "r1:U"]
     # receives are issued a pass ahead and waited for right before their consumer
     assert plan[1].text(waits=True)[:9] == [
-        "1RECV_F0<0", "wait(1RECV_F0<0)", "1F0", "free(act:model_layers_3_1@0)", "1RECV_F1<0",
-        "1B0", "1SEND_B0>0", "wait(1RECV_F1<0)", "1F1"]
+        "r1:RECV_F0<0", "wait(r1:RECV_F0<0)", "r1:F0", "free(act:model_layers_3_1@0)",
+        "r1:RECV_F1<0", "r1:B0", "r1:SEND_B0>0", "wait(r1:RECV_F1<0)", "r1:F1"]
 
 
 def test_zero_levels_lower_to_distinct_collectives(mlp):
@@ -30,20 +30,21 @@ def test_zero_levels_lower_to_distinct_collectives(mlp):
     for zero in range(4):
         plan = pn.compile(spec, [pn.replicate({}, [0, 1], zero=zero), pn.split({}, "MB", 2)], batch)
         seen[zero] = [str(i) for i in plan[0].instrs if i.is_issue]
-    assert seen[0] == ["AR0"]
-    assert seen[1] == ["RS0", "AG0"]
-    assert seen[2] == ["RS0@0", "RS0@1", "AG0"]
+    assert seen[0] == ["b0:AR"]
+    assert seen[1] == ["b0:RS", "b0:AG"]
+    assert seen[2] == ["b0:RS0", "b0:RS1", "b0:AG"]
     # no order directive and nothing to wait for from peers: F0 B0 F1 B1, as gradient
     # accumulation runs (F1's gather is prefetched during B0)
-    assert seen[3] == ["AG0@0", "AG0@0", "AG0@1", "RS0@0", "AG0@1", "RS0@1"]
+    assert seen[3] == ["b0:AG@F0", "b0:AG@B0", "b0:AG@F1", "b0:RS0", "b0:AG@B1",
+                       "b0:RS1"]
 
 
 def test_zero3_frees_gathered_parameters_after_every_pass(mlp):
     model, batch = mlp
     plan = pn.compile(stages(model, 1), [pn.replicate({}, [0, 1], zero=3)], batch)
     assert plan[0].text(waits=True) == [
-        "AG0", "AG0", "wait(AG0)", "0F", "free(param:0)", "wait(AG0)", "0B", "free(param:0)",
-        "RS0", "wait(RS0)", "0U"]
+        "b0:AG@F", "b0:AG@B", "wait(b0:AG@F)", "r0:F", "free(param:0)", "wait(b0:AG@B)", "r0:B",
+        "free(param:0)", "b0:RS", "wait(b0:RS)", "r0:U"]
     frees = [i for i in plan[0].instrs if i.kind == "FREE" and "param:0" in i.keys]
     assert len(frees) == 2
 
@@ -77,6 +78,19 @@ def test_zero3_without_reshard_gathers_once_and_reduces_once(mlp):
     plan = pn.compile(stages(model, 1), [pn.replicate({}, [0, 1], zero=3, reshard=False),
                                          pn.split({}, "MB", 2)], batch)
     assert plan[0].text(waits=True) == [
-        "AG0", "wait(AG0)", "0F0", "0B0", "0F1", "0B1", "free(param:0)", "RS0", "wait(RS0)", "0U"]
+        "b0:AG", "wait(b0:AG)", "r0:F0", "r0:B0", "r0:F1", "r0:B1", "free(param:0)", "b0:RS",
+        "wait(b0:RS)", "r0:U"]
     with pytest.raises(pn.PlanError, match="only applies to zero=3"):
         pn.replicate({}, [0, 1], zero=2, reshard=False)
+
+
+def test_print_plan_names_what_the_prefixes_stand_for(mlp):
+    model, batch = mlp
+    plan = pn.compile(stages(model, 2), [pn.replicate({}, [0, 1], zero=3),
+                                         pn.split({}, "MB", 2)], batch)
+    text = str(plan)
+    assert text.startswith(plan.grid()) and "b0:AG@F0" in text
+    assert text.endswith("r0 = {PP=0}   r1 = {PP=1}\n"
+                         "b0 = 8 parameters of r0 over devices 0,1 (ZeRO-3)\n"
+                         "b1 = 8 parameters of r1 over devices 0,1 (ZeRO-3)")
+    assert str(plan[0]).startswith("dev0: b0:AG@F0 b1:AG@F0 r0:F0 b1:AG@B0 r1:F0 ")

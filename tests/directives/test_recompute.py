@@ -117,7 +117,7 @@ def test_the_plan_marks_recomputed_passes_and_frees_their_inputs_after_the_backw
     assert marked == {("F", 0), ("B", 0)}
     text = plan.devices[1].text(waits=True)
     freed = next(k for k, t in enumerate(text) if t.startswith("free(act:") and "@0" in t)
-    assert text[freed - 1] == "1B0"                 # the input lives until the backward
+    assert text[freed - 1] == "r1:B0"                 # the input lives until the backward
     back = pn.Plan.from_json(plan.to_json())
     assert back.devices[1].instrs == plan.devices[1].instrs
     assert "recompute (1 regions)" in plan.dag.history

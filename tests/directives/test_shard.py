@@ -45,16 +45,21 @@ def test_pp2_dp2_ep2_compiles_with_all_to_all_on_every_device(moe2):
         assert [n for _, n in seq[8:]] == [
             x for m in range(4) for x in (f"ALL_TO_ALL[PP={stage},SEG=1,MB={m}]#dispatch.grad",
                                           f"ALL_TO_ALL[PP={stage},MB={m}]#combine.grad")]
-        assert [s for s, _ in seq] == [f"A2A@{m}" for m in range(4) for _ in (0, 1)] * 2
+        a, c = 4 * stage, 4 * stage + 3          # the router side and the combine side
+        assert [s for s, _ in seq] == (
+            [x for m in range(4) for x in (f"r{a}:DISPATCH_F{m}", f"r{c}:COMBINE_F{m}")]
+            + [x for m in range(4) for x in (f"r{c}:DISPATCH_B{m}", f"r{a}:COMBINE_B{m}")])
     # each replica runs its stage, only its own expert, and the all-to-all around it
-    assert plan[0].text()[:6] == ["0F0", "A2A@0", "1F0", "A2A@0", "3F0", "3SEND_F0>1"]
-    assert plan[2].text()[:6] == ["0F0", "A2A@0", "2F0", "A2A@0", "3F0", "3SEND_F0>3"]
-    assert plan[1].text()[:7] == ["4RECV_F0<0", "4F0", "A2A@0", "5F0", "A2A@0", "4RECV_F1<0",
-                                  "7F0"]
-    assert plan[3].text()[:7] == ["4RECV_F0<2", "4F0", "A2A@0", "6F0", "A2A@0", "4RECV_F1<2",
-                                  "7F0"]
-    assert plan[0].text()[-3:] == ["0U", "1U", "3U"]
-    assert plan[3].text()[-4:] == ["AR1", "4U", "6U", "7U"]
+    assert plan[0].text()[:6] == ["r0:F0", "r0:DISPATCH_F0", "r1:F0", "r3:COMBINE_F0", "r3:F0",
+                                  "r3:SEND_F0>1"]
+    assert plan[2].text()[:6] == ["r0:F0", "r0:DISPATCH_F0", "r2:F0", "r3:COMBINE_F0", "r3:F0",
+                                  "r3:SEND_F0>3"]
+    assert plan[1].text()[:7] == ["r4:RECV_F0<0", "r4:F0", "r4:DISPATCH_F0", "r5:F0",
+                                  "r7:COMBINE_F0", "r4:RECV_F1<0", "r7:F0"]
+    assert plan[3].text()[:7] == ["r4:RECV_F0<2", "r4:F0", "r4:DISPATCH_F0", "r6:F0",
+                                  "r7:COMBINE_F0", "r4:RECV_F1<2", "r7:F0"]
+    assert plan[0].text()[-3:] == ["r0:U", "r1:U", "r3:U"]
+    assert plan[3].text()[-4:] == ["b1:AR", "r4:U", "r6:U", "r7:U"]
 
 
 def test_experts_run_on_one_device_each_and_are_not_replicated(moe2):
@@ -158,9 +163,14 @@ def test_data_parallel_experts_without_pipeline():
     model, spec = moe(stages=1)
     plan = pn.compile(spec, [pn.replicate({}, [0, 1]), pn.shard({"EP": "*"}, [0, 1]),
                              pn.split({}, "MB", 2)], model.example_batch(8))
-    assert [s for s, _ in a2a(plan, 0)] == ["A2A@0", "A2A@0", "A2A@0", "A2A@0", "A2A@1",
-                                            "A2A@1", "A2A@1", "A2A@1"] * 2
-    assert [str(i) for i in plan[1].compute()][:5] == ["0F0", "2F0", "3F0", "5F0", "6F0"]
+    # two MoE blocks in one stage: r0 -> experts -> r3 -> experts -> r6, then back
+    assert [s for s, _ in a2a(plan, 0)] == (
+        [x for m in range(2) for x in (f"r0:DISPATCH_F{m}", f"r3:COMBINE_F{m}",
+                                       f"r3:DISPATCH_F{m}", f"r6:COMBINE_F{m}")]
+        + [x for m in range(2) for x in (f"r6:DISPATCH_B{m}", f"r3:COMBINE_B{m}",
+                                         f"r3:DISPATCH_B{m}", f"r0:COMBINE_B{m}")])
+    assert [str(i) for i in plan[1].compute()][:5] == ["r0:F0", "r2:F0", "r3:F0", "r5:F0",
+                                                       "r6:F0"]
 
 
 def test_uneven_experts_are_allowed():

@@ -35,7 +35,7 @@ def test_cli_run_writes_timeline(tmp_path, capsys):
     assert [r[0] for r in rows] == ["1", "2"]
     assert all(float(r[3]) < 1e-5 for r in rows)  # |loss - reference|
     html = (out / "timeline.html").read_text()
-    assert "dev1 pp" in html and "1F0" in html
+    assert "dev1 pp" in html and "r1:F0" in html
     saved = json.loads((out / "losses.json").read_text())
     assert saved["losses"] == pytest.approx(saved["reference"], abs=1e-5)
     assert (out / "plan.txt").read_text().startswith("dev0")

@@ -30,7 +30,7 @@ def test_1f1b_trace_overlaps_comm_and_compute(cluster2):
     trace = result.trace
     assert trace.source == "measured" and trace.devices == (0, 1)
     labels = [e.label for e in trace.events if e.kind in ("F", "B") and e.device == 1]
-    assert sorted(labels) == sorted(f"1{p}{m}" for p in "FB" for m in range(4))
+    assert sorted(labels) == sorted(f"r1:{p}{m}" for p in "FB" for m in range(4))
     for e in trace.events:
         assert 0 <= e.start <= e.end
     comm = [e for e in trace.events if e.kind in ("SEND", "RECV")]
@@ -49,8 +49,8 @@ def test_zero3_prefetch_gathers_while_the_previous_pass_computes(cluster2):
     spec = pn.annotate(model, pn.cut_stages(model, 2))
     plan = pn.compile(spec, [pn.replicate({}, [0, 1], zero=3), pn.split({}, "MB", 2)], batch)
     text = plan[0].text()
-    first_compute = next(i for i, t in enumerate(text) if t[1] == "F")
-    assert text[first_compute + 1].startswith("AG"), "the next gather is issued before 0F0 runs"
+    first_compute = next(i for i, t in enumerate(text) if t.startswith("r0:F"))
+    assert ":AG@" in text[first_compute + 1], "the next gather is issued before r0:F0 runs"
     result = train(plan, batch, 2, optim.SGD(0.1), cluster=cluster2)
     gathers = [e for e in result.trace.events if e.kind == "ALL_GATHER"]
     compute = [e for e in result.trace.events if e.kind in ("F", "B", "BI", "BW")]
@@ -79,7 +79,8 @@ def test_zero_memory_ratios_4_ranks(cluster4):
         peak_grads[zero] = max(m.grads for m in result.trace.memory if m.device == 0)
     p0 = end[0][0].params
     full = sum(p.numel() * 4 for p in model.parameters())
-    assert p0 == full and end[0][0].optim == 2 * full and end[0][0].grads == 0
+    steps = 4 * len(list(model.parameters()))   # torch's Adam: one fp32 step count per tensor
+    assert p0 == full and end[0][0].optim == 2 * full + steps and end[0][0].grads == 0
     for d in range(4):
         assert end[1][d].params == full
         assert end[1][d].optim == pytest.approx(2 * full / 4, rel=0.01)

@@ -153,7 +153,7 @@ def test_worker_runs_a_single_device_plan_in_process():
         torch.testing.assert_close(params[name], value, rtol=1e-5, atol=4e-5)
     out = worker.step(batch)
     assert out["leftover"] == [] and out["memory"][-1].optim > 0
-    assert [e.label for e in out["events"]][:2] == ["0F0", "1F0"]
+    assert [e.label for e in out["events"]][:2] == ["r0:F0", "r1:F0"]
 
 
 def test_assemble_state_from_zero3_shards():

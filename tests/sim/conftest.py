@@ -11,15 +11,15 @@ import piper_nb as pn
 from piper_nb.compiler.plan import DevicePlan, Instr, Plan
 
 _PASS = {"F": "F", "B": "B", "I": "BI", "W": "BW"}
-_COMP = re.compile(r"^(\d+)([FBIW])(\d+)$")
-_P2P = re.compile(r"^(\d+)(SEND|RECV)_([FB])(\d+)([<>])(\d+)$")
+_COMP = re.compile(r"^r(\d+):([FBIW])(\d+)$")
+_P2P = re.compile(r"^r(\d+):(SEND|RECV)_([FB])(\d+)([<>])(\d+)$")
 _COLL = {"AR": "ALL_REDUCE", "RS": "REDUCE_SCATTER", "AG": "ALL_GATHER", "A2A": "ALL_TO_ALL"}
 
 
 def _instr(tok: str, world: int, overlap: int = -1) -> Instr:
     if m := _COMP.match(tok):
         return Instr(_PASS[m[2]], f"n:{tok}", region=int(m[1]), mb=int(m[3]), overlap=overlap)
-    if m := re.match(r"^(\d+)U$", tok):
+    if m := re.match(r"^r(\d+):U$", tok):
         return Instr("U", f"n:{tok}", region=int(m[1]))
     if m := _P2P.match(tok):
         grad = m[3] == "B"
@@ -32,8 +32,8 @@ def _instr(tok: str, world: int, overlap: int = -1) -> Instr:
 
 
 def _hand_plan(*rows: str) -> Plan:
-    """One row of space-separated instructions per device: `0F0 0SEND_F0>1 wait(0SEND_F0>1)`,
-    `(0F1;1B0)` an overlapped slot, `AR@0` a collective over every device."""
+    """One row of space-separated instructions per device: `r0:F0 r0:SEND_F0>1 wait(r0:SEND_F0>1)`,
+    `(r0:F1;r1:B0)` an overlapped slot, `AR@0` a collective over every device."""
     world = len(rows)
     devices, overlap = [], 0
     for d, row in enumerate(rows):

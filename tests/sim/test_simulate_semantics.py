@@ -15,33 +15,33 @@ from piper_nb.sim.simulate import overlap_steps, run_timing
 
 
 def test_a_recv_waits_for_its_send_and_both_span_the_transfer(hand_plan, spans):
-    plan = hand_plan("0F0 0SEND_F0>1 wait(0SEND_F0>1)",
-                     "1RECV_F0<0 wait(1RECV_F0<0) 1F0")
+    plan = hand_plan("r0:F0 r0:SEND_F0>1 wait(r0:SEND_F0>1)",
+                     "r1:RECV_F0<0 wait(r1:RECV_F0<0) r1:F0")
     trace = simulate(plan, CostModel.uniform(F=1, comm=0.5))
-    assert spans(trace, 0) == ["0F0@0-1", "0SEND_F0>1@1-1.5"]
-    assert spans(trace, 1) == ["1RECV_F0<0@1-1.5", "1F0@1.5-2.5"]
+    assert spans(trace, 0) == ["r0:F0@0-1", "r0:SEND_F0>1@1-1.5"]
+    assert spans(trace, 1) == ["r1:RECV_F0<0@1-1.5", "r1:F0@1.5-2.5"]
     assert trace.step_time == 2.5
 
 
 def test_messages_on_one_stream_go_first_in_first_out_while_compute_runs_on(hand_plan, spans):
-    plan = hand_plan("0F0 0SEND_F0>1 0F1 0SEND_F1>1 wait(0SEND_F0>1) wait(0SEND_F1>1)",
-                     "1RECV_F0<0 1RECV_F1<0 wait(1RECV_F0<0) 1F0 wait(1RECV_F1<0) 1F1")
+    plan = hand_plan("r0:F0 r0:SEND_F0>1 r0:F1 r0:SEND_F1>1 wait(r0:SEND_F0>1) wait(r0:SEND_F1>1)",
+                     "r1:RECV_F0<0 r1:RECV_F1<0 wait(r1:RECV_F0<0) r1:F0 wait(r1:RECV_F1<0) r1:F1")
     trace = simulate(plan, CostModel.uniform(F=1, comm=2))
-    assert spans(trace, 0) == ["0F0@0-1", "0F1@1-2", "0SEND_F0>1@1-3", "0SEND_F1>1@3-5"]
-    assert spans(trace, 1, "compute") == ["1F0@3-4", "1F1@5-6"]
+    assert spans(trace, 0) == ["r0:F0@0-1", "r0:F1@1-2", "r0:SEND_F0>1@1-3", "r0:SEND_F1>1@3-5"]
+    assert spans(trace, 1, "compute") == ["r1:F0@3-4", "r1:F1@5-6"]
 
 
 def test_a_collective_starts_when_every_member_posted_it_and_ends_together(hand_plan, spans):
-    plan = hand_plan("0F0 0B0 AR wait(AR) 0U", "1F0 AR wait(AR) 1U")
+    plan = hand_plan("r0:F0 r0:B0 AR wait(AR) r0:U", "r1:F0 AR wait(AR) r1:U")
     trace = simulate(plan, CostModel.uniform(F=1, B=2, comm=1))
-    assert spans(trace, 0) == ["0F0@0-1", "0B0@1-3", "AR@3-4", "0U@4-4"]
-    assert spans(trace, 1) == ["1F0@0-1", "AR@3-4", "1U@4-4"]
+    assert spans(trace, 0) == ["r0:F0@0-1", "r0:B0@1-3", "AR@3-4", "r0:U@4-4"]
+    assert spans(trace, 1) == ["r1:F0@0-1", "AR@3-4", "r1:U@4-4"]
 
 
 def test_an_overlap_slot_costs_fb_and_its_passes_share_the_span(hand_plan, spans):
-    plan = hand_plan("0F0 (0F1;0B0) 0B1")
+    plan = hand_plan("r0:F0 (r0:F1;r0:B0) r0:B1")
     trace = simulate(plan, CostModel.uniform(F=1, B=2, FB=2.5))
-    assert spans(trace, 0) == ["0F0@0-1", "0B0@1-3.5", "0F1@1-3.5", "0B1@3.5-5.5"]
+    assert spans(trace, 0) == ["r0:F0@0-1", "r0:B0@1-3.5", "r0:F1@1-3.5", "r0:B1@3.5-5.5"]
     assert trace.bubble(0) == 0
     # without FB the slot costs F + B
     assert simulate(plan, CostModel.uniform(F=1, B=2)).step_time == 6
@@ -57,8 +57,8 @@ def test_waits_between_overlapped_passes_gate_the_slot_and_issues_follow_it():
 
 
 def test_a_plan_whose_waits_cross_cannot_finish(hand_plan):
-    plan = hand_plan("0RECV_F0<1 wait(0RECV_F0<1) 0SEND_F0>1 wait(0SEND_F0>1)",
-                     "1RECV_F0<0 wait(1RECV_F0<0) 1SEND_F0>0 wait(1SEND_F0>0)")
+    plan = hand_plan("r0:RECV_F0<1 wait(r0:RECV_F0<1) r0:SEND_F0>1 wait(r0:SEND_F0>1)",
+                     "r1:RECV_F0<0 wait(r1:RECV_F0<0) r1:SEND_F0>0 wait(r1:SEND_F0>0)")
     with pytest.raises(PlanError, match="cannot finish"):
         simulate(plan, CostModel.uniform())
 
@@ -78,45 +78,45 @@ def _host_model(**kw) -> CostModel:
 
 
 def test_a_host_synchronous_device_pays_its_overhead_and_issue_calls(hand_plan, spans):
-    plan = hand_plan("0F0 0SEND_F0>1 0F1 wait(0SEND_F0>1)",
-                     "1RECV_F0<0 wait(1RECV_F0<0) 1F0")
+    plan = hand_plan("r0:F0 r0:SEND_F0>1 r0:F1 wait(r0:SEND_F0>1)",
+                     "r1:RECV_F0<0 wait(r1:RECV_F0<0) r1:F0")
     trace = simulate(plan, _host_model(sync=True, overhead=0.25, issue={"SEND": 0.5}))
     # F0, its bookkeeping; the send posts at 1.25 and keeps the host 0.5 more; F1 after
-    assert spans(trace, 0) == ["0F0@0-1", "0SEND_F0>1@1.25-1.75", "0F1@2-3"]
+    assert spans(trace, 0) == ["r0:F0@0-1", "r0:SEND_F0>1@1.25-1.75", "r0:F1@2-3"]
     # the receiver posts at 0 and pays 0.25 per instruction: F0 after its WAIT's bookkeeping
-    assert spans(trace, 1) == ["1RECV_F0<0@1.25-1.75", "1F0@2-3"]
+    assert spans(trace, 1) == ["r1:RECV_F0<0@1.25-1.75", "r1:F0@2-3"]
     assert trace.meta["host_end"] == 3.5              # F1's and the last WAIT's bookkeeping
 
 
 def test_a_synchronous_host_runs_an_overlap_slot_one_pass_after_the_other(hand_plan, spans):
-    plan = hand_plan("0F0 (0F1;0B0) 0B1")
+    plan = hand_plan("r0:F0 (r0:F1;r0:B0) r0:B1")
     slot = simulate(plan, CostModel.uniform(F=1, B=2, FB=2))
-    assert spans(slot, 0) == ["0F0@0-1", "0B0@1-3", "0F1@1-3", "0B1@3-5"]
+    assert spans(slot, 0) == ["r0:F0@0-1", "r0:B0@1-3", "r0:F1@1-3", "r0:B1@3-5"]
     sync = simulate(plan, _host_model(sync=True))
-    assert spans(sync, 0) == ["0F0@0-1", "0F1@1-2", "0B0@2-4", "0B1@4-6"]
+    assert spans(sync, 0) == ["r0:F0@0-1", "r0:F1@1-2", "r0:B0@2-4", "r0:B1@4-6"]
 
 
 def test_devices_computing_at_once_share_the_cores(hand_plan, spans):
-    plan = hand_plan("0F0", "0F0", "0F0", "0F0")
+    plan = hand_plan("r0:F0", "r0:F0", "r0:F0", "r0:F0")
     assert simulate(plan, _host_model(sync=True)).step_time == 1
     shared = simulate(plan, _host_model(sync=True, cores=2))
     assert shared.step_time == pytest.approx(2, rel=0.01)          # 4 passes on 2 cores
-    two = hand_plan("0F0", "0F0")
+    two = hand_plan("r0:F0", "r0:F0")
     assert simulate(two, _host_model(sync=True, cores=2)).step_time == 1
     busy = simulate(two, _host_model(sync=True, cores=2, background=2))   # 2 other tasks:
     assert busy.step_time == pytest.approx(2 / 1.5, rel=0.01)    # 4 on 2 cores, profiled at 3
-    staggered = hand_plan("0F0 0SEND_F0>1 wait(0SEND_F0>1)",      # never two at once
-                          "1RECV_F0<0 wait(1RECV_F0<0) 1F0")
+    staggered = hand_plan("r0:F0 r0:SEND_F0>1 wait(r0:SEND_F0>1)",      # never two at once
+                          "r1:RECV_F0<0 wait(r1:RECV_F0<0) r1:F0")
     assert simulate(staggered, _host_model(sync=True, cores=1)).step_time == 2.5
 
 
 def test_tasks_outnumbering_cores_also_pay_what_time_slicing_costs(hand_plan):
-    four = hand_plan("0F0", "0F0", "0F0", "0F0")
+    four = hand_plan("r0:F0", "r0:F0", "r0:F0", "r0:F0")
     sliced = simulate(four, _host_model(sync=True, cores=2, slicing=1.1))
     assert sliced.step_time == pytest.approx(2 * 1.1, rel=0.01)     # 2 a core, sliced
-    two = hand_plan("0F0", "0F0")
+    two = hand_plan("r0:F0", "r0:F0")
     assert simulate(two, _host_model(sync=True, cores=2, slicing=1.1)).step_time == 1
-    three = hand_plan("0F0", "0F0", "0F0")       # 1.5 a core: half of the slicing cost
+    three = hand_plan("r0:F0", "r0:F0", "r0:F0")       # 1.5 a core: half of the slicing cost
     assert simulate(three, _host_model(sync=True, cores=2, slicing=1.1)).step_time == \
         pytest.approx(1.5 * 1.05, rel=0.01)
 
@@ -126,7 +126,7 @@ def test_a_sliced_pass_draws_its_time_from_the_jitter_and_a_collective_waits_for
     """Four devices on two cores: each pass takes twice its time on the mean (processor
     sharing), but drawn as time-slicing does it (here: full speed three times in four, five
     times as long once); every all-reduce waits for the slowest of the four."""
-    row = "0F0 AR@0 wait(AR@0) 0F1 AR@1 wait(AR@1) 0F2 AR@2 wait(AR@2)"
+    row = "r0:F0 AR@0 wait(AR@0) r0:F1 AR@1 wait(AR@1) r0:F2 AR@2 wait(AR@2)"
     four = hand_plan(row, row, row, row)
     smooth = simulate(four, _host_model(sync=True, cores=2)).step_time
     assert smooth == pytest.approx(3 * (2 + 0.5), rel=0.01)
@@ -157,7 +157,7 @@ def _dp_plan_args():
 
 
 def test_a_collective_in_flight_shares_the_cores_with_the_passes_it_overlaps(hand_plan):
-    plan = hand_plan("AR 0F1 wait(AR)", "AR 0F1 wait(AR)")
+    plan = hand_plan("AR r0:F1 wait(AR)", "AR r0:F1 wait(AR)")
     assert simulate(plan, _host_model(sync=True, cores=2)).step_time == 1
     # 2 passes and the collective's 2 members: 4 loads on 2 cores while it runs. It was
     # profiled with the cores to itself, so it takes 2 x 0.5; a pass of length x runs at a
@@ -172,7 +172,7 @@ def test_a_collective_in_flight_shares_the_cores_with_the_passes_it_overlaps(han
 
 
 def test_a_message_in_flight_takes_a_core_on_its_receiver(hand_plan, monkeypatch):
-    plan = hand_plan("0SEND_F0>1 wait(0SEND_F0>1)", "1RECV_F0<0 1F1 wait(1RECV_F0<0)", "2F1")
+    plan = hand_plan("r0:SEND_F0>1 wait(r0:SEND_F0>1)", "r1:RECV_F0<0 r1:F1 wait(r1:RECV_F0<0)", "r2:F1")
     assert simulate(plan, _host_model(sync=True, cores=2)).step_time == 1
     # two passes and the message's reader (0.5 long): a pass of length x runs at a share
     # of (2x + 0.5) / x / 2, so x = 1 + 0.25 / x = (1 + sqrt 2) / 2; the message keeps 0.5
@@ -191,10 +191,10 @@ def test_a_message_in_flight_takes_a_core_on_its_receiver(hand_plan, monkeypatch
 
 def test_a_collective_pays_its_packing_before_the_call_and_its_unpacking_after_the_wait(
         hand_plan, spans):
-    plan = hand_plan("AR wait(AR) 0F0", "AR wait(AR) 0F0")
+    plan = hand_plan("AR wait(AR) r0:F0", "AR wait(AR) r0:F0")
     trace = simulate(plan, _host_model(sync=True, packing={("ALL_REDUCE", -1): (0.25, 0.5)}))
     # flattened by 0.25, moved in 0.5, put back by 1.25: the pass starts then
-    assert spans(trace, 0) == ["AR@0.25-0.75", "0F0@1.25-2.25"]
+    assert spans(trace, 0) == ["AR@0.25-0.75", "r0:F0@1.25-2.25"]
 
 
 def test_a_forward_dispatch_first_gathers_token_counts_and_blocks_the_host():

@@ -45,13 +45,13 @@ def test_peak_memory_is_the_largest_total_per_device():
 
 
 def test_compare_matches_instructions_and_reports_the_step_ratio(hand_plan):
-    plan = hand_plan("0F0 0B0 0F1 0B1")
+    plan = hand_plan("r0:F0 r0:B0 r0:F1 r0:B1")
     pred = simulate(plan, CostModel.uniform(F=1, B=2))
     meas = Trace(tuple(Event(e.device, e.stream, e.node, e.kind, 2 * e.start, 2 * e.end,
                              e.mb, e.region, e.label) for e in pred.events), source="measured")
     cmp = meas.compare(pred)         # either order: the simulated trace is the prediction
-    assert cmp.rows[0] == (0, "0B0", 2, 4, 2.0)
-    assert [r[1] for r in cmp.rows] == ["0B0", "0B1", "0F0", "0F1"]
+    assert cmp.rows[0] == (0, "r0:B0", 2, 4, 2.0)
+    assert [r[1] for r in cmp.rows] == ["r0:B0", "r0:B1", "r0:F0", "r0:F1"]
     assert cmp.step_ratio == 2.0 and cmp.unmatched == 0
     assert "| all | step | 6 | 12 | 2 |" in cmp.table()
 
