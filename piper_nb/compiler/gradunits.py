@@ -39,9 +39,7 @@ class Units:
         for u, rs in self.regions_of.items():
             mask = 0
             for r in rs:
-                for m in range(self.mbs):
-                    for rep in range(width.get(r, 1)):
-                        mask |= 1 << self.offset(u, r) + m * self.wmax[u] + rep
+                mask |= self._block(u, r, (1 << width.get(r, 1)) - 1)
             self.expected[u] = mask
         self._of_region: dict[tuple[int, int], tuple] = {}
         self._columns: dict[tuple, int] = {}
@@ -49,15 +47,21 @@ class Units:
     def offset(self, u, region: int) -> int:
         return self.regions_of[u].index(region) * self.mbs * self.wmax[u]
 
+    def _block(self, u, region: int, row: int) -> int:
+        """The bits `row` (replicas, under 1 << wmax) of every microbatch of `region` in
+        unit u: `row` repeated every wmax bits (times a mask with one bit per microbatch;
+        the copies do not overlap, so nothing carries)."""
+        w = self.wmax[u]
+        every = ((1 << w * self.mbs) - 1) // ((1 << w) - 1)   # bits 0, w, 2w, ...
+        return (row * every) << self.offset(u, region)
+
     def column(self, u, region: int, rep: int | None) -> int:
         """The bits of `region` in unit u: all of them, or one replica's (`rep`)."""
         key = (u, region, rep)
         mask = self._columns.get(key)
         if mask is None:
-            off, w = self.offset(u, region), self.wmax[u]
-            reps = range(w) if rep is None else (rep,)
-            mask = sum(1 << off + m * w + r for m in range(self.mbs) for r in reps)
-            self._columns[key] = mask
+            row = (1 << self.wmax[u]) - 1 if rep is None else 1 << rep
+            mask = self._columns[key] = self._block(u, region, row)
         return mask
 
     def of_region(self, region: int, device: int) -> tuple:

@@ -15,14 +15,14 @@ from __future__ import annotations
 
 import heapq
 from collections import defaultdict
-from dataclasses import fields
 
 from piper_nb.compiler.floating import merge_floating
 from piper_nb.compiler.p2p import in_send_order
-from piper_nb.compiler.plan import DevicePlan, Instr
+from piper_nb.compiler.plan import DevicePlan, Instr, StampedDevicePlan
+from piper_nb.compiler.stamp import Stamper, classes_of
 from piper_nb.errors import PlanError
 from piper_nb.ir.dag import Node, TrainingDAG
-from piper_nb.ir.kinds import BACKWARDS, COLLECTIVES, COMPUTE, P2P, PASSES, Op
+from piper_nb.ir.kinds import BACKWARDS, COLLECTIVES, COMPUTE, PASSES, Op
 
 __all__ = ["lower", "owned_params"]
 
@@ -147,10 +147,6 @@ def _order_device(dag: TrainingDAG, d: int, nodes: list[Node],
 
 
 def lower(dag: TrainingDAG, buckets, world: int) -> tuple[DevicePlan, ...]:
-    local: list[list[Node]] = [[] for _ in range(world)]
-    for n in dag.nodes:
-        for d in n.devices:
-            local[d].append(n)
     width = max((len(n.devices) for n in dag.nodes), default=1)
     tags = {}
     for i, n in enumerate(x for x in dag.nodes if x.op == Op.SEND):
@@ -164,12 +160,12 @@ def lower(dag: TrainingDAG, buckets, world: int) -> tuple[DevicePlan, ...]:
     regions = dag.regions()
     # Devices that hold exactly the same nodes (the replicas of one stage) share one
     # schedule: order and emit it once, then stamp out each replica's peers and tags.
-    classes: dict[tuple[str, ...], list[int]] = defaultdict(list)
-    for d in range(world):
-        classes[tuple(n.id for n in local[d])].append(d)
+    classes, local = classes_of(dag, world)
     plans: list[DevicePlan | None] = [None] * world
     floating = _floating(dag)
     if floating:
+        local = [local[d] if d in local else [n for n in dag.nodes if d in n.devices]
+                 for d in range(world)]
         return _lower_merged(dag, buckets, world, local, classes, floating, partner, tags)
     templates = {}
     for devs in classes.values():
@@ -182,11 +178,10 @@ def lower(dag: TrainingDAG, buckets, world: int) -> tuple[DevicePlan, ...]:
     for devs in classes.values():
         template = templates[devs[0]]
         plans[devs[0]] = DevicePlan(devs[0], template)
-        if len(devs) > 1:
-            stamp = _Stamper(dag, template, partner, tags)
+        if len(devs) > 1:   # each replica's list is stamped when first asked for
+            stamp = Stamper(dag, template, partner, tags)
             for d in devs[1:]:
-                instrs = stamp(d)
-                plans[d] = DevicePlan(d, instrs, stamp=(template, instrs))
+                plans[d] = StampedDevicePlan(d, template, stamp)
     return tuple(plans)
 
 
@@ -221,43 +216,6 @@ def _lower_merged(dag, buckets, world, local, classes, floating, partner, tags):
                                      owned_params(dag, buckets, d, local[d]), regions)
                             for d in range(world)}, partner)
     return tuple(DevicePlan(d, instrs[d]) for d in range(world))
-
-
-_FIELDS = tuple(f.name for f in fields(Instr))
-_REPLICA, _PEER, _TAG = (_FIELDS.index(k) for k in ("replica", "peer", "tag"))
-
-
-class _Stamper:
-    """Stamps a device's template instructions out for another replica of the same nodes:
-    only the replica index, peers and tags change (plain tuples: this is the hot path)."""
-
-    def __init__(self, dag: TrainingDAG, template: tuple[Instr, ...], partner, tags):
-        by_id = dag._idx()["id"]
-        self.template = template
-        self.rows = []
-        for ins in template:
-            if ins.kind in ("WAIT", "FREE"):
-                self.rows.append(None)
-                continue
-            n = by_id[ins.node]
-            other = partner[n.id].devices if ins.kind in P2P else None
-            self.rows.append(([getattr(ins, f) for f in _FIELDS], n.devices, other,
-                              tags.get(n.id, -1)))
-
-    def __call__(self, d: int) -> tuple[Instr, ...]:
-        out = []
-        for ins, row in zip(self.template, self.rows, strict=True):
-            if row is None:
-                out.append(ins)
-                continue
-            values, devices, other, tag = row
-            pos = devices.index(d)
-            values = values.copy()
-            values[_REPLICA] = pos
-            if other is not None:
-                values[_PEER], values[_TAG] = other[pos], tag + pos
-            out.append(Instr(*values))
-        return tuple(out)
 
 
 def _instr(n: Node, d: int, partner, tags, owned) -> Instr:

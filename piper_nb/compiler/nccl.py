@@ -75,8 +75,9 @@ class _Run:
 
     def __init__(self, plan: Plan, channels: str, replicas: bool = True):
         self.plan, self.channels = plan, channels
-        self.devs = [_Device(dp.instrs) for dp in plan.devices]
         self.active = _replayed(plan) if replicas else [True] * plan.world
+        self.devs = [_Device(dp.instrs if on else ()) for dp, on in zip(plan.devices, self.active,
+                                                                      strict=True)]
         self.match: dict[tuple, dict[int, _Op]] = defaultdict(dict)   # key -> device -> op
         self.op_at: dict[tuple[int, int], _Op] = {}
         self.arrived: dict[tuple, set[int]] = defaultdict(set)   # token-count exchanges
@@ -207,18 +208,9 @@ class _Run:
 
 
 def _replayed(plan: Plan) -> list[bool]:
-    """Replay all but the devices stamped from a template whose point-to-point peers are
-    all replayed too (a replayed device then only meets replayed ones, or, in a
-    collective, members that do what their replayed template does)."""
-    template = plan.stamps()
-    active = [d not in template for d in range(plan.world)]
-    todo = [d for d in range(plan.world) if active[d]]
-    while todo:
-        for ins in plan.devices[todo.pop()].instrs:
-            if (ins.kind == "SEND" or ins.kind == "RECV") and not active[ins.peer]:
-                active[ins.peer] = True
-                todo.append(ins.peer)
-    return active
+    """`Plan.replayed`: a replayed device then only meets replayed ones, or, in a
+    collective, members that do what their replayed template does."""
+    return plan.replayed()
 
 
 def check_nccl(plan: Plan, channels: str = "direction", replicas: bool = True) -> None:

@@ -1,11 +1,10 @@
 """Plans: one instruction list per device, the only thing the runtime executes.
 
-An `Instr` is a small immutable value with a compact text form in PyTorch's spirit:
-`0F1` (region 0 forward, microbatch 1), `1I0`/`1W0` (backward for inputs / weights),
-`0U` (update), `0SEND_F1>2` (send region 0's activations of microbatch 1 to device 2),
-`1RECV_B0<3` (receive gradients from device 3), `AR0`, `RS0@1`, `AG0@1` (collectives over
-bucket 0, microbatch 1), `wait(AR0)`, `free(act:x@1)`. Communication is issued on its own
-logical stream and waited for right before its consumer, so it overlaps compute.
+An `Instr` is a small immutable value; its text form (`r0:F1`, `r0:SEND_F1>2`, `b0:AR`,
+`b0:AG@F1`, `wait(...)`, `free(...)`) is the notation of `piper_nb.ir.text`, whose
+docstring is the glossary. Communication is issued on its own logical stream and waited
+for right before its consumer, so it overlaps compute. `print(plan)` shows every device's
+list side by side with what the `r`/`b` prefixes stand for; the JSON form is exact.
 """
 
 from __future__ import annotations
@@ -14,9 +13,10 @@ import json
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
-from piper_nb.ir.kinds import COMM, COMPUTE, LETTER, P2P, SHORT
+from piper_nb.ir.kinds import COMM, COMPUTE
+from piper_nb.ir.text import bucket_legend, instr_text, region_legend, wait_text
 
-__all__ = ["Instr", "DevicePlan", "Plan"]
+__all__ = ["Instr", "DevicePlan", "StampedDevicePlan", "Plan"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,21 +54,7 @@ class Instr:
         return self.kind in COMM
 
     def __str__(self) -> str:
-        k = self.kind
-        if k in LETTER:
-            return f"{self.region}{LETTER[k]}{self.mb if self.mb >= 0 else ''}"
-        if k == "U":
-            return f"{self.region}U"
-        if k in P2P:
-            arrow = ">" if k == "SEND" else "<"
-            mb = self.mb if self.mb >= 0 else ""
-            return f"{self.region}{k}_{'B' if self.grad else 'F'}{mb}{arrow}{self.peer}"
-        if k in SHORT:
-            core = f"{SHORT[k]}{self.bucket if self.bucket >= 0 else ''}"
-            return core + (f"@{self.mb}" if self.mb >= 0 else "")
-        if k == "FREE":
-            return "free(" + ",".join(self.keys) + ")"
-        return k
+        return instr_text(self)
 
     def to_json(self) -> dict:
         out = {}
@@ -88,9 +74,8 @@ class Instr:
 class DevicePlan:
     device: int
     instrs: tuple[Instr, ...]
-    # (template's instrs, own instrs) when the lowering stamped these instructions out of
-    # another replica's (equal but for replica, peers and tags); the claim holds only while
-    # `instrs` is still that very tuple (see `Plan.stamps`)
+    # (template's instrs, stamper) on a `StampedDevicePlan`: the lowering stamped this
+    # device's instructions out of another replica's (equal but for replica, peers, tags)
     stamp: tuple | None = field(default=None, compare=False, repr=False)
 
     def text(self, waits: bool = False) -> list[str]:
@@ -98,13 +83,48 @@ class DevicePlan:
         for ins in self.instrs:
             if ins.kind == "WAIT":
                 if waits:
-                    out.append(f"wait({self.instrs[ins.target]})")
+                    out.append(wait_text(self.instrs[ins.target]))
             elif ins.kind != "FREE" or waits:
                 out.append(str(ins))
         return out
 
     def compute(self) -> list[Instr]:
         return [i for i in self.instrs if i.is_compute]
+
+    def __str__(self) -> str:
+        """`dev0: r0:F0 r0:SEND_F0>1 ...`: the instructions (no waits, no frees) in order."""
+        return f"dev{self.device}: " + " ".join(self.text())
+
+
+class StampedDevicePlan(DevicePlan):
+    """A replica's DevicePlan whose instructions are stamped out of its template's on first
+    use (`stamp = (template's instrs, stamper)`, the stamper a callable device ->
+    instructions): a plan of 16,384 devices holds one list per class of replicas until a
+    device's own list is asked for. Equal to a DevicePlan of the same device and list."""
+
+    def __init__(self, device: int, template: tuple[Instr, ...], stamper):
+        object.__setattr__(self, "device", device)
+        object.__setattr__(self, "stamp", (template, stamper))
+        object.__setattr__(self, "_instrs", None)
+
+    @property
+    def instrs(self) -> tuple[Instr, ...]:
+        made = self._instrs
+        if made is None:
+            made = self.stamp[1](self.device)
+            object.__setattr__(self, "_instrs", made)
+        return made
+
+    def stamped(self) -> tuple[Instr, ...]:
+        """The instructions, stamped afresh when not made yet, and not kept."""
+        return self._instrs if self._instrs is not None else self.stamp[1](self.device)
+
+    def __eq__(self, other) -> bool:
+        if not isinstance(other, DevicePlan):
+            return NotImplemented
+        return (self.device, self.instrs) == (other.device, other.instrs)
+
+    __hash__ = DevicePlan.__hash__
 
 
 @dataclass(frozen=True)
@@ -125,6 +145,10 @@ class Plan:
     params: dict = field(default_factory=dict)        # name -> (shape, dtype)
     frozen: tuple[str, ...] = ()    # parameters without requires_grad: never updated
     batch_names: tuple[str, ...] = ("inputs", "targets")   # the batch's tensors, in order
+    pieces: dict = field(default_factory=dict)  # expert piece -> (stacked param, lo, hi)
+    clip_grad_norm: float | None = None   # max global gradient norm (`compiler.clip`)
+    precision: str = "fp32"         # "bf16": bf16 weights, activations, grads; fp32 masters
+    reduce_dtype: str | None = None  # dtype gradients are reduced in (None: the grads')
     dag: Any = None
     program: Any = None
     capture: Any = None
@@ -135,15 +159,32 @@ class Plan:
     def stamps(self) -> dict[int, int]:
         """Device -> the device its instructions were stamped from by the lowering (same
         instructions but for replica, peers and tags), for devices where that still holds:
-        both instruction tuples are the very ones the lowering made."""
+        the template's instruction tuple is the very one the stamp was made from."""
         templates = {id(dp.instrs): dp.device for dp in self.devices if dp.stamp is None}
         out = {}
         for dp in self.devices:
-            if dp.stamp is not None and dp.stamp[1] is dp.instrs:
+            if dp.stamp is not None:
                 t = templates.get(id(dp.stamp[0]))
                 if t is not None and self.devices[t].instrs is dp.stamp[0]:
                     out[dp.device] = t
         return out
+
+    def replayed(self) -> list[bool]:
+        """Per device: whether checks and the simulator must run it themselves. All but the
+        devices stamped from a template (`stamps`) whose point-to-point peers are all
+        replayed: a replayed device then only meets replayed ones, or, in a collective,
+        members that do what their template, a member of the same group, does."""
+        template = self.stamps()
+        active = [d not in template for d in range(self.world)]
+        if not template:
+            return active
+        todo = [d for d in range(self.world) if active[d]]
+        while todo:
+            for ins in self.devices[todo.pop()].instrs:
+                if (ins.kind == "SEND" or ins.kind == "RECV") and not active[ins.peer]:
+                    active[ins.peer] = True
+                    todo.append(ins.peer)
+        return active
 
     def grid(self, waits: bool = False, compute_only: bool = False) -> str:
         """A text grid: one column per device, one row per step."""
@@ -153,8 +194,18 @@ class Plan:
             cols.append([f"dev{dp.device}", *rows])
         return _columns(cols)
 
+    def legend(self) -> str:
+        """What the prefixes of the instructions stand for: `r0 = {PP=0}`, one line per
+        bucket `b0 = 2 parameters of r0, r1 over devices 0,1 (ZeRO-0)`."""
+        return "\n".join([region_legend(self.regions), *bucket_legend(self.buckets)]).strip()
+
     def text(self) -> str:
-        return self.grid()
+        """`plan.grid()` and, beneath it, `plan.legend()`: what `print(plan)` shows."""
+        legend = self.legend()
+        return self.grid() + ("\n\n" + legend if legend else "")
+
+    def __str__(self) -> str:
+        return self.text()
 
     def to_torch_csv(self, devices: tuple[int, ...] | list[int] | None = None) -> str:
         """The compute passes per device (or per one of `devices`) as PyTorch pipelining's
@@ -163,7 +214,7 @@ class Plan:
         return plan_to_torch_csv(self, devices)
 
     def __repr__(self) -> str:
-        n = sum(len(d.instrs) for d in self.devices)
+        n = sum(len(d.stamp[0]) if d.stamp else len(d.instrs) for d in self.devices)
         return (f"Plan(world={self.world}, microbatches={self.microbatches}, "
                 f"regions={len(self.regions)}, buckets={len(self.buckets)}, instructions={n})")
 
@@ -183,6 +234,10 @@ class Plan:
             "params": {k: {"shape": list(s), "dtype": d} for k, (s, d) in self.params.items()},
             "frozen": list(self.frozen),
             "batch_names": list(self.batch_names),
+            "pieces": {k: list(v) for k, v in self.pieces.items()},
+            **({"clip_grad_norm": self.clip_grad_norm} if self.clip_grad_norm is not None else {}),
+            **({"precision": self.precision, "reduce_dtype": self.reduce_dtype}
+               if self.precision != "fp32" else {}),
             "devices": [[i.to_json() for i in dp.instrs] for dp in self.devices],
         }, indent=indent)
 
@@ -210,7 +265,10 @@ class Plan:
                    saved_rows={int(k): v for k, v in obj.get("saved_rows", {}).items()},
                    params={k: (tuple(v["shape"]), v["dtype"]) for k, v in obj["params"].items()},
                    frozen=tuple(obj.get("frozen", ())),
-                   batch_names=tuple(obj.get("batch_names", ("inputs", "targets"))))
+                   batch_names=tuple(obj.get("batch_names", ("inputs", "targets"))),
+                   pieces={k: tuple(v) for k, v in obj.get("pieces", {}).items()},
+                   clip_grad_norm=obj.get("clip_grad_norm"),
+                   precision=obj.get("precision", "fp32"), reduce_dtype=obj.get("reduce_dtype"))
 
 
 def _columns(cols: list[list[str]], mark: dict[int, int] | None = None) -> str:

@@ -13,13 +13,17 @@ from piper_nb.compiler.shapes import random_value
 __all__ = ["region_flops", "region_inputs"]
 
 
-def region_inputs(plan, r: int, seed: int = 0) -> list[torch.Tensor]:
-    """Random (float) or zero (integer) tensors shaped like region r's inputs."""
+def region_inputs(plan, r: int, seed: int = 0, device=None) -> list[torch.Tensor]:
+    """Random (float) or zero (integer) tensors shaped like region r's inputs; on the meta
+    `device`, empty ones (no values to draw: FLOPs depend on shapes only)."""
     gen = torch.Generator().manual_seed(seed)
     args = []
     for v in plan.regions[r].inputs:
         info = plan.values[v]
-        t = random_value(info, generator=gen)
+        if device is not None and torch.device(device).type == "meta":
+            t = torch.empty(info.shape, dtype=getattr(torch, info.dtype), device="meta")
+        else:
+            t = random_value(info, generator=gen)
         if t.is_floating_point():
             t.requires_grad_(info.requires_grad)
         args.append(t)
@@ -34,7 +38,7 @@ def region_flops(plan) -> dict[int, float]:
     for r in range(len(plan.regions)):
         module = plan.capture.modules[r]
         device = next((p.device for p in module.parameters()), torch.device("cpu"))
-        args = [a.to(device) for a in region_inputs(plan, r)]   # meta models count on meta
+        args = [a.to(device) for a in region_inputs(plan, r, device=device)]   # meta: on meta
         with untouched(plan.capture.model), flop_counter() as counter, \
                 torch.no_grad():
             module(*args)

@@ -26,8 +26,11 @@ compute stream and one stream per communication stream name:
   with stretched durations until the step time settles, and time-slicing's jitter where
   devices outnumber cores: `sim.sharing`).
 
-Ops live in a heap keyed by ready time, devices are indices and instructions integer
-positions, so a step of a thousand devices simulates in seconds.
+Ops live in a heap keyed by ready time (ties: the smallest (template device, instruction
+index) among the op's members, see `sim.replicas`), devices are indices and instructions
+integer positions, so a step of a thousand devices simulates in seconds; when the replicas
+of a plan are symmetric (`replicas.replica_runs`) only one per class is simulated and a
+`CompactTrace` stands for the rest, so 16,384 devices do too.
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ from piper_nb.errors import PlanError
 from piper_nb.ir.kinds import COMM, COMPUTE, P2P
 from piper_nb.sim.cost import CostModel
 from piper_nb.sim.host_model import NO_HOST
+from piper_nb.sim.replicas import CompactTrace, replica_runs
 from piper_nb.sim.sharing import jittered, shared_cores
 from piper_nb.sim.trace import Event, Trace
 
@@ -104,10 +108,18 @@ def overlap_steps(instrs) -> list[int | tuple[int, ...]]:
 
 class _Sim:
     def __init__(self, plan: Plan, cost: CostModel, stretch: list[dict[int, float]] | None = None,
-                 counting: list[set[int]] | None = None):
+                 counting: list[set[int]] | None = None, runs: list[bool] | None = None):
         self.plan, self.cost = plan, cost
         self.host = host = cost.host or NO_HOST
-        self.instrs = [dp.instrs for dp in plan.devices]
+        # the devices simulated (`sim.replicas`: the others repeat their template's times);
+        # a device that is not keeps its lazily stamped instructions unmade
+        self.runs = runs = runs if runs is not None else [True] * plan.world
+        self.instrs = [dp.instrs if on else () for dp, on in zip(plan.devices, runs, strict=True)]
+        # ops ready at one time start in the order of their first member by (template,
+        # instruction index): the same order whether a replica runs or repeats its template
+        stamps = plan.stamps()
+        self.rep = [stamps.get(d, d) for d in range(plan.world)]
+        self.need: dict[tuple, int] = {}   # group -> members simulated
         self.sync = host.sync
         self.steps = [list(range(len(x))) if host.sync else overlap_steps(x)
                       for x in self.instrs]
@@ -144,13 +156,18 @@ class _Sim:
             self.coll_k[d][ins.group] = k + 1
             posts = self.coll.setdefault((ins.group, k), [])
             posts.append((d, i, ready))
-            if len(posts) < len(ins.group):
+            need = self.need.get(ins.group)
+            if need is None:
+                need = self.need[ins.group] = sum(1 for m in ins.group if self.runs[m])
+            if len(posts) < need:
                 return
             del self.coll[(ins.group, k)]
             members = tuple((x[0], x[1]) for x in posts)
             ready = max(x[2] for x in posts)
+        rep = self.rep
         self.seq += 1
-        heapq.heappush(self.heap, (ready, self.seq, members))
+        heapq.heappush(self.heap, (ready, min((rep[m], j) for m, j in members), self.seq,
+                                   members))
 
     def run_device(self, d: int) -> None:
         instrs, steps, cost, counting = self.instrs[d], self.steps[d], self.cost, self.counting[d]
@@ -215,10 +232,11 @@ class _Sim:
 
     def run(self) -> None:
         for d in range(self.plan.world):
-            self.run_device(d)
+            if self.runs[d]:
+                self.run_device(d)
         heap, sfree, cost, plan = self.heap, self.sfree, self.cost, self.plan
         while heap:
-            ready, _, members = heapq.heappop(heap)
+            ready, _, _, members = heapq.heappop(heap)
             d0, i0 = members[0]
             first = self.instrs[d0][i0]
             keys = [(d, self.instrs[d][i].stream) for d, i in members]
@@ -249,9 +267,11 @@ class _Sim:
         return "\n".join(lines)
 
 
-def run_timing(plan: Plan, cost: CostModel) -> Timing:
-    """Simulate `plan` under `cost`; the per-instruction times (see `Timing`)."""
-    sim = _Sim(plan, cost)
+def run_timing(plan: Plan, cost: CostModel, runs: list[bool] | None = None) -> Timing:
+    """Simulate `plan` under `cost`; the per-instruction times (see `Timing`). Only the
+    devices in `runs` (default: all) are simulated, the others' lists left empty: see
+    `sim.replicas` for when that is exact."""
+    sim = _Sim(plan, cost, runs=runs)
     sim.run()
     host = cost.host or NO_HOST
     if host.shares_cores(plan.world):   # the sharing pass finds whether the load exceeds them
@@ -270,10 +290,12 @@ def run_timing(plan: Plan, cost: CostModel) -> Timing:
 _TIMED = COMPUTE | COMM
 
 
-def _events(timing: Timing) -> list[Event]:
+def _events(timing: Timing, runs: list[bool] | None = None) -> list[Event]:
     out: list[Event] = []
     append = out.append
     for dp in timing.plan.devices:
+        if runs is not None and not runs[dp.device]:
+            continue
         d, start, end = dp.device, timing.start[dp.device], timing.end[dp.device]
         for i, ins in enumerate(dp.instrs):
             if ins.kind in _TIMED:
@@ -296,9 +318,10 @@ def simulate(plan: Plan, cost_model: CostModel | None = None, *, memory=None) ->
     was_on = gc.isenabled()
     gc.disable()  # hundreds of thousands of small objects, no cycles: skip the GC passes
     try:
-        timing = run_timing(plan, cost)
-        samples = memory_samples(timing, memory)
-        events = _events(timing)
+        runs = replica_runs(plan, cost, memory)   # None: every device is simulated
+        timing = run_timing(plan, cost, runs)
+        samples = memory_samples(timing, memory, runs)
+        events = _events(timing, runs)
     finally:
         if was_on:
             gc.enable()
@@ -306,4 +329,6 @@ def simulate(plan: Plan, cost_model: CostModel | None = None, *, memory=None) ->
             "host_end": max(timing.host_end, default=0.0)}   # when the last host finished
     if math.isfinite(cost.meta.get("memory_capacity", math.inf)):
         meta["memory_capacity"] = cost.meta["memory_capacity"]   # bytes per device
+    if runs is not None:   # the replicas' events and samples are their templates'
+        return CompactTrace(plan, tuple(events), tuple(samples), "simulated", cost.unit, meta)
     return Trace(tuple(events), tuple(samples), "simulated", cost.unit, meta)

@@ -1,0 +1,246 @@
+"""Simulating one replica per class: plans of thousands of devices in seconds.
+
+The lowering stamps the replicas of a stage out of one template (`Plan.stamps`: the same
+instructions but for the replica index, peers and tags). When the plan and the costs are
+symmetric, every replica's simulated times are its template's, so `simulate` runs the
+templates only and `CompactTrace` stands for the rest. Symmetric means (`replica_runs`):
+
+- the map device -> template is a homomorphism of the point-to-point graph: for every
+  SEND/RECV pair of nodes and every position, the template of the receiver is the peer of
+  the sender's template, at the template's own position (so templates only talk to
+  templates, and a replica's messages mirror its template's);
+- a message between replicas costs what the templates' costs (`CostModel.link_time` of the
+  two pairs); passes cost what their region and kind say, and a collective's group is
+  one node's device list, the same on every member, the template being one of them;
+- bucket groups hold a replica exactly when they hold its template, no routed rows (expert
+  plans size buffers per device), no host model (per-device overheads, shared cores) and
+  no per-communicator allowance (it counts each device's own peers);
+- every message takes some time (positive latency, or `comm` > 0).
+
+Why then the templates alone give the full simulation's times, event for event: the
+simulator pops matched ops from a heap keyed by (ready time, the smallest (template,
+instruction index) among its members, sequence). With positive message times an op
+popped at time r resumes devices whose next ops are ready after r, so all ops ready at r
+are in the heap before the first of them pops, and they pop in key order. A key names one
+instruction of one class: the ops that share it are one collective (its members issue one
+node, the template among them) or copies of one message between distinct replicas, which
+share no stream, so their order changes nothing. A replica's ops get its template's ready
+times and keys (by induction over the pops) and touch its own streams, whose free times
+mirror its template's; a collective needs its simulated members only, and its stream
+times on replicas equal those on the template, a member. So dropping the replicas changes
+no template's times, nor, then, the memory ledger's samples (a function of the
+instructions and their times). The key is the same on both paths, so the full simulation
+orders ties as the fast one does. `tests/sim/test_scale.py` compares both paths.
+
+The Trace stands for the replicas (`CompactTrace`): its events and samples are the
+templates', expanded to every device only when `events` or `memory` is read.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+from piper_nb.ir.kinds import COMM, COMPUTE, Op
+from piper_nb.sim.analysis import over_capacity, peak_memory, step_window
+from piper_nb.sim.trace import Event, MemorySample, Trace
+
+__all__ = ["replica_runs", "CompactTrace"]
+
+_TIMED = COMPUTE | COMM
+
+
+def _positive_messages(cost) -> bool:
+    if cost.comm is not None:
+        return cost.comm > 0
+    return (cost.latency > 0 and (cost.inter_latency is None or cost.inter_latency > 0)
+            and all(fit[0] > 0 for fit in cost.links.values()))
+
+
+def _pairs(dag) -> set[tuple[tuple[int, ...], tuple[int, ...]]]:
+    """The distinct (sender devices, receiver devices) of the SEND/RECV node pairs."""
+    out = set()
+    for n in dag.nodes:
+        if n.op == Op.SEND:
+            for e in dag.out_edges(n.id):
+                m = dag[e.dst]
+                if m.op == Op.RECV:
+                    out.add((n.devices, m.devices))
+    return out
+
+
+def _crossing(cost):
+    """How a message's cost depends on its pair of devices: `CostModel.link_time` of a
+    point-to-point message reads them only to tell whether they sit on two nodes, and not
+    at all with a constant `comm`, a fitted "p2p" link or a single kind of link. None: not."""
+    if cost.comm is not None or cost.inter_bandwidth is None or \
+            any(k[0] == "p2p" for k in cost.links):
+        return None
+    size = cost.node_size
+    return lambda a, b: a // size != b // size
+
+
+def _mirrors(dag, rep: list[int], cost) -> bool:
+    """Whether every replica's messages mirror its template's (see the module's words)."""
+    crossing = _crossing(cost)
+    for send, recv in _pairs(dag):
+        if len(send) != len(recv):
+            return False
+        at_s = {d: k for k, d in enumerate(send)}
+        at_r = {d: k for k, d in enumerate(recv)}
+        for a, b in zip(send, recv, strict=True):
+            ta, tb = rep[a], rep[b]
+            if ta == a and tb == b:
+                continue
+            k = at_s.get(ta)
+            if k is None or recv[k] != tb or at_r.get(tb) != k:
+                return False
+            if crossing is not None and crossing(a, b) != crossing(ta, tb):
+                return False
+    return True
+
+
+def replica_runs(plan, cost, settings=None) -> list[bool] | None:
+    """Per device, whether `simulate` must run it: the templates, when every replica's
+    times are provably its template's (see the module docstring); None: run them all."""
+    if (cost.host is not None or plan.rows or plan.dag is None
+            or (settings is not None and settings.per_communicator)):
+        return None
+    stamps = plan.stamps()
+    if not stamps or not _positive_messages(cost):
+        return None
+    dag = plan.dag
+    if any(n.op == Op.ALL_TO_ALL for n in dag.nodes):
+        return None
+    rep = [stamps.get(d, d) for d in range(plan.world)]
+    copies: dict[int, list[int]] = {}
+    for d, t in stamps.items():
+        copies.setdefault(t, []).append(d)
+    for group in {b.group for b in plan.buckets}:   # holds a replica iff its template
+        held = set(group)
+        if any(rep[d] not in held for d in group) or \
+                any(not held.issuperset(copies.get(d, ())) for d in group if rep[d] == d):
+            return None
+    if not _mirrors(dag, rep, cost):
+        return None
+    return [d not in stamps for d in range(plan.world)]
+
+
+class CompactTrace(Trace):
+    """A simulated Trace that holds the events and memory samples of the simulated devices
+    (one template per class of replicas) and stands for the replicas: `events` and
+    `memory` expand them on first use (each replica's copy of its template's, with its own
+    device and labels), in the order the full simulation gives; the step time, peaks,
+    bubbles, fits and stashes answer from the templates without expanding. Equal to the
+    Trace the full simulation returns."""
+
+    def __init__(self, plan, events: tuple[Event, ...], memory: tuple[MemorySample, ...],
+                 source: str = "simulated", unit: str = "s", meta: dict | None = None):
+        stamps = plan.stamps()
+        fields = {"source": source, "unit": unit, "meta": meta or {}, "_plan": plan,
+                  "_rep": [stamps.get(d, d) for d in range(plan.world)],
+                  "_own": Trace(events, memory, source, unit, meta or {}),
+                  "_events": None, "_memory": None}
+        for k, v in fields.items():
+            object.__setattr__(self, k, v)
+
+    # ---- the full tuples, on demand ----------------------------------------------------
+    @property
+    def events(self) -> tuple[Event, ...]:
+        if self._events is None:
+            object.__setattr__(self, "_events", self._expand_events())
+        return self._events
+
+    @property
+    def memory(self) -> tuple[MemorySample, ...]:
+        if self._memory is None:
+            object.__setattr__(self, "_memory", self._expand_memory())
+        return self._memory
+
+    def _by_device(self, items) -> dict[int, list]:
+        out: dict[int, list] = {}
+        for x in items:
+            out.setdefault(x.device, []).append(x)
+        return out
+
+    def _expand_events(self) -> tuple[Event, ...]:
+        own, out = self._by_device(self._own.events), []
+        for d, t in enumerate(self._rep):
+            if t == d:
+                out += own.get(d, ())
+                continue
+            dp = self._plan.devices[d]
+            instrs = dp.stamped() if hasattr(dp, "stamped") else dp.instrs
+            labels = [str(ins) for ins in instrs if ins.kind in _TIMED]
+            out += [Event(d, e.stream, e.node, e.kind, e.start, e.end, e.mb, e.region, label)
+                    for e, label in zip(own.get(t, ()), labels, strict=True)]
+        return tuple(out)
+
+    def _expand_memory(self) -> tuple[MemorySample, ...]:
+        own, out = self._by_device(self._own.memory), []
+        for d, t in enumerate(self._rep):
+            out += own.get(d, ()) if t == d else [
+                MemorySample(d, m.time, m.params, m.grads, m.optim, m.activations, m.buffers)
+                for m in own.get(t, ())]
+        return tuple(out)
+
+    def __eq__(self, other) -> bool:
+        if not isinstance(other, Trace):
+            return NotImplemented
+        return ((self.events, self.memory, self.source, self.unit, self.meta)
+                == (other.events, other.memory, other.source, other.unit, other.meta))
+
+    __hash__ = Trace.__hash__
+
+    def __repr__(self) -> str:
+        return (f"CompactTrace({len(self._own.events)} events of {len(set(self._rep))} "
+                f"simulated devices standing for {len(self._rep)}, unit={self.unit!r})")
+
+    # ---- answers from the templates ----------------------------------------------------
+    def _present(self, items) -> list[int]:
+        """Devices with an item in the expanded tuple, in device order."""
+        have = {x.device for x in items}
+        return [d for d, t in enumerate(self._rep) if t in have]
+
+    @property
+    def devices(self) -> tuple[int, ...]:
+        have = {e.device for e in self._own.events} | {m.device for m in self._own.memory}
+        return tuple(d for d, t in enumerate(self._rep) if t in have)
+
+    @property
+    def step_time(self) -> float:
+        return self._own.step_time
+
+    def bubble(self, device: int) -> float:
+        return self._own.bubble(self._rep[device] if 0 <= device < len(self._rep) else device)
+
+    def bubble_fraction(self, device: int | None = None) -> float:
+        if device is not None:
+            return self._own.bubble_fraction(self._rep[device])
+        t0, t1 = step_window(self._own)
+        if t1 <= t0:
+            return 0.0
+        devices = self._present([e for e in self._own.events if e.stream == "compute"])
+        per = {t: self._own.bubble(t) for t in set(self._rep[d] for d in devices)}
+        return (sum(per[self._rep[d]] for d in devices) / len(devices) / (t1 - t0)
+                if devices else 0.0)
+
+    @property
+    def peak_memory(self) -> dict[int, int]:
+        peaks = peak_memory(self._own)
+        return {d: peaks[self._rep[d]] for d in self._present(self._own.memory)}
+
+    def over_capacity(self, capacity: float | None = None) -> list[str]:
+        first: dict[int, MemorySample] = {}   # per template: its first sample at its peak
+        for m in self._own.memory:
+            if m.device not in first or m.total > first[m.device].total:
+                first[m.device] = m
+        peaks = [MemorySample(d, *(getattr(first[t], k) for k in
+                                   ("time", "params", "grads", "optim", "activations",
+                                    "buffers")))
+                 for d, t in enumerate(self._rep) if t in first]
+        return over_capacity(SimpleNamespace(meta=self.meta, memory=peaks), capacity)
+
+    def live_stashes(self, device: int) -> int:
+        from piper_nb.sim.memory import live_stashes
+        return live_stashes(self._own, self._rep[device] if 0 <= device < len(self._rep)
+                            else device)

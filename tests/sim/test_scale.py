@@ -1,0 +1,129 @@
+"""Plans at scale: the lowering stamps replicas lazily, the checks and the simulator run one
+template per class of replicas (`sim.replicas`), and the Trace that stands for the rest is
+the full simulation's, event for event and sample for sample. Each plan is simulated as
+lowered (stamped) and as the same instructions without stamps (every device simulated)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+import piper_nb as pn
+from piper_nb.compiler.checks import check_plan
+from piper_nb.compiler.plan import DevicePlan, Plan, StampedDevicePlan
+from piper_nb.errors import PlanError
+from piper_nb.sim.cost import CostModel
+from piper_nb.sim.replicas import CompactTrace, replica_runs
+
+NODES = dict(latency=1.0, bandwidth=1e3, inter_latency=4.0, inter_bandwidth=1e2, node_size=2,
+             passes={(-1, "F"): 3.0, (-1, "B"): 5.0, (-1, "BI"): 3.0, (-1, "BW"): 2.0,
+                     (-1, "U"): 1.0})
+
+
+def compile_pp_dp(pp: int, dp: int, micro: int, zero: int = 1, schedule=None,
+                  spread=None) -> Plan:
+    """`pp` stages of an MLP, each replicated over `dp` devices (stage s: s + pp * k unless
+    `spread(s, k)` says otherwise)."""
+    schedule = schedule or pn.schedules.one_f_one_b
+    model = pn.models.MLP(dim=8, depth=pp)
+    spec = pn.annotate(model, {f"layers.{i}": {"PP": i} for i in range(pp)})
+    program = [*schedule(ranks=pp, microbatches=micro, place=False)]
+    for s in range(pp):
+        devices = [spread(s, k) if spread else s + pp * k for k in range(dp)]
+        program += [pn.place({"PP": s}, devices=devices),
+                    pn.replicate({"PP": s}, devices=devices, zero=zero)]
+    return pn.compile(spec, program, model.example_batch(batch_size=micro * dp, seed=0))
+
+
+def unstamped(plan: Plan) -> Plan:
+    """The same instructions, every device its own list: nothing to stand for."""
+    return dataclasses.replace(plan, devices=tuple(DevicePlan(dp.device, dp.instrs)
+                                                   for dp in plan.devices))
+
+
+def same_answers(fast, full) -> None:
+    assert fast == full and full == fast
+    assert fast.events == full.events and fast.memory == full.memory
+    assert fast.step_time == full.step_time and fast.devices == full.devices
+    assert fast.peak_memory == full.peak_memory
+    assert list(fast.peak_memory) == list(full.peak_memory)
+    assert fast.bubble_fraction() == full.bubble_fraction()
+    for d in full.devices:
+        assert fast.bubble(d) == full.bubble(d)
+        assert fast.bubble_fraction(d) == full.bubble_fraction(d)
+        assert fast.live_stashes(d) == full.live_stashes(d)
+    half = max(full.peak_memory.values()) / 2
+    assert fast.over_capacity(half) == full.over_capacity(half) != []
+    assert fast.fits(half) is full.fits(half) is False
+    assert fast.to_json() == full.to_json()
+
+
+def simulate_both(plan: Plan, cost: CostModel, compact: bool = True):
+    fast, full = pn.simulate(plan, cost), pn.simulate(unstamped(plan), cost)
+    assert isinstance(fast, CompactTrace) is compact
+    assert type(full) is pn.Trace
+    same_answers(fast, full)
+    return fast
+
+
+@pytest.mark.parametrize("pp, dp, zero", [(2, 2, 1), (4, 4, 1), (4, 4, 3)])
+def test_one_replica_per_class_simulates_the_whole_plan(pp, dp, zero):
+    plan = compile_pp_dp(pp, dp, micro=2 * pp, zero=zero)
+    assert isinstance(plan[pp], StampedDevicePlan) and plan.stamps()[pp] == 0
+    assert sum(replica_runs(plan, CostModel.analytic(plan, "H100"))) == pp
+    simulate_both(plan, CostModel.analytic(plan, "H100"))
+    simulate_both(plan, CostModel(**NODES))   # nodes of 2: stages cross them alike
+
+
+def test_ties_in_every_step_start_in_one_order_on_both_paths():
+    # integer costs: many ops get ready at once, on the streams they share
+    plan = compile_pp_dp(4, 2, micro=8, schedule=pn.schedules.zero_bubble)
+    simulate_both(plan, CostModel.uniform(F=1, B=2, W=1, comm=0.5))
+
+
+def test_asymmetric_links_fall_back_to_every_device():
+    # 3 stages on nodes of 2: replica 0's stages 1-2 cross a node, replica 1's 0-1 do
+    plan = compile_pp_dp(3, 2, micro=3)
+    cost = CostModel(**NODES)
+    assert plan.stamps() and replica_runs(plan, cost) is None
+    simulate_both(plan, cost, compact=False)
+    # messages that take no time leave ties the key cannot order: every device again
+    uniform = CostModel.uniform(F=1, B=2, W=1, comm=0.0)
+    assert replica_runs(plan, uniform) is None
+    simulate_both(plan, uniform, compact=False)
+
+
+def test_replicas_whose_peers_are_crossed_fall_back():
+    # stage 1's replicas listed [3, 1]: device 0 (a template) sends to 3 (a stamp of 1),
+    # so a replica's messages do not mirror its template's: every device is simulated
+    plan = compile_pp_dp(2, 2, micro=2, spread=lambda s, k: [[0, 2], [3, 1]][s][k])
+    cost = CostModel(**NODES)
+    assert plan.stamps() == {2: 0, 3: 1} and replica_runs(plan, cost) is None
+    simulate_both(plan, cost, compact=False)
+
+
+def test_stamped_lists_are_made_on_demand_and_checked_through_their_template():
+    plan = compile_pp_dp(2, 4, micro=2)
+    stamped = plan[3 * 2 + 1]
+    assert stamped._instrs is None            # not made by compile, checks or simulation
+    pn.simulate(plan, CostModel.analytic(plan, "H100"))
+    assert stamped._instrs is None
+    assert stamped == DevicePlan(stamped.device, stamped.stamped())
+    assert Plan.from_json(plan.to_json()).devices == plan.devices
+    # a template edited after the lowering no longer stands for its replicas
+    bad = list(plan.devices)
+    bad[1] = DevicePlan(1, plan[1].instrs[1:])
+    with pytest.raises(PlanError):
+        check_plan(dataclasses.replace(plan, devices=tuple(bad)))
+
+
+def test_clipping_keeps_replicas_stamped_and_the_fast_path_exact():
+    from piper_nb.compiler.clip import with_grad_clipping
+    plan = with_grad_clipping(compile_pp_dp(4, 4, 4, zero=1), 1.0)
+    assert sum(isinstance(dp, StampedDevicePlan) for dp in plan.devices) == 12
+    cost = CostModel(**NODES)
+    fast = pn.simulate(plan, cost)
+    assert isinstance(fast, CompactTrace)
+    assert sum(e.label == "norm:AR" for e in fast.events) == 16
+    same_answers(fast, pn.simulate(unstamped(plan), cost))
