@@ -4,6 +4,8 @@
 with shell patterns (`blocks.*`, `blocks.[0-3]`), to tags. A module inherits the tags of
 its parents; a child's own tags extend or override them; for one module, later entries
 override earlier ones. `cut_stages` proposes an even pipeline cut by parameters or FLOPs.
+A pattern ending in `[lo:hi]` tags experts lo..hi-1 of a stacked-experts module
+(`capture.experts`): such a slice becomes a region of its own.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from piper_nb.capture.experts import check_slices, expert_count, split_slice
 from piper_nb.errors import PlanError
 
 __all__ = ["Spec", "annotate", "cut_stages", "pipeline_units"]
@@ -28,6 +31,7 @@ class Spec:
     model: nn.Module
     module_tags: dict[str, dict[str, int]]
     annotations: dict[str, dict[str, int]] = field(default_factory=dict)
+    expert_slices: dict[str, tuple] = field(default_factory=dict)   # module -> (lo, hi, tags)
     _captures: dict = field(default_factory=dict, repr=False)
 
     def tags_of(self, path: str) -> dict[str, int]:
@@ -77,17 +81,33 @@ def annotate(model: nn.Module, mapping: Mapping[str, Mapping[str, int]] | None =
     mapping = dict(mapping or {})
     paths = [p for p, _ in model.named_modules() if p]
     module_tags: dict[str, dict[str, int]] = {}
+    slices: dict[str, list] = {}
     for pattern, tags in mapping.items():
         tags = _check_tags(pattern, tags)
-        hits = [pattern] if pattern in paths or pattern == "" else [
-            p for p in paths if fnmatch.fnmatchcase(p, pattern)]
-        if not hits:
-            near = ", ".join(paths[:12]) + (" ..." if len(paths) > 12 else "")
-            raise PlanError(f"annotate: {pattern!r} matches no module of {type(model).__name__}; "
-                            f"its modules are {near}")
+        cut = split_slice(pattern)
+        hits = _hits(model, paths, cut[0] if cut else pattern)
         for p in hits:
-            module_tags.setdefault(p, {}).update(tags)
-    return Spec(model=model, module_tags=module_tags, annotations=mapping)
+            if cut is None:
+                module_tags.setdefault(p, {}).update(tags)
+            elif expert_count(model.get_submodule(p)) is None:
+                raise PlanError(f"annotate: {pattern!r} slices {p}, which is not a stacked-experts "
+                                "module (num_experts and parameters stacked along dim 0); "
+                                "annotate the module without [lo:hi]")
+            else:
+                slices.setdefault(p, []).append((cut[1], cut[2], tags))
+    expert = {p: check_slices(p, expert_count(model.get_submodule(p)), s)
+              for p, s in slices.items()}
+    return Spec(model=model, module_tags=module_tags, annotations=mapping, expert_slices=expert)
+
+
+def _hits(model: nn.Module, paths: list[str], pattern: str) -> list[str]:
+    hits = [pattern] if pattern in paths or pattern == "" else [
+        p for p in paths if fnmatch.fnmatchcase(p, pattern)]
+    if not hits:
+        near = ", ".join(paths[:12]) + (" ..." if len(paths) > 12 else "")
+        raise PlanError(f"annotate: {pattern!r} matches no module of {type(model).__name__}; "
+                        f"its modules are {near}")
+    return hits
 
 
 _LISTS = (nn.ModuleList, nn.Sequential)

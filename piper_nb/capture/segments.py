@@ -3,8 +3,10 @@
 An op with tags of its own joins the region of those tags, in the segment that
 `_RegionGraph.segment` works out from the regions it reads; glue (functions, methods,
 untagged modules without parameters) joins the latest region among its inputs, or, when
-it reads none, the earliest region among its users. Regions are then numbered in
-dependency order and a re-entered tag combination gets a SEG tag. Used by `capture.split`.
+it reads none, the earliest region among its users; a tagged op on parameters only
+(`w.transpose`) whose users all sit in one later segment of its tags moves there. Regions
+are then numbered in dependency order and a re-entered tag combination gets a SEG tag.
+Used by `capture.split`.
 """
 
 from __future__ import annotations
@@ -111,8 +113,11 @@ def assign_regions(nodes: list[fx.Node], own: dict[fx.Node, dict],
     """fx node -> region index (topological order) and region index -> tags (SEG added)."""
     graph = _RegionGraph()
     region_of: dict[fx.Node, int] = {}
+    weights: set[fx.Node] = set()   # ops on parameters and constants only (`w.transpose`)
     for n in nodes:
         srcs = {region_of[a] for a in n.all_input_nodes if a in region_of}
+        if n.op in _GLUE and all(a.op == "get_attr" or a in weights for a in n.all_input_nodes):
+            weights.add(n)
         if n in own:
             tags = freeze_tags(own[n])
             r = graph.get((tags, graph.segment(tags, srcs)))
@@ -122,6 +127,7 @@ def assign_regions(nodes: list[fx.Node], own: dict[fx.Node, dict],
             continue
         region_of[n] = r
         graph.depend(r, srcs)
+    _follow_users(nodes, weights, region_of, graph)
     for n in reversed(nodes):
         if n.op in _GLUE and n not in region_of:
             users = {region_of[u] for u in n.users if u in region_of}
@@ -142,3 +148,25 @@ def assign_regions(nodes: list[fx.Node], own: dict[fx.Node, dict],
             tags = freeze_tags({**dict(tags), SEG: seg})
         tags_of_region[number[r]] = tags
     return {n: number[r] for n, r in region_of.items()}, tags_of_region
+
+
+def _follow_users(nodes: list[fx.Node], weights: set[fx.Node], region_of: dict[fx.Node, int],
+                  graph: _RegionGraph) -> None:
+    """A tagged op on parameters only (`w.transpose` before a grouped matmul) whose users
+    all sit in one later segment of its tags moves there, so a weight is not sent from the
+    tags' first segment to the segment that reads it (sliced experts of several layers)."""
+    size: dict[int, int] = {}
+    for r in region_of.values():
+        size[r] = size.get(r, 0) + 1
+    for n in reversed(nodes):
+        if n not in weights or n not in region_of:
+            continue
+        users = {region_of.get(u) for u in n.users}
+        if len(users) != 1:
+            continue
+        r, old = next(iter(users)), region_of[n]
+        if (r is not None and r != old and size[old] > 1
+                and graph.keys[r][0] == graph.keys[old][0]):
+            region_of[n] = r
+            size[old] -= 1
+            size[r] += 1

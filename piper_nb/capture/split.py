@@ -16,7 +16,9 @@ depends on (0 if none). Regions are numbered in dependency order, so the region 
 acyclic and running the regions by index is a valid order; models without re-entry keep
 their regions (no SEG tag). Sizes (`x.shape`, `x.size(-1)`) that cross regions travel as
 one-byte tensors of that shape (`pack_size`), since only tensors flow between regions.
-Assigning ops to regions (tags, segment) lives in `capture.segments`.
+Assigning ops to regions (tags, segment) lives in `capture.segments`. Stacked experts
+annotated by slices (`capture.experts`) are captured through piper_nb's sliced forward and
+their parameters cut into pieces, which the regions then hold (`Capture.named_parameters`).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ import torch.fx as fx
 from torch import nn
 
 from piper_nb.capture.batch import PAIR
+from piper_nb.capture.experts import cut_pieces, sliced_forwards
 from piper_nb.capture.export import custom_op_modules, rematerialize
 from piper_nb.capture.front import FrontEnd, front_end
 from piper_nb.capture.segments import assign_regions
@@ -73,9 +76,23 @@ class Capture:
     producer: dict[str, int]                   # value -> region index (-1: the batch)
     consumers: dict[str, tuple[int, ...]]      # value -> reading regions
     tied: dict[str, tuple[int, ...]] = field(default_factory=dict)  # param -> regions
+    # expert piece -> (stacked parameter, first expert, end, the piece's tensor)
+    pieces: dict[str, tuple] = field(default_factory=dict)
     method: str = "fx"                         # the front end: "fx" or "export"
     batch: tuple[str, ...] = PAIR              # the batch's tensors, as the graph reads them
     imports: tuple[str, ...] = ()              # modules registering custom ops the regions call
+
+    def named_parameters(self) -> list[tuple[str, torch.Tensor]]:
+        """The parameters the regions hold: the model's, each stacked parameter of sliced
+        experts replaced by its pieces (`capture.experts`), read from the model's tensor
+        now (a view: its current values, device and requires_grad)."""
+        cut: dict[str, list[tuple[str, int, int]]] = {}
+        for p, (full, lo, hi, _) in self.pieces.items():
+            cut.setdefault(full, []).append((p, lo, hi))
+        out = []
+        for name, t in self.model.named_parameters():
+            out += [(p, t[lo:hi]) for p, lo, hi in cut[name]] if name in cut else [(name, t)]
+        return out
 
     def region_of_tags(self, tags: dict) -> int:
         key = freeze_tags(tags)
@@ -97,7 +114,7 @@ def pack_size(v) -> torch.Tensor:
     one = torch.zeros((), dtype=_SIZE_DTYPE)
     if isinstance(v, bool):
         return torch.tensor(v)
-    if isinstance(v, int):
+    if isinstance(v, (int, torch.SymInt)):   # a SymInt: a routed count, sized symbolically
         return one.to(_INT_DTYPE).expand(v) if v >= 0 else torch.tensor(v)
     if isinstance(v, float):
         return torch.tensor(v, dtype=torch.float64)
@@ -132,18 +149,32 @@ def capture_regions(spec, loss_fn: Callable, example: dict | None = None,
     `example` is a named batch (`capture.batch.named_batch`)."""
     model = spec.model
     names = tuple(example) if example is not None else PAIR
-    front = front_end(model, loss_fn, example, method, names)
+    slices = getattr(spec, "expert_slices", {})
+    if slices and method == "fx":
+        raise PlanError("expert slices ([lo:hi] annotations) are captured by torch.export: "
+                        "use capture='auto' or 'export'")
+    if slices and any(p.is_meta for p in model.parameters()):
+        raise PlanError(f"{type(model).__name__} is on the meta device: expert slices route "
+                        "tokens by value, which needs real weights; build the model on the "
+                        "CPU, or plan it without [lo:hi] slices")
+    with sliced_forwards(model, slices):
+        front = front_end(model, loss_fn, example, "export" if slices else method, names)
     gm = front.gm
+    pieces = cut_pieces(gm, slices) if slices else {}
     nodes = list(gm.graph.nodes)
     own = _own_tags(spec, gm, nodes, front.module_path)
     # a tag combination re-entered after a region that depends on it (MoE: dispatch ->
     # experts -> combine) starts a new segment, so the region graph stays acyclic
     region_of, tags_of_region = assign_regions(nodes, own)
-    if front.method == "export" and _recompute_free_values(model, gm, region_of):
+    params = dict(model.named_parameters(remove_duplicate=False))
+    params.update({p: gm.get_parameter("model." + p) for p in pieces})
+    # masks, rotary tables and position ids are recomputed where read, not sent
+    if front.method == "export" and rematerialize(gm, region_of, {"model." + n for n in params}):
         nodes = list(gm.graph.nodes)
         own = _own_tags(spec, gm, nodes, front.module_path)
         region_of, tags_of_region = assign_regions(nodes, own)
-    holdings = _region_holdings(model, gm, nodes, region_of, tags_of_region, front)
+    holdings = _region_holdings(model, params, gm, nodes, region_of, tags_of_region, front,
+                                {full for full, _, _ in pieces.values()})
     flow = _cross_region_values(nodes, region_of, front.size_nodes, names)
     regions, modules = _build_regions(gm, nodes, region_of, tags_of_region, holdings, flow)
     name_map = flow.name_map
@@ -152,13 +183,8 @@ def capture_regions(spec, loss_fn: Callable, example: dict | None = None,
                    consumers={name_map.get(v, v): tuple(sorted(cs))
                               for v, cs in flow.consumers.items()},
                    tied=holdings.tied, method=front.method, batch=names,
-                   imports=custom_op_modules(modules) if front.method == "export" else ())
-
-
-def _recompute_free_values(model: nn.Module, gm: fx.GraphModule, region_of) -> int:
-    """Masks, rotary tables and position ids are recomputed where read, not sent."""
-    params = {"model." + n for n, _ in model.named_parameters(remove_duplicate=False)}
-    return rematerialize(gm, region_of, params)
+                   imports=custom_op_modules(modules) if front.method == "export" else (),
+                   pieces={p: (full, lo, hi, params[p]) for p, (full, lo, hi) in pieces.items()})
 
 
 def _own_tags(spec, gm: fx.GraphModule, nodes: list[fx.Node],
@@ -195,12 +221,13 @@ class _Holdings:
     tied: dict[str, tuple[int, ...]]
 
 
-def _region_holdings(model: nn.Module, gm: fx.GraphModule, nodes: list[fx.Node],
-                     region_of: dict[fx.Node, int], tags_of_region: dict[int, Tags],
-                     front: FrontEnd) -> _Holdings:
+def _region_holdings(model: nn.Module, params: dict[str, nn.Parameter], gm: fx.GraphModule,
+                     nodes: list[fx.Node], region_of: dict[fx.Node, int],
+                     tags_of_region: dict[int, Tags], front: FrontEnd, pieced: set[str],
+                     ) -> _Holdings:
     """Modules, parameters (call_module + get_attr) and buffers of each region, tied params.
-    A get_attr that is neither (a constant made in forward) stays with the region's code."""
-    params = dict(model.named_parameters(remove_duplicate=False))
+    A get_attr that is neither (a constant made in forward) stays with the region's code.
+    `params` are the model's and its expert pieces; `pieced` the ones held as pieces only."""
     buffers = {name for name, _ in model.named_buffers(remove_duplicate=False)}
     param_ids: dict[int, list[str]] = {}
     for name, p in params.items():
@@ -229,8 +256,9 @@ def _region_holdings(model: nn.Module, gm: fx.GraphModule, nodes: list[fx.Node],
                     region_buffers[r][target] = None
         elif front.method == "export" and n in region_of and front.module_path(n):
             region_modules[region_of[n]][front.module_path(n)] = None
+    used = {k: v for k, v in param_ids.items() if v[0] not in pieced}
     return _Holdings(region_modules, region_params, region_buffers,
-                     _tied_params(param_ids, region_params))
+                     _tied_params(used, region_params))
 
 
 def _tied_params(param_ids: dict[int, list[str]], region_params: dict[int, dict[str, None]],

@@ -49,7 +49,7 @@ def make_bundle(plan) -> bytes:
         raise PlanError("this plan carries no captured model (it was loaded from JSON?); "
                         "compile it with pn.compile(spec, program, batch) to train it")
     tables = dataclasses.replace(plan, dag=None, program=None, capture=None)
-    init = {n: p.detach().clone() for n, p in cap.model.named_parameters()}
+    init = {n: p.detach().clone() for n, p in cap.named_parameters()}
     inner = pickle.dumps(Bundle(tables, tuple(cap.modules), init, param_aliases(cap.model)))
     return pickle.dumps((tuple(getattr(cap, "imports", ())), inner))
 

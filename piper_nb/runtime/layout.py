@@ -85,8 +85,10 @@ def assemble_state(plan, per_device: list[dict]) -> dict[str, torch.Tensor]:
     buffer name -> tensor for the buffers the workers train.
 
     A worker reports the parameters it holds in full and, for ZeRO-3 buckets, its shard;
-    shards are concatenated in group order and cut back into parameters. Each trained
-    buffer comes from the one device that owns it (`runtime.buffers`).
+    shards are concatenated in group order and cut back into parameters. Expert pieces
+    (`plan.pieces`: `<param>[lo:hi]`, `capture.experts`) are concatenated along dim 0 back
+    into their stacked parameter. Each trained buffer comes from the one device that owns
+    it (`runtime.buffers`).
     """
     full: dict[str, torch.Tensor] = {}
     for st in per_device:
@@ -108,6 +110,10 @@ def assemble_state(plan, per_device: list[dict]) -> dict[str, torch.Tensor]:
     if missing:
         raise RuntimeError(f"no worker holds parameters {missing[:5]}; the plan places them "
                            "nowhere")
+    pieces = sorted(getattr(plan, "pieces", {}).items(), key=lambda kv: (kv[1][0], kv[1][1]))
+    for name, (stacked, _, _) in pieces:   # expert pieces back into their stacked parameter
+        piece = full.pop(name)
+        full[stacked] = torch.cat([full.pop(stacked), piece]) if stacked in full else piece
     for st in per_device:
         full.update(st.get("buffers", {}))
     return full
