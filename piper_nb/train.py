@@ -20,8 +20,10 @@ from torch import nn
 
 from piper_nb.capture.batch import batch_size, named_batch, ordered, slice_batch
 from piper_nb.capture.loss import compute_loss, resolve_loss
+from piper_nb.compiler.precision import PRECISIONS, cast_batch, check_precision
 from piper_nb.errors import PlanError
-from piper_nb.optim import check_optimizer
+from piper_nb.metrics import StepMetrics, TensorBoardLog, batch_tokens
+from piper_nb.optim import OptimizerSpec, check_optimizer
 from piper_nb.runtime.bundle import param_aliases
 from piper_nb.sim.trace import Event, MemorySample, Trace
 
@@ -30,7 +32,8 @@ __all__ = ["Result", "train", "reference_train"]
 
 @dataclass
 class Result:
-    """Losses and step times per step, the measured trace of the last step, the model.
+    """Losses and step times per step, the metrics of every step (`StepMetrics`: gradient
+    norm, learning rate, throughput), the measured trace of the last step, the model.
 
     `trace.meta` holds the step number, the world and, for an expert plan, `"tokens"`: the
     routing that step made (`"value@mb"` -> rows per group member), which
@@ -47,6 +50,17 @@ class Result:
     aliases: dict[str, str] = field(repr=False, default_factory=dict)
     leftover: list[str] = field(default_factory=list)  # buffers a plan never freed
     skipped: list[int] = field(default_factory=list)   # steps whose batch drop_last skipped
+    metrics: list[StepMetrics] = field(default_factory=list)   # one per step trained
+
+    @property
+    def grad_norms(self) -> list[float | None]:
+        """The global gradient norm of every step (None where the plan does not clip)."""
+        return [m.grad_norm for m in self.metrics]
+
+    @property
+    def lrs(self) -> list[float | None]:
+        """The learning rate every step used (the default parameter group's)."""
+        return [m.lr for m in self.metrics]
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The full trained model, keyed like `model.state_dict()` (tied names included),
@@ -81,7 +95,7 @@ class _Sizes:
         if size not in self.plans and not self.drop_last:
             from piper_nb.compiler.compile import rebatch
             try:
-                self.plans[size] = rebatch(self.base, named)
+                self.plans[size] = rebatch(self.base, named)   # clipping included
             except PlanError as err:
                 raise PlanError(f"step {step}: a batch of {size} samples (the plan was compiled "
                                 f"for {self.base.batch_size}) cannot be trained: {err.reason}; "
@@ -115,10 +129,23 @@ def _check_materialized(model: nn.Module, where: str) -> None:
 
 
 def train(plan, batch_or_loader, steps: int, optimizer, cluster=None, *,
-          progress: Callable[[int, int, float], None] | None = None,
+          param_groups: list[dict] | None = None, lr_scheduler: Callable | None = None,
+          clip_grad_norm: float | None = None, log_dir: str | os.PathLike | None = None,
+          progress: Callable[[int, int, StepMetrics], None] | None = None,
           checkpoint_dir: str | os.PathLike | None = None, checkpoint_every: int | None = None,
           resume: bool = False, seed: int | None = None, drop_last: bool = False) -> Result:
     """Train `plan` for `steps` steps on local workers (or on `cluster`, left running).
+
+    `optimizer` builds a `torch.optim` optimizer from parameters (`torch.optim.AdamW`,
+    `functools.partial(torch.optim.AdamW, lr=3e-4, weight_decay=0.1)`, `pn.optim.AdamW(...)`);
+    every device builds it over what it updates (full parameters, or its ZeRO shards).
+    `param_groups` overrides settings by parameter-name pattern, first match wins:
+    `[{"params": ["*norm*", "*.bias"], "weight_decay": 0.0}]` (a pattern matches a parameter's
+    name or a module path above it). `lr_scheduler(optimizer)` builds a
+    `torch.optim.lr_scheduler` scheduler, stepped once per step on every device.
+    `clip_grad_norm=1.0` clips the global gradient norm (across stages, replicas and shards,
+    each parameter once) as `torch.nn.utils.clip_grad_norm_` does: the plan gains a small
+    all-reduce before its updates (`compiler.clip`); `math.inf` reports the norm only.
 
     Each step draws one batch. A batch of another size than the plan's (a loader's last,
     smaller one) trains on the same program compiled once for that size, from the same
@@ -130,32 +157,27 @@ def train(plan, batch_or_loader, steps: int, optimizer, cluster=None, *,
     drawn from torch's random generator, as a DataLoader draws its base seed: after
     `torch.manual_seed(s)` the run repeats exactly.
 
-    `progress(step, steps, loss)` is called after every step (raise from it to stop the run).
-    With `checkpoint_dir`, the full training state is written there atomically every
-    `checkpoint_every` steps (default 1) and after the last step; `resume=True` continues from
-    the newest checkpoint there (a loader is advanced past the batches already used), so the
-    result equals an uninterrupted run's. See `piper_nb.cluster.checkpoint`.
+    `progress(step, steps, metrics)` is called after every step with its `StepMetrics` (raise
+    from it to stop the run); `log_dir` writes the same as TensorBoard event files.
+    With `checkpoint_dir`, the full training state (optimizer and scheduler included) is
+    written there atomically every `checkpoint_every` steps (default 1) and after the last
+    step; `resume=True` continues from the newest checkpoint there (a loader is advanced past
+    the batches already used), so the result equals an uninterrupted run's. See
+    `piper_nb.cluster.checkpoint`.
     """
     from piper_nb.cluster.checkpoint import Checkpointer
     from piper_nb.cluster.local import LocalCluster
-    if plan.capture is None:
-        raise PlanError("this plan has no captured model; compile it with pn.compile to train it")
-    _check_materialized(plan.capture.model, "pn.train")
-    check_optimizer(optimizer, "pn.train")
-    if seed is None:
-        seed = int(torch.empty((), dtype=torch.int64).random_().item())
-    elif isinstance(seed, bool) or not isinstance(seed, int):
-        raise PlanError(f"pn.train: seed must be an integer, got {seed!r}")
-    ckpt = Checkpointer.for_train(plan, optimizer, checkpoint_dir, checkpoint_every, resume)
+    plan, spec, seed = _prepare(plan, optimizer, param_groups, lr_scheduler, clip_grad_norm,
+                                seed)
+    ckpt = Checkpointer.for_train(plan, spec, checkpoint_dir, checkpoint_every, resume)
+    run = _Run(plan, steps, spec, seed, drop_last, progress, log_dir)
     own = cluster is None
     cluster = LocalCluster(plan.world) if own else cluster
-    losses, times, trace, leftover, skipped = [], [], None, set(), []
-    sizes, shipped = _Sizes(plan, drop_last), set()   # other-size plans the cluster has
     try:
-        cluster.reset(plan, optimizer, seed)
+        cluster.reset(plan, spec, seed)
         start = 0
         if ckpt is not None:
-            start, losses, times = ckpt.restore(cluster)
+            start, run.losses, run.times = ckpt.restore(cluster)
         it = iter(_batches(batch_or_loader, steps))
         for s in range(1, start + 1):  # the data position: skip the batches already trained on
             if next(it, None) is None:
@@ -166,34 +188,95 @@ def train(plan, batch_or_loader, steps: int, optimizer, cluster=None, *,
                 named = named_batch(next(it), f"step {s}")
             except StopIteration:
                 raise PlanError(f"the loader ran out after {s - 1} of {steps} steps") from None
-            this = sizes.plan_for(named, s)
-            if this is None:
-                skipped.append(s)
-                continue
-            batch = ordered(named, plan.batch_names, f"step {s}")
-            if this is plan:
-                outs = cluster.step(plan, batch, trace=s == steps)  # memory: on the kept step
-            else:
-                if this.batch_size not in shipped:   # the workers load its state over this
-                    cluster.reset(this, optimizer, seed)
-                    shipped.add(this.batch_size)
-                outs = _other_size_step(cluster, plan, this, batch, s == steps)
-            losses.append(sum(o["loss"] for o in outs))
-            times.append(max(o["end"] for o in outs))
-            for o in outs:
-                leftover.update(o["leftover"])
-            trace = _step_trace(outs, s, plan.world)
-            if ckpt is not None:
-                ckpt.after_step(cluster, s, steps, losses, times)
-            if progress is not None:
-                progress(s, steps, losses[-1])
+            if run.step(cluster, s, named) and ckpt is not None:
+                ckpt.after_step(cluster, s, steps, run.losses, run.times)
         params = cluster.state(plan)
     finally:
+        run.close()
         if own:
             cluster.close()
     model = plan.capture.model
-    return Result(losses, times, trace, params, _template(model), param_aliases(model),
-                  sorted(leftover), skipped)
+    return Result(run.losses, run.times, run.trace, params, _template(model),
+                  param_aliases(model), sorted(run.leftover), run.skipped, run.metrics)
+
+
+def _prepare(plan, optimizer, param_groups, lr_scheduler, clip_grad_norm, seed):
+    """Everything `train` checks before a worker starts: (plan with clipping, the
+    optimizer's spec, the seed)."""
+    from piper_nb.compiler.clip import with_grad_clipping
+    if plan.capture is None:
+        raise PlanError("this plan has no captured model; compile it with pn.compile to train it")
+    _check_materialized(plan.capture.model, "pn.train")
+    spec = check_optimizer(optimizer, "pn.train", param_groups=param_groups,
+                           lr_scheduler=lr_scheduler)
+    _check_shards(plan, spec)
+    plan = with_grad_clipping(plan, clip_grad_norm if clip_grad_norm is not None
+                              else plan.clip_grad_norm)
+    if seed is None:
+        seed = int(torch.empty((), dtype=torch.int64).random_().item())
+    elif isinstance(seed, bool) or not isinstance(seed, int):
+        raise PlanError(f"pn.train: seed must be an integer, got {seed!r}")
+    return plan, spec, seed
+
+
+def _check_shards(plan, spec: OptimizerSpec) -> None:
+    """An optimizer that is not element-wise cannot update flat ZeRO shards: say so now."""
+    sharded = [b for b in plan.buckets if b.zero >= 1]
+    why = spec.requires_whole() if sharded else None
+    if why:
+        b = sharded[0]
+        raise PlanError(f"pn.train: torch.optim.{spec.cls_name} {why}, so it cannot update the "
+                        f"flat ZeRO-{b.zero} shards of bucket {b.index} ({len(b.params)} "
+                        f"parameters over devices {list(b.group)}); use replicate(..., zero=0) "
+                        "for those regions, or an element-wise optimizer (SGD, Adam, AdamW, ...)")
+
+
+class _Run:
+    """The driver's side of a run: one step at a time on the right plan, and what it reports
+    (losses, times, metrics, the last trace, progress and TensorBoard)."""
+
+    def __init__(self, plan, steps, spec, seed, drop_last, progress, log_dir):
+        self.plan, self.steps, self.spec, self.seed = plan, steps, spec, seed
+        self.progress = progress
+        self.sizes, self.shipped = _Sizes(plan, drop_last), set()  # other-size plans shipped
+        self.losses, self.times, self.metrics = [], [], []
+        self.trace, self.leftover, self.skipped = None, set(), []
+        self.log = TensorBoardLog(log_dir) if log_dir is not None else None
+
+    def step(self, cluster, s: int, named: dict) -> bool:
+        """Train step `s` on `named` (False: skipped by drop_last)."""
+        plan, this = self.plan, self.sizes.plan_for(named, s)
+        if this is None:
+            self.skipped.append(s)
+            return False
+        batch = ordered(named, plan.batch_names, f"step {s}")
+        last = s == self.steps
+        if this is plan:
+            outs = cluster.step(plan, batch, trace=last)  # memory: on the kept step
+        else:
+            if this.batch_size not in self.shipped:   # the workers load its state over this
+                cluster.reset(this, self.spec, self.seed)
+                self.shipped.add(this.batch_size)
+            outs = _other_size_step(cluster, plan, this, batch, last)
+        self.losses.append(sum(o["loss"] for o in outs))
+        self.times.append(max(o["end"] for o in outs))
+        for o in outs:
+            self.leftover.update(o["leftover"])
+        self.trace = _step_trace(outs, s, plan.world)
+        t, tokens = self.times[-1], batch_tokens(named)
+        m = StepMetrics(s, self.losses[-1], t, batch_size(named) / t, lr=outs[0].get("lr"),
+                        grad_norm=outs[0].get("grad_norm"),
+                        tokens_per_s=None if tokens is None else tokens / t)
+        self.metrics.append(m)
+        if self.log is not None:
+            self.log.write(m)
+        if self.progress is not None:
+            self.progress(s, self.steps, m)
+        return True
+
+    def close(self) -> None:
+        if self.log is not None:
+            self.log.close()
 
 
 def _step_trace(outs: list[dict], step: int, world: int) -> Trace:
@@ -214,18 +297,30 @@ def _template(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def reference_train(model: nn.Module, batch, steps: int, microbatches: int, optimizer,
-                    loss_fn: Callable | None = None, drop_last: bool = False) -> Result:
-    """Single-process training of a deep copy of `model`, microbatch by microbatch; with
-    `drop_last`, a batch of another size than the first is skipped, as `pn.train` does."""
-    check_optimizer(optimizer, "reference_train")
+                    loss_fn: Callable | None = None, drop_last: bool = False, *,
+                    param_groups: list[dict] | None = None, lr_scheduler: Callable | None = None,
+                    clip_grad_norm: float | None = None, precision: str = "fp32") -> Result:
+    """Single-process training of a deep copy of `model`, microbatch by microbatch: the plain
+    PyTorch loop (`optimizer`, `param_groups` and `lr_scheduler` as `pn.train` takes them,
+    `torch.nn.utils.clip_grad_norm_` with `clip_grad_norm`); with `drop_last`, a batch of
+    another size than the first is skipped, as `pn.train` does. `precision="bf16"` trains a
+    bf16 copy with fp32 master weights, as a bf16 plan does (`compiler.precision`): the
+    gradients go to the masters in fp32, clipping and the optimizer act on those."""
+    spec = check_optimizer(optimizer, "reference_train", param_groups=param_groups,
+                           lr_scheduler=lr_scheduler)
+    check_precision(precision, None)
     _check_materialized(model, "reference_train")
-    model = copy.deepcopy(model).train()
+    model = copy.deepcopy(model).train().to(PRECISIONS[precision])
     loss_fn = resolve_loss(model, loss_fn, "reference_train")
     params = dict(model.named_parameters())
-    state: dict[str, dict] = {n: {} for n in params}
+    masters = {n: p.detach().float().clone() if precision != "fp32" else p
+               for n, p in params.items() if p.requires_grad}
+    groups = [[] for _ in range(len(spec.groups) + 1)]
+    for n, m in masters.items():
+        groups[spec.group_of(n)].append(m)
+    opt, sched = spec.build(groups)
     it = iter(_batches(batch, steps))
-    losses, times, events, memory = [], [], [], []
-    scale = 1.0 / microbatches
+    losses, times, metrics, events, memory = [], [], [], [], []
     first, skipped = None, []
     for s in range(1, steps + 1):
         named = named_batch(next(it), f"reference_train step {s}")
@@ -233,35 +328,61 @@ def reference_train(model: nn.Module, batch, steps: int, microbatches: int, opti
         if drop_last and batch_size(named) != first:
             skipped.append(s)
             continue
-        if batch_size(named) % microbatches:
-            raise PlanError(f"{microbatches} microbatches do not divide the batch of "
-                            f"{batch_size(named)}")
-        chunk = batch_size(named) // microbatches
-        events, t0, total = [], time.perf_counter(), 0.0
-        for p in params.values():
-            p.grad = None
-        for mb in range(microbatches):
-            sl = slice(mb * chunk, (mb + 1) * chunk)
-            start = time.perf_counter() - t0
-            loss = compute_loss(model, loss_fn, slice_batch(named, sl))
-            mid = time.perf_counter() - t0
-            torch.autograd.backward(loss, torch.full_like(loss, scale))
-            total += float(loss.detach().double() * scale)
-            events += [Event(0, "compute", f"F.MB{mb}", "F", start, mid, mb, 0, f"0F{mb}"),
-                       Event(0, "compute", f"B.MB{mb}", "B", mid, time.perf_counter() - t0, mb,
-                             0, f"0B{mb}")]
+        events, t0 = [], time.perf_counter()
+        named = cast_batch(named, precision)
+        total = _reference_passes(model, loss_fn, named, microbatches, params, events, t0)
         start = time.perf_counter() - t0
-        for n, p in params.items():
-            if p.grad is not None:
-                optimizer.step(p.data, p.grad, state[n], len(losses) + 1)   # steps taken
+        for n, m in masters.items():
+            if m is not params[n]:   # bf16: the masters take the gradients in fp32
+                m.grad = None if params[n].grad is None else params[n].grad.float()
+        norm = None
+        if clip_grad_norm is not None:
+            norm = float(torch.nn.utils.clip_grad_norm_(
+                [m for m in masters.values() if m.grad is not None], clip_grad_norm))
+        lr = float(opt.param_groups[-1]["lr"])
+        opt.step()
+        with torch.no_grad():
+            for n, m in masters.items():
+                if m is not params[n]:
+                    params[n].copy_(m)
+        if sched is not None:
+            sched.step()
         end = time.perf_counter() - t0
-        events.append(Event(0, "compute", "U", "U", start, end, -1, 0, "0U"))
+        events.append(Event(0, "compute", "U", "U", start, end, -1, 0, "r0:U"))
         pbytes = sum(p.numel() * p.element_size() for p in params.values())
-        obytes = sum(optimizer.state_bytes(st) for st in state.values())
+        obytes = sum(t.numel() * t.element_size() for st in opt.state.values()
+                     for t in st.values() if isinstance(t, torch.Tensor))
         memory = [MemorySample(0, end, pbytes, 0, obytes)]
         losses.append(total)
         times.append(end)
+        tokens = batch_tokens(named)
+        metrics.append(StepMetrics(s, total, end, batch_size(named) / end, lr=lr,
+                                   grad_norm=norm,
+                                   tokens_per_s=None if tokens is None else tokens / end))
     trace = Trace(tuple(events), tuple(memory), source="measured", meta={"reference": True})
     canonical = {n: p.detach().clone() for n, p in params.items()}
     return Result(losses, times, trace, canonical, _template(model), param_aliases(model),
-                  skipped=skipped)
+                  skipped=skipped, metrics=metrics)
+
+
+def _reference_passes(model, loss_fn, named: dict, microbatches: int, params: dict,
+                      events: list, t0: float) -> float:
+    """Forward and backward of every microbatch, gradients accumulated (each microbatch's
+    loss scaled by 1/microbatches); the step's loss."""
+    if batch_size(named) % microbatches:
+        raise PlanError(f"{microbatches} microbatches do not divide the batch of "
+                        f"{batch_size(named)}")
+    chunk, scale, total = batch_size(named) // microbatches, 1.0 / microbatches, 0.0
+    for p in params.values():
+        p.grad = None
+    for mb in range(microbatches):
+        sl = slice(mb * chunk, (mb + 1) * chunk)
+        start = time.perf_counter() - t0
+        loss = compute_loss(model, loss_fn, slice_batch(named, sl))
+        mid = time.perf_counter() - t0
+        torch.autograd.backward(loss, torch.full_like(loss, scale))
+        total += float(loss.detach().double() * scale)
+        events += [Event(0, "compute", f"F.MB{mb}", "F", start, mid, mb, 0, f"r0:F{mb}"),
+                   Event(0, "compute", f"B.MB{mb}", "B", mid, time.perf_counter() - t0, mb,
+                         0, f"r0:B{mb}")]
+    return total

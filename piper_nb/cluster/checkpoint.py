@@ -45,6 +45,8 @@ def plan_fingerprint(plan) -> str:
 
 
 def _optimizer_record(optimizer) -> dict:
+    if hasattr(optimizer, "record"):   # an OptimizerSpec: factory, groups and scheduler
+        return optimizer.record()
     fields = dataclasses.asdict(optimizer) if dataclasses.is_dataclass(optimizer) else {}
     return {"type": type(optimizer).__name__,
             **{k: list(v) if isinstance(v, tuple) else v for k, v in fields.items()}}

@@ -25,7 +25,8 @@ def _in_notebook() -> bool:
 
 
 class ProgressBar:
-    """Callable `(step, steps, loss)`, as `pn.train`'s `progress=` hook wants."""
+    """Callable `(step, steps, metrics)`, as `pn.train`'s `progress=` hook wants: the step,
+    the loss, and the gradient norm and learning rate when the run has them."""
 
     def __init__(self, label: str = "train", every: float = 0.2, notebook: bool | None = None):
         self.label, self.every = label, every
@@ -35,15 +36,19 @@ class ProgressBar:
         self.t0: float | None = None
         self.history: list[tuple[int, float]] = []
 
-    def __call__(self, step: int, steps: int, loss: float) -> None:
+    def __call__(self, step: int, steps: int, metrics) -> None:
         now = time.monotonic()
         if self.t0 is None or (self.history and step <= self.history[-1][0]):  # a new run
             self.t0, self.history, self.handle = now, [], None
-        self.history.append((step, float(loss)))
+        loss = float(getattr(metrics, "loss", metrics))
+        self.history.append((step, loss))
         if step != steps and now - self.drawn < self.every:
             return
         self.drawn = now
         text = f"{self.label}: step {step}/{steps}  loss {loss:.5g}"
+        for name, label in (("grad_norm", "grad norm"), ("lr", "lr")):
+            if getattr(metrics, name, None) is not None:
+                text += f"  {label} {getattr(metrics, name):.3g}"
         if len(self.history) > 1:
             text += f"  ({(now - self.t0) / (len(self.history) - 1) * 1e3:.1f} ms/step)"
         if self.notebook:

@@ -77,8 +77,10 @@ class Flow:
         self.units = Units(plan, self._widths(plan), frozenset(plan.frozen))
         self.position: dict[tuple[int, int], int] = {}   # (device, region) -> replica
         if self.template:
+            seen = set()
             for node in plan.dag.nodes:
-                if node.op.value == "F":
+                if node.op.value == "F" and (node.region, node.devices) not in seen:
+                    seen.add((node.region, node.devices))
                     for k, dev in enumerate(node.devices):
                         self.position[(dev, node.region)] = k
         self.region_units: list[dict] = [{} for _ in range(n)]   # region -> its units
@@ -234,7 +236,10 @@ class Flow:
             grads.pop(key, None)
 
     def issued(self, d: int, i: int, ins) -> None:
-        """A reduction or exchange is issued: what it takes from this member, now."""
+        """A reduction or exchange is issued: what it takes from this member, now (clipping's
+        all-reduce of the gradient norm moves no gradient: not followed)."""
+        if ins.purpose == "norm":
+            return
         seq = self.coll_next[d][ins.group]
         self.coll_next[d][ins.group] = seq + 1
         self.coll_seq[(d, i)] = seq

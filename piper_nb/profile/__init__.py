@@ -14,6 +14,7 @@ import math
 
 from piper_nb import host
 from piper_nb.errors import PlanError
+from piper_nb.optim import SGD, check_optimizer
 from piper_nb.profile.links import profile_links
 from piper_nb.profile.passes import profile_packing, profile_plan
 from piper_nb.profile.slicing import profile_slicing
@@ -41,6 +42,7 @@ def profile_cost_model(plan, repeats: int = 5, comm: bool = True, optimizer=None
         raise PlanError("this model is on the meta device (no weights): profiling runs its "
                         "passes, so give simulate a cost model that does not, "
                         "pn.CostModel.analytic(plan, 'H100') or pn.CostModel.uniform()")
+    optimizer = check_optimizer(optimizer if optimizer is not None else SGD(0.1), "profile")
     passes, overhead, background = profile_plan(plan, repeats, optimizer)
     packing = profile_packing(plan, repeats, optimizer)
     links: dict = {}

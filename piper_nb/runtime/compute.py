@@ -28,7 +28,7 @@ __all__ = ["ComputePasses"]
 class ComputePasses:
     """The compute instructions of a `Worker`, which holds what they use: `plan`, `rank`,
     `device`, `modules` (region -> module), `store` (parameters), `values` (activations,
-    gradients, stashes), `needs` (region -> ZeRO-3 buckets), `optimizer`, `seed`,
+    gradients, stashes), `needs` (region -> ZeRO-3 buckets), `updater`, `seed`,
     `step_no`, `tracing`, and per step `batch`, `parts` and `losses`."""
 
     def run(self, ins) -> None:
@@ -42,9 +42,9 @@ class ComputePasses:
         if ins.kind == "F":
             self._forward(ins)
         elif ins.kind == "U":
-            if self.optimizer is None:
+            if self.updater is None:
                 raise RuntimeError("no optimizer: reset the worker before stepping")
-            self.store.update(self.optimizer, ins.params, ins.buckets, self.step_no)
+            self.updater.update(ins.params, ins.buckets)
         else:
             self._backward(ins)
 

@@ -82,7 +82,10 @@ class ParamStore:
             self.params[n].grad = None
 
     def set_grads(self, b: int, flat: torch.Tensor) -> None:
-        """ALL_REDUCE done: the summed gradients become views of the flat buffer."""
+        """ALL_REDUCE done: the summed gradients become views of the flat buffer (in the
+        parameters' dtype: a bf16 plan reduces in fp32, then rounds once)."""
+        if flat.dtype != self.like(b).dtype:
+            flat = flat.to(self.like(b).dtype)
         for n, v in zip(self.layouts[b].names, self.layouts[b].views(flat), strict=True):
             self.params[n].grad = v
 
@@ -119,14 +122,12 @@ class ParamStore:
     def gathered(self, b: int) -> bool:
         return self.full[b].untyped_storage().nbytes() > 0
 
-    def update(self, optimizer, names: tuple[str, ...], buckets: tuple[int, ...],
-               step: int) -> None:
-        """U: full parameters with their gradients, then this device's bucket shards."""
-        for n in names:
-            p = self.params[n]
-            if p.grad is not None:
-                optimizer.step(p.data, p.grad, self.state.setdefault(n, {}), step)
-            p.grad = None
+    def to_update(self, names: tuple[str, ...], buckets: tuple[int, ...]) -> tuple[list, list]:
+        """What a U updates here: [(name, parameter)] of full parameters with a gradient, and
+        [(bucket, shard, gradient shard)] of this device's bucket shards (a ZeRO-1/2 shard is
+        cut from the full parameters now and held until its gather)."""
+        full = [(n, self.params[n]) for n in names if self.params[n].grad is not None]
+        shards = []
         for b in buckets:
             lay = self.layouts[b]
             if lay.zero == 3:
@@ -136,7 +137,13 @@ class ParamStore:
                 self.shards[b] = shard
             grad = self.grad_shards.pop(b, None)
             if grad is not None:
-                optimizer.step(shard, grad, self.state.setdefault(("bucket", b), {}), step)
+                shards.append((b, shard, grad))
+        return full, shards
+
+    def grads_done(self, names: tuple[str, ...]) -> None:
+        """After U: the full parameters' gradients are consumed."""
+        for n in names:
+            self.params[n].grad = None
 
     def bytes(self) -> tuple[int, int, int]:
         """(parameters held, gradients, optimizer state) in bytes."""

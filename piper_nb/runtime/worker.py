@@ -18,7 +18,9 @@ import os
 
 import torch
 
+from piper_nb.compiler.precision import PRECISIONS
 from piper_nb.ir.kinds import P2P, PASSES
+from piper_nb.optim import check_optimizer
 from piper_nb.runtime.buffers import Buffers
 from piper_nb.runtime.bundle import Bundle, bind_params, direct_calls, to_device
 from piper_nb.runtime.comm import Comm, Pending
@@ -28,6 +30,7 @@ from piper_nb.runtime.layout import bucket_layouts
 from piper_nb.runtime.stores import ParamStore, ValueStore, parse_free
 from piper_nb.runtime.syncbn import sync_batchnorms
 from piper_nb.runtime.timing import Clock, Recorder
+from piper_nb.runtime.update import Updater
 
 __all__ = ["Worker", "FAIL_ENV"]
 
@@ -85,7 +88,7 @@ class Worker(ComputePasses):
                            for k, i in enumerate(self.instrs) if i.kind == "RECV"}
         self.frees = {k: [parse_free(key) for key in i.keys]
                       for k, i in enumerate(self.instrs) if i.kind == "FREE"}
-        self.optimizer = None
+        self.updater: Updater | None = None
         self.seed = 0
         self.tracing = True
         self.step_no = 0
@@ -93,12 +96,15 @@ class Worker(ComputePasses):
 
     # ---- driver commands ---------------------------------------------------------------
     def reset(self, optimizer, seed: int = 0) -> None:
-        """Parameters and buffers back to the model's, no optimizer state, step 0; `seed`
-        seeds the random operations (dropout) of every forward (see `forward_seed`)."""
+        """Parameters and buffers back to the model's, a fresh optimizer (an `OptimizerSpec`,
+        or a factory) without state, step 0; `seed` seeds the random operations (dropout) of
+        every forward (see `forward_seed`)."""
         self.store.reset(self.init)
         self.buffers.reset()
         self.values.clear()
-        self.optimizer, self.step_no, self.seed = optimizer, 0, seed
+        self.updater = Updater(check_optimizer(optimizer, "worker"), self.store, self.plan,
+                               self.instrs)
+        self.step_no, self.seed = 0, seed
 
     def text(self, idx: int) -> str:
         ins = self.instrs[idx]
@@ -146,7 +152,9 @@ class Worker(ComputePasses):
         leftover = self._leftover()
         events, memory = rec.resolve()
         out = {"loss": loss, "end": self.clock.resolve(end), "events": events,
-               "memory": memory, "leftover": leftover}
+               "memory": memory, "leftover": leftover, "lr": self.updater.lr(),
+               "grad_norm": self.updater.norm}
+        self.updater.end_step()
         if trace and self.exchange.counts:  # token rows per group member, "value@mb" -> rows
             out["tokens"] = {f"{v}@{mb}": list(c) for (v, mb), c in self.exchange.counts.items()}
         if trace and self.device.type == "cuda":   # what the allocator really held at its peak
@@ -165,7 +173,8 @@ class Worker(ComputePasses):
     def begin(self, batch) -> None:
         """The per-step state, empty, for a step on `batch`: its tensors in the order of
         `plan.batch_names` ((inputs, targets) for a pair)."""
-        self.batch = {name: t.to(self.device)
+        low = PRECISIONS[self.plan.precision]   # bf16 plans: floating inputs in bf16
+        self.batch = {name: t.to(self.device, low) if t.is_floating_point() else t.to(self.device)
                       for name, t in zip(self.plan.batch_names, batch, strict=True)}
         self.parts: dict[tuple[str, int], tuple[torch.Tensor, ...]] = {}
         self.pending: dict[int, Pending] = {}
@@ -201,12 +210,14 @@ class Worker(ComputePasses):
         """Everything a step boundary holds, for a checkpoint: parameters (full, or ZeRO-3
         shards), buffers, optimizer state and the step count; CPU copies."""
         return {"step": self.step_no, **self.store.export_train_state(),
-                "buffers": self.buffers.export(owned=False)}
+                "buffers": self.buffers.export(owned=False), "update": self.updater.state_dict()}
 
     def load_train_state(self, state: dict) -> None:
         """Continue from `train_state()`'s output (after `reset`)."""
         self.store.load_train_state(state)
         self.buffers.load(state.get("buffers", {}))
+        if "update" in state:   # a rank beyond the plan's world holds nothing
+            self.updater.load_state_dict(state["update"])
         self.step_no = state["step"]
 
     # ---- communication -----------------------------------------------------------------
@@ -227,10 +238,11 @@ class Worker(ComputePasses):
             works, bufs = comm.recv(self.recv_specs[idx], ins.peer, ins.tag, ins.stream)
             memory, new = "activations", bufs  # received act:/grad: buffers, as the simulator
         elif ins.kind == "ALL_REDUCE":
-            works, bufs = comm.all_reduce(store.flat_grads(ins.bucket), ins.group, ins.stream)
+            flat = self.updater.norm_share() if ins.bucket < 0 else self._to_reduce(ins.bucket)
+            works, bufs = comm.all_reduce(flat, ins.group, ins.stream)
             memory, new = "buffers", bufs
         elif ins.kind == "REDUCE_SCATTER":
-            works, bufs = comm.reduce_scatter(store.flat_grads(ins.bucket), ins.group, ins.stream)
+            works, bufs = comm.reduce_scatter(self._to_reduce(ins.bucket), ins.group, ins.stream)
             store.clear_grads(ins.bucket)
             memory, new = "buffers", bufs
         elif ins.kind == "ALL_GATHER":
@@ -249,6 +261,13 @@ class Worker(ComputePasses):
             comm.watch(p, self.clock)         # only at wait(): its WAIT marks the end
         self.pending[idx] = p
 
+    def _to_reduce(self, b: int) -> torch.Tensor:
+        """Bucket b's gradients as one flat buffer in the plan's reduction dtype."""
+        flat = self.store.flat_grads(b)
+        want = self.plan.reduce_dtype
+        return flat if want is None or str(flat.dtype) == f"torch.{want}" else \
+            flat.to(getattr(torch, want))
+
     def _wait(self, ins) -> None:
         p = self.pending.pop(ins.target)
         src = self.instrs[ins.target]
@@ -262,6 +281,8 @@ class Worker(ComputePasses):
                     self.values.add_grad(v, src.mb, t)
                 else:
                     self.values.acts[(v, src.mb)] = t
+        elif src.kind == "ALL_REDUCE" and src.bucket < 0:   # the gradient norm (clipping)
+            self.updater.set_norm(results[0])
         elif src.kind == "ALL_REDUCE":
             self.store.set_grads(src.bucket, results[0])
         elif src.kind == "REDUCE_SCATTER":

@@ -15,10 +15,12 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING
 
+from piper_nb.compiler.clip import NORM_BYTES
 from piper_nb.ir.kinds import BACKWARDS, BUCKET_COLLECTIVES, COMM, PASSES, Memory, Op
 from piper_nb.sim.cost import _elem, value_bytes
 from piper_nb.sim.tokens import Routing
 from piper_nb.sim.trace import MemorySample
+from piper_nb.sim.update_state import update_states
 
 if TYPE_CHECKING:
     from piper_nb.sim.memory import MemorySettings
@@ -65,6 +67,8 @@ class _Ledger:
         self.vbytes = {k: value_bytes(v) for k, v in plan.values.items()}
         self.routing = routing
         self.pb, self.gb = settings.param_bytes, settings.grad_bytes
+        # gradients travel (and ZeRO shards of them are kept) in the plan's reduction dtype
+        self.rb = _elem(plan.reduce_dtype) if plan.reduce_dtype else self.gb
         regions = sorted({i.region for i in self.instrs if i.kind in PASSES
                           and 0 <= i.region < len(plan.regions)})
         names = dict.fromkeys(p for r in regions for p in plan.regions[r].params)
@@ -74,7 +78,7 @@ class _Ledger:
                       for n in self.names}
         self.buckets = {b.index: b for b in plan.buckets
                         if d in b.group and any(n in names for n in b.params)}
-        self.ustate = self._update_states(settings.optim_per_param())  # U index -> its state
+        self.ustate = update_states(plan, self.instrs, d, self.buckets, settings)
         self.optim_state: dict = {}               # key -> bytes: state that exists now
         if not settings.first_step:
             for st in self.ustate.values():
@@ -99,16 +103,6 @@ class _Ledger:
         base = sum(_numel(self.plan, n) * (self.pb if self.pb is not None else self._elem(n))
                    for n in self.names if n not in sharded)
         return base + sum(self._shard(b.index, self.pb) for b in zero3)
-
-    def _update_states(self, ob: float) -> dict[int, dict]:
-        """U index -> the optimizer state it keeps, by key (a name, or ("b", bucket))."""
-        out: dict[int, dict] = {}
-        for i, ins in enumerate(self.instrs):
-            if ins.kind == Op.U:
-                st = {n: _numel(self.plan, n) * ob for n in ins.params if n in self.plan.params}
-                st.update({("b", b): self._shard(b, ob) for b in ins.buckets if b in self.buckets})
-                out[i] = st
-        return out
 
     def _handlers(self) -> list:
         """Each instruction's handler, looked up once (None: nothing to count)."""
@@ -274,14 +268,18 @@ class _Ledger:
         """An issued transfer holds its buffers from issue to WAIT (a SEND's values are
         already counted); a reduce-scatter takes the gradients at issue."""
         k, b = ins.kind, ins.bucket
+        if k == Op.ALL_REDUCE and ins.purpose == "norm":   # clipping's squared-norm share
+            self.pending[i] = (_BUFFERS, NORM_BYTES)
+            self.level[_BUFFERS] += NORM_BYTES
+            return
         if k == Op.SEND or (k in BUCKET_COLLECTIVES and b not in self.buckets):
             return
         if k == Op.RECV:
             kind, nbytes = _ACTIVATIONS, sum(self._vb(v, ins.mb) for v in ins.values)
         elif k == Op.ALL_REDUCE:
-            kind, nbytes = _BUFFERS, self._padded(b, self.gb)
+            kind, nbytes = _BUFFERS, self._padded(b, self.rb)
         elif k == Op.REDUCE_SCATTER:  # a flat copy of the gradients and the output shard
-            kind, nbytes = _BUFFERS, self._padded(b, self.gb) + self._shard(b, self.gb)
+            kind, nbytes = _BUFFERS, self._padded(b, self.rb) + self._shard(b, self.rb)
             self._drop_grads(self.buckets[b].params)
         elif k == Op.ALL_GATHER:      # a gathered ZeRO-3 bucket counts as parameters
             kind = _PARAMS if self.buckets[b].zero == 3 else _BUFFERS
@@ -334,7 +332,7 @@ class _Ledger:
         self._param_grads(self.buckets[b].params)
 
     def _add_grad_shard(self, b: int) -> None:
-        shard = self._shard(b, self.gb)
+        shard = self._shard(b, self.rb)
         self.level[_GRADS] += shard - self.grad_shards.get(b, 0)
         self.grad_shards[b] = shard
 

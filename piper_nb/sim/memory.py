@@ -49,11 +49,13 @@ ledger's (`sim.ledger`).
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
 from piper_nb.errors import PlanError
 from piper_nb.ir.kinds import COMPUTE, Op
+from piper_nb.optim import OptimizerSpec, check_optimizer
 from piper_nb.sim.cost import _elem
 from piper_nb.sim.ledger import _Ledger, _numel
 from piper_nb.sim.tokens import Routing
@@ -74,7 +76,7 @@ class MemorySettings:
     param_bytes: float | None = None   # weights
     grad_bytes: float | None = None    # gradients
     optim_bytes: float | None = None   # optimizer state (None: from `optimizer`)
-    optimizer: object = "sgd"          # a name in OPTIMIZER_BYTES or an optimizer object
+    optimizer: object = "sgd"          # a name in OPTIMIZER_BYTES, or as pn.train takes it
     first_step: bool = False           # optimizer state appears at the update (step 1)
     tokens: dict | None = None         # routing, "value@mb" -> rows per member (sim.tokens)
     # GPU allowances beyond the tensors the runtime counts, added to "buffers" throughout:
@@ -91,20 +93,36 @@ class MemorySettings:
         NCCL's `channels` x `buffer_bytes` (NCCL_BUFFSIZE, 4 MiB by default)."""
         return cls(reserve_bytes=reserve_bytes, per_communicator=channels * buffer_bytes, **kw)
 
+    @functools.cached_property
+    def spec(self) -> OptimizerSpec | None:
+        """The optimizer as `pn.train` builds it (None: sized by name or `optim_bytes`)."""
+        opt = self.optimizer
+        if self.optim_bytes is not None or isinstance(opt, str):
+            return None
+        return check_optimizer(opt, "MemorySettings")
+
     def optim_per_param(self) -> float:
+        """Optimizer state bytes per parameter element (the analytic figure)."""
         if self.optim_bytes is not None:
             return self.optim_bytes
-        opt = self.optimizer
-        if hasattr(opt, "state_bytes_per_param"):
-            return float(opt.state_bytes_per_param)
-        name = opt if isinstance(opt, str) else type(opt).__name__
-        key = name.lower()
-        if not isinstance(opt, str) and key == "sgd" and getattr(opt, "momentum", 0):
-            key = "momentum"
+        if self.spec is not None:
+            return self.spec.per_element()
+        key = self.optimizer.lower()
         if key not in OPTIMIZER_BYTES:
-            raise PlanError(f"unknown optimizer {name!r} for the memory model; use one of "
-                            f"{', '.join(OPTIMIZER_BYTES)} or set optim_bytes=")
+            raise PlanError(f"unknown optimizer {self.optimizer!r} for the memory model; use one "
+                            f"of {', '.join(OPTIMIZER_BYTES)}, an optimizer factory as pn.train "
+                            "takes it, or set optim_bytes=")
         return OPTIMIZER_BYTES[key]
+
+    def optim_state(self, shape: tuple[int, ...], dtype: str, group: int = 0) -> float:
+        """Bytes of state one updated tensor keeps: what the optimizer really allocates for
+        that shape (its scalar `step` included), or the per-element figure."""
+        if self.spec is not None:
+            return self.spec.state_bytes(shape, dtype, group)
+        return math.prod(shape) * self.optim_per_param()
+
+    def group_of(self, name: str) -> int:
+        return self.spec.group_of(name) if self.spec is not None else 0
 
 
 # the ZeRO paper's mixed-precision Adam: fp16 weights and grads, 12 bytes of fp32 state
@@ -194,12 +212,16 @@ def _sample_times(timing, d: int) -> list[float]:
     return out
 
 
-def memory_samples(timing, settings: MemorySettings | None = None) -> list[MemorySample]:
-    """Memory over the step: one sample per device and instruction, after it ran."""
+def memory_samples(timing, settings: MemorySettings | None = None,
+                   runs: list[bool] | None = None) -> list[MemorySample]:
+    """Memory over the step: one sample per device (in `runs`, default all) and
+    instruction, after it ran."""
     settings = settings or MemorySettings()
     routing = Routing(timing.plan, settings.tokens)
     samples = []
     for d in range(timing.plan.world):
+        if runs is not None and not runs[d]:
+            continue
         extra = settings.reserve_bytes + (settings.per_communicator
                                           * communicators(timing.plan, d)
                                           if settings.per_communicator else 0)

@@ -1,5 +1,5 @@
-"""The Designer's Run tab: launch the plan on a cluster with a progress bar and a live loss
-curve, then show measured beside predicted timelines and the loss beside the reference.
+"""The Designer's Run tab: launch the plan on a cluster with a progress bar and live loss
+and learning-rate curves, then show measured beside predicted timelines and the loss beside the reference.
 
 `pn.train` drives the cluster through three calls (`reset`, `step`, `state`); the
 launcher hands it a `StepReporter` that forwards them to the real cluster and reports
@@ -90,11 +90,13 @@ class LaunchPanel:
         if wait:
             self.thread.join()
 
-    def _set_losses(self, losses: list[float], reference: list[float], steps: int) -> None:
+    def _set_losses(self, losses: list[float], reference: list[float], steps: int,
+                    lrs: list[float] = ()) -> None:
         with self.loss.batch_update():
             self.loss.data[0].x, self.loss.data[0].y = list(range(1, len(losses) + 1)), losses
             self.loss.data[1].x = list(range(1, len(reference) + 1))
             self.loss.data[1].y = reference
+            self.loss.data[2].x, self.loss.data[2].y = list(range(1, len(lrs) + 1)), list(lrs)
             self.loss.layout.xaxis.range = [0.5, steps + 0.5]
 
     def _run(self, plan, trace, model, batch, steps: int, lr: float) -> None:
@@ -102,6 +104,7 @@ class LaunchPanel:
         from piper_nb.train import reference_train, train
         self.result = self.reference = self.error = None
         losses: list[float] = []
+        lrs: list[float] = []
         self.progress.max, self.progress.value = steps, 0
         self.progress.description = f"steps 0/{steps}"
         try:
@@ -114,10 +117,11 @@ class LaunchPanel:
 
             def on_step(outs: list[dict]) -> None:
                 losses.append(float(sum(o["loss"] for o in outs)))
+                lrs.append(outs[0]["lr"])
                 self.progress.value = len(losses)
                 self.progress.description = f"steps {len(losses)}/{steps}"
                 self.status.value = f"<span class='pn-muted'>step {len(losses)}: loss {losses[-1]:.6g}</span>"
-                self._set_losses(losses, ref, steps)
+                self._set_losses(losses, ref, steps, lrs)
 
             self.result = train(plan, batch, steps, SGD(lr=lr), cluster=StepReporter(cluster, on_step))
             replace_figure(self.timelines, comparison_figure(trace, self.result.trace))

@@ -8,9 +8,12 @@ dropout), some stages recomputed (`pn.recompute`: all microbatches or one), unde
 schedule builder (GPipe, 1F1B, interleaved 1F1B with 2 and 3 chunks,
 ZB1P, DualPipeV, full DualPipe, a random valid hand-written grid, or none), with data
 parallel replicas and ZeRO 0-3 on every stage (PP x DP, at most 4 devices), SGD with
-momentum or AdamW, for 2-3 steps. The check: the losses and every entry of the trained
-`state_dict()` equal the single-process reference's (rtol 1e-5, atol 4e-5, PyTorch's
-pipelining tests' tolerance), and the plan leaves no buffer behind. With dropout, the
+momentum, AdamW or another element-wise torch.optim optimizer, sometimes with a no-decay
+group for biases, a warmup schedule and global gradient clipping, sometimes in bf16 (with
+SGD and no BatchNorm, compared at bf16 tolerance), for 2-3 steps. The
+check: the losses and every entry of the trained `state_dict()` equal the single-process
+reference's (rtol 1e-5, atol 4e-5, PyTorch's pipelining tests' tolerance), with clipping
+the gradient norms too, and the plan leaves no buffer behind. With dropout, the
 check is that the same seed trains the same twice (equality with one process needs dropout
 off). BatchNorm gets 4 samples per replica and microbatch and trains with SGD only: it
 makes some gradient elements vanish (its output is invariant to a shift of its input, so
@@ -25,6 +28,8 @@ Replay one case: `python tests/fuzz/run.py --seed N` (or `make fuzz SEED=N`).
 
 from __future__ import annotations
 
+import functools
+import math
 import random
 from dataclasses import dataclass, field
 
@@ -35,6 +40,7 @@ from piper_nb.directives.spec import Place
 from piper_nb.models import GraphSpec, StageGraph
 
 RTOL, ATOL = 1e-5, 4e-5
+BF16 = (1.6e-2, 1e-3)   # torch.testing's bf16 rtol; see tests/runtime/test_precision.py
 SCHEDULES = ("none", "gpipe", "1f1b", "interleaved2", "interleaved3", "zb1p", "dualpipev",
              "dualpipe", "grid")
 
@@ -56,6 +62,10 @@ class Case:
     spec: GraphSpec
     grid: str = ""
     recompute: tuple[tuple[int, int], ...] = ()   # (stage, microbatch or -1: all)
+    groups: bool = False          # no weight decay for biases (a parameter group)
+    warmup: bool = False          # a LambdaLR warmup schedule
+    clip: float | None = None     # clip_grad_norm (math.inf: the norm only)
+    bf16: bool = False            # precision="bf16", compared at bf16 tolerance
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -72,6 +82,10 @@ class Case:
                  f"frozen {list(s.frozen)}, norms {list(s.norms)}, scales {list(s.scales)}, "
                  f"shared {s.shared}, dropout {s.dropout}, act modules {s.act_modules}")
         rc = f", recompute {list(self.recompute)}" if self.recompute else ""
+        rc += ", bias group" if self.groups else ""
+        rc += ", warmup" if self.warmup else ""
+        rc += f", clip {self.clip}" if self.clip is not None else ""
+        rc += ", bf16" if self.bf16 else ""
         return (f"seed {self.seed}: {self.schedule} x{self.ranks} ranks, DP {self.dp}, "
                 f"ZeRO {self.zero}{'' if self.reshard else ' (no reshard)'}, bucket "
                 f"{self.bucket_size}, {self.microbatches} microbatches of {self.dp * self.per_part}"
@@ -104,6 +118,16 @@ def draw(seed: int) -> Case:
         picked = rng.sample(free, rng.randint(1, len(free)))
         case.recompute = tuple(sorted((s, rng.choice([-1, -1, rng.randrange(micro)]))
                                       for s in picked))
+    # drawn last, so the fields above stay what they were for every seed
+    if not spec.norms and rng.random() < 0.5:
+        case.optimizer = rng.choice(sorted(TORCH_OPTIMIZERS))
+    case.groups, case.warmup = rng.random() < 0.3, rng.random() < 0.3
+    case.clip = rng.choice([None, None, 0.05, math.inf])
+    # bf16 with SGD and without BatchNorm: Adam-like optimizers amplify rounding noise to
+    # whole steps, and BatchNorm's statistics (over replicas' shares of a microbatch) round
+    # differently in bf16 than over the whole one (mixed-precision recipes keep norms fp32)
+    case.bf16 = (case.optimizer == "sgd" and not spec.norms and not spec.dropout
+                 and rng.random() < 0.4)
     return case
 
 
@@ -196,8 +220,30 @@ def _replicate(filt: dict, devs: list[int], case: Case):
                         reshard=case.reshard or case.zero != 3)
 
 
+TORCH_OPTIMIZERS = {   # element-wise torch.optim optimizers, as users pass them
+    "adam": functools.partial(torch.optim.Adam, lr=1e-2),
+    "adagrad": functools.partial(torch.optim.Adagrad, lr=1e-2),
+    "rmsprop": functools.partial(torch.optim.RMSprop, lr=1e-3, momentum=0.5),
+    "adamax": functools.partial(torch.optim.Adamax, lr=1e-2),
+    "nadam": functools.partial(torch.optim.NAdam, lr=1e-2),
+    "radam": functools.partial(torch.optim.RAdam, lr=1e-2),
+}
+
+
 def optimizer(case: Case):
+    if case.optimizer in TORCH_OPTIMIZERS:
+        return TORCH_OPTIMIZERS[case.optimizer]
     return pn.optim.SGD(0.05, momentum=0.9) if case.optimizer == "sgd" else pn.optim.AdamW(1e-2)
+
+
+def recipe(case: Case) -> dict:
+    """The training options the case draws, as pn.train and reference_train take them."""
+    return {"param_groups": [{"params": "*.bias", "weight_decay": 0.0}] if case.groups else None,
+            "lr_scheduler": _warmup if case.warmup else None, "clip_grad_norm": case.clip}
+
+
+def _warmup(opt):
+    return torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 3))
 
 
 def check(case: Case, cluster) -> str:
@@ -206,15 +252,23 @@ def check(case: Case, cluster) -> str:
     model = StageGraph(case.spec)
     batch = model.example_batch(case.batch_size, seed=case.seed)
     try:
-        plan = pn.compile(pn.annotate(model, model.annotation()), program(case), batch)
+        plan = pn.compile(pn.annotate(model, model.annotation()), program(case), batch,
+                          precision="bf16" if case.bf16 else "fp32")
         opt = optimizer(case)
-        result = pn.train(plan, batch, case.steps, opt, cluster=cluster, seed=case.seed)
+        result = pn.train(plan, batch, case.steps, opt, cluster=cluster, seed=case.seed,
+                          **recipe(case))
         if case.spec.dropout:
-            again = pn.train(plan, batch, case.steps, opt, cluster=cluster, seed=case.seed)
+            again = pn.train(plan, batch, case.steps, opt, cluster=cluster, seed=case.seed,
+                             **recipe(case))
             _equal(result, again, exact=True)
             return "same twice with one seed (dropout)"
-        ref = pn.reference_train(model, batch, case.steps, case.microbatches, opt)
-        _equal(result, ref)
+        ref = pn.reference_train(model, batch, case.steps, case.microbatches, opt,
+                                 precision="bf16" if case.bf16 else "fp32", **recipe(case))
+        rtol, atol = BF16 if case.bf16 else (RTOL, ATOL)
+        _equal(result, ref, tol=(rtol, atol))
+        if case.clip is not None:   # the global norm: every parameter counted once
+            torch.testing.assert_close(torch.tensor(result.grad_norms),
+                                       torch.tensor(ref.grad_norms), rtol=rtol, atol=atol)
         assert result.leftover == [], f"buffers never freed: {result.leftover[:4]}"
         return "equal to the reference"
     except Exception as err:
@@ -222,8 +276,8 @@ def check(case: Case, cluster) -> str:
                              f"  replay: {case.replay()}") from err
 
 
-def _equal(result, ref, exact: bool = False) -> None:
-    rtol, atol = (0.0, 0.0) if exact else (RTOL, ATOL)
+def _equal(result, ref, exact: bool = False, tol: tuple = (RTOL, ATOL)) -> None:
+    rtol, atol = (0.0, 0.0) if exact else tol
     torch.testing.assert_close(torch.tensor(result.losses), torch.tensor(ref.losses),
                                rtol=rtol, atol=atol, msg=lambda m: f"losses: {m}")
     got, want = result.state_dict(), ref.state_dict()

@@ -6,6 +6,7 @@ and compared with one process. A failure names the case and the command that rep
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 
@@ -33,7 +34,14 @@ def test_the_draw_covers_every_schedule_zero_level_and_feature():
     assert {c.zero for c in cases if c.dp > 1} == {0, 1, 2, 3}
     for feature in ("skips", "ties", "frozen", "norms", "scales", "shared", "dropout"):
         assert any(getattr(c.spec, feature) for c in cases), feature
-    assert {c.optimizer for c in cases} == {"sgd", "adamw"}
+    assert {c.optimizer for c in cases} == {"sgd", "adamw", "adam", "adagrad", "rmsprop",
+                                            "adamax", "nadam", "radam"}
+    assert any(c.groups for c in cases) and any(c.warmup for c in cases)
+    assert {c.clip for c in cases} >= {None, 0.05, math.inf}
+    assert any(c.clip == 0.05 and c.zero >= 1 for c in cases)
+    assert any(c.clip is not None and c.schedule == "dualpipe" for c in cases)
+    assert any(c.bf16 and c.zero == 3 for c in cases) and any(c.bf16 and c.ranks > 1
+                                                                for c in cases)
     assert any(c.spec.act_modules for c in cases)
     assert any(c.recompute for c in cases if c.schedule in ("zb1p", "dualpipev"))
     assert any(c.recompute and c.zero == 3 for c in cases)

@@ -3,9 +3,11 @@ time-slicing measured by processes (`piper_nb.profile`), reached as `CostModel.p
 
 from __future__ import annotations
 
+import functools
 import math
 
 import pytest
+import torch
 
 import piper_nb as pn
 import piper_nb.profile as prof
@@ -181,10 +183,11 @@ def test_a_profiled_update_steps_on_gradients_like_trainings_not_zeros():
     # all-zero gradients keep AdamW's second moments at zero, a slow path training never takes
     seen = []
 
-    class Spy(pn.optim.AdamW):
-        def step(self, param, grad, state, step):
-            seen.append(grad.abs().max().item())
-            super().step(param, grad, state, step)
+    class Spy(torch.optim.AdamW):
+        def step(self, closure=None):
+            seen.extend(p.grad.abs().max().item() for g in self.param_groups
+                        for p in g["params"])
+            return super().step(closure)
     plan = pn.compile(*_dp_plan_args())
-    CostModel.profile(plan, repeats=1, comm=False, optimizer=Spy(1e-3))
+    CostModel.profile(plan, repeats=1, comm=False, optimizer=functools.partial(Spy, lr=1e-3))
     assert seen and all(0 < g < 1e-1 for g in seen)

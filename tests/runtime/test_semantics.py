@@ -1,8 +1,10 @@
 """Ordinary PyTorch semantics under every plan: skip edges across stages, frozen weights,
 BatchNorm buffers, dropout seeds, untagged modules, weights tied across stages under ZeRO,
-and optimizers that are not piper_nb's. Each compared with `pn.reference_train`."""
+and optimizers that cannot be built. Each compared with `pn.reference_train`."""
 
 from __future__ import annotations
+
+import functools
 
 import pytest
 import torch
@@ -229,7 +231,7 @@ def test_zero_over_the_two_copies_of_dualpipe_stages(cluster2, same, zero):
     same(result, reference_train(model, data, 3, 4, ADAMW), model)
 
 
-def test_an_optimizer_that_is_not_piper_nbs_is_refused_before_anything_runs():
+def test_an_optimizer_that_cannot_be_built_is_refused_before_anything_runs():
     model = Chain(n=2)
     plan = pn.compile(pn.annotate(model, stages(model)),
                       [pn.place({"PP": 0}, [0]), pn.place({"PP": 1}, [1]),
@@ -239,12 +241,18 @@ def test_an_optimizer_that_is_not_piper_nbs_is_refused_before_anything_runs():
         def reset(self, *a):
             raise AssertionError("a worker was asked to run")
 
-    with pytest.raises(pn.PlanError, match=r"torch.optim.AdamW.*use pn.optim.AdamW"):
+    with pytest.raises(pn.PlanError, match=r"torch.optim.AdamW instance, bound to this process's "
+                                           r"parameters; pass a factory .*partial"):
         train(plan, batch(), 2, torch.optim.AdamW(model.parameters()), cluster=Broken())
     with pytest.raises(pn.PlanError, match=r"is the class; pass an instance"):
         train(plan, batch(), 2, pn.optim.AdamW, cluster=Broken())
     with pytest.raises(pn.PlanError, match="reference_train: optimizer"):
         reference_train(model, batch(), 2, 2, torch.optim.SGD(model.parameters(), lr=0.1))
+    with pytest.raises(pn.PlanError, match="building the optimizer .* failed: TypeError"):
+        train(plan, batch(), 2, functools.partial(torch.optim.SGD, learning_rate=0.1),
+              cluster=Broken())
+    with pytest.raises(pn.PlanError, match="clip_grad_norm must be a positive number"):
+        train(plan, batch(), 2, torch.optim.SGD, clip_grad_norm=-1.0, cluster=Broken())
 
 
 class Shared(nn.Module):

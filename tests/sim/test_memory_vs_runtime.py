@@ -13,8 +13,11 @@ expert-parallel plan's token buffers are sized by the routing that step made (re
 from __future__ import annotations
 
 import pytest
+import torch
 
 import piper_nb as pn
+from piper_nb.compiler.clip import with_grad_clipping
+from piper_nb.optim import check_optimizer
 from piper_nb.sim import CostModel, MemorySettings
 from piper_nb.strategies import MATRIX, compile_strategy
 
@@ -89,6 +92,36 @@ def test_first_step_optimizer_state_appears_at_the_update(clusters, name, optimi
     settings = MemorySettings(optimizer=optimizer, first_step=True)
     _assert_equal(plan, result.trace.memory, pn.simulate(plan, CostModel.uniform(),
                                                          memory=settings).memory)
+
+
+@pytest.mark.parametrize("name", ["pp2-dp2-zero3", "zero1"])
+def test_groups_and_clipping_are_counted_byte_for_byte(clusters, name):
+    """Parameter groups cut shards into pieces, each with its own state (Adam's scalar step
+    included); clipping holds an 8-byte all-reduce buffer from issue to WAIT."""
+    plan, batch = _compile(name)
+    groups = [{"params": "*.bias", "weight_decay": 0.0}]
+    plan = with_grad_clipping(plan, 1.0)
+    result = pn.train(plan, batch, steps=2, optimizer=torch.optim.AdamW, param_groups=groups,
+                      cluster=clusters(plan.world))
+    spec = check_optimizer(torch.optim.AdamW, param_groups=groups)
+    predicted = pn.simulate(plan, CostModel.uniform(), memory=MemorySettings(optimizer=spec))
+    _assert_equal(plan, result.trace.memory, predicted.memory)
+
+
+@pytest.mark.parametrize("zero,reduce_dtype", [(1, "fp32"), (3, "bf16"), (0, "fp32")])
+def test_bf16_plans_are_counted_byte_for_byte(clusters, zero, reduce_dtype):
+    """bf16 weights, grads and activations; fp32 masters and state beside the optimizer's;
+    reduction buffers and ZeRO gradient shards in the reduction's dtype."""
+    model = pn.models.TinyGPT(vocab=64, dim=32, layers=2, heads=2, seq=16)
+    batch = model.example_batch(batch_size=8, seed=0)
+    program = [pn.place({"PP": 0}, [0, 2]), pn.place({"PP": 1}, [1, 3]),
+               pn.replicate({"PP": 0}, [0, 2], zero=zero),
+               pn.replicate({"PP": 1}, [1, 3], zero=zero), *pn.schedules.one_f_one_b(2, 4)]
+    plan = pn.compile(pn.annotate(model, pn.cut_stages(model, 2)), program, batch,
+                      precision="bf16", reduce_dtype=reduce_dtype, clip_grad_norm=1.0)
+    result = pn.train(plan, batch, steps=2, optimizer=OPT, cluster=clusters(plan.world))
+    predicted = pn.simulate(plan, CostModel.uniform(), memory=MemorySettings(optimizer=OPT))
+    _assert_equal(plan, result.trace.memory, predicted.memory)
 
 
 def _tied(zero: int):
