@@ -7,10 +7,11 @@ the published one (ratio = predicted / measured). Two efficiency tables, one num
 GPU each, nothing tuned per case: the shipped `HardwareSpec` default (0.5) and one
 published end-to-end MFU per GPU from other systems (`EFFICIENCY`).
 
+Plans are compiled with `precision="bf16"` (the published runs trained in 16-bit mixed
+precision): bf16 parameters and activations, gradients reduced in the published run's
+dtype (`reduce_dtype`), and the analytic model at the bf16 peak. A second message variant
+("fp32 messages") doubles every collective's bytes, to show what the precision is worth.
 Corrections applied, all explicit below and in docs/analytic_model.md:
-- plans compute in fp32, so the analytic model sizes every message in 4-byte elements;
-  where the published run moved 2-byte (bf16/fp16) data, that collective's bandwidth is
-  doubled (same time as half the bytes);
 - `--layers N` models N/2 and N decoder layers (same per-layer shapes) instead of all of
   them and extrapolates the step time linearly in layers: see `scaled_step` (default:
   all layers, about 3-4 min on CPU).
@@ -35,8 +36,8 @@ from piper_nb.sim.flops import region_flops
 
 def ring_links(hw, group: int, scale: dict, inter: bool) -> dict:
     """`CostModel.links` that reproduce the analytic ring formula for one group size,
-    with the bytes of each collective kind scaled by scale[kind] (0.5: 2-byte elements
-    where the plan has 4-byte ones). Links are latency + full bytes / bandwidth, so the
+    with the bytes of each collective kind scaled by scale[kind] (2.0: 4-byte elements
+    where the plan has 2-byte ones). Links are latency + full bytes / bandwidth, so the
     ring's step count and (n-1)/n factor are folded into them."""
     lat = hw.ib_latency if inter else hw.nvlink_latency
     bw = hw.ib_bandwidth if inter else hw.nvlink_bandwidth
@@ -60,9 +61,13 @@ def build_and_plan(case: dict, layers: int):
     program = [pn.place({"PP": 0}, devices),
                pn.replicate({}, devices, zero=case["zero"]),
                pn.split({}, "MB", case["microbatches"])]
-    if case["recompute"]:
+    every = case["recompute"]   # True: every layer; k: every k-th layer; False: none
+    if every is True:
         program.append(pn.recompute({"AC": 1}))
-    plan = pn.compile(pn.annotate(model, case["annotations"](layers)), program, (ids, ids))
+    elif every:
+        program += [pn.recompute({"AC": 1, "L": i}) for i in range(0, layers, every)]
+    plan = pn.compile(pn.annotate(model, case["annotations"](layers)), program, (ids, ids),
+                      precision="bf16", reduce_dtype=case["reduce_dtype"])
     return plan, time.perf_counter() - t0
 
 
@@ -72,6 +77,7 @@ def build_and_plan(case: dict, layers: int):
 #   ones compared here (see docs/analytic_model.md): A100 0.47 (OPT-175B, 147 TFLOP/s of
 #   312, Zhang et al. 2022 sec. 2.4), H100 0.43 (Llama 3 405B on 8,192 H100s, 430
 #   TFLOP/s/GPU, 43% BF16 MFU, Dubey et al. 2024 Table 4).
+COLLECTIVES = ("ALL_REDUCE", "ALL_GATHER", "REDUCE_SCATTER")
 EFFICIENCY = {"shipped": {}, "sourced": {"A100": 0.47, "H100": 0.43}}
 
 
@@ -87,12 +93,12 @@ def simulate(case: dict, layers: int) -> dict:
         if case["gpu"] in table:
             hw = dataclasses.replace(hw, efficiency=table[case["gpu"]])
         base = pn.CostModel.analytic(plan, hw)
-        for half in (True, False):
-            scale = case["byte_scale"] if half else {k: 1.0 for k in case["byte_scale"]}
+        for as_published in (True, False):
+            scale = {k: 1.0 if as_published else 2.0 for k in COLLECTIVES}
             cost = dataclasses.replace(base, links=ring_links(hw, case["dp"], scale,
                                                               inter=case["dp"] > hw.node_size))
             sim = pn.simulate(plan, cost)
-            out[(variant, "2-byte" if half else "fp32")] = sim.step_time
+            out[(variant, "bf16 plan" if as_published else "fp32")] = sim.step_time
     out["sim_s"] = time.perf_counter() - t0
     return out
 
@@ -142,7 +148,7 @@ MEGATRON = {
     "zero": 0, "recompute": True,
     "config": _gpt_config, "model": transformers.GPT2LMHeadModel, "annotations": _gpt_ann,
     # Megatron's fp16 mixed precision all-reduces fp16 gradients (2 bytes)
-    "byte_scale": {"ALL_REDUCE": 0.5},
+    "reduce_dtype": "bf16",
     "measured_tflops_per_gpu": 137.0,
 }
 
@@ -168,10 +174,14 @@ TORCHTITAN = {
               "(1D parallelism, Llama 3.1 8B, 8 GPUs, local batch 2, global 16, selective AC): "
               "FSDP 5,762 tokens/s/GPU (also docs/performance.md in pytorch/torchtitan)",
     "gpu": "H100", "layers": 32, "seq": 8192, "dp": 8, "local_batch": 2, "microbatches": 1,
-    "zero": 3, "recompute": False,
+    # torchtitan's selective op AC (its default for Llama 3 8B) saves every compute op's
+    # output except every second matmul of a block: wk, wo and w3 are recomputed, 80 of a
+    # layer's 285 M multiply-adds per token (28%, by piper_nb's count: attention non-causal);
+    # modelled as one layer in four recomputed whole (pn.recompute): 25% of the forward
+    "zero": 3, "recompute": 4,
     "config": _llama_config, "model": transformers.LlamaForCausalLM, "annotations": _llama_ann,
     # FSDP2 mixed precision in torchtitan: params all-gathered in bf16, grads reduced in fp32
-    "byte_scale": {"ALL_GATHER": 0.5, "REDUCE_SCATTER": 1.0},
+    "reduce_dtype": "fp32",
     "measured_tokens_per_gpu_s": 5762.0,
 }
 

@@ -20,8 +20,10 @@ from piper_nb.capture.batch import batch_size, named_batch, slice_batch
 from piper_nb.capture.untouched import untouched
 from piper_nb.compiler.buffers import check_buffer_order, check_buffers
 from piper_nb.compiler.checks import check_plan
+from piper_nb.compiler.clip import with_grad_clipping
 from piper_nb.compiler.lower import lower
 from piper_nb.compiler.plan import Plan
+from piper_nb.compiler.precision import cast_batch, cast_spec, check_precision
 from piper_nb.compiler.rows import token_rows
 from piper_nb.compiler.shapes import propagate
 from piper_nb.directives.backward_split import apply_backward_split, names_split_backward
@@ -98,7 +100,7 @@ def build_global_dag(capture, directives: list[tuple[int, Directive]], values: d
     # frozen parameters get no gradient: never reduced, sharded or updated
     region_params = {r.index: tuple(p for p in r.params if p not in frozen)
                      for r in capture.regions}
-    params = dict(capture.model.named_parameters())
+    params = dict(capture.named_parameters())
     param_bytes = {k: p.numel() * p.element_size() for k, p in params.items()}
     dag = insert_grad_sync(dag, region_params, param_bytes, configs)
     for idx, d in by_op.get(Shard, []):
@@ -136,14 +138,23 @@ def _place_replicas(dag: TrainingDAG, replicates: list[tuple[int, Replicate]]) -
 
 
 def compile(spec: Spec, program: Program | Iterable, batch, *, loss_fn: Callable | None = None,
-            world: int | None = None, check: bool = True, capture: str = "auto") -> Plan:
+            world: int | None = None, check: bool = True, capture: str = "auto",
+            clip_grad_norm: float | None = None, precision: str = "fp32",
+            reduce_dtype: str | None = None) -> Plan:
     """Compile `program` for `spec` on `batch` into a checked Plan (raises PlanError).
 
     `capture` picks the front end that cuts the model into regions: "fx" (symbolic
     tracing), "export" (`torch.export`, non-strict, on `batch`: any model whose forward
-    runs, Hugging Face models among them) or "auto" (fx, else export)."""
+    runs, Hugging Face models among them) or "auto" (fx, else export).
+    `clip_grad_norm` adds global gradient-norm clipping to the plan (`compiler.clip`: an
+    all-reduce before the updates), so simulations see it; `pn.train` can also add it.
+    `precision="bf16"` compiles for bf16 weights, activations and gradients with fp32 master
+    weights and optimizer state; gradients are reduced in `reduce_dtype` ("fp32" by
+    default, or "bf16"). See `compiler.precision`."""
+    mixed = check_precision(precision, reduce_dtype)
     with _gc_paused():
-        return _compile(spec, program, batch, loss_fn, world, check, capture)
+        plan = _compile(spec, program, batch, loss_fn, world, check, capture, mixed)
+        return with_grad_clipping(plan, clip_grad_norm)
 
 
 @contextlib.contextmanager
@@ -159,13 +170,14 @@ def _gc_paused():
             gc.enable()
 
 
-def _compile(spec, program, batch, loss_fn, world, check, method) -> Plan:
+def _compile(spec, program, batch, loss_fn, world, check, method, mixed) -> Plan:
     if not isinstance(spec, Spec):
         raise PlanError("compile takes the Spec returned by pn.annotate(model, {...})")
-    named = named_batch(batch, "pn.compile")
+    named = cast_batch(named_batch(batch, "pn.compile"), mixed[0])
+    spec = cast_spec(spec, mixed[0])
     directives = expand(program)
     capture = spec.capture(loss_fn, named, method)
-    return _plan(capture, directives, named, world, check)
+    return _plan(capture, directives, named, world, check, mixed)
 
 
 def rebatch(plan: Plan, batch) -> Plan:
@@ -174,19 +186,22 @@ def rebatch(plan: Plan, batch) -> Plan:
     parameter layouts; PlanError when the microbatches or replicas do not divide it."""
     if plan.capture is None:
         raise PlanError("this plan carries no captured model; compile it with pn.compile")
-    named = named_batch(batch, "rebatch")
+    named = cast_batch(named_batch(batch, "rebatch"), plan.precision)
     if tuple(named) != plan.batch_names:
         raise PlanError(f"the batch has {list(named)} but the plan was compiled for "
                         f"{list(plan.batch_names)}")
     with _gc_paused():
-        return _plan(plan.capture, plan.program, named, plan.world, True)
+        new = _plan(plan.capture, plan.program, named, plan.world, True,
+                    (plan.precision, plan.reduce_dtype))
+        return with_grad_clipping(new, plan.clip_grad_norm)
 
 
-def _plan(capture, directives, named: dict, world: int | None, check: bool) -> Plan:
+def _plan(capture, directives, named: dict, world: int | None, check: bool,
+          mixed: tuple[str, str | None] = ("fp32", None)) -> Plan:
     """Lower and check the directives for the captured model on the named batch."""
     bsz = batch_size(named)
     micro = _microbatches(directives, bsz)
-    frozen = frozenset(n for n, p in capture.model.named_parameters() if not p.requires_grad)
+    frozen = frozenset(n for n, p in capture.named_parameters() if not p.requires_grad)
     # shapes are per replica's share of a microbatch; the replicate directives give the
     # width, unless their regions are placed on smaller groups (a stage's two copies)
     width = max((len(d.devices) for _, d in directives if isinstance(d, Replicate)), default=1)
@@ -209,8 +224,10 @@ def _plan(capture, directives, named: dict, world: int | None, check: bool) -> P
         values=shapes["values"], saved=shapes["saved"], rows=shapes["rows"],
         saved_rows=shapes["saved_rows"],
         params={k: (tuple(p.shape), str(p.dtype).removeprefix("torch."))
-                for k, p in capture.model.named_parameters()},
+                for k, p in capture.named_parameters()},
         frozen=tuple(sorted(frozen)), batch_names=capture.batch,
+        precision=mixed[0], reduce_dtype=mixed[1],
+        pieces={p: tuple(v[:3]) for p, v in getattr(capture, "pieces", {}).items()},
         dag=dag, program=directives, capture=capture)
     check_buffer_order(plan, shapes["changed"])
     if check:
@@ -275,7 +292,8 @@ def _world(dag: TrainingDAG, directives, world: int | None) -> int:
         raise PlanError(f"device {outside[0]} is outside the world of {n_world} devices "
                         f"(ids 0..{n_world - 1}); use smaller ids or a larger world",
                         directive=idx, op=culprit.op)
-    idle = [d for d in range(n_world) if d not in used]
+    held = set(used)
+    idle = [d for d in range(n_world) if d not in held]
     if idle:
         raise PlanError(f"devices {idle} get no work in a world of {n_world}; place something on "
                         "them or renumber the devices from 0")

@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from piper_nb.compiler.clip import NORM_BYTES
 from piper_nb.errors import PlanError
 
 if TYPE_CHECKING:   # host_model imports message_bytes from here
@@ -44,7 +45,9 @@ class HardwareSpec:
     """One accelerator and its links; bandwidths in bytes/s per direction, latency in s."""
 
     name: str
-    peak_flops: float           # dense bf16 FLOP/s of one device
+    peak_flops: float           # dense bf16 FLOP/s of one device (tensor cores)
+    fp32_flops: float = 0.0     # dense fp32 FLOP/s (no TF32, PyTorch's default for fp32
+                                # matmuls); 0: peak_flops / 16, about the A100/H100 ratio
     efficiency: float = 0.5     # fraction of peak a pass reaches (MFU)
     hbm_bandwidth: float        # bytes/s; the optimizer update is memory-bound
     nvlink_bandwidth: float     # inside a node
@@ -53,6 +56,12 @@ class HardwareSpec:
     nvlink_latency: float = 5e-6
     ib_latency: float = 15e-6
     memory: float = math.inf    # bytes of device memory (HBM); a plan fits when its peak does
+
+    def peak(self, precision: str = "bf16") -> float:
+        """Dense FLOP/s for a plan in `precision` ("bf16" or "fp32")."""
+        if precision == "fp32":
+            return self.fp32_flops or self.peak_flops / 16
+        return self.peak_flops
 
     def __post_init__(self):
         if not 0 < self.efficiency <= 1:
@@ -65,13 +74,15 @@ class HardwareSpec:
 
 _GiB = 2**30
 HARDWARE = {       # memory: the vendor's figure (A100 40/80 GB, H100 80 GB, H200 141 GB) in GiB
-    "A100": HardwareSpec(name="A100", peak_flops=312e12, hbm_bandwidth=2.0e12,
-                         nvlink_bandwidth=300e9, ib_bandwidth=25e9, memory=80 * _GiB),
-    "A100-40GB": HardwareSpec(name="A100-40GB", peak_flops=312e12, hbm_bandwidth=1.555e12,
-                              nvlink_bandwidth=300e9, ib_bandwidth=25e9, memory=40 * _GiB),
-    "H100": HardwareSpec(name="H100", peak_flops=989e12, hbm_bandwidth=3.35e12,
+    "A100": HardwareSpec(name="A100", peak_flops=312e12, fp32_flops=19.5e12,
+                         hbm_bandwidth=2.0e12, nvlink_bandwidth=300e9, ib_bandwidth=25e9,
+                         memory=80 * _GiB),
+    "A100-40GB": HardwareSpec(name="A100-40GB", peak_flops=312e12, fp32_flops=19.5e12,
+                              hbm_bandwidth=1.555e12, nvlink_bandwidth=300e9, ib_bandwidth=25e9,
+                              memory=40 * _GiB),
+    "H100": HardwareSpec(name="H100", peak_flops=989e12, fp32_flops=67e12, hbm_bandwidth=3.35e12,
                          nvlink_bandwidth=450e9, ib_bandwidth=50e9, memory=80 * _GiB),
-    "H200": HardwareSpec(name="H200", peak_flops=989e12, hbm_bandwidth=4.8e12,
+    "H200": HardwareSpec(name="H200", peak_flops=989e12, fp32_flops=67e12, hbm_bandwidth=4.8e12,
                          nvlink_bandwidth=450e9, ib_bandwidth=50e9, memory=141 * _GiB),
 }
 
@@ -97,8 +108,15 @@ def bucket_bytes(plan, bucket: int) -> int:
 
 def message_bytes(plan, ins) -> int:
     """Bytes one SEND/RECV or collective moves (a collective: its full buffer)."""
+    if ins.purpose == "norm":
+        return NORM_BYTES
     if 0 <= ins.bucket < len(plan.buckets):
-        return bucket_bytes(plan, ins.bucket)
+        full = bucket_bytes(plan, ins.bucket)
+        reduce = getattr(plan, "reduce_dtype", None)
+        if reduce and ins.purpose == "grad":   # a bf16 plan may reduce gradients in fp32
+            first = plan.params[plan.buckets[ins.bucket].params[0]][1]
+            return full * _elem(reduce) // _elem(first)
+        return full
     return sum(value_bytes(plan.values[v]) for v in ins.values if v in plan.values)
 
 
@@ -157,14 +175,15 @@ class CostModel:
 
     @classmethod
     def analytic(cls, plan, hardware: str | HardwareSpec = "H100") -> CostModel:
-        """Roofline-style estimates from FLOPs on `hardware` (a name in HARDWARE or a spec)."""
+        """Roofline-style estimates from FLOPs on `hardware` (a name in HARDWARE or a spec),
+        at the peak of the plan's precision (bf16 tensor cores, or fp32)."""
         from piper_nb.sim.flops import region_flops
         if isinstance(hardware, str):
             if hardware not in HARDWARE:
                 raise PlanError(f"unknown hardware {hardware!r}; use one of "
                                 f"{', '.join(HARDWARE)} or a HardwareSpec(...)")
             hardware = HARDWARE[hardware]
-        rate = hardware.peak_flops * hardware.efficiency
+        rate = hardware.peak(plan.precision) * hardware.efficiency
         passes = {}
         for r, flops in region_flops(plan).items():
             f = flops / rate

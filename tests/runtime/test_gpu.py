@@ -45,6 +45,24 @@ def test_single_rank_nccl():
     _compare(result, reference_train(model, batch, 3, 4, opt))
 
 
+@pytest.mark.parametrize("reduce_dtype", ["fp32", "bf16"])
+def test_bf16_on_one_gpu_trains_like_the_bf16_reference(reduce_dtype):
+    """bf16 on CUDA (two ranks through gloo staging, so both reduction dtypes cross a real
+    process group); bf16 tolerance as tests/runtime/test_precision.py explains."""
+    model, batch = _gpt()
+    spec = pn.annotate(model, pn.cut_stages(model, 2))
+    plan = pn.compile(spec, [pn.replicate({}, [0, 1], zero=1), pn.split({}, "MB", 2)], batch,
+                      precision="bf16", reduce_dtype=reduce_dtype)
+    opt = optim.SGD(0.05, momentum=0.9)
+    with LocalCluster(2, device="cuda") as cluster:
+        result = train(plan, batch, 3, opt, cluster=cluster, clip_grad_norm=1.0)
+    ref = reference_train(model, batch, 3, 2, opt, precision="bf16", clip_grad_norm=1.0)
+    torch.testing.assert_close(torch.tensor(result.losses), torch.tensor(ref.losses),
+                               rtol=1.6e-2, atol=0)
+    for name, value in ref.state_dict().items():
+        torch.testing.assert_close(result.state_dict()[name], value, rtol=1.6e-2, atol=1e-3)
+
+
 @pytest.mark.parametrize("zero", [0, 3])
 def test_two_ranks_share_one_gpu(zero):
     model, batch = _gpt()

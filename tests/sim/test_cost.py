@@ -34,13 +34,14 @@ def test_uniform_costs_split_b_into_bi_and_bw_and_overlap_into_fb():
 
 def test_analytic_costs_come_from_flops_over_peak_and_links():
     plan = plan2()
-    hw = HardwareSpec(name="toy", peak_flops=1e9, efficiency=0.5, hbm_bandwidth=1e9,
+    hw = HardwareSpec(name="toy", peak_flops=16e9, fp32_flops=1e9, efficiency=0.5,
+                      hbm_bandwidth=1e9,
                       nvlink_bandwidth=1e6, ib_bandwidth=1e5, node_size=1,
                       nvlink_latency=0.0, ib_latency=0.0)
     cost = CostModel.analytic(plan, hw)
     slice_rows = plan.values["inputs"].shape[0]
     flops = 2 * slice_rows * 8 * 8 * 2          # two Linear(8, 8) per stage, 2 FLOPs per MAC
-    assert cost.compute(Instr("F", region=0)) == pytest.approx(flops / 0.5e9)
+    assert cost.compute(Instr("F", region=0)) == pytest.approx(flops / 0.5e9)   # fp32 peak
     assert cost.compute(Instr("B", region=0)) == pytest.approx(2 * flops / 0.5e9)
     send = next(i for i in plan[0].instrs if i.kind == "SEND")
     nbytes = message_bytes(plan, send)
