@@ -1,4 +1,4 @@
-"""Small example models shipped for notebooks and tests: MLP, TinyGPT, TinyMoE, and
+"""Small example models shipped for notebooks and tests: MLP, TinyGPT, Llama, TinyMoE, and
 StageGraph (stages forming a DAG: skips, ties, frozen layers, buffers, shared modules).
 
 Each has `example_batch(batch_size, seed)`, a traceable `loss_fn(output, targets)` that is a
@@ -8,7 +8,8 @@ top-level children (`layers`, or `embed`/`blocks`/`head`) are the natural annota
 
 from .gpt import TinyGPT
 from .graph import GraphSpec, StageGraph
+from .llama import Llama
 from .mlp import MLP
 from .moe import TinyMoE
 
-__all__ = ["MLP", "TinyGPT", "TinyMoE", "StageGraph", "GraphSpec"]
+__all__ = ["MLP", "TinyGPT", "Llama", "TinyMoE", "StageGraph", "GraphSpec"]

@@ -83,10 +83,11 @@ class Trace:
         return compare(self, other)
 
     # ---- drawing (viz/) ---------------------------------------------------------------
-    def figure(self, devices=None, memory: bool = True):
-        """A plotly figure: one row per device and stream, memory over time beneath."""
+    def figure(self, devices=None, memory: bool = True, group: bool = True):
+        """A plotly figure: one row per device (identical replicas share one row, with a
+        count, unless `group=False`) and stream, memory over time beneath."""
         from piper_nb.viz.timeline import timeline_figure
-        return timeline_figure(self, devices=devices, memory=memory)
+        return timeline_figure(self, devices=devices, memory=memory, group=group)
 
     def to_chrome_trace(self, path=None) -> dict:
         """Chrome trace JSON (opens in Perfetto); written to `path` when given."""

@@ -11,12 +11,13 @@ id back. Graphviz names stay `n0, n1, ...` because DAG ids may hold `:` (a port 
 from __future__ import annotations
 
 import html
-from collections import defaultdict
+from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 
 from piper_nb.ir.filters import tags_text
 from piper_nb.ir.kinds import COMM, P2P
-from piper_nb.viz.dag import STYLE
+from piper_nb.viz.dag import STYLE, auto_collapse, stage_label
+from piper_nb.viz.replicas import group_label
 
 __all__ = ["DagGroups", "dag_groups", "draw_groups", "dag_svg", "node_details", "MAX_NODES"]
 
@@ -33,15 +34,22 @@ class DagGroups:
 
 def _group_key(n, collapse: frozenset[str]) -> tuple:
     kept = tuple((k, v) for k, v in n.tags if k not in collapse)
-    extra = (n.attr("grad"), n.attr("bucket"), n.attr("purpose"), n.attr("src_region"),
+    if "PASS" in collapse:                 # one node per stage
+        return ("stage", kept, n.devices)
+    bucket = None if "bucket" in collapse else n.attr("bucket")
+    extra = (n.attr("grad"), bucket, n.attr("purpose"), n.attr("src_region"),
              n.attr("dst_region")) if n.op in COMM else ()
     return (n.op.value, kept, n.devices, n.stream, extra)
 
 
 def dag_groups(dag, collapse: str | tuple[str, ...] = "auto") -> DagGroups:
-    """Group the DAG's nodes; `collapse` is "auto", "none", a tag name or a tuple of them."""
+    """Group the DAG's nodes; `collapse` is "auto", "none", a tag name or a tuple of them
+    ("bucket" merges a stage's collectives over its buckets, "PASS" a stage's passes and
+    messages into one node). "auto" collapses microbatches beyond MAX_NODES nodes, then
+    buckets and passes while more than `viz.dag.READABLE` remain (an 80-layer model's plan
+    opens as one node per stage)."""
     if collapse == "auto":
-        collapse = ("MB",) if len(dag.nodes) > MAX_NODES else ()
+        collapse = auto_collapse(dag, MAX_NODES, _group_key)
     elif collapse in ("none", "", None):
         collapse = ()
     elif isinstance(collapse, str):
@@ -69,14 +77,14 @@ def _label(n, collapse: tuple[str, ...], count: int) -> str:
     if n.attr("grad") is not None and n.op in P2P:
         text += " grad" if n.attr("grad") else " act"
     elif n.op in COMM and n.attr("bucket") is not None:
-        text += f" b{n.attr('bucket')}"
+        text += " buckets" if "bucket" in collapse else f" b{n.attr('bucket')}"
     return text + (f" x{count}" if count > 1 else "")
 
 
 def draw_groups(dag, groups: DagGroups, rankdir: str = "LR"):
     """A `graphviz.Digraph`: one cluster per device set, temporal edges dashed."""
     import graphviz
-    g = graphviz.Digraph("dag", graph_attr={"rankdir": rankdir, "fontsize": "10"},
+    g = graphviz.Digraph("dag", graph_attr={"rankdir": rankdir, "fontsize": "10", "size": "14,9"},
                          node_attr={"fontsize": "9", "style": "filled", "fontname": "Helvetica"},
                          edge_attr={"arrowsize": "0.6"})
     names = {gid: f"n{i}" for i, gid in enumerate(groups.members)}
@@ -85,15 +93,20 @@ def draw_groups(dag, groups: DagGroups, rankdir: str = "LR"):
         by_devices[dag[gid].devices].append(gid)
     for devs, gids in sorted(by_devices.items()):
         label = "unplaced" if not devs else (
-            f"device {devs[0]}" if len(devs) == 1 else "devices " + ",".join(map(str, devs)))
+            f"device {devs[0]}" if len(devs) == 1 else group_label(devs))
         cname = "cluster_" + ("_".join(map(str, devs)) or "none")
         with g.subgraph(name=cname, graph_attr={"label": label, "style": "rounded",
                                                 "color": "#888888"}) as sub:
             for gid in gids:
-                n = dag[gid]
-                shape, color = STYLE.get(n.op.value, ("ellipse", "#ffffff"))
-                sub.node(names[gid], _label(n, groups.collapse, len(groups.members[gid])),
-                         shape=shape, fillcolor=color, id=gid, tooltip=gid)
+                n, members = dag[gid], groups.members[gid]
+                if "PASS" in groups.collapse:
+                    ops = Counter(dag[m].op.value for m in members)
+                    kept = [(k, v) for k, v in n.tags if k not in groups.collapse]
+                    label, (shape, color) = stage_label(kept, ops), STYLE["stage"]
+                else:
+                    label = _label(n, groups.collapse, len(members))
+                    shape, color = STYLE.get(n.op.value, ("ellipse", "#ffffff"))
+                sub.node(names[gid], label, shape=shape, fillcolor=color, id=gid, tooltip=gid)
     for (a, b, kind), count in groups.edges.items():
         attrs = {"style": "dashed", "color": "#999999"} if kind == "temporal" else {}
         if count > 1:

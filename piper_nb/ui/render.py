@@ -15,16 +15,10 @@ import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
 from piper_nb.ui.compute import Outcome, Problem
+from piper_nb.viz.units import bytes_scale, bytes_text, time_scale, time_text
 
 __all__ = ["summary_html", "grid_html", "problems_html", "memory_figure", "placeholder_figure",
            "loss_figure", "timeline_figure", "comparison_figure", "bytes_text"]
-
-
-def bytes_text(n: float) -> str:
-    for div, name in ((2**30, "GiB"), (2**20, "MiB"), (2**10, "KiB")):
-        if n >= div:
-            return f"{n / div:.3g} {name}"
-    return f"{n:.0f} B"
 
 
 def summary_html(outcome: Outcome, refresh_seconds: float | None = None) -> str:
@@ -33,7 +27,7 @@ def summary_html(outcome: Outcome, refresh_seconds: float | None = None) -> str:
     if outcome.trace is not None:
         tr = outcome.trace
         peak = max(tr.peak_memory.values(), default=0)
-        parts += [f"step <b>{tr.step_time:.4g}</b> {tr.unit}",
+        parts += [f"step <b>{time_text(tr.step_time, tr.unit)}</b>",
                   f"bubble <b>{tr.bubble_fraction():.0%}</b>",
                   f"peak memory <b>{bytes_text(peak)}</b>",
                   f"{outcome.plan.world} devices x {outcome.plan.microbatches} microbatches"]
@@ -75,11 +69,13 @@ def placeholder_figure(message: str, height: int = 260) -> go.Figure:
     return fig
 
 
-def timeline_figure(trace, title: str | None = None) -> go.Figure:
-    """The trace's timeline without the memory strip (the Memory tab has it)."""
+def timeline_figure(trace, title: str | None = None, group: bool = True) -> go.Figure:
+    """The trace's timeline without the memory strip (the Memory tab has it); identical
+    replicas share a row when `group`."""
+    from piper_nb.viz.timeline import timeline_figure as draw
     if trace is None:
         return placeholder_figure("no timeline: see Problems")
-    fig = trace.figure(memory=False)
+    fig = draw(trace, memory=False, group=group)
     if title:
         fig.update_layout(title=f"{title}: {fig.layout.title.text}")
     return fig
@@ -90,9 +86,8 @@ def memory_figure(trace) -> go.Figure:
     if trace is None or not trace.memory:
         return placeholder_figure("no memory trace: see Problems")
     peaks = trace.peak_memory
-    top = max(peaks.values(), default=1) or 1
-    div, unit = next(((d, n) for d, n in ((2**30, "GiB"), (2**20, "MiB"), (2**10, "KiB"))
-                      if top >= d), (1, "B"))
+    div, unit = bytes_scale(max(peaks.values(), default=0))
+    factor, tname = time_scale(trace.step_time, trace.unit)
     fig = make_subplots(rows=1, cols=2, column_widths=[0.3, 0.7],
                         subplot_titles=("peak per device", "over the step"))
     devs = sorted(peaks)
@@ -102,30 +97,40 @@ def memory_figure(trace) -> go.Figure:
     series: dict[int, tuple[list, list]] = {}
     for m in sorted(trace.memory, key=lambda m: (m.device, m.time)):
         t, v = series.setdefault(m.device, ([], []))
-        t.append(m.time)
+        t.append(m.time * factor)
         v.append(m.total / div)
     for d, (t, v) in series.items():
         fig.add_trace(go.Scatter(x=t, y=v, mode="lines", line_shape="hv", name=f"dev{d}",
                                  hovertemplate=f"dev{d}: %{{y:.4g}} {unit}<extra></extra>"),
                       row=1, col=2)
     fig.update_yaxes(title_text=f"memory ({unit})", row=1, col=1)
-    fig.update_xaxes(title_text=f"time ({trace.unit})", row=1, col=2)
-    fig.update_layout(height=340, title=f"memory, {trace.source}", legend={"orientation": "h"})
+    fig.update_yaxes(title_text=f"memory ({unit})", row=1, col=2)
+    fig.update_xaxes(title_text=f"time ({tname})", row=1, col=2)
+    fig.update_layout(height=340, title=f"{trace.source.capitalize()} memory: peak "
+                      f"{bytes_text(max(peaks.values(), default=0))}")
     return fig
 
 
 def loss_figure(losses: list[float], reference: list[float] | None = None,
-                steps: int | None = None) -> go.Figure:
-    """The launch's loss per step beside the single-process reference."""
+                steps: int | None = None, lrs: list[float] | None = None) -> go.Figure:
+    """The launch's loss per step beside the single-process reference, and the learning
+    rate each step used (right axis)."""
     fig = go.Figure()
     fig.add_trace(go.Scatter(x=list(range(1, len(losses) + 1)), y=list(losses),
                              mode="lines+markers", name="piper_nb"))
-    if reference is not None:
-        fig.add_trace(go.Scatter(x=list(range(1, len(reference) + 1)), y=list(reference),
-                                 mode="lines", name="reference", line={"dash": "dash"}))
+    fig.add_trace(go.Scatter(x=list(range(1, len(reference or []) + 1)), y=list(reference or []),
+                             mode="lines", name="reference", line={"dash": "dash"}))
+    fig.add_trace(go.Scatter(x=list(range(1, len(lrs or []) + 1)), y=list(lrs or []),
+                             mode="lines", name="learning rate", yaxis="y2",
+                             line={"color": "#999", "width": 1}))
     xrange = [0.5, (steps or max(len(losses), 1)) + 0.5]
-    fig.update_layout(height=280, title="loss per step", xaxis={"title": "step", "range": xrange, "dtick": 1},
-                      yaxis={"title": "loss"}, legend={"orientation": "h"})
+    fig.update_layout(height=280, title="Loss and learning rate per step",
+                      xaxis={"title": "step", "range": xrange, "dtick": 1},
+                      yaxis={"title": "loss"},
+                      yaxis2={"title": "learning rate", "overlaying": "y", "side": "right",
+                              "showgrid": False, "rangemode": "tozero"},
+                      legend={"orientation": "h", "x": 1, "xanchor": "right", "y": 1.02,
+                              "yanchor": "bottom"})
     return fig
 
 
@@ -136,26 +141,27 @@ def comparison_figure(predicted, measured) -> go.Figure:
         return placeholder_figure("predicted and measured timelines appear after a launch")
     sides = [timeline_data(predicted), timeline_data(measured)]
     fig = make_subplots(rows=1, cols=2, horizontal_spacing=0.1, subplot_titles=(
-        f"predicted: step {predicted.step_time:.4g} {predicted.unit}",
-        f"measured: step {measured.step_time * 1000:.3g} ms" if measured.unit == "s"
-        else f"measured: step {measured.step_time:.4g} {measured.unit}"))
+        f"predicted: step {time_text(predicted.step_time, predicted.unit)}",
+        f"measured: step {time_text(measured.step_time, measured.unit)}"))
     shown: set[str] = set()
     for col, data in enumerate(sides, start=1):
-        scale = 1000.0 if data.unit == "s" and col == 2 else 1.0
+        scale, tname = data.time
         for kind, bars in data.bars.items():
             fig.add_trace(go.Bar(
                 orientation="h", name=kind, legendgroup=kind, showlegend=kind not in shown,
                 marker_color=COLORS.get(kind, "#999999"), y=[b["row"] for b in bars],
                 x=[b["duration"] * scale for b in bars], base=[b["start"] * scale for b in bars],
                 width=[b["width"] for b in bars], offset=[b["offset"] for b in bars],
+                text=[b["text"] for b in bars], textposition="inside", textangle=0,
                 customdata=[[b["label"]] for b in bars],
-                hovertemplate="%{customdata[0]}: %{base:.4g} + %{x:.4g}<extra></extra>"),
+                hovertemplate=("%{customdata[0]}: start %{base:.4g} " + tname + ", takes "
+                               "%{x:.4g} " + tname + "<extra></extra>")),
                 row=1, col=col)
             shown.add(kind)
         fig.update_yaxes(type="category", categoryorder="array",
                          categoryarray=list(reversed(data.rows)), row=1, col=col)
-        fig.update_xaxes(title_text="ms" if scale != 1.0 else data.unit, row=1, col=col)
+        fig.update_xaxes(title_text=f"time ({tname})", row=1, col=col)
     rows = max(len(d.rows) for d in sides)
     fig.update_layout(barmode="overlay", bargap=0.1, height=200 + 22 * rows,
-                      legend={"orientation": "h", "y": -0.2}, margin={"l": 90, "r": 20})
+                      uniformtext={"minsize": 8, "mode": "hide"}, margin={"l": 90, "r": 20})
     return fig

@@ -6,7 +6,8 @@ them (the SVG and the details of the selected node, FigureWidget traces and layo
 values, tab titles), so the page never re-creates a view and plotly keeps its zoom
 controls. The drawn views (DAG, Timeline, Memory) are drawn when their tab is shown: a
 refresh redraws the visible one and marks the others stale (`lazy=False` draws all), which
-keeps an edit's redraw fast and never draws plotly into a hidden tab. The DAG view's
+keeps an edit's redraw fast and never draws plotly into a hidden tab. The *group replicas*
+box draws identical data-parallel replicas on one timeline row (or every device). The DAG view's
 `selected` trait (set by a click in the browser, or by a test) drives the node details.
 """
 
@@ -47,6 +48,9 @@ class ViewsPanel:
         self.cost = W.Dropdown(options=list(COST_MODELS.items()), value="uniform",
                                description="cost model", layout=W.Layout(width="290px"),
                                style={"description_width": "initial"})
+        self.group = W.Checkbox(value=True, description="group replicas", indent=False,
+                                layout=W.Layout(width="140px"))
+        self.group.observe(self._regroup, names=["value"])
         self.collapse.observe(lambda c: on_option("collapse", c["new"]), names=["value"])
         self.cost.observe(lambda c: on_option("cost", c["new"]), names=["value"])
         # DAG
@@ -71,7 +75,8 @@ class ViewsPanel:
             run_widget if run_widget is not None else W.HTML("no launcher")])
         self.tabs.titles = TABS
         self.tabs.observe(lambda _: self._draw_visible(), names=["selected_index"])
-        self.widget = W.VBox([W.HBox([self.status]), W.HBox([self.collapse, self.cost]), self.tabs])
+        self.widget = W.VBox([W.HBox([self.status]),
+                              W.HBox([self.collapse, self.cost, self.group]), self.tabs])
 
     # ---- DAG --------------------------------------------------------------------------
     def _selected(self, change) -> None:
@@ -128,10 +133,15 @@ class ViewsPanel:
         if name == "DAG":
             self._show_dag(plan.dag if plan is not None else None, self._state.collapse)
         elif name == "Timeline":
-            replace_figure(self.timeline, timeline_figure(trace, "predicted"))
+            replace_figure(self.timeline, timeline_figure(trace, "predicted", self.group.value))
             self.timeline_info.value = _bubbles(trace)
         elif name == "Memory":
             replace_figure(self.memory, memory_figure(trace))
+
+    def _regroup(self, _change) -> None:
+        """The *group replicas* box: identical replicas on one row, or every device."""
+        self.stale.add("Timeline")
+        self._draw_visible()
 
     def set_status(self, outcome: Outcome, refresh_seconds: float | None = None) -> None:
         self.status.value = summary_html(outcome, refresh_seconds)

@@ -48,7 +48,7 @@ def test_opens_on_a_compiling_two_stage_1f1b(designer):
     show(designer, "Memory")
     assert bars(designer.views.timeline) > 0 and len(designer.views.memory.data) == 3
     assert designer.views.stale == set()
-    assert "0F0" in designer.views.grid.value and "1B3" in designer.views.grid.value
+    assert "r0:F0" in designer.views.grid.value and "r1:B3" in designer.views.grid.value
     assert "plan checked" in designer.views.status.value
     assert designer.last_refresh_seconds > 0
     assert [r.op for r in designer.directives.rows] == ["place", "place", "schedule"]
@@ -228,6 +228,7 @@ def test_launch_trains_and_matches_the_reference(gpt):
         assert run.progress.value == 2 and "done" in run.status.value
         assert run.result.losses == pytest.approx(run.reference.losses, rel=1e-5, abs=4e-5)
         assert list(run.loss.data[0].y) == pytest.approx(run.result.losses)
+        assert list(run.loss.data[2].y) == pytest.approx(run.result.lrs)   # learning rate
         halves = {t.xaxis for t in run.timelines.data if t.type == "bar"}
         assert halves == {"x", "x2"} and bars(run.timelines) > 0     # predicted | measured
     finally:

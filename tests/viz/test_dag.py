@@ -48,3 +48,14 @@ def test_large_dags_collapse_by_themselves_and_say_what_is_hidden():
     capped = dag_view(dag, collapse=(), max_nodes=5)
     assert len(capped.nodes) == 5 and capped.hidden == len(dag.nodes) - 5
     assert "more nodes" in dag_to_graphviz(dag, collapse=(), max_nodes=5).source
+
+
+def test_a_dag_too_big_for_microbatch_merging_opens_as_one_node_per_stage():
+    dag = plan_dp_pp().dag
+    view = dag_view(dag, max_nodes=8)          # merging microbatches leaves more than 8
+    assert view.collapse == ("MB", "PASS", "bucket")
+    labels = sorted(v["label"] for v in view.nodes.values())
+    assert len(labels) == 2 and labels[0].startswith("PP=0\nF x4, B x4, U\n")
+    assert "RS" in labels[0] and "SEND x4" in labels[0]
+    assert {v["devices"] for v in view.nodes.values()} == {(0, 2), (1, 3)}
+    assert sum(view.edges.values()) > 0 and not any(a == b for a, b, _ in view.edges)

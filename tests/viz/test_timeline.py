@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import plotly.graph_objects as go
+import pytest
 
 import piper_nb as pn
 from piper_nb.sim import CostModel, simulate
-from piper_nb.viz.timeline import timeline_data
+from piper_nb.viz.replicas import group_label
+from piper_nb.viz.timeline import timeline_data, timeline_figure
+from piper_nb.viz.units import bytes_scale, bytes_text, time_text
 
 
 def trace_of(schedule, ranks, stages, microbatches):
@@ -28,7 +31,8 @@ def test_one_row_per_device_and_stream_and_a_memory_subplot():
     assert {t.name for t in bars} == {e.kind for e in trace.events}
     assert sum(len(t.x) for t in bars) == len(trace.events)
     assert {t.yaxis for t in fig.data if isinstance(t, go.Scatter)} == {"y2"}
-    assert "microbatch" in bars[0].hovertemplate
+    assert all(c[1].startswith("microbatch") for c in bars[0].customdata)
+    assert "%{customdata[0]}" in bars[0].hovertemplate        # the instruction's text
 
 
 def test_overlapped_f_and_b_share_their_slot_as_half_bars():
@@ -44,3 +48,72 @@ def test_devices_can_be_selected_and_memory_left_out():
     fig = trace.figure(devices=[1, 2], memory=False)
     assert {r.split()[0] for r in fig.layout.yaxis.categoryarray} == {"dev1", "dev2"}
     assert not any(isinstance(t, go.Scatter) for t in fig.data)
+
+
+def plan_pp2_dp2(schedule=pn.schedules.one_f_one_b, stages=2, **kw):
+    """PP 2 x DP 2: stage s on devices s and s + 2 (ranks of a 2-rank schedule)."""
+    model = pn.models.MLP(dim=8, depth=8)
+    spec = pn.annotate(model, pn.cut_stages(model, stages))
+    program = [*schedule(ranks=2, microbatches=4, **kw)]
+    rank = {s: s % 2 for s in range(stages)} if schedule is not pn.schedules.dualpipev \
+        else {0: 0, 1: 1, 2: 1, 3: 0}
+    for s in range(stages):
+        devices = [rank[s], rank[s] + 2]
+        program += [pn.place({"PP": s}, devices), pn.replicate({"PP": s}, devices, zero=1)]
+    return pn.compile(spec, program, model.example_batch(batch_size=16, seed=0))
+
+
+def test_identical_replicas_share_a_row_and_buttons_expand_them():
+    trace = simulate(plan_pp2_dp2(), CostModel.uniform(F=1, B=2, W=1, comm=0.25))
+    data = timeline_data(trace)
+    assert [g.devices for g in data.groups] == [(0, 2), (1, 3)]
+    assert data.rows[0] == "devices 0,2 (x2) compute"
+    assert set(data.memory) == {"devices 0,2 (x2)", "devices 1,3 (x2)"}
+    assert sum(len(b) for b in data.bars.values()) == sum(e.device in (0, 1)
+                                                          for e in trace.events)
+    every = timeline_data(trace, group=False)
+    assert [g.devices for g in every.groups] == [(0,), (1,), (2,), (3,)]
+    fig = timeline_figure(trace)
+    (menu,) = fig.layout.updatemenus
+    grouped, expanded = (b.args for b in menu.buttons)
+    assert [b.label for b in menu.buttons] == ["replicas grouped", "every device"]
+    assert expanded[1]["yaxis.categoryarray"][-1] == "dev0 compute"
+    shown = [t for t, v in zip(fig.data, grouped[0]["visible"], strict=True) if v]
+    assert {t.y[0].split(" (")[0] for t in shown if isinstance(t, go.Bar)} <= {
+        "devices 0,2", "devices 1,3"}
+    assert not any(t.visible is False for t in shown)
+    assert group_label(tuple(range(0, 128, 8))) == "devices 0,8,16,...,120 (x16)"
+
+
+def test_bars_carry_their_microbatch_and_chunk_and_the_instruction_on_hover():
+    onefb = trace_of(pn.schedules.one_f_one_b, 2, 2, 4)
+    fb = timeline_data(onefb).bars["F"]
+    assert [b["text"] for b in fb if b["row"] == "dev0 compute"] == ["0", "1", "2", "3"]
+    assert [b["label"] for b in fb if b["row"] == "dev0 compute"] == [
+        e.label for e in onefb.events if e.device == 0 and e.kind == "F"]
+    inter = timeline_data(trace_of(lambda **k: pn.schedules.interleaved_1f1b(chunks=2, **k),
+                                   2, 4, 4))
+    texts = {b["text"] for b in inter.bars["F"] if b["row"] == "dev1 compute"}
+    assert texts == {f"{m}c{c}" for m in range(4) for c in range(2)}
+    assert any(b["words"].startswith("microbatch 2, chunk 1, region 3") for b in inter.bars["F"])
+    both = timeline_data(trace_of(pn.schedules.dualpipe, 4, 4, 8)).bars["F"]
+    arrows = {b["text"][-1] for b in both}
+    assert arrows == {"\u2193", "\u2191"}
+    assert {b["text"] for b in both if b["text"].startswith("0")} == {"0\u2193"}
+
+
+def test_units_read_as_english_and_the_legend_clears_the_axis_titles():
+    trace = trace_of(pn.schedules.one_f_one_b, 2, 2, 4)
+    fig = trace.figure()
+    assert fig.layout.title.text.startswith(f"Simulated timeline: step {trace.step_time:g} units")
+    assert fig.layout.xaxis2.title.text == "time (units)"
+    peak = max(trace.peak_memory.values())
+    div, unit = bytes_scale(peak)
+    assert fig.layout.yaxis2.title.text == f"memory ({unit})"
+    mem = [t for t in fig.data if isinstance(t, go.Scatter)]
+    assert max(max(t.y) for t in mem) == pytest.approx(peak / div)
+    assert all(unit in t.hovertemplate for t in mem)
+    assert fig.layout.legend.orientation in (None, "v")     # on the right, off both axes
+    assert time_text(0.0123, "s") == "12.3 ms" and time_text(20.3, "s") == "20.3 s"
+    assert time_text(1, "unit") == "1 unit" and bytes_text(3 * 2**30) == "3 GiB"
+    assert bytes_scale(5 * 2**20) == (2**20, "MiB") and bytes_scale(100) == (1, "B")
