@@ -6,7 +6,7 @@ Tag regions of a model (`annotate`), write a program of directives (`place`, `re
 """
 
 from piper_nb import models, optim, profile, schedules
-from piper_nb.capture import annotate, cut_stages, region
+from piper_nb.capture import annotate, cut_stages, expert_slices, pipeline_units, region
 from piper_nb.cluster import IPyParallelCluster, LocalCluster
 from piper_nb.compiler.compile import compile
 from piper_nb.compiler.plan import DevicePlan, Instr, Plan
@@ -14,15 +14,20 @@ from piper_nb.directives.spec import Program, order, place, recompute, replicate
 from piper_nb.errors import PlanError, RuntimeFailure, WorkerLost
 from piper_nb.ir.dag import Edge, Node, Op, TrainingDAG
 from piper_nb.ir.validate import validate
+from piper_nb.metrics import StepMetrics
 from piper_nb.sim import CostModel, HardwareSpec, HostModel, MemorySettings, Trace, simulate
+from piper_nb.sim.memory import MIXED_PRECISION_ADAM, device_model_states, zero_model_states
 from piper_nb.train import Result, reference_train, train
 
-__all__ = ["annotate", "cut_stages", "region", "compile", "Plan", "DevicePlan", "Instr",
-           "Program", "place", "replicate", "shard", "split", "order", "recompute", "PlanError",
+__all__ = ["annotate", "cut_stages", "expert_slices", "region", "compile", "Plan", "DevicePlan",
+           "Instr", "Program", "place", "replicate", "shard", "split", "order", "recompute", "PlanError",
            "RuntimeFailure", "WorkerLost", "TrainingDAG", "Node", "Edge", "Op", "validate",
            "models", "schedules", "CostModel", "HostModel", "HardwareSpec", "MemorySettings",
            "Trace", "simulate", "train", "reference_train", "LocalCluster", "IPyParallelCluster",
-           "optim", "Result", "Designer", "profile"]
+           "optim", "Result", "StepMetrics", "Designer", "profile",
+           # the memory model's accounting, for tutorials that check it against the ZeRO paper
+           "device_model_states", "zero_model_states", "MIXED_PRECISION_ADAM",
+           "pipeline_units"]
 
 
 def __getattr__(name: str):
