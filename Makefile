@@ -5,7 +5,7 @@ BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
 SYSDEPS := $(VENV)/.sysdeps
 
-.PHONY: test demo lab lint bench fuzz gpu-check clean
+.PHONY: test demo lab lint docs bench fuzz gpu-check clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -34,6 +34,11 @@ demo: $(STAMP) $(SYSDEPS)
 lab: $(STAMP) $(SYSDEPS)
 	$(BIN)/jupyter lab --ip 127.0.0.1 --no-browser $$( [ "$$(id -u)" = 0 ] && echo --allow-root ) notebooks
 
+# the documentation site into docs/_build/html (warnings are errors); the notebooks are
+# pages with their stored outputs, never executed here
+docs: $(STAMP) $(SYSDEPS)
+	$(BIN)/python -m sphinx -W --keep-going -b html docs docs/_build/html
+
 lint: $(STAMP)
 	$(BIN)/ruff check piper_nb tests benchmarks
 
@@ -51,4 +56,4 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/bench_compile.py
 
 clean:
-	rm -rf $(VENV) build dist *.egg-info
+	rm -rf $(VENV) build dist *.egg-info docs/_build docs/notebooks docs/_static/figures
