@@ -172,14 +172,16 @@ def test_ctrl_c_stops_the_run_and_keeps_the_cluster(cluster, setup, slow, grace,
 
     def ctrl_c():   # a real SIGINT, sent while the driver waits on a step
         time.sleep(1.0)
-        while not spy.inside.wait(0.01):
-            pass
+        spy.inside.wait(60.0)
         sent.append(time.monotonic())
         os.kill(os.getpid(), signal.SIGINT)
+
+    def unstopped(step, steps, metrics):   # a bound, so a lost Ctrl-C fails instead of hanging
+        assert step < 500, f"Ctrl-C sent at {sent} did not stop the run"
     threading.Thread(target=ctrl_c, daemon=True).start()
     try:
         with pytest.raises(KeyboardInterrupt):
-            train(plan, batch, LONG, optim.SGD(0.1), cluster=cluster)
+            train(plan, batch, LONG, optim.SGD(0.1), cluster=cluster, progress=unstopped)
     finally:
         cluster.grace = 10.0
     assert time.monotonic() - sent[0] < grace + 5
