@@ -23,13 +23,9 @@ $(STAMP): pyproject.toml | $(BIN)/python
 	$(BIN)/pip install -q -e ".[test]"
 	@touch $@
 
-# the ipyparallel tests run in a process of their own: their Ctrl-C tests (a real SIGINT)
-# fail when the whole suite shares one process, for a cause not found yet; they pass on
-# their own and after any smaller mix tried
 test: $(STAMP) $(SYSDEPS)
 	$(BIN)/ruff check piper_nb tests benchmarks
-	$(BIN)/python -m pytest -q -p no:cacheprovider tests --ignore=tests/cluster/test_ipp.py
-	$(BIN)/python -m pytest -q -p no:cacheprovider tests/cluster/test_ipp.py
+	$(BIN)/python -m pytest -q -p no:cacheprovider tests
 	$(BIN)/python -m pytest -q -p no:cacheprovider --nbval-lax --nbval-current-env --nbval-cell-timeout=300 notebooks
 
 demo: $(STAMP) $(SYSDEPS)

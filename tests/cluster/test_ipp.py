@@ -178,12 +178,15 @@ def test_ctrl_c_stops_the_run_and_keeps_the_cluster(cluster, setup, slow, grace,
 
     def unstopped(step, steps, metrics):   # a bound, so a lost Ctrl-C fails instead of hanging
         assert step < 500, f"Ctrl-C sent at {sent} did not stop the run"
+    # a shell's background job ignores SIGINT, and Python keeps that: Ctrl-C must raise here
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     threading.Thread(target=ctrl_c, daemon=True).start()
     try:
         with pytest.raises(KeyboardInterrupt):
             train(plan, batch, LONG, optim.SGD(0.1), cluster=cluster, progress=unstopped)
     finally:
         cluster.grace = 10.0
+        signal.signal(signal.SIGINT, previous)
     assert time.monotonic() - sent[0] < grace + 5
     # within the grace the step finishes and the workers stay; without, they are killed
     assert cluster.running == (grace > 0)
