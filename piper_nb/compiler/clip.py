@@ -21,6 +21,7 @@ import dataclasses
 import functools
 import math
 
+from piper_nb.compiler.checks import check_plan
 from piper_nb.compiler.plan import DevicePlan, Instr, Plan, StampedDevicePlan
 from piper_nb.errors import PlanError
 from piper_nb.ir.kinds import Op
@@ -47,7 +48,6 @@ def with_grad_clipping(plan: Plan, max_norm: float | None) -> Plan:
         return plan if plan.clip_grad_norm == max_norm else \
             dataclasses.replace(plan, clip_grad_norm=float(max_norm))
     out = dataclasses.replace(plan, devices=_rewrite_all(plan), clip_grad_norm=float(max_norm))
-    from piper_nb.compiler.checks import check_plan
     check_plan(out)
     return out
 

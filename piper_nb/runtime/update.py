@@ -78,15 +78,13 @@ class Updater:
         with torch.no_grad():
             for (_, _, t, _), (_, _, m, _) in zip(items, masters, strict=True):
                 t.copy_(m)
-            for _, _, t, _ in items:
-                t.grad = None
 
     def _step(self, items: list[tuple]) -> None:
         groups, state = self.opt.param_groups, self.store.state
         for key, g, t, grad in items:
             if self.coef is not None:
                 grad.mul_(self.coef.to(grad.dtype))
-            if t is not grad and t.grad is not grad:
+            if t.grad is not grad:
                 t.grad = grad
             groups[min(g, len(groups) - 1)]["params"].append(t)
             self.opt.state[t] = state.setdefault(key, {})

@@ -265,8 +265,7 @@ class Worker(ComputePasses):
         """Bucket b's gradients as one flat buffer in the plan's reduction dtype."""
         flat = self.store.flat_grads(b)
         want = self.plan.reduce_dtype
-        return flat if want is None or str(flat.dtype) == f"torch.{want}" else \
-            flat.to(getattr(torch, want))
+        return flat if want is None else flat.to(getattr(torch, want))   # no copy if same
 
     def _wait(self, ins) -> None:
         p = self.pending.pop(ins.target)
