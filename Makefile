@@ -5,7 +5,7 @@ BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
 SYSDEPS := $(VENV)/.sysdeps
 
-.PHONY: test demo lab lint docs bench fuzz gpu-check clean
+.PHONY: test demo lab lint docs screenshots bench fuzz gpu-check clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -38,6 +38,15 @@ lab: $(STAMP) $(SYSDEPS)
 # pages with their stored outputs, never executed here
 docs: $(STAMP) $(SYSDEPS)
 	$(BIN)/python -m sphinx -W --keep-going -b html docs docs/_build/html
+
+# the Designer's screenshot the docs show: the browser test saves a fresh one into the ignored
+# artifacts/screenshots/ (tests never rewrite tracked files); this copies it over the
+# committed docs/_static/designer.png
+screenshots: $(STAMP) $(SYSDEPS)
+	rm -f artifacts/screenshots/designer.png
+	$(BIN)/python -m pytest -q -p no:cacheprovider -rs tests/ui/test_browser.py
+	@test -f artifacts/screenshots/designer.png || { echo "no screenshot: the browser test was skipped (above)"; exit 1; }
+	cp artifacts/screenshots/designer.png docs/_static/designer.png
 
 lint: $(STAMP)
 	$(BIN)/ruff check piper_nb tests benchmarks

@@ -8,8 +8,11 @@ of output rewritten so that myst-nb can show them:
   plotly.js (interactive), a `<noscript>` copy of the figure as a PNG and a link to that PNG
   (the static image beside it). The PNGs are rendered by kaleido driving the system chromium,
   all in one browser session, and cached by the figure's content in `docs/_static/figures/`.
-- a widget (the Designer) becomes the screenshot the browser test saves in
-  `docs/_static/designer.png`, or a note saying where it comes from when it is not there yet.
+- a Designer output becomes the screenshot in `docs/_static/designer.png` (committed;
+  `make screenshots` refreshes it from the browser test), or a note saying where it comes
+  from when it is not there. The notebooks are stored without widget state
+  (tools/strip_notebooks.py), so that output is the Designer's `text/plain` repr
+  (`Designer(...)`); a widget view left in a notebook is shown as the screenshot too.
 
 `{designer-screenshot}` is the directive pages use to show that screenshot with a caption;
 plotly.js (shipped in the plotly package) is copied next to the pages and loaded by those
@@ -22,6 +25,7 @@ import copy
 import hashlib
 import html
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -34,6 +38,7 @@ from sphinx.util.docutils import SphinxDirective
 LOG = logging.getLogger(__name__)
 PLOTLY_MIME = "application/vnd.plotly.v1+json"
 WIDGET_MIME = "application/vnd.jupyter.widget-view+json"
+DESIGNER_REPR = re.compile(r"Designer\(.*\)")   # piper_nb.Designer.__repr__
 SCREENSHOT = "_static/designer.png"
 SCREENSHOT_CAPTION = ("The Designer in JupyterLab: directives on the left, the DAG of the "
                       "compiled plan with one node selected and its details beside it. The "
@@ -72,7 +77,16 @@ def _screenshot_html(srcdir: Path) -> str:
                 f'<figcaption>{html.escape(SCREENSHOT_CAPTION)}</figcaption></figure>')
     return ("<p><em>The Designer is a live widget: open this notebook in JupyterLab to use "
             "it. A screenshot appears here once the browser test "
-            "(tests/ui/test_browser.py) has run.</em></p>")
+            "(tests/ui/test_browser.py, run by make screenshots) has taken one.</em></p>")
+
+
+def _is_designer(out: dict) -> bool:
+    """A cell's result that is a Designer stored without its widget: only its repr."""
+    data = out.get("data", {})
+    text = data.get("text/plain", "")
+    text = "".join(text) if isinstance(text, list) else text
+    return (out.get("output_type") in ("execute_result", "display_data")
+            and set(data) == {"text/plain"} and DESIGNER_REPR.fullmatch(text.strip()) is not None)
 
 
 def _stage(nb: dict, srcdir: Path, figures: dict[str, dict]) -> dict:
@@ -89,8 +103,8 @@ def _stage(nb: dict, srcdir: Path, figures: dict[str, dict]) -> dict:
                 count += 1
                 data["text/html"] = _figure_html(fig, f"pn-figure-{count}",
                                                  f"../_static/figures/{key}.png")
-            elif WIDGET_MIME in data:
-                data.pop(WIDGET_MIME)
+            elif WIDGET_MIME in data or _is_designer(out):
+                data.pop(WIDGET_MIME, None)
                 data["text/html"] = _screenshot_html(srcdir)
     nb.setdefault("metadata", {}).pop("widgets", None)
     return nb
@@ -166,7 +180,8 @@ class DesignerScreenshot(SphinxDirective):
     def run(self) -> list[nodes.Node]:
         if not (Path(self.env.srcdir) / SCREENSHOT).exists():
             note = nodes.paragraph(text="(The screenshot of the Designer appears here once the "
-                                        "browser test tests/ui/test_browser.py has run.)")
+                                        "browser test tests/ui/test_browser.py has taken one: "
+                                        "make screenshots.)")
             return [note]
         figure = nodes.figure(classes=["pn-screenshot"])
         figure += nodes.image(uri="/" + SCREENSHOT, alt="the Designer")

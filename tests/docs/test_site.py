@@ -24,7 +24,7 @@ CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking",
         "--disable-component-update", "--disable-sync", "--no-first-run"]
 PLOTLY = "application/vnd.plotly.v1+json"
-SCREENSHOT = ROOT / "docs" / "_static" / "designer.png"   # saved by tests/ui/test_browser.py
+SCREENSHOT = ROOT / "docs" / "_static" / "designer.png"   # committed; `make screenshots` refreshes it
 
 pytestmark = pytest.mark.timeout(600)
 

@@ -4,7 +4,9 @@ Opens a temp copy of notebooks/07_designer.ipynb, runs all cells from the Run me
 checks what only a browser can show: the DAG SVG and the plotly timeline render, typing a
 new microbatch count into the schedule row redraws the timeline, clicking a DAG node shows
 its details (the anywidget front end posts the id back), and a screenshot of the Designer is
-saved as docs/_static/designer.png, which the documentation site shows.
+saved as artifacts/screenshots/designer.png (git-ignored: a test never rewrites a tracked
+file). `make screenshots` runs this test and copies that screenshot over the committed
+docs/_static/designer.png, which the documentation site shows.
 """
 
 from __future__ import annotations
@@ -23,9 +25,11 @@ import pytest
 
 from piper_nb.host import free_port
 
-NOTEBOOK = Path(__file__).resolve().parents[2] / "notebooks" / "07_designer.ipynb"
-# the docs site shows this screenshot of the Designer (docs/_ext/pn_notebooks.py)
-SCREENSHOT = Path(__file__).resolve().parents[2] / "docs" / "_static" / "designer.png"
+ROOT = Path(__file__).resolve().parents[2]
+NOTEBOOK = ROOT / "notebooks" / "07_designer.ipynb"
+# the fresh screenshot of the Designer, in an ignored folder; `make screenshots` copies it to
+# docs/_static/designer.png, the committed copy the docs site shows (docs/_ext/pn_notebooks.py)
+SCREENSHOT = ROOT / "artifacts" / "screenshots" / "designer.png"
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking",
         "--disable-component-update", "--disable-sync", "--no-first-run"]
@@ -184,6 +188,7 @@ def test_designer_in_jupyterlab(lab, tmp_path):
             page.add_style_tag(content=".Toastify { display: none !important; }")
             page.locator(".pn-designer").first.screenshot(path=str(widget))
             assert widget.stat().st_size > 10_000
-            shutil.copyfile(widget, SCREENSHOT)   # for the docs site, once it is whole
+            SCREENSHOT.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(widget, SCREENSHOT)   # for `make screenshots`, once it is whole
         finally:
             browser.close()
