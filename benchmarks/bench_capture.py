@@ -47,7 +47,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import piper_nb as pn
-import piper_nb.capture.front as _front
+import piper_nb.capture.front_ends as _front
 
 _HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(_HERE))                                   # _peers (spawned ranks too)

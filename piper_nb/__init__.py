@@ -9,19 +9,23 @@ from piper_nb import models, optim, profile, schedules
 from piper_nb.capture import annotate, cut_stages, expert_slices, pipeline_units, region
 from piper_nb.cluster import IPyParallelCluster, LocalCluster
 from piper_nb.compiler.compile import compile
-from piper_nb.compiler.plan import DevicePlan, Instr, Plan
 from piper_nb.directives.spec import Program, order, place, recompute, replicate, shard, split
 from piper_nb.errors import PlanError, RuntimeFailure, WorkerLost
-from piper_nb.ir.dag import Edge, Node, Op, TrainingDAG
+from piper_nb.ir.dag import TrainingDAG
+from piper_nb.ir.kinds import Op, Purpose
+from piper_nb.ir.node import Edge, Node
 from piper_nb.ir.validate import validate
 from piper_nb.metrics import StepMetrics
-from piper_nb.sim import CostModel, HardwareSpec, HostModel, MemorySettings, Trace, simulate
+from piper_nb.plan.instr import Instr
+from piper_nb.plan.plan import DevicePlan, Plan
+from piper_nb.profile import CostModel, simulate
+from piper_nb.sim import HardwareSpec, HostModel, MemorySettings, Trace
 from piper_nb.sim.memory import MIXED_PRECISION_ADAM, device_model_states, zero_model_states
 from piper_nb.train import Result, reference_train, train
 
 __all__ = ["annotate", "cut_stages", "expert_slices", "region", "compile", "Plan", "DevicePlan",
            "Instr", "Program", "place", "replicate", "shard", "split", "order", "recompute", "PlanError",
-           "RuntimeFailure", "WorkerLost", "TrainingDAG", "Node", "Edge", "Op", "validate",
+           "RuntimeFailure", "WorkerLost", "TrainingDAG", "Node", "Edge", "Op", "Purpose", "validate",
            "models", "schedules", "CostModel", "HostModel", "HardwareSpec", "MemorySettings",
            "Trace", "simulate", "train", "reference_train", "LocalCluster", "IPyParallelCluster",
            "optim", "Result", "StepMetrics", "Designer", "profile",

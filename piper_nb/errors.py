@@ -3,11 +3,13 @@
 `PlanError` is raised before anything runs (bad annotations, directives, schedules);
 `RuntimeFailure` when a worker fails while running a plan; `WorkerLost` when a worker
 disappears. Messages name the directive index, tag, device or file involved.
+`InternalError` is piper_nb's own bug, never the user's (a registered directive that no
+compiler pass applies, say): it says so, and what to report.
 """
 
 from __future__ import annotations
 
-__all__ = ["PlanError", "RuntimeFailure", "WorkerLost"]
+__all__ = ["PlanError", "RuntimeFailure", "WorkerLost", "InternalError"]
 
 
 class PlanError(ValueError):
@@ -48,3 +50,10 @@ class RuntimeFailure(RuntimeError):
 
 class WorkerLost(RuntimeFailure):
     """A worker process or engine died or stopped answering."""
+
+
+class InternalError(RuntimeError):
+    """A bug in piper_nb, not in the user's program: please report it with the message."""
+
+    def __init__(self, message: str):
+        super().__init__(f"internal error in piper_nb (please report it): {message}")

@@ -6,6 +6,10 @@ benchmark and the pinning benchmark all use these, so they speak of the same pla
 strategy comes in two sizes: `"test"` (the default; steps of a few milliseconds, all
 overhead) and `"bench"` (the same plans over wider layers and bigger batches, so that a
 step is mostly compute, as in real training).
+
+It ships with the package, rather than living in `tests/`, because the benchmarks and the
+figures in `benchmarks/RESULTS.md` are built from it: a user reproduces them with
+`compile_strategy(name)` without a checkout of the tests.
 """
 
 from __future__ import annotations

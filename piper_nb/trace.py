@@ -7,10 +7,27 @@ either importing the other; `sim.trace.Trace` holds a step's worth of them.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import IntEnum
 
-__all__ = ["Event", "MemorySample", "MEMORY_KINDS"]
+__all__ = ["Event", "MemorySample", "Memory", "MEMORY_KINDS"]
 
-MEMORY_KINDS = ("params", "grads", "optim", "activations", "buffers")
+
+class Memory(IntEnum):
+    """The kinds of bytes a device holds: `MemorySample`'s fields, in order (`.field`)."""
+
+    PARAMS = 0
+    GRADS = 1
+    OPTIM = 2
+    ACTIVATIONS = 3
+    BUFFERS = 4
+
+    @property
+    def field(self) -> str:
+        """The `MemorySample` field that counts this kind (`params`, `grads`, ...)."""
+        return self.name.lower()
+
+
+MEMORY_KINDS = tuple(m.field for m in Memory)   # the field names, in Memory's order
 
 
 @dataclass(frozen=True, slots=True)

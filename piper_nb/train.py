@@ -20,10 +20,11 @@ from torch import nn
 
 from piper_nb.capture.batch import batch_size, named_batch, ordered, slice_batch
 from piper_nb.capture.loss import compute_loss, resolve_loss
-from piper_nb.compiler.precision import PRECISIONS, cast_batch, check_precision
+from piper_nb.compiler.precision import cast_batch, check_precision
 from piper_nb.errors import PlanError
 from piper_nb.metrics import StepMetrics, TensorBoardLog, batch_tokens
 from piper_nb.optim import OptimizerSpec, check_optimizer
+from piper_nb.plan.precision import PRECISIONS
 from piper_nb.runtime.bundle import param_aliases
 from piper_nb.sim.trace import Event, MemorySample, Trace
 

@@ -18,15 +18,16 @@ FLOORS = {
     "capture": 2,
     "directives": 3,
     "schedules": 4,
-    "compiler": 5,
-    "viz": 6,
-    "sim": 7, "runtime": 7,          # side by side: neither imports the other
-    "profile": 8,                    # measures by running the runtime, feeds the simulator
-    "cluster": 9, "strategies": 9,
-    "train": 10,                     # local workers by default: above the clusters
-    "ui": 11,
-    "__init__": 12,                  # the public face
-    "__main__": 13,                  # the command line uses the public face
+    "plan": 5,                       # the values the runtime and the simulator read
+    "compiler": 6,
+    "viz": 7,
+    "sim": 8, "runtime": 8,          # side by side: neither imports the other
+    "profile": 9,                    # measures by running the runtime, feeds the simulator
+    "cluster": 10, "strategies": 10,
+    "train": 11,                     # local workers by default: above the clusters
+    "ui": 12,
+    "__init__": 13,                  # the public face
+    "__main__": 14,                  # the command line uses the public face
 }
 
 
@@ -76,6 +77,65 @@ def test_parts_import_only_the_floors_below():
     assert wrong == []
 
 
+def file_imports() -> dict[str, set[str]]:
+    """module -> the modules of the package it imports (every import, inside functions too);
+    `from piper_nb.x import y` names module `piper_nb.x.y` when that is a module, else
+    `piper_nb.x`."""
+    modules = {}
+    for path in PACKAGE.rglob("*.py"):
+        rel = path.relative_to(PACKAGE.parent).with_suffix("")
+        name = ".".join(rel.parts).removesuffix(".__init__")
+        modules[name] = path
+    out: dict[str, set[str]] = defaultdict(set)
+    for name, path in modules.items():
+        package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
+        for node in ast.walk(ast.parse(path.read_text())):
+            targets: list[str] = []
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    up = package.split(".")[: len(package.split(".")) - node.level + 1]
+                    base = ".".join(up + ([node.module] if node.module else []))
+                targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base
+                           for a in node.names]
+            for target in targets:
+                if target in modules and target != name:
+                    out[name].add(target)
+    return out
+
+
+def test_runtime_and_sim_import_nothing_from_the_compiler():
+    """They read plans (`piper_nb.plan`), never the compiler that makes them."""
+    wrong = sorted(f"{path}: {part} imports compiler" for part, deps in imports().items()
+                   for dep, path in deps if part in ("runtime", "sim") and dep == "compiler")
+    assert wrong == []
+
+
+def test_no_cycle_between_files():
+    """No circle at any level: inside a part too, module by module. A package's
+    `__init__` re-exporting its modules is not a circle when nothing imports it back."""
+    graph = file_imports()
+    state: dict[str, int] = {}
+    cycles = []
+
+    def visit(node: str, path: list[str]) -> None:
+        state[node] = 1
+        for dep in sorted(graph.get(node, ())):
+            if state.get(dep) == 1:
+                loop = path[path.index(dep):] if dep in path else []
+                cycles.append(" -> ".join([*loop, node, dep]))
+            elif dep not in state:
+                visit(dep, [*path, node])
+        state[node] = 2
+
+    for module in sorted(graph):
+        if module not in state:
+            visit(module, [])
+    assert cycles == [], "cycles:\n" + "\n".join(cycles)
+
+
 def test_the_simulator_never_starts_a_process():
     deps = {dep for dep, _ in imports()["sim"]}
     assert not deps & {"runtime", "cluster", "profile", "train", "ui"}
@@ -121,3 +181,17 @@ def test_modules_and_functions_stay_small():
                 if length > MAX_FUNCTION_LINES:
                     big.append(f"{name}:{node.lineno} {node.name}: {length} lines (function)")
     assert big == [], "over the size limits:\n" + "\n".join(big)
+
+
+def test_every_module_says_its_job_and_is_on_the_map():
+    """Every module opens with a docstring, and docs/architecture.md's module map lists it."""
+    doc = (PACKAGE.parent / "docs" / "architecture.md").read_text()
+    missing_doc, unlisted = [], []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        rel = path.relative_to(PACKAGE).as_posix()
+        if not (ast.get_docstring(ast.parse(path.read_text())) or "").strip():
+            missing_doc.append(rel)
+        if f"`{rel}`" not in doc:
+            unlisted.append(rel)
+    assert missing_doc == [], f"modules without an opening docstring: {missing_doc}"
+    assert unlisted == [], f"add these to docs/architecture.md's module map: {unlisted}"

@@ -11,8 +11,10 @@ A pattern ending in `[lo:hi]` tags experts lo..hi-1 of a stacked-experts module
 from __future__ import annotations
 
 import fnmatch
+import weakref
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import Any
 
 import torch
@@ -21,18 +23,26 @@ from torch import nn
 from piper_nb.capture.experts import check_slices, expert_count, split_slice
 from piper_nb.errors import PlanError
 
-__all__ = ["Spec", "annotate", "cut_stages", "pipeline_units"]
+__all__ = ["Spec", "annotate", "cut_stages", "pipeline_units", "derived"]
 
 
-@dataclass(eq=False)
+@dataclass(frozen=True, eq=False)
 class Spec:
-    """A model plus its annotations; captured into regions lazily (per loss function)."""
+    """A model plus its annotations (immutable); captured into regions lazily, once per loss
+    function, batch names and front end (`capture`; the captures are kept beside the value,
+    in `derived(spec)`, for as long as the spec lives)."""
 
     model: nn.Module
-    module_tags: dict[str, dict[str, int]]
-    annotations: dict[str, dict[str, int]] = field(default_factory=dict)
-    expert_slices: dict[str, tuple] = field(default_factory=dict)   # module -> (lo, hi, tags)
-    _captures: dict = field(default_factory=dict, repr=False)
+    module_tags: Mapping[str, Mapping[str, int]]
+    annotations: Mapping[str, Mapping[str, int]] = field(default_factory=dict)
+    expert_slices: Mapping[str, tuple] = field(default_factory=dict)  # module -> (lo, hi, tags)
+
+    def __post_init__(self):
+        for name in ("module_tags", "annotations"):
+            frozen = MappingProxyType({k: MappingProxyType(dict(v))
+                                       for k, v in getattr(self, name).items()})
+            object.__setattr__(self, name, frozen)
+        object.__setattr__(self, "expert_slices", MappingProxyType(dict(self.expert_slices)))
 
     def tags_of(self, path: str) -> dict[str, int]:
         """Effective tags of module `path`: its ancestors' tags, extended by its own."""
@@ -43,23 +53,34 @@ class Spec:
         return tags
 
     def capture(self, loss_fn: Callable | None = None, example=None, method: str = "auto"):
-        """The model cut into regions (cached per loss function, batch names and front end);
-        `example`, a batch ((inputs, targets) or a dict), lets models torch.fx cannot trace
-        be exported, and names the batch's tensors."""
+        """The model cut into regions (made once per loss function, batch names and front
+        end); `example`, a batch ((inputs, targets) or a dict), lets models torch.fx cannot
+        trace be exported, and names the batch's tensors."""
         from piper_nb.capture.batch import PAIR, named_batch
         from piper_nb.capture.loss import resolve_loss
         from piper_nb.capture.split import capture_regions
         loss_fn = resolve_loss(self.model, loss_fn, "pn.compile")
         named = named_batch(example) if example is not None else None
         names = tuple(named) if named is not None else PAIR
-        key = (id(loss_fn) if not hasattr(loss_fn, "__func__") else id(loss_fn.__func__),
-               method, names)
-        if key not in self._captures:
-            self._captures[key] = capture_regions(self, loss_fn, named, method)
-        return self._captures[key]
+        bound = getattr(loss_fn, "__self__", None), getattr(loss_fn, "__func__", loss_fn)
+        key = ("capture", id(bound[0]), id(bound[1]), method, names)
+        cache = derived(self)
+        hit = cache.get(key)
+        if hit is None or hit[0] is not bound[1]:   # the function kept alive: ids stay its own
+            hit = cache[key] = (bound[1], capture_regions(self, loss_fn, named, method))
+        return hit[1]
 
     def __repr__(self) -> str:
-        return f"Spec({type(self.model).__name__}, {self.annotations})"
+        return f"Spec({type(self.model).__name__}, {dict(self.annotations)})"
+
+
+_DERIVED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def derived(spec: Spec) -> dict:
+    """What is made from `spec` and kept while it lives (its captures, its bf16 copy): a
+    cache beside the immutable value, never part of it."""
+    return _DERIVED.setdefault(spec, {})
 
 
 def _check_tags(where: str, tags: Any) -> dict[str, int]:

@@ -34,7 +34,7 @@ from torch import nn
 from piper_nb.capture.batch import PAIR
 from piper_nb.capture.experts import cut_pieces, sliced_forwards
 from piper_nb.capture.export import custom_op_modules, rematerialize
-from piper_nb.capture.front import FrontEnd, front_end
+from piper_nb.capture.front_ends import FrontEnd, front_end
 from piper_nb.capture.segments import assign_regions
 from piper_nb.errors import PlanError
 from piper_nb.ir.filters import SEG, Tags, freeze_tags, tags_text

@@ -4,7 +4,7 @@
 `IPyParallelCluster.connect(...)` attaches to an `ipcluster` started elsewhere with any
 launcher (Slurm, MPI, SSH). Each engine keeps one runtime worker (`cluster.engine`), the
 same `runtime.process.serve` command loop `pn.LocalCluster` runs, and relays commands to it;
-the process group meets at engine 0's address on a port engine 0 picks. `cluster.roster`
+the process group meets at engine 0's address on a port engine 0 picks. `cluster.engine_roster`
 picks the engines and tells when one is gone. The cluster speaks
 `LocalCluster`'s protocol (`reset`, `step`, `state`, plus `train_state` / `load_train_state`
 for checkpoints), so `pn.train` and the Designer take either.
@@ -30,9 +30,9 @@ import time
 from typing import NoReturn
 
 from piper_nb.cluster import engine as eng
+from piper_nb.cluster.engine_roster import Roster, engine_error
 from piper_nb.cluster.failure import worker_failure
 from piper_nb.cluster.protocol import ClusterCommands
-from piper_nb.cluster.roster import Roster, engine_error
 from piper_nb.errors import RuntimeFailure, WorkerLost
 from piper_nb.runtime.process import serve
 

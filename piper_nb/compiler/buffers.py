@@ -14,7 +14,8 @@ forwards out of microbatch order (the buffer would be updated in another order).
 from __future__ import annotations
 
 from piper_nb.errors import PlanError
-from piper_nb.ir.dag import Op, TrainingDAG
+from piper_nb.ir.dag import TrainingDAG
+from piper_nb.ir.kinds import Op
 
 __all__ = ["check_buffers", "check_buffer_order"]
 
@@ -58,7 +59,7 @@ def check_buffer_order(plan, changed: dict[int, tuple[str, ...]]) -> None:
             continue
         last: dict[int, int] = {}
         for ins in dp.instrs:
-            if ins.kind == "F" and ins.region in changed:
+            if ins.kind == Op.F and ins.region in changed:
                 if ins.mb < last.get(ins.region, -1):
                     name = plan.regions[ins.region].name
                     raise PlanError(

@@ -20,9 +20,9 @@ from collections import Counter, defaultdict
 from piper_nb.compiler.dryrun import dry_run, p2p_key, who_orders
 from piper_nb.compiler.gradflow import Asymmetric, Flow
 from piper_nb.compiler.nccl import check_nccl
-from piper_nb.compiler.plan import Plan
 from piper_nb.errors import PlanError
-from piper_nb.ir.kinds import COLLECTIVES, P2P
+from piper_nb.ir.kinds import COLLECTIVES, P2P, Op
+from piper_nb.plan.plan import Plan
 
 __all__ = ["check_plan", "dry_run"]
 
@@ -41,9 +41,9 @@ def check_matching(plan: Plan) -> None:
     sends, recvs = Counter(), Counter()
     for dp in _checked(plan):
         for ins in dp.instrs:
-            if ins.kind == "SEND":
+            if ins.kind == Op.SEND:
                 sends[p2p_key(dp.device, ins)] += 1
-            elif ins.kind == "RECV":
+            elif ins.kind == Op.RECV:
                 recvs[p2p_key(dp.device, ins)] += 1
             if ins.kind in P2P and not 0 <= ins.peer < plan.world:
                 raise PlanError(f"device {dp.device}: {ins} names device {ins.peer} outside the "

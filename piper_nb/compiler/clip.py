@@ -22,14 +22,13 @@ import functools
 import math
 
 from piper_nb.compiler.checks import check_plan
-from piper_nb.compiler.plan import DevicePlan, Instr, Plan, StampedDevicePlan
 from piper_nb.errors import PlanError
-from piper_nb.ir.kinds import Op
+from piper_nb.ir.kinds import Op, Purpose
+from piper_nb.plan.clipping import has_norm_step
+from piper_nb.plan.instr import Instr
+from piper_nb.plan.plan import DevicePlan, Plan, StampedDevicePlan
 
-__all__ = ["with_grad_clipping", "norm_weights", "NORM", "NORM_BYTES"]
-
-NORM = "norm"          # the all-reduce's purpose
-NORM_BYTES = 8         # one float64: the device's share of the squared norm
+__all__ = ["with_grad_clipping"]
 
 
 def with_grad_clipping(plan: Plan, max_norm: float | None) -> Plan:
@@ -50,12 +49,6 @@ def with_grad_clipping(plan: Plan, max_norm: float | None) -> Plan:
     out = dataclasses.replace(plan, devices=_rewrite_all(plan), clip_grad_norm=float(max_norm))
     check_plan(out)
     return out
-
-
-def has_norm_step(plan: Plan) -> bool:
-    # a replica stamped from a template (`Plan.stamps`) issues what the template does
-    return any(i.kind == Op.ALL_REDUCE and i.purpose == NORM
-               for dp in plan.devices if dp.stamp is None for i in dp.instrs)
 
 
 def _rewrite_all(plan: Plan) -> tuple[DevicePlan, ...]:
@@ -88,7 +81,7 @@ def _rewrite(instrs: tuple[Instr, ...], group: tuple[int, ...]) -> tuple[Instr, 
         if ins.kind == Op.U:
             late.add(k)
             updated.update(ins.buckets)
-        elif ins.kind == Op.ALL_GATHER and ins.purpose == "param" and ins.bucket in updated \
+        elif ins.kind == Op.ALL_GATHER and ins.purpose == Purpose.PARAM and ins.bucket in updated \
                 and ins.mb < 0:
             late.add(k)   # a ZeRO-1/2 gather of the shards just updated
         elif ins.kind == Op.WAIT and ins.target in late:
@@ -96,7 +89,7 @@ def _rewrite(instrs: tuple[Instr, ...], group: tuple[int, ...]) -> tuple[Instr, 
     early = [k for k in range(len(instrs)) if k not in late]
     order = early + [-1, -2] + sorted(late)
     where = {old: new for new, old in enumerate(order)}
-    norm = Instr(Op.ALL_REDUCE, node="norm", stream="dp", group=group, purpose=NORM)
+    norm = Instr(Op.ALL_REDUCE, node="norm", stream="dp", group=group, purpose=Purpose.NORM)
     out = []
     for old in order:
         if old == -1:
@@ -109,20 +102,3 @@ def _rewrite(instrs: tuple[Instr, ...], group: tuple[int, ...]) -> tuple[Instr, 
                 ins = dataclasses.replace(ins, target=where[ins.target])
             out.append(ins)
     return tuple(out)
-
-
-def norm_weights(plan: Plan) -> dict[str, float]:
-    """Parameter -> 1 / the number of places that update it (full copies, plus one per ZeRO
-    bucket holding it), so the world's weighted sum counts each parameter once."""
-    places: dict[str, int] = {}
-    buckets: set[int] = set()
-    for dp in plan.devices:
-        for ins in dp.instrs:
-            if ins.kind == Op.U:
-                for n in ins.params:
-                    places[n] = places.get(n, 0) + 1
-                buckets.update(ins.buckets)
-    for b in buckets:
-        for n in plan.buckets[b].params:
-            places[n] = places.get(n, 0) + 1
-    return {n: 1.0 / k for n, k in places.items()}

@@ -1,15 +1,15 @@
 """`pn.compile`: annotated model + directive program + batch -> checked Plan.
 
-Directives apply in Piper's fixed order whatever their order in the program: split,
-BI/BW split, place (and the placement implied by replicate and shard), send/recv,
-gradient sync (replicate, tied and doubled parameters), shard (all-to-all), order,
-recompute. Every step is a pure function of the DAG; errors name the directive index.
+The steps: expand schedule builders into directives, capture the model into regions,
+propagate shapes, run the declared pass pipeline (`compiler.passes`: the directives in
+Piper's fixed order, whatever their order in the program), lower the DAG to one
+instruction list per device (`compiler.lower`) and check the plan (`compiler.checks`).
+Every step is a pure function; errors name the directive index.
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import gc
 from collections.abc import Callable, Iterable
 
@@ -22,33 +22,17 @@ from piper_nb.compiler.buffers import check_buffer_order, check_buffers
 from piper_nb.compiler.checks import check_plan
 from piper_nb.compiler.clip import with_grad_clipping
 from piper_nb.compiler.lower import lower
-from piper_nb.compiler.plan import Plan
+from piper_nb.compiler.passes import run_pipeline
 from piper_nb.compiler.precision import cast_batch, cast_spec, check_precision
-from piper_nb.compiler.rows import token_rows
 from piper_nb.compiler.shapes import propagate
-from piper_nb.directives.backward_split import apply_backward_split, names_split_backward
-from piper_nb.directives.build import build_dag
-from piper_nb.directives.comm import insert_send_recv
-from piper_nb.directives.order import apply_orders
-from piper_nb.directives.place import apply_places, finish_placement
-from piper_nb.directives.recompute import apply_recompute, check_recompute
-from piper_nb.directives.replicate import insert_grad_sync, replica_configs
-from piper_nb.directives.shard import apply_shard, insert_all_to_all, shard_placement
-from piper_nb.directives.spec import (
-    Directive,
-    Order,
-    Place,
-    Program,
-    Recompute,
-    Replicate,
-    Schedule,
-    Shard,
-    Split,
-)
-from piper_nb.directives.split import apply_split
+from piper_nb.compiler.token_rows import token_rows
+from piper_nb.directives.base import Context
+from piper_nb.directives.recompute import check_recompute
+from piper_nb.directives.spec import Directive, Program, Replicate, Schedule, Shard, Split
 from piper_nb.errors import PlanError
-from piper_nb.ir.dag import Op, TrainingDAG
-from piper_nb.ir.validate import validate
+from piper_nb.ir.dag import TrainingDAG
+from piper_nb.ir.kinds import Op
+from piper_nb.plan.plan import Plan
 from piper_nb.schedules import build
 
 __all__ = ["compile", "expand", "build_global_dag", "rebatch"]
@@ -70,71 +54,11 @@ def expand(program: Program | Iterable) -> list[tuple[int, Directive]]:
     return out
 
 
-def _guard(idx: int, d: Directive, fn: Callable, *args):
-    try:
-        return fn(*args)
-    except PlanError as err:
-        raise err.at(idx, d.op) from None
-
-
 def build_global_dag(capture, directives: list[tuple[int, Directive]], values: dict,
-                     frozen: frozenset[str] = frozenset()) -> tuple[TrainingDAG, dict]:
-    by_op: dict[type, list[tuple[int, Directive]]] = {}
-    for idx, d in directives:
-        by_op.setdefault(type(d), []).append((idx, d))
-    dag = build_dag(capture, values)
-    dag = dag.replace(meta={"frozen": frozen})
-    for idx, d in by_op.get(Split, []):
-        dag = _guard(idx, d, apply_split, dag, d)
-    orders = [d for _, d in by_op.get(Order, [])]
-    dag = apply_backward_split(dag, names_split_backward(orders))
-    dag = apply_places(dag, by_op.get(Place, []))
-    configs = replica_configs(dag, by_op.get(Replicate, []))
-    dag = _place_replicas(dag, by_op.get(Replicate, []))
-    experts = set()
-    for idx, d in by_op.get(Shard, []):
-        dag, regs = _guard(idx, d, shard_placement, dag, d)
-        experts |= regs
-    dag = finish_placement(dag)
-    dag = insert_send_recv(dag, frozenset(experts))
-    # frozen parameters get no gradient: never reduced, sharded or updated
-    region_params = {r.index: tuple(p for p in r.params if p not in frozen)
-                     for r in capture.regions}
-    params = dict(capture.named_parameters())
-    param_bytes = {k: p.numel() * p.element_size() for k, p in params.items()}
-    dag = insert_grad_sync(dag, region_params, param_bytes, configs)
-    for idx, d in by_op.get(Shard, []):
-        dag = _guard(idx, d, apply_shard, dag, d)
-    if experts:
-        dag = insert_all_to_all(dag, frozenset(experts))
-    dag = apply_orders(dag, by_op.get(Order, []))
-    dag = apply_recompute(dag, by_op.get(Recompute, []))
-    return validate(dag, placed=True), configs
-
-
-def _place_replicas(dag: TrainingDAG, replicates: list[tuple[int, Replicate]]) -> TrainingDAG:
-    """Place the passes of replicated regions on their replica groups (one rewrite). Passes
-    already placed on part of the group keep their place (the copies of a stage that full
-    DualPipe places per microbatch): the group then spans the copies, which sum, and under
-    ZeRO shard, the region's gradients and optimizer state."""
-    if not replicates:
-        return dag
-    where: dict[str, tuple[int, Replicate]] = {}
-    for idx, d in replicates:
-        for n in dag.select(d.filter, (Op.F, Op.B, Op.BI, Op.BW)):
-            where[n.id] = (idx, d)
-    nodes = []
-    for n in dag.nodes:
-        if n.id in where:
-            idx, d = where[n.id]
-            if not n.devices:
-                n = dataclasses.replace(n, devices=d.devices)
-            elif not set(n.devices) <= set(d.devices):
-                raise PlanError(f"{n.id} is placed on {list(n.devices)} but replicated over "
-                                f"{list(d.devices)}; place it on the replicate devices",
-                                directive=idx, op="replicate")
-        nodes.append(n)
-    return dag.replace(nodes=nodes, step=f"replicate ({len(replicates)} directives)")
+                     frozen: frozenset[str] = frozenset()) -> TrainingDAG:
+    """The placed, ordered DAG: the declared pass pipeline (`compiler.passes`) run over the
+    program's directives."""
+    return run_pipeline(tuple(directives), Context(capture, values, frozen))
 
 
 def compile(spec: Spec, program: Program | Iterable, batch, *, loss_fn: Callable | None = None,
@@ -207,11 +131,11 @@ def _plan(capture, directives, named: dict, world: int | None, check: bool,
     width = max((len(d.devices) for _, d in directives if isinstance(d, Replicate)), default=1)
     width = width if (bsz // micro) % width == 0 else 1
     shapes = _shapes(capture, directives, named, bsz // micro // width)
-    dag, _ = build_global_dag(capture, directives, shapes["values"], frozen)
+    dag = build_global_dag(capture, directives, shapes["values"], frozen)
     actual = _check_widths(dag, directives, bsz, micro)
     if actual != width:
         shapes = _shapes(capture, directives, named, bsz // micro // actual)
-        dag, _ = build_global_dag(capture, directives, shapes["values"], frozen)
+        dag = build_global_dag(capture, directives, shapes["values"], frozen)
     check_buffers(dag, shapes["changed"])
     check_recompute(dag, shapes["changed"])
     n_world = _world(dag, directives, world)

@@ -13,22 +13,17 @@ from __future__ import annotations
 from collections import Counter, defaultdict
 
 from piper_nb.compiler.gradflow import Flow
-from piper_nb.compiler.plan import Plan, _columns
 from piper_nb.errors import PlanError
-from piper_nb.ir.kinds import COLLECTIVES, REDUCTIONS
+from piper_nb.ir.kinds import COLLECTIVES, REDUCTIONS, Op
 from piper_nb.ir.text import wait_text
+from piper_nb.plan.plan import Plan, columns_text
 
 __all__ = ["dry_run", "p2p_key", "who_orders"]
 
 
 def p2p_key(dev: int, ins) -> tuple:
     """(sender, receiver, tag) of a SEND or RECV on device `dev`."""
-    return (dev, ins.peer, ins.tag) if ins.kind == "SEND" else (ins.peer, dev, ins.tag)
-
-
-def _blocks_at_issue(ins) -> bool:
-    """A forward expert dispatch first exchanges token counts, synchronously."""
-    return ins.kind == "ALL_TO_ALL" and ins.purpose == "dispatch" and not ins.grad
+    return (dev, ins.peer, ins.tag) if ins.kind == Op.SEND else (ins.peer, dev, ins.tag)
 
 
 class _Lockstep:
@@ -77,9 +72,9 @@ class _Lockstep:
             i = ptr[d]
             ins = mine[i]
             kind = ins.kind
-            if kind == "SEND" or kind == "RECV":
+            if kind == Op.SEND or kind == Op.RECV:
                 posted.add((kind, p2p_key(d, ins)))
-                if on and ins.grad and kind == "SEND":
+                if on and ins.grad and kind == Op.SEND:
                     flow.send(d, ins)
             elif kind in COLLECTIVES:
                 if (d, i) not in coll_seq:
@@ -87,18 +82,18 @@ class _Lockstep:
                     index[ins.group] = k + 1
                     coll_posted[ins.group][k] += 1
                     coll_seq[(d, i)] = k
-                if _blocks_at_issue(ins) and \
+                if ins.is_counted_dispatch and \
                         coll_posted[ins.group][coll_seq[(d, i)]] < need(ins.group):
                     break
                 if on and kind in REDUCTIONS:
                     flow.issued(d, i, ins)
-            elif kind == "WAIT":
+            elif kind == Op.WAIT:
                 t = mine[ins.target]
-                if t.kind == "SEND" or t.kind == "RECV":
-                    other = "RECV" if t.kind == "SEND" else "SEND"
+                if t.kind == Op.SEND or t.kind == Op.RECV:
+                    other = Op.RECV if t.kind == Op.SEND else Op.SEND
                     if (other, p2p_key(d, t)) not in posted:
                         break
-                    if on and t.grad and t.kind == "RECV":
+                    if on and t.grad and t.kind == Op.RECV:
                         flow.received(d, t)
                 else:
                     if coll_posted[t.group][coll_seq[(d, ins.target)]] < need(t.group):
@@ -106,22 +101,22 @@ class _Lockstep:
                     if on and t.kind in REDUCTIONS:
                         flow.completed(d, ins.target, t)
             elif on:
-                if kind == "B" or kind == "BI":
+                if kind == Op.B or kind == Op.BI:
                     flow.backward(d, ins)
-                elif kind == "FREE":
+                elif kind == Op.FREE:
                     keys = freed.get(ins.keys)
                     if keys is None:
                         keys = flow.frees_grads(ins)
                     if keys:
                         flow.free(d, keys)
-                elif kind == "BW":
+                elif kind == Op.BW:
                     flow.weights(d, ins)
-                elif kind == "U":
+                elif kind == Op.U:
                     flow.update(d, ins)
             rounds[d].append(r)
             ptr[d] = i + 1
             progress = True
-            if kind == "WAIT":
+            if kind == Op.WAIT:
                 break  # one blocking step per round keeps the grid readable
         return progress
 
@@ -193,7 +188,7 @@ def _segment_note(plan: Plan, ptr: list[int]) -> str:
     for dp in plan.devices:
         if ptr[dp.device] < len(dp.instrs):
             ins = dp.instrs[ptr[dp.device]]
-            if ins.kind == "WAIT":
+            if ins.kind == Op.WAIT:
                 ins = dp.instrs[ins.target]
             if 0 <= ins.region < len(plan.regions) and "SEG" in dict(plan.regions[ins.region].tags):
                 info = plan.regions[ins.region]
@@ -217,11 +212,11 @@ def _stuck_grid(plan: Plan, ptr: list[int], context: int = 8) -> str:
         rows = [f"dev{dp.device}"]
         for i in range(lo, min(len(dp.instrs), ptr[dp.device] + 3)):
             ins = dp.instrs[i]
-            label = wait_text(dp.instrs[ins.target]) if ins.kind == "WAIT" else str(ins)
+            label = wait_text(dp.instrs[ins.target]) if ins.kind == Op.WAIT else str(ins)
             if i == ptr[dp.device]:
                 mark[dp.device] = len(rows)
             rows.append(label)
         if ptr[dp.device] >= len(dp.instrs):
             rows.append("(done)")
         cols.append(rows)
-    return _columns(cols, mark) + "\n(>x< marks where each device is stuck)"
+    return columns_text(cols, mark) + "\n(>x< marks where each device is stuck)"

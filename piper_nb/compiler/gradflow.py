@@ -20,16 +20,16 @@ be exactly the set of the value's readers; before an update, each parameter unit
 every backward that uses it. An overlap while adding is a contribution counted twice.
 Either is a `PlanError` naming the value or parameter, the devices and the order directive.
 Activations are not followed: a missing one stops the worker with a clear error, it never
-trains silently wrong. The parameter units and their bits live in `gradunits`.
+trains silently wrong. The parameter units and their bits live in `grad_units`.
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
 
-from piper_nb.compiler.gradunits import Units, set_bits
+from piper_nb.compiler.grad_units import Units, set_bits
 from piper_nb.errors import PlanError
-from piper_nb.ir.kinds import PASSES
+from piper_nb.ir.kinds import PASSES, EdgeKind, Op, Purpose
 
 __all__ = ["Flow", "Asymmetric"]
 
@@ -79,7 +79,7 @@ class Flow:
         if self.template:
             seen = set()
             for node in plan.dag.nodes:
-                if node.op.value == "F" and (node.region, node.devices) not in seen:
+                if node.op == Op.F and (node.region, node.devices) not in seen:
                     seen.add((node.region, node.devices))
                     for k, dev in enumerate(node.devices):
                         self.position[(dev, node.region)] = k
@@ -105,7 +105,7 @@ class Flow:
         seen = set(todo)
         while todo:
             for ins in plan.devices[todo.pop()].instrs:
-                if (ins.kind == "SEND" or ins.kind == "RECV") and ins.peer not in seen:
+                if (ins.kind == Op.SEND or ins.kind == Op.RECV) and ins.peer not in seen:
                     seen.add(ins.peer)
                     template.pop(ins.peer, None)
                     todo.append(ins.peer)
@@ -115,15 +115,15 @@ class Flow:
     def _widths(plan) -> dict[int, int]:
         """Region -> replicas running each of its passes (from the DAG when there is one)."""
         if plan.dag is not None:
-            return {n.region: len(n.devices) for n in plan.dag.nodes if n.op.value == "F"}
-        return {i.region: i.replicas for dp in plan.devices for i in dp.instrs if i.kind == "F"}
+            return {n.region: len(n.devices) for n in plan.dag.nodes if n.op == Op.F}
+        return {i.region: i.replicas for dp in plan.devices for i in dp.instrs if i.kind == Op.F}
 
     # ---- messages --------------------------------------------------------------------
     def _fail(self, d: int, ins, what: str, fix: str) -> PlanError:
         directive = None
         dag = self.plan.dag
         if dag is not None and ins.node in dag:
-            origins = [e.origin for e in dag.in_edges(ins.node) if e.kind == "temporal"]
+            origins = [e.origin for e in dag.in_edges(ins.node) if e.kind == EdgeKind.TEMPORAL]
             directive = origins[0] if origins else None
         return PlanError(f"device {d}: {ins} {what}; {fix}", directive=directive,
                          op="order" if directive is not None else None)
@@ -132,7 +132,7 @@ class Flow:
         where = defaultdict(list)
         for dp in self.plan.devices:   # only on the way to an error
             for i in dp.instrs:
-                if i.kind in ("B", "BI") and i.mb == mb and mask >> i.region & 1:
+                if i.kind in (Op.B, Op.BI) and i.mb == mb and mask >> i.region & 1:
                     where[i.region].append(dp.device)
         return ", ".join(f"{{{self.plan.regions[r].name}}} on device"
                          f"{'s' if len(where[r]) > 1 else ''} "
@@ -172,7 +172,7 @@ class Flow:
             if old & bit:
                 raise self._twice(d, ins, key, bit)
             grads[key] = old | bit
-        if ins.kind == "B":
+        if ins.kind == Op.B:
             self.weights(d, ins)
 
     def weights(self, d: int, ins) -> None:
@@ -238,14 +238,14 @@ class Flow:
     def issued(self, d: int, i: int, ins) -> None:
         """A reduction or exchange is issued: what it takes from this member, now (clipping's
         all-reduce of the gradient norm moves no gradient: not followed)."""
-        if ins.purpose == "norm":
+        if ins.is_norm:
             return
         seq = self.coll_next[d][ins.group]
         self.coll_next[d][ins.group] = seq + 1
         self.coll_seq[(d, i)] = seq
-        if ins.kind == "ALL_REDUCE":
+        if ins.kind == Op.ALL_REDUCE:
             payload = self.pgrads[d].get(ins.bucket, 0)
-        elif ins.kind == "REDUCE_SCATTER":   # the runtime takes the gradients at issue
+        elif ins.kind == Op.REDUCE_SCATTER:   # the runtime takes the gradients at issue
             payload = self.pgrads[d].pop(ins.bucket, 0)
         elif ins.grad:                       # ALL_TO_ALL of gradients
             grads = self.grads[d]
@@ -259,7 +259,7 @@ class Flow:
         if seq is None:
             return
         key = (src.group, seq)
-        if src.kind == "ALL_TO_ALL":
+        if src.kind == Op.ALL_TO_ALL:
             self._exchanged(d, src, key)
             return
         total = self.total.get(key)
@@ -270,7 +270,7 @@ class Flow:
                     raise self._twice(m, src, src.bucket, total & mask)
                 total |= mask
             self.total[key] = total
-        if src.kind == "ALL_REDUCE":   # the reduced bucket replaces the gradients held
+        if src.kind == Op.ALL_REDUCE:   # the reduced bucket replaces the gradients held
             self.pgrads[d][src.bucket] = total
         else:
             self._add(d, src, self.shards[d], src.bucket, total)
@@ -287,7 +287,7 @@ class Flow:
                 out[m] = got[m]
             else:
                 t = self.template[m]
-                out[m] = (got[t] if src.kind == "ALL_TO_ALL"
+                out[m] = (got[t] if src.kind == Op.ALL_TO_ALL
                           else self._relabel(src.bucket, got[t], t, m))
         return out
 
@@ -313,7 +313,7 @@ class Flow:
             return
         members, mb, grads = self._members(src, key), src.mb, self.grads[d]
         for v, owner in zip(src.values, src.owners, strict=True):
-            if src.purpose == "dispatch":
+            if src.purpose == Purpose.DISPATCH:
                 masks = {m: p[v] for m, p in members.items()}
                 if len(set(masks.values())) > 1:
                     (a, ma), (b, mb_) = list(masks.items())[:2]

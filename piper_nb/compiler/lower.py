@@ -16,13 +16,15 @@ from __future__ import annotations
 import heapq
 from collections import defaultdict
 
-from piper_nb.compiler.floating import merge_floating
+from piper_nb.compiler.floating_passes import merge_floating
 from piper_nb.compiler.p2p import in_send_order
-from piper_nb.compiler.plan import DevicePlan, Instr, StampedDevicePlan
-from piper_nb.compiler.stamp import Stamper, classes_of
+from piper_nb.compiler.replica_stamps import Stamper, classes_of
 from piper_nb.errors import PlanError
-from piper_nb.ir.dag import Node, TrainingDAG
-from piper_nb.ir.kinds import BACKWARDS, COLLECTIVES, COMPUTE, PASSES, Op
+from piper_nb.ir.dag import TrainingDAG
+from piper_nb.ir.kinds import BACKWARDS, COLLECTIVES, COMPUTE, PASSES, EdgeKind, Op, Purpose
+from piper_nb.ir.node import Node
+from piper_nb.plan.instr import Instr
+from piper_nb.plan.plan import DevicePlan, StampedDevicePlan
 
 __all__ = ["lower", "owned_params"]
 
@@ -106,7 +108,7 @@ def _cycle_error(dag: TrainingDAG, left: set[str], device: int) -> PlanError:
     origin = None
     for a, b in zip(cyc, cyc[1:], strict=False):
         for e in dag.out_edges(a):
-            if e.dst == b and e.kind == "temporal":
+            if e.dst == b and e.kind == EdgeKind.TEMPORAL:
                 origin = e.origin
     text = " -> ".join(cyc)
     return PlanError(f"the order makes a cycle on device {device}: {text}; a pass is ordered "
@@ -116,7 +118,7 @@ def _cycle_error(dag: TrainingDAG, left: set[str], device: int) -> PlanError:
 
 def _order_device(dag: TrainingDAG, d: int, nodes: list[Node],
                   floating: frozenset[str] = frozenset()) -> tuple[list[Node], dict]:
-    """A device's order (floating nodes left out, see `floating`) and, per node, the
+    """A device's order (floating nodes left out, see `floating_passes`) and, per node, the
     pulled issues (receives, ZeRO-3 gathers) that come just before it."""
     ids = {n.id for n in nodes}
     pulled_of: dict[str, list[Node]] = defaultdict(list)
@@ -234,7 +236,7 @@ def _instr(n: Node, d: int, partner, tags, owned) -> Instr:
     values = n.attr("values", ())
     owners, split_by = dict(n.attr("owners", ())), dict(n.attr("split_by", ()))
     return Instr(n.op.value, n.id, n.stream, n.region, mb, pos, len(n.devices), group=n.devices,
-                 bucket=n.attr("bucket", -1), purpose=n.attr("purpose", ""), values=values,
+                 bucket=n.attr("bucket", -1), purpose=Purpose(n.attr("purpose", "")), values=values,
                  grad=bool(n.attr("grad", False)),
                  owners=tuple(owners[v] for v in values) if owners else (),
                  split_by=tuple(split_by[v] for v in values) if split_by else ())
@@ -254,7 +256,7 @@ def _emit(dag, d, seq, pulled_of, partner, tags, owned, regions) -> tuple[Instr,
     def wait(nid: str) -> None:
         if nid in issued and nid not in waited:
             waited.add(nid)
-            out.append(Instr("WAIT", nid, out[issued[nid]].stream, target=issued[nid]))
+            out.append(Instr(Op.WAIT, nid, out[issued[nid]].stream, target=issued[nid]))
 
     # gathers kept for the whole step (ZeRO-3 without resharding, weights spread over
     # stages or copies) are issued first, in one order on every member of their group
@@ -319,14 +321,14 @@ def _add_frees(instrs: list[Instr], regions, dag) -> tuple[Instr, ...]:
     made = {v for r in regions for v in r.outputs}     # not the batch: regions make these
     for i, ins in enumerate(instrs):
         reads: list[str] = []
-        if ins.kind == "F":
+        if ins.kind == Op.F:
             reads = [f"act:{v}@{ins.mb}" for v in regions[ins.region].inputs
                      if v in made]
-        elif ins.kind in ("B", "BI"):
+        elif ins.kind in (Op.B, Op.BI):
             reads = [f"grad:{v}@{ins.mb}" for v in regions[ins.region].outputs if v in grad_values]
             if ins.recompute:   # the forward runs again on its inputs
                 reads += [f"act:{v}@{ins.mb}" for v in regions[ins.region].inputs if v in made]
-        elif ins.kind == "WAIT" and instrs[ins.target].kind == "SEND":
+        elif ins.kind == Op.WAIT and instrs[ins.target].kind == Op.SEND:
             s = instrs[ins.target]
             reads = [f"{'grad' if s.grad else 'act'}:{v}@{s.mb}" for v in s.values]
         if ins.kind in PASSES:
@@ -347,7 +349,7 @@ def _add_frees(instrs: list[Instr], regions, dag) -> tuple[Instr, ...]:
         remap[i] = len(out)
         out.append(ins)
         if i in after:
-            out.append(Instr("FREE", ins.node, "compute", keys=tuple(sorted(after[i]))))
+            out.append(Instr(Op.FREE, ins.node, "compute", keys=tuple(sorted(after[i]))))
     return tuple(
-        Instr(x.kind, x.node, x.stream, target=remap[x.target]) if x.kind == "WAIT" else x
+        Instr(x.kind, x.node, x.stream, target=remap[x.target]) if x.kind == Op.WAIT else x
         for x in out)

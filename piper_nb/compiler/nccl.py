@@ -29,9 +29,9 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass, field
 
-from piper_nb.compiler.plan import Plan
 from piper_nb.errors import PlanError
-from piper_nb.ir.kinds import COMM, COMPUTE, P2P
+from piper_nb.ir.kinds import COMM, COMPUTE, P2P, Op
+from piper_nb.plan.plan import Plan
 
 __all__ = ["check_nccl"]
 
@@ -61,7 +61,7 @@ class _Device:
 
 def _channel(d: int, ins, channels: str) -> tuple:
     if ins.kind in P2P:
-        src, dst = (d, ins.peer) if ins.kind == "SEND" else (ins.peer, d)
+        src, dst = (d, ins.peer) if ins.kind == Op.SEND else (ins.peer, d)
         if channels == "pair":
             return ("pair", min(src, dst), max(src, dst))
         return ("p2p", src, dst)
@@ -127,10 +127,10 @@ class _Run:
             kind = ins.kind
             if kind in COMPUTE:
                 dev.stream.append(None)
-            elif kind == "WAIT":
+            elif kind == Op.WAIT:
                 dev.stream.append(self.op_at[(d, ins.target)])
             elif kind in COMM:
-                if kind == "ALL_TO_ALL" and ins.purpose == "dispatch" and not ins.grad:
+                if ins.is_counted_dispatch:
                     # the host exchanges its own token counts (its compute must have run)
                     group = tuple(ins.group)
                     token = (group, dev.meets[group])
@@ -155,8 +155,8 @@ class _Run:
 
     def post(self, d: int, dev: _Device, i: int, ins) -> None:
         chan = _channel(d, ins, self.channels)
-        if ins.kind == "SEND" or ins.kind == "RECV":
-            src, dst = (d, ins.peer) if ins.kind == "SEND" else (ins.peer, d)
+        if ins.kind == Op.SEND or ins.kind == Op.RECV:
+            src, dst = (d, ins.peer) if ins.kind == Op.SEND else (ins.peer, d)
             side = (src, dst, ins.kind)
             key = ("p2p", src, dst, dev.counts[side])
             dev.counts[side] += 1
@@ -180,7 +180,7 @@ class _Run:
         """Start the head `op` with its counterparts, if they are there too."""
         members = self.match[op.key]
         ins = self.devs[op.dev].instrs[op.idx]
-        if ins.kind == "SEND" or ins.kind == "RECV":
+        if ins.kind == Op.SEND or ins.kind == Op.RECV:
             if len(members) < 2:
                 return set()
             a, b = members.values()
@@ -197,7 +197,7 @@ class _Run:
 
     def check_pair(self, a: _Op, b: _Op) -> None:
         ia, ib = self.devs[a.dev].instrs[a.idx], self.devs[b.dev].instrs[b.idx]
-        send, recv, s_ins, r_ins = (a, b, ia, ib) if ia.kind == "SEND" else (b, a, ib, ia)
+        send, recv, s_ins, r_ins = (a, b, ia, ib) if ia.kind == Op.SEND else (b, a, ib, ia)
         if s_ins.tag != r_ins.tag:
             raise PlanError(
                 f"NCCL would swap messages: device {send.dev}'s send {s_ins} meets device "

@@ -18,7 +18,8 @@ from __future__ import annotations
 import dataclasses
 from collections import defaultdict
 
-from piper_nb.compiler.plan import Instr
+from piper_nb.ir.kinds import Op
+from piper_nb.plan.instr import Instr
 
 __all__ = ["in_send_order"]
 
@@ -30,7 +31,7 @@ def in_send_order(programs: dict[int, tuple[Instr, ...]], partner: dict,
     `program_of` maps a device to the one whose program it runs (a replica stamped from a
     template sends in its template's order), by default itself."""
     sent_at = {(d, ins.node): i for d, instrs in programs.items()
-               for i, ins in enumerate(instrs) if ins.kind == "SEND"}
+               for i, ins in enumerate(instrs) if ins.kind == Op.SEND}
     program_of = program_of or {}
     return {d: _reordered(instrs, sent_at, partner, program_of)
             for d, instrs in programs.items()}
@@ -40,7 +41,7 @@ def _reordered(instrs: tuple[Instr, ...], sent_at: dict, partner: dict, program_
                ) -> tuple[Instr, ...]:
     by_peer: dict[int, list[tuple[int, int]]] = defaultdict(list)   # peer -> (send pos, i)
     for i, ins in enumerate(instrs):
-        if ins.kind == "RECV":
+        if ins.kind == Op.RECV:
             sender = program_of.get(ins.peer, ins.peer)
             by_peer[ins.peer].append((sent_at[(sender, partner[ins.node].id)], i))
     if all(lst == sorted(lst) for lst in by_peer.values()):
@@ -51,7 +52,7 @@ def _reordered(instrs: tuple[Instr, ...], sent_at: dict, partner: dict, program_
     out: list[Instr] = []
     where: dict[int, int] = {}
     for i, ins in enumerate(instrs):
-        if ins.kind == "RECV":
+        if ins.kind == Op.RECV:
             if i in where:
                 continue
             lst = by_peer[ins.peer]
@@ -65,5 +66,5 @@ def _reordered(instrs: tuple[Instr, ...], sent_at: dict, partner: dict, program_
         else:
             where[i] = len(out)
             out.append(ins)
-    return tuple(dataclasses.replace(x, target=where[x.target]) if x.kind == "WAIT" else x
+    return tuple(dataclasses.replace(x, target=where[x.target]) if x.kind == Op.WAIT else x
                  for x in out)

@@ -21,12 +21,11 @@ import dataclasses
 
 import torch
 
+from piper_nb.capture.annotate import derived
 from piper_nb.errors import PlanError
+from piper_nb.plan.precision import DTYPE_NAMES, PRECISIONS
 
-__all__ = ["PRECISIONS", "check_precision", "cast_spec", "cast_batch"]
-
-PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16}
-_DTYPE_NAMES = {"fp32": "float32", "bf16": "bfloat16"}
+__all__ = ["check_precision", "cast_spec", "cast_batch"]
 
 
 def check_precision(precision: str, reduce_dtype: str | None) -> tuple[str, str | None]:
@@ -41,18 +40,18 @@ def check_precision(precision: str, reduce_dtype: str | None) -> tuple[str, str 
     reduce_dtype = "fp32" if reduce_dtype is None else reduce_dtype
     if reduce_dtype not in PRECISIONS:
         raise PlanError(f"reduce_dtype must be 'fp32' or 'bf16', got {reduce_dtype!r}")
-    return precision, _DTYPE_NAMES[reduce_dtype]
+    return precision, DTYPE_NAMES[reduce_dtype]
 
 
 def cast_spec(spec, precision: str):
     """`spec` for a model in `precision`: a cast copy (made once per spec), or `spec`."""
     if precision == "fp32":
         return spec
-    cache = spec._captures
+    cache = derived(spec)
     key = ("precision", precision)
     if key not in cache:
         model = copy.deepcopy(spec.model).to(PRECISIONS[precision])
-        cache[key] = dataclasses.replace(spec, model=model, _captures={})
+        cache[key] = dataclasses.replace(spec, model=model)
     return cache[key]
 
 

@@ -8,71 +8,13 @@ memory agree.
 
 from __future__ import annotations
 
-import contextlib
-from dataclasses import dataclass
-
 import torch
-from torch.multiprocessing.reductions import StorageWeakRef
 
 from piper_nb.capture.split import LOSS
 from piper_nb.errors import PlanError
+from piper_nb.plan.sizes import SavedBytes, ValueInfo, storage_key
 
-__all__ = ["ValueInfo", "random_value", "propagate", "SavedBytes", "region_args"]
-
-
-@dataclass(frozen=True)
-class ValueInfo:
-    name: str
-    shape: tuple[int, ...]
-    dtype: str
-    requires_grad: bool
-
-
-def random_value(info: ValueInfo, shape: tuple[int, ...] | None = None,
-                 generator: torch.Generator | None = None) -> torch.Tensor:
-    """A tensor shaped like value `info` (or `shape`), of its dtype: random normal floats,
-    zeros for an integer value (token ids, labels)."""
-    dtype = getattr(torch, info.dtype)
-    shape = info.shape if shape is None else shape
-    if dtype.is_floating_point:
-        return torch.randn(shape, generator=generator).to(dtype)
-    return torch.zeros(shape, dtype=dtype)
-
-
-def storage_key(t: torch.Tensor):
-    """What tells storages apart: the data pointer, or for a tensor on the meta device
-    (every meta storage has pointer 0) the storage's identity."""
-    storage = t.untyped_storage()
-    return StorageWeakRef(storage) if t.is_meta else storage.data_ptr()
-
-
-class SavedBytes(contextlib.AbstractContextManager):
-    """Counts the distinct storages autograd saves inside the block, minus `exclude` keys
-    (`storage_key`: data pointers for real tensors)."""
-
-    def __init__(self, exclude: set[int]):
-        self.exclude = exclude
-        self.seen: set[int] = set()
-        self.bytes = 0
-        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
-
-    def _pack(self, t: torch.Tensor) -> torch.Tensor:
-        try:
-            ptr = storage_key(t)
-            size = t.untyped_storage().nbytes()
-        except (RuntimeError, NotImplementedError):
-            return t
-        if ptr not in self.exclude and ptr not in self.seen and size:
-            self.seen.add(ptr)
-            self.bytes += size
-        return t
-
-    def __enter__(self):
-        self._hooks.__enter__()
-        return self
-
-    def __exit__(self, *exc):
-        return self._hooks.__exit__(*exc)
+__all__ = ["propagate", "region_args"]
 
 
 def param_ptrs(capture) -> set[int]:

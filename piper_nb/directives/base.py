@@ -17,8 +17,36 @@ from dataclasses import MISSING, dataclass, fields
 from typing import Any, ClassVar
 
 from piper_nb.errors import PlanError
+from piper_nb.ir.dag import TrainingDAG
 
-__all__ = ["Directive", "check_devices", "check_stream", "py_literal", "call_code"]
+__all__ = ["Directive", "Context", "Directives", "each", "check_devices", "check_stream",
+           "py_literal", "call_code"]
+
+
+@dataclass(frozen=True, slots=True)
+class Context:
+    """What a rewrite may read besides the DAG and its directives: the captured model (its
+    regions, parameters and the values between regions), the values' shapes and dtypes
+    (`ValueInfo` by name) and the frozen parameters. The same for every pass of one compile."""
+
+    capture: Any
+    values: Mapping[str, Any]
+    frozen: frozenset[str] = frozenset()
+
+
+Directives = tuple[tuple[int, "Directive"], ...]   # (index in the user's program, directive)
+
+
+def each(dag: TrainingDAG, directives: Directives,
+         rewrite: Callable[[TrainingDAG, Any], TrainingDAG]) -> TrainingDAG:
+    """`rewrite(dag, directive)` for each directive in turn, a PlanError it raises attributed
+    to that directive's index and op."""
+    for idx, d in directives:
+        try:
+            dag = rewrite(dag, d)
+        except PlanError as err:
+            raise err.at(idx, d.op) from None
+    return dag
 
 
 def check_devices(value: Any, where: str) -> tuple[int, ...]:

@@ -22,12 +22,13 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from piper_nb.directives.base import Directive, py_literal
+from piper_nb.directives.base import Context, Directive, Directives, py_literal
 from piper_nb.errors import PlanError
 from piper_nb.ir.action import Action
-from piper_nb.ir.dag import Edge, Node, TrainingDAG
+from piper_nb.ir.dag import TrainingDAG
 from piper_nb.ir.filters import SEG, as_filter
-from piper_nb.ir.kinds import COMPUTE
+from piper_nb.ir.kinds import COMPUTE, EdgeKind
+from piper_nb.ir.node import Edge, Node
 
 __all__ = ["Order", "order", "apply_orders"]
 
@@ -74,7 +75,7 @@ def order(groups: Sequence[Any]) -> Order:
     return Order(groups)
 
 
-def apply_orders(dag: TrainingDAG, orders: list[tuple[int, object]]) -> TrainingDAG:
+def apply_orders(dag: TrainingDAG, orders: Directives, ctx: Context) -> TrainingDAG:
     """All order directives at once (one rewrite: selections see the same DAG)."""
     if not orders:
         return dag
@@ -95,7 +96,7 @@ def apply_orders(dag: TrainingDAG, orders: list[tuple[int, object]]) -> Training
         patched[nid] = patched.get(nid, dag[nid]).with_attrs(floating=True)
     nodes = [patched.get(n.id, n) for n in dag.nodes] if patched else dag.nodes
     out = dag.replace(nodes=nodes, edges=(*dag.edges, *edges),
-                      step=f"order ({len(orders)} directives)")
+                      step=f"{len(orders)} directives")
     if dropped:
         out = out.replace(edges=(*out.edges, *_after_anchors(out, dropped)))
     return out
@@ -164,7 +165,7 @@ def _order_edges(dag: TrainingDAG, directive, index: int, first_overlap: int):
                 f"order slot {i} ({a} on {list(dag[a].devices)}) and slot {i + 1} ({b} on "
                 f"{list(dag[b].devices)}) run on different devices; an order sequences "
                 "one device's work: write one order per device", directive=index, op="order")
-        edges += [Edge(a, b, "temporal", origin=index) for a, b in pairs]
+        edges += [Edge(a, b, EdgeKind.TEMPORAL, origin=index) for a, b in pairs]
     return edges, patched, overlap, dropped, slots
 
 
@@ -223,6 +224,6 @@ def _after_anchors(dag: TrainingDAG, dropped: dict[str, int]) -> list[Edge]:
                     anchors.add(e.src)
                 else:
                     todo.append(e.src)
-        edges += [Edge(a, nid, "temporal", origin=index) for a in sorted(anchors)
+        edges += [Edge(a, nid, EdgeKind.TEMPORAL, origin=index) for a in sorted(anchors)
                   if not any(e.dst == nid for e in dag.out_edges(a))]
     return edges

@@ -3,7 +3,7 @@
 The value `Place` (JSON `{"op": "place", "filter", "devices", "stream"}`), its constructor
 `pn.place`, and the rewrite: later placements override earlier ones node by node; the
 optimizer update U of a region defaults to every device that runs any of the region's
-passes (see `finish_placement`).
+passes (see `compiler.placement.check_placement`).
 """
 
 from __future__ import annotations
@@ -13,12 +13,20 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from piper_nb.directives.base import Directive, call_code, check_devices, check_stream
+from piper_nb.directives.base import (
+    Context,
+    Directive,
+    Directives,
+    call_code,
+    check_devices,
+    check_stream,
+)
 from piper_nb.errors import PlanError
-from piper_nb.ir.dag import Op, TrainingDAG
+from piper_nb.ir.dag import TrainingDAG
 from piper_nb.ir.filters import as_filter
+from piper_nb.ir.kinds import Op
 
-__all__ = ["Place", "place", "apply_places", "finish_placement"]
+__all__ = ["Place", "place", "apply_places"]
 
 
 @dataclass(frozen=True)
@@ -49,7 +57,7 @@ def place(filter: Mapping[str, Any], devices: Sequence[int] | int, stream: str |
     return Place(filter, devices, stream)
 
 
-def apply_places(dag: TrainingDAG, places: list[tuple[int, object]]) -> TrainingDAG:
+def apply_places(dag: TrainingDAG, places: Directives, ctx: Context) -> TrainingDAG:
     """All place directives in one rewrite; later ones override earlier ones per node."""
     if not places:
         return dag
@@ -69,37 +77,8 @@ def apply_places(dag: TrainingDAG, places: list[tuple[int, object]]) -> Training
             if d.stream:
                 n = n.with_attrs(comm_stream=d.stream)
         nodes.append(n)
-    return dag.replace(nodes=nodes, step=f"place ({len(places)} directives)")
+    return dag.replace(nodes=nodes, step=f"{len(places)} directives")
 
 
 def _region_names(dag: TrainingDAG) -> str:
     return ", ".join("{" + r.name + "}" for r in dag.regions())
-
-
-def finish_placement(dag: TrainingDAG) -> TrainingDAG:
-    """Check every pass is placed; place U on the devices running its region."""
-    unplaced = [n.id for n in dag.nodes if n.op != Op.U and not n.devices]
-    if unplaced:
-        shown = ", ".join(unplaced[:4]) + (f" and {len(unplaced) - 4} more" if len(unplaced) > 4 else "")
-        raise PlanError(f"compute never placed: {shown}; add a place directive for "
-                        f"{dict((k, v) for k, v in dag[unplaced[0]].tags if k not in ('PASS', 'MB'))}")
-    holders: dict[int, set[int]] = {}
-    widths: dict[int, set[int]] = {}
-    for n in dag.nodes:
-        if n.op != Op.U:
-            holders.setdefault(n.region, set()).update(n.devices)
-            widths.setdefault(n.region, set()).add(len(n.devices))
-    nodes = []
-    for n in dag.nodes:
-        if n.op == Op.U:
-            want = tuple(sorted(holders.get(n.region, ())))
-            if n.devices and set(n.devices) != set(want):
-                raise PlanError(f"{n.id} is placed on {list(n.devices)} but its region runs on "
-                                f"{list(want)}; the update must run where the parameters are")
-            n = dataclasses.replace(n, devices=want)
-        nodes.append(n)
-    for r, w in widths.items():
-        if len(w) > 1:
-            raise PlanError(f"region {dag.regions()[r].name} runs on groups of different sizes "
-                            f"{sorted(w)}; place every pass of a region on groups of one size")
-    return dag.replace(nodes=nodes, step="placement checked")

@@ -21,10 +21,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from piper_nb.directives.base import Directive, call_code
+from piper_nb.directives.base import Context, Directive, Directives, call_code
 from piper_nb.errors import PlanError
-from piper_nb.ir.dag import Op, TrainingDAG
+from piper_nb.ir.dag import TrainingDAG
 from piper_nb.ir.filters import as_filter
+from piper_nb.ir.kinds import Op
 
 __all__ = ["Recompute", "recompute", "apply_recompute", "check_recompute"]
 
@@ -64,7 +65,7 @@ def _key(n) -> tuple:
     return n.region, tuple((k, v) for k, v in n.tags if k != "PASS")
 
 
-def apply_recompute(dag: TrainingDAG, directives: list[tuple[int, Recompute]]) -> TrainingDAG:
+def apply_recompute(dag: TrainingDAG, directives: Directives, ctx: Context) -> TrainingDAG:
     """Mark every F, B and BI of the matched (region, microbatch) pairs `recompute=<index>`."""
     if not directives:
         return dag
@@ -79,7 +80,7 @@ def apply_recompute(dag: TrainingDAG, directives: list[tuple[int, Recompute]]) -
     nodes = [n.with_attrs(recompute=chosen[_key(n)])
              if n.op in _MARKED and _key(n) in chosen else n for n in dag.nodes]
     regions = len({k[0] for k in chosen})
-    return dag.replace(nodes=nodes, step=f"recompute ({regions} regions)")
+    return dag.replace(nodes=nodes, step=f"{regions} regions")
 
 
 def check_recompute(dag: TrainingDAG, changed: Mapping[int, tuple[str, ...]]) -> None:

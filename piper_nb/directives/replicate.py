@@ -36,10 +36,19 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from piper_nb.directives.base import Directive, call_code, check_devices, check_stream
+from piper_nb.directives.base import (
+    Context,
+    Directive,
+    Directives,
+    call_code,
+    check_devices,
+    check_stream,
+)
 from piper_nb.errors import PlanError
-from piper_nb.ir.dag import Edge, Node, Op, TrainingDAG, node_id
+from piper_nb.ir.dag import TrainingDAG
 from piper_nb.ir.filters import as_filter, freeze_tags
+from piper_nb.ir.kinds import EdgeKind, Op, Purpose
+from piper_nb.ir.node import Edge, Node, node_id
 
 __all__ = ["Replicate", "replicate", "Bucket", "ReplicaConfig", "replica_configs",
            "insert_grad_sync"]
@@ -219,15 +228,21 @@ def _buckets(dag, region_params, param_bytes, configs) -> list[Bucket]:
     return out
 
 
-def insert_grad_sync(dag: TrainingDAG, region_params: dict[int, tuple[str, ...]],
-                     param_bytes: dict[str, int], configs: dict[int, ReplicaConfig]) -> TrainingDAG:
+def insert_grad_sync(dag: TrainingDAG, replicates: Directives, ctx: Context) -> TrainingDAG:
+    """Buckets over every parameter held on several devices (replicas, tied weights, a
+    stage's two copies) and their collectives: all-reduce, or ZeRO's reduce-scatter and
+    all-gathers. Frozen parameters get no gradient: never reduced, sharded or updated."""
+    configs = replica_configs(dag, replicates)
+    region_params = {r.index: tuple(p for p in r.params if p not in ctx.frozen)
+                     for r in ctx.capture.regions}
+    param_bytes = {k: p.numel() * p.element_size() for k, p in ctx.capture.named_parameters()}
     buckets = _buckets(dag, region_params, param_bytes, configs)
     nodes = list(dag.nodes)
     edges = list(dag.edges)
     u_of = {n.region: n for n in dag.nodes if n.op == Op.U}
     regions = dag.regions()
 
-    def coll(op: Op, b: Bucket, tags: dict, suffix: str, stream: str, purpose: str) -> Node:
+    def coll(op: Op, b: Bucket, tags: dict, suffix: str, stream: str, purpose: Purpose) -> Node:
         t = freeze_tags(tags)
         n = Node(id=node_id(op, t, f"#b{b.index}{suffix}"), op=op, tags=t, region=b.regions[0],
                  devices=b.group, stream=stream,
@@ -247,7 +262,7 @@ def insert_grad_sync(dag: TrainingDAG, region_params: dict[int, tuple[str, ...]]
                 or (b.zero == 2 and _spread(dag, b.regions, b.group)))
         if once:
             op = Op.ALL_REDUCE if b.zero == 0 else Op.REDUCE_SCATTER
-            c = coll(op, b, base, "", b.reduce_stream, "grad")
+            c = coll(op, b, base, "", b.reduce_stream, Purpose.GRAD)
             edges += [Edge(p.id, c.id) for p in producers]
             edges += [Edge(c.id, u_of[r].id) for r in b.regions]
             # where a group holds buckets spread over stages or copies, its members finish
@@ -255,16 +270,16 @@ def insert_grad_sync(dag: TrainingDAG, region_params: dict[int, tuple[str, ...]]
             # then its gathers
             if b.group in spread_groups:
                 if b.group in last_of:
-                    edges.append(Edge(last_of[b.group], c.id, "temporal"))
+                    edges.append(Edge(last_of[b.group], c.id, EdgeKind.TEMPORAL))
                 last_of[b.group] = c.id
         else:
             for mb in sorted({p.mb for p in producers}, key=lambda m: -1 if m is None else m):
                 tags = {**base, "MB": mb} if mb is not None else base
-                c = coll(Op.REDUCE_SCATTER, b, tags, "", b.reduce_stream, "grad")
+                c = coll(Op.REDUCE_SCATTER, b, tags, "", b.reduce_stream, Purpose.GRAD)
                 edges += [Edge(p.id, c.id) for p in producers if p.mb == mb]
                 edges += [Edge(c.id, u_of[r].id) for r in b.regions]
         if b.zero in (1, 2):
-            g = coll(Op.ALL_GATHER, b, base, "", b.gather_stream, "param")
+            g = coll(Op.ALL_GATHER, b, base, "", b.gather_stream, Purpose.PARAM)
             edges += [Edge(u_of[r].id, g.id) for r in b.regions]
             if b.group in spread_groups:
                 gathers.setdefault(b.group, []).append(g.id)
@@ -272,18 +287,19 @@ def insert_grad_sync(dag: TrainingDAG, region_params: dict[int, tuple[str, ...]]
             # one gather per device and step: pulled before the first pass, freed after the last
             passes = [n for n in dag.nodes if n.region in b.regions
                       and n.op in (Op.F, Op.B, Op.BI, Op.BW)]
-            g = coll(Op.ALL_GATHER, b, base, ".step", b.gather_stream, "param")
+            g = coll(Op.ALL_GATHER, b, base, ".step", b.gather_stream, Purpose.PARAM)
             nodes[-1] = g.with_attrs(before=passes[0].id, consumers=tuple(p.id for p in passes))
             edges += [Edge(g.id, p.id) for p in passes]
         elif b.zero == 3:
             for n in dag.nodes:
                 if n.region in b.regions and n.op in (Op.F, Op.B, Op.BI, Op.BW):
                     tags = {**base, "MB": n.mb} if n.mb is not None else base
-                    g = coll(Op.ALL_GATHER, b, tags, f".{n.op.value}{n.region}", b.gather_stream, "param")
+                    g = coll(Op.ALL_GATHER, b, tags, f".{n.op.value}{n.region}", b.gather_stream,
+                             Purpose.PARAM)
                     nodes[-1] = g.with_attrs(before=n.id)
                     edges.append(Edge(g.id, n.id))
     for group, ids in gathers.items():   # then its gathers, in bucket order, after them
         chain = [last_of[group], *ids] if group in last_of else ids
-        edges += [Edge(a, b, "temporal") for a, b in zip(chain, chain[1:], strict=False)]
+        edges += [Edge(a, b, EdgeKind.TEMPORAL) for a, b in zip(chain, chain[1:], strict=False)]
     return dag.replace(nodes=nodes, edges=edges, meta={"buckets": tuple(buckets)},
-                       step=f"gradient sync ({len(buckets)} buckets)")
+                       step=f"{len(buckets)} buckets")

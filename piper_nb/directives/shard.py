@@ -32,10 +32,11 @@ Several experts may read one value on one device (their input gradients are summ
 there); one value read by experts on different devices is an error. Experts may not feed
 experts on other devices directly.
 
-Compile-time pieces (see `compiler.compile.build_global_dag`): `shard_placement` places
-the experts before send/recv insertion (which leaves expert edges alone),
-`apply_shard` checks the surroundings of one directive's experts (errors name the
-directive), and `insert_all_to_all` rewrites the edges of all experts at once.
+Three passes of the pipeline (`compiler.passes`): `place_experts` places the experts
+before send/recv insertion (which leaves expert edges alone; the expert regions are the
+DAG's `experts` meta), `apply_shards` checks the surroundings of each directive's experts
+(errors name the directive), and `insert_all_to_all` rewrites the edges of all experts at
+once.
 """
 
 from __future__ import annotations
@@ -45,13 +46,22 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from piper_nb.directives.base import Directive, call_code, check_devices, check_stream
+from piper_nb.directives.base import (
+    Context,
+    Directive,
+    Directives,
+    call_code,
+    check_devices,
+    check_stream,
+    each,
+)
 from piper_nb.errors import PlanError
-from piper_nb.ir.dag import Edge, Node, Op, TrainingDAG, node_id
+from piper_nb.ir.dag import TrainingDAG
 from piper_nb.ir.filters import as_filter, freeze_tags, tags_text
-from piper_nb.ir.kinds import COMPUTE, PASSES
+from piper_nb.ir.kinds import COMPUTE, PASSES, EdgeKind, Op, Purpose
+from piper_nb.ir.node import Edge, Node, node_id
 
-__all__ = ["Shard", "shard", "shard_placement", "apply_shard", "insert_all_to_all", "EP"]
+__all__ = ["Shard", "shard", "place_experts", "apply_shards", "insert_all_to_all", "EP"]
 
 EP = "EP"
 
@@ -94,7 +104,24 @@ def _selected_regions(dag: TrainingDAG, directive) -> set[int]:
     return {n.region for n in dag.nodes if n.op in COMPUTE and n.selected_by(directive.filter)}
 
 
-def shard_placement(dag: TrainingDAG, directive) -> tuple[TrainingDAG, set[int]]:
+def place_experts(dag: TrainingDAG, shards: Directives, ctx: Context) -> TrainingDAG:
+    """Each shard's expert regions placed; all of them recorded as the `experts` meta."""
+    experts: set[int] = set()
+
+    def one(dag: TrainingDAG, d: Shard) -> TrainingDAG:
+        dag, regions = _place_experts(dag, d)
+        experts.update(regions)
+        return dag
+    dag = each(dag, shards, one)
+    return dag.replace(meta={"experts": frozenset(experts)}) if experts else dag
+
+
+def experts_of(dag: TrainingDAG) -> frozenset[int]:
+    """The expert regions (those a shard placed)."""
+    return dag.get_meta("experts", frozenset())
+
+
+def _place_experts(dag: TrainingDAG, directive) -> tuple[TrainingDAG, set[int]]:
     """Place each matched expert region on `devices[EP % len(devices)]`."""
     f, devs = dict(directive.filter), tuple(directive.devices)
     regions = _selected_regions(dag, directive)
@@ -127,7 +154,7 @@ def shard_placement(dag: TrainingDAG, directive) -> tuple[TrainingDAG, set[int]]
             n = dataclasses.replace(n, devices=(owner,)).with_attrs(ep_group=devs,
                                                                    ep_stream=stream)
         nodes.append(n)
-    step = f"shard {f} over {list(devs)}"
+    step = f"{f} over {list(devs)}"
     return dag.replace(nodes=nodes, step=step), regions
 
 
@@ -139,7 +166,7 @@ def _expert_edges(dag: TrainingDAG):
     """(edge, expert node, other node) for data edges between an expert pass and a pass of
     another region (F/B/BI/BW only: saved activations and updates stay local)."""
     for e in dag.edges:
-        if e.kind != "data":
+        if e.kind != EdgeKind.DATA:
             continue
         a, b = dag[e.src], dag[e.dst]
         if a.op not in PASSES or b.op not in PASSES or a.region == b.region:
@@ -155,7 +182,12 @@ def _suggest(dag: TrainingDAG, n: Node) -> dict:
     return {k: v for k, v in tags if k not in ("MB", "PASS", "SEG")}
 
 
-def apply_shard(dag: TrainingDAG, directive) -> TrainingDAG:
+def apply_shards(dag: TrainingDAG, shards: Directives, ctx: Context) -> TrainingDAG:
+    """Each shard's surroundings checked (see `_check_surroundings`)."""
+    return each(dag, shards, _check_surroundings)
+
+
+def _check_surroundings(dag: TrainingDAG, directive) -> TrainingDAG:
     """Check that the regions around this directive's experts allow all-to-all over its devices."""
     devs = tuple(directive.devices)
     regions = _selected_regions(dag, directive)
@@ -196,8 +228,11 @@ def apply_shard(dag: TrainingDAG, directive) -> TrainingDAG:
     return dag
 
 
-def insert_all_to_all(dag: TrainingDAG, experts: frozenset[int]) -> TrainingDAG:
+def insert_all_to_all(dag: TrainingDAG, _: Directives, ctx: Context) -> TrainingDAG:
     """Turn every edge between an expert and a region on its group into ALL_TO_ALL nodes."""
+    experts = experts_of(dag)
+    if not experts:
+        return dag
     regions = dag.regions()
     made = {v for info in regions for v in info.outputs}   # values regions make (not the batch)
 
@@ -209,7 +244,7 @@ def insert_all_to_all(dag: TrainingDAG, experts: frozenset[int]) -> TrainingDAG:
     keep: list[Edge] = []
     for e in dag.edges:
         a, b = dag[e.src], dag[e.dst]
-        if (e.kind != "data" or a.op not in PASSES or b.op not in PASSES
+        if (e.kind != EdgeKind.DATA or a.op not in PASSES or b.op not in PASSES
                 or a.region == b.region or (a.region in experts) == (b.region in experts)):
             keep.append(e)
             continue
@@ -217,7 +252,7 @@ def insert_all_to_all(dag: TrainingDAG, experts: frozenset[int]) -> TrainingDAG:
         if x.devices == other.devices:  # a group of one device: nothing to exchange
             keep.append(e)
             continue
-        purpose = "combine" if x is a else "dispatch"
+        purpose = Purpose.COMBINE if x is a else Purpose.DISPATCH
         grad = a.op != Op.F
         nid = node_id(Op.ALL_TO_ALL, freeze_tags({k: v for k, v in other.tags if k != "PASS"}),
                       f"#{purpose}{'.grad' if grad else ''}")
@@ -232,7 +267,7 @@ def insert_all_to_all(dag: TrainingDAG, experts: frozenset[int]) -> TrainingDAG:
         owners: list[tuple[str, int]] = []
         split_by: list[tuple[str, str]] = []
         for e, x in g["edges"]:
-            dispatched = (purpose == "dispatch") != g["grad"]  # the value is an expert input
+            dispatched = (purpose == Purpose.DISPATCH) != g["grad"]  # the value is an expert input
             for v in e.values:
                 if v in values:
                     continue
@@ -247,12 +282,12 @@ def insert_all_to_all(dag: TrainingDAG, experts: frozenset[int]) -> TrainingDAG:
                                         "split_by": tuple(split_by)}.items())))
         nodes.append(node)
         vals = tuple(values)
-        if purpose == "dispatch":
-            edges.append(Edge(other.id, nid, "data", vals))
-            edges += [Edge(nid, x.id, "data", e.values) for e, x in g["edges"]]
+        if purpose == Purpose.DISPATCH:
+            edges.append(Edge(other.id, nid, EdgeKind.DATA, vals))
+            edges += [Edge(nid, x.id, EdgeKind.DATA, e.values) for e, x in g["edges"]]
         else:
-            edges += [Edge(x.id, nid, "data", e.values) for e, x in g["edges"]]
-            edges.append(Edge(nid, other.id, "data", vals))
+            edges += [Edge(x.id, nid, EdgeKind.DATA, e.values) for e, x in g["edges"]]
+            edges.append(Edge(nid, other.id, EdgeKind.DATA, vals))
     names = ", ".join(tags_text(regions[r].tags) for r in sorted(experts)) if regions else ""
     return dag.replace(nodes=nodes, edges=edges,
-                       step=f"all-to-all ({len(groups)} nodes; experts {names})")
+                       step=f"{len(groups)} nodes; experts {names}")

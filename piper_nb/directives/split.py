@@ -13,12 +13,14 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from piper_nb.directives.base import Directive, py_literal
+from piper_nb.directives.base import Context, Directive, Directives, each, py_literal
 from piper_nb.errors import PlanError
-from piper_nb.ir.dag import Edge, Node, Op, TrainingDAG, node_id
+from piper_nb.ir.dag import TrainingDAG
 from piper_nb.ir.filters import as_filter, freeze_tags
+from piper_nb.ir.kinds import Op
+from piper_nb.ir.node import Edge, Node, node_id
 
-__all__ = ["Split", "split", "apply_split"]
+__all__ = ["Split", "split", "apply_splits"]
 
 
 @dataclass(frozen=True)
@@ -61,7 +63,12 @@ def split(filter: Mapping[str, Any], dim: str = "MB", num: int = 4) -> Split:
     return Split(filter, dim, num)
 
 
-def apply_split(dag: TrainingDAG, directive) -> TrainingDAG:
+def apply_splits(dag: TrainingDAG, splits: Directives, ctx: Context) -> TrainingDAG:
+    """Every split in turn: the DAG copied along each one's tag (microbatches)."""
+    return each(dag, splits, _split)
+
+
+def _split(dag: TrainingDAG, directive: Split) -> TrainingDAG:
     dim, num = directive.dim, directive.num
     chosen = {n.id for n in dag.nodes if n.op != Op.U and n.selected_by(directive.filter)}
     if not chosen:
@@ -100,4 +107,4 @@ def apply_split(dag: TrainingDAG, directive) -> TrainingDAG:
             edges.append(e)
     splits = (*dag.get_meta("splits", ()), (dim, num))
     return dag.replace(nodes=nodes, edges=edges, meta={"splits": splits},
-                       step=f"split {dim}={num}")
+                       step=f"{dim}={num}")

@@ -1,83 +1,27 @@
 """The TrainingDAG: the one IR every strategy is a transformation of (Piper's global DAG).
 
-Nodes are compute passes (F, B, BI, BW per region and microbatch; U, the optimizer
-update) and communication (SEND, RECV, ALL_REDUCE, ALL_GATHER, REDUCE_SCATTER,
-ALL_TO_ALL). Each node has tags, a device set and a logical stream. Edges are `data` or
-`temporal`. Everything is immutable: directives return new DAGs (`dag.replace(...)`), and
-`dag.history` names the passes applied so tools can show the DAG after each one.
+Its nodes and edges are `ir.node`'s `Node` and `Edge`. Nodes are compute passes (F, B, BI,
+BW per region and microbatch; U, the optimizer update) and communication (SEND, RECV,
+ALL_REDUCE, ALL_GATHER, REDUCE_SCATTER, ALL_TO_ALL). Each node has tags, a device set and a
+logical stream. Edges are `data` or `temporal`. Everything is immutable: passes return new
+DAGs (`dag.replace(...)`), and `dag.history` names the passes applied (`compiler.passes`),
+so tools can show the DAG after each one.
 """
 
 from __future__ import annotations
 
-import dataclasses
+import json
 from collections import defaultdict
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from piper_nb.ir.filters import SEG, Tags, matches, tags_text
-from piper_nb.ir.kinds import COLLECTIVES, COMM, COMPUTE, Op
+from piper_nb.ir.filters import SEG
+from piper_nb.ir.kinds import Op
+from piper_nb.ir.node import Edge, Node
+from piper_nb.ir.text import dag_lines, dag_meta_json, parse_dag_lines
 
-__all__ = ["Op", "Node", "Edge", "TrainingDAG", "COMPUTE", "COLLECTIVES", "COMM", "node_id"]
-
-
-def node_id(op: Op | str, tags: Mapping[str, Any] | Tags, suffix: str = "") -> str:
-    """Canonical text id: `F[PP=1,MB=0]`, `ALL_REDUCE[PP=0]#grad0`."""
-    return f"{Op(op).value}[{tags_text(tags)}]{suffix}"
-
-
-@dataclass(frozen=True, slots=True)
-class Node:
-    """One DAG node. `devices` empty means not placed yet; `attrs` carry op details."""
-
-    id: str
-    op: Op
-    tags: Tags
-    region: int = -1
-    devices: tuple[int, ...] = ()
-    stream: str = "compute"
-    attrs: tuple[tuple[str, Any], ...] = ()
-
-    def tag(self, key: str, default: Any = None) -> Any:
-        for k, v in self.tags:
-            if k == key:
-                return v
-        return default
-
-    @property
-    def mb(self) -> int | None:
-        return self.tag("MB")
-
-    def attr(self, key: str, default: Any = None) -> Any:
-        for k, v in self.attrs:
-            if k == key:
-                return v
-        return default
-
-    def with_attrs(self, **kw: Any) -> Node:
-        merged = dict(self.attrs)
-        merged.update(kw)
-        return dataclasses.replace(self, attrs=tuple(sorted(merged.items())))
-
-    def selected_by(self, filt: Mapping[str, Any]) -> bool:
-        return matches(filt, dict(self.tags))
-
-    def __str__(self) -> str:
-        where = f"@{','.join(map(str, self.devices))}" if self.devices else ""
-        return self.id + where
-
-
-@dataclass(frozen=True, slots=True)
-class Edge:
-    src: str
-    dst: str
-    kind: str = "data"  # "data" | "temporal"
-    values: tuple[str, ...] = ()  # activations (F edges) or their gradients (B edges)
-    origin: int = -1  # index of the directive that added it (temporal edges), else -1
-
-    def __str__(self) -> str:
-        arrow = "->" if self.kind == "data" else "~>"
-        return f"{self.src} {arrow} {self.dst}"
+__all__ = ["TrainingDAG"]
 
 
 @dataclass(frozen=True)
@@ -159,6 +103,13 @@ class TrainingDAG:
             history=self.history + ((step,) if step else ()),
         )
 
+    def with_history(self, history: tuple[str, ...]) -> TrainingDAG:
+        """The same DAG with another history (its look-up index kept: nodes and edges are
+        the same)."""
+        out = TrainingDAG(self.nodes, self.edges, self.meta, tuple(history))
+        object.__setattr__(out, "_index", self._index)
+        return out
+
     def devices(self) -> tuple[int, ...]:
         return tuple(sorted({d for n in self.nodes for d in n.devices}))
 
@@ -167,12 +118,22 @@ class TrainingDAG:
 
     def text(self) -> str:
         """One line per node then one per edge: the compact text form (see ir/text.py)."""
-        from piper_nb.ir.text import dag_to_text
-        return dag_to_text(self)
+        return dag_lines(self)
+
+    @classmethod
+    def from_text(cls, text: str, meta: tuple = ()) -> TrainingDAG:
+        """The DAG `text()` wrote (its meta is not in the text: pass it, or use JSON)."""
+        nodes, edges, history = parse_dag_lines(text)
+        return cls(tuple(nodes), tuple(edges), meta, history)
 
     def to_json(self) -> str:
-        from piper_nb.ir.text import dag_to_json
-        return dag_to_json(self)
+        """The text form and the meta (JSON-able parts, dataclasses as objects)."""
+        return json.dumps({"text": self.text(), "meta": dag_meta_json(self.meta)})
+
+    @classmethod
+    def from_json(cls, text: str) -> TrainingDAG:
+        obj = json.loads(text)
+        return cls.from_text(obj["text"], tuple(obj.get("meta", {}).items()))
 
     def __repr__(self) -> str:
         counts: dict[str, int] = defaultdict(int)

@@ -1,15 +1,21 @@
-"""One list of kinds: what a DAG node or a plan instruction can be, and the groups of them
-every floor asks about. `Op` is a string enum, so `Op.F == "F"` and an instruction's
-`kind` (a plain string in its JSON form) is compared against these sets directly.
+"""One list of kinds: what a DAG node or a plan instruction can be (`Op`), why a collective
+moves what it moves (`Purpose`), what an edge says (`EdgeKind`), the bytes a device holds
+(`Memory`, defined with the trace atoms), and the groups of them every floor asks about.
+
+The enums are string enums (`Op.F == "F"`), so their JSON form is their value and a value
+read back compares equal; code names the members, never the strings
+(`tests/test_kinds.py` reads the source to keep it so).
 """
 
 from __future__ import annotations
 
-from enum import IntEnum, StrEnum
+from enum import StrEnum
 
-__all__ = ["Op", "PASSES", "BACKWARDS", "COMPUTE", "P2P", "COLLECTIVES", "COMM", "REDUCTIONS",
-           "BUCKET_COLLECTIVES", "PASS_ORDER", "PASS_NAMES", "LETTER", "PASS_OF_LETTER", "SHORT",
-           "Memory"]
+from piper_nb.trace import Memory
+
+__all__ = ["Op", "Purpose", "Held", "EdgeKind", "Memory", "PASSES", "BACKWARDS", "COMPUTE",
+           "P2P", "COLLECTIVES", "COMM", "REDUCTIONS", "BUCKET_COLLECTIVES", "PASS_ORDER",
+           "PASS_NAMES", "LETTER", "PASS_OF_LETTER", "SHORT"]
 
 
 class Op(StrEnum):
@@ -31,6 +37,41 @@ class Op(StrEnum):
         return self.value
 
 
+class Purpose(StrEnum):
+    """Why a collective moves what it moves (`Instr.purpose`, a DAG node's `purpose` attr)."""
+
+    NONE = ""                        # point-to-point, compute, waits: no purpose
+    GRAD = "grad"                    # a bucket's gradients: all-reduce or reduce-scatter
+    PARAM = "param"                  # a bucket's parameters: the all-gather of ZeRO shards
+    DISPATCH = "dispatch"            # an all-to-all carrying tokens to the experts
+    COMBINE = "combine"              # an all-to-all bringing the experts' outputs back
+    NORM = "norm"                    # the all-reduce of the squared gradient norm (clipping)
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class Held(StrEnum):
+    """What a FREE releases: a value's activation or gradient buffer, or a gathered bucket."""
+
+    ACT = "act"                      # `act:x@1`: activation x of microbatch 1
+    GRAD = "grad"                    # `grad:x@1`: the gradient of x, microbatch 1
+    PARAM = "param"                  # `param:0`: bucket 0's gathered parameters (ZeRO-3)
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class EdgeKind(StrEnum):
+    """What a DAG edge says: a value flows (`data`), or only an order (`temporal`)."""
+
+    DATA = "data"
+    TEMPORAL = "temporal"
+
+    def __str__(self) -> str:
+        return self.value
+
+
 PASSES = frozenset({Op.F, Op.B, Op.BI, Op.BW})          # a region's passes
 BACKWARDS = frozenset({Op.B, Op.BI, Op.BW})
 COMPUTE = PASSES | {Op.U}                                # what runs on the compute stream
@@ -44,13 +85,3 @@ PASS_NAMES = ("F", "B", "BI", "BW", "U")                 # the values of a filte
 LETTER = {Op.F: "F", Op.B: "B", Op.BI: "I", Op.BW: "W"}  # PyTorch's action letters
 PASS_OF_LETTER = {v: k.value for k, v in LETTER.items()}
 SHORT = {Op.ALL_REDUCE: "AR", Op.ALL_GATHER: "AG", Op.REDUCE_SCATTER: "RS", Op.ALL_TO_ALL: "A2A"}
-
-
-class Memory(IntEnum):
-    """The kinds of bytes a device holds (`trace.MemorySample`'s fields, in order)."""
-
-    PARAMS = 0
-    GRADS = 1
-    OPTIM = 2
-    ACTIVATIONS = 3
-    BUFFERS = 4

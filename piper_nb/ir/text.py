@@ -67,7 +67,7 @@ half I costs B - W), FB an overlapped F&B slot (unset: F + B).
 
 `instr_text` writes an instruction, `wait_text` a wait, `region_legend` / `bucket_legend`
 the prefixes; the JSON form (`Plan.to_json`) is the exact exchange form of a plan, the text
-is for reading. `dag_to_text` / `dag_from_text` (and the JSON pair) round-trip a DAG.
+is for reading. `TrainingDAG.text()` / `from_text` (and the JSON pair) round-trip a DAG.
 """
 
 from __future__ import annotations
@@ -78,12 +78,12 @@ from dataclasses import asdict, is_dataclass
 from typing import Any
 
 from piper_nb.errors import PlanError
-from piper_nb.ir.dag import Edge, Node, Op, TrainingDAG
 from piper_nb.ir.filters import tags_text
-from piper_nb.ir.kinds import LETTER, P2P, SHORT
+from piper_nb.ir.kinds import LETTER, P2P, SHORT, EdgeKind, Op, Purpose
+from piper_nb.ir.node import Edge, Node
 
-__all__ = ["dag_to_text", "dag_from_text", "dag_to_json", "dag_from_json", "instr_text",
-           "wait_text", "region_legend", "bucket_legend"]
+__all__ = ["dag_lines", "parse_dag_lines", "dag_meta_json", "instr_text", "wait_text",
+           "region_legend", "bucket_legend"]
 
 _FEEDS = re.compile(r"#b\d+\.(F|B|BI|BW)\d+$")     # a ZeRO-3 gather's node: the pass it feeds
 
@@ -93,20 +93,20 @@ def _mb(ins: Any) -> str:
 
 
 def instr_text(ins: Any) -> str:
-    """One plan instruction (a `compiler.plan.Instr`, or anything with its fields) in the
+    """One plan instruction (a `plan.instr.Instr`, or anything with its fields) in the
     notation above: `r0:F1`, `r0:SEND_F1>2`, `b0:RS1`, `b0:AG@F1`, `r0:DISPATCH_F1`."""
     k = ins.kind
     scope = f"r{ins.region}:" if ins.region >= 0 else ""
     if k in LETTER:
         return f"{scope}{LETTER[k]}{_mb(ins)}"
-    if k == "U":
+    if k == Op.U:
         return f"{scope}U"
     if k in P2P:
-        arrow = ">" if k == "SEND" else "<"
+        arrow = ">" if k == Op.SEND else "<"
         return f"{scope}{k}_{'B' if ins.grad else 'F'}{_mb(ins)}{arrow}{ins.peer}"
-    if k == "ALL_TO_ALL" and ins.purpose in ("dispatch", "combine"):
+    if k == Op.ALL_TO_ALL and ins.purpose in (Purpose.DISPATCH, Purpose.COMBINE):
         return f"{scope}{ins.purpose.upper()}_{'B' if ins.grad else 'F'}{_mb(ins)}"
-    if k in SHORT and ins.purpose == "norm":   # clipping's all-reduce of the gradient norm
+    if k in SHORT and ins.purpose == Purpose.NORM:   # clipping's all-reduce of the gradient norm
         return f"norm:{SHORT[k]}"
     if k in SHORT:
         if ins.bucket < 0:                  # not over a bucket (hand-written plans)
@@ -115,7 +115,7 @@ def instr_text(ins: Any) -> str:
         if feeds:
             return f"b{ins.bucket}:{SHORT[k]}@{LETTER[Op(feeds.group(1))]}{_mb(ins)}"
         return f"b{ins.bucket}:{SHORT[k]}{_mb(ins)}"
-    if k == "FREE":
+    if k == Op.FREE:
         return "free(" + ",".join(ins.keys) + ")"
     return k
 
@@ -169,21 +169,23 @@ def _unjson(v):
     return v
 
 
-def dag_to_text(dag: TrainingDAG) -> str:
+def dag_lines(dag) -> str:
+    """A DAG's text form (`TrainingDAG.text()`): its history, one line per node, one per edge."""
     lines = [f"# history: {' | '.join(dag.history)}"]
     for n in dag.nodes:
         attrs = json.dumps({k: _jsonable(v) for k, v in n.attrs}, separators=(",", ":"))
         lines.append(f"N {n.id} region={n.region} devices={','.join(map(str, n.devices))} "
                      f"stream={n.stream} op={n.op.value} tags={tags_text(n.tags, skip=())} attrs={attrs}")
     for e in dag.edges:
-        arrow = "->" if e.kind == "data" else "~>"
+        arrow = "->" if e.kind == EdgeKind.DATA else "~>"
         extra = f" values={','.join(e.values)}" if e.values else ""
         extra += f" origin={e.origin}" if e.origin >= 0 else ""
         lines.append(f"E {e.src} {arrow} {e.dst}{extra}")
     return "\n".join(lines)
 
 
-def dag_from_text(text: str, meta: tuple = ()) -> TrainingDAG:
+def parse_dag_lines(text: str) -> tuple[list[Node], list[Edge], tuple[str, ...]]:
+    """(nodes, edges, history) of a DAG's text form (`TrainingDAG.from_text` builds the DAG)."""
     nodes, edges, history = [], [], ()
     for lineno, line in enumerate(text.splitlines(), 1):
         try:
@@ -202,15 +204,16 @@ def dag_from_text(text: str, meta: tuple = ()) -> TrainingDAG:
             elif line.startswith("E "):
                 src, arrow, dst, *rest = line[2:].split(" ")
                 kv = dict(f.split("=", 1) for f in rest)
-                edges.append(Edge(src, dst, "data" if arrow == "->" else "temporal",
+                edges.append(Edge(src, dst, EdgeKind.DATA if arrow == "->" else EdgeKind.TEMPORAL,
                                   tuple(v for v in kv.get("values", "").split(",") if v),
                                   int(kv.get("origin", -1))))
         except (ValueError, KeyError) as err:
             raise PlanError(f"DAG text line {lineno} is malformed ({err}): {line!r}") from None
-    return TrainingDAG(tuple(nodes), tuple(edges), meta, history)
+    return nodes, edges, history
 
 
-def _meta_json(meta) -> dict:
+def dag_meta_json(meta) -> dict:
+    """A DAG's meta as JSON: dataclass tuples as objects, other values as they are or repr."""
     out = {}
     for k, v in meta:
         if isinstance(v, tuple) and v and is_dataclass(v[0]):
@@ -222,12 +225,3 @@ def _meta_json(meta) -> dict:
             except TypeError:
                 out[k] = repr(v)
     return out
-
-
-def dag_to_json(dag: TrainingDAG) -> str:
-    return json.dumps({"text": dag_to_text(dag), "meta": _meta_json(dag.meta)})
-
-
-def dag_from_json(text: str) -> TrainingDAG:
-    obj = json.loads(text)
-    return dag_from_text(obj["text"], tuple(obj.get("meta", {}).items()))

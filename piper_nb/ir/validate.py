@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from piper_nb.errors import PlanError
 from piper_nb.ir.dag import TrainingDAG
-from piper_nb.ir.kinds import COMM, COMPUTE, Op
+from piper_nb.ir.kinds import COMM, COMPUTE, EdgeKind, Op
 
 __all__ = ["validate"]
 
@@ -24,6 +24,6 @@ def validate(dag: TrainingDAG, *, placed: bool = False) -> TrainingDAG:
     for e in dag.edges:
         if e.src not in ids or e.dst not in ids:
             raise PlanError(f"edge {e} names a node that is not in the DAG")
-        if e.kind not in ("data", "temporal"):
+        if e.kind not in (EdgeKind.DATA, EdgeKind.TEMPORAL):
             raise PlanError(f"edge {e} has unknown kind {e.kind!r}")
     return dag

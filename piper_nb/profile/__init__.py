@@ -2,72 +2,17 @@
 
 The floor above the runtime and the simulator: it builds workers in this process
 (`passes`), starts processes that time gloo between them (`links`) and time-slicing
-(`slicing`), and gives the simulator a `CostModel` of what it measured (what the CPU
-host spends in its `HostModel`). `CostModel.profile` (the public spelling) calls
-`profile_cost_model` through the registration below, so the simulator itself never
-imports this package and never starts a process.
+(`time_slicing`), and gives the simulator a `CostModel` of what it measured (what the CPU
+host spends in its `HostModel`). `cost_model` holds `profile_cost_model`, the public
+`CostModel` (the simulator's, plus `CostModel.profile`) and the public `simulate` (whose
+default cost model is the profiled one), so the simulator itself never imports this
+package and never starts a process.
 """
 
-from __future__ import annotations
-
-import math
-
-from piper_nb import host
-from piper_nb.errors import PlanError
-from piper_nb.optim import SGD, check_optimizer
+from piper_nb.profile.cost_model import CostModel, profile_cost_model, simulate
 from piper_nb.profile.links import profile_links
 from piper_nb.profile.passes import profile_packing, profile_plan
-from piper_nb.profile.slicing import profile_slicing
-from piper_nb.sim.cost import CostModel, message_bytes
-from piper_nb.sim.host_model import HostModel
+from piper_nb.profile.time_slicing import profile_slicing
 
-__all__ = ["profile_cost_model", "profile_plan", "profile_packing", "profile_links",
-           "profile_slicing"]
-
-
-def profile_cost_model(plan, repeats: int = 5, comm: bool = True, optimizer=None,
-                       cores: int | None = None) -> CostModel:
-    """Measure `plan`'s costs here, as local CPU workers will see them.
-
-    Passes and the update (with `optimizer`, default SGD) are timed on one thread like a
-    worker runs them, plus the worker's bookkeeping per instruction; with `comm`, gloo
-    is fitted per message kind and group size between `plan.world` processes (cached
-    per process), with more repeats when there are more processes than cores (their
-    messages then wait on the scheduler, a heavy-tailed delay whose mean needs more
-    samples). `cores` (default: those this process may run on) are shared by the
-    devices computing at once; with more devices than cores (and `comm`), one process
-    per device also measures what time-slicing costs on top (`profile.slicing`).
-    """
-    if plan.capture is not None and any(p.is_meta for p in plan.capture.model.parameters()):
-        raise PlanError("this model is on the meta device (no weights): profiling runs its "
-                        "passes, so give simulate a cost model that does not, "
-                        "pn.CostModel.analytic(plan, 'H100') or pn.CostModel.uniform()")
-    optimizer = check_optimizer(optimizer if optimizer is not None else SGD(0.1), "profile")
-    passes, overhead, background = profile_plan(plan, repeats, optimizer)
-    packing = profile_packing(plan, repeats, optimizer)
-    links: dict = {}
-    issue: dict = {}
-    lat, bw, world, slicing, jitter = 0.0, math.inf, 0, 1.0, ()
-    if cores is None:   # the cores this process (and the workers it starts) may use
-        cores = len(host.usable_cores())
-    if comm:   # at most 8 processes; larger groups use the largest size measured
-        world = min(max(plan.world, 2), 8)
-        groups = {len(i.group) for dp in plan.devices for i in dp.instrs if i.group}
-        largest = max((message_bytes(plan, i) for dp in plan.devices for i in dp.instrs
-                       if i.is_issue), default=0)
-        a2a = ("ALL_TO_ALL",) if any(i.kind == "ALL_TO_ALL" for dp in plan.devices
-                                     for i in dp.instrs) else ()
-        fitted = profile_links(world, {g for g in groups if g <= world}, largest=largest,
-                               repeats=21 * -(-world // cores), kinds=a2a)
-        issue = {k[1]: v for k, v in fitted.items() if k[0] == "issue"}
-        links = {k: v for k, v in fitted.items() if k[0] != "issue"}
-        lat, bw = links[("p2p", 2)]
-        slicing, jitter = profile_slicing(plan, optimizer, cores=cores)
-    cpu = HostModel(issue=issue, overhead=overhead, sync=True, cores=cores,
-                    background=background, comm_cores=1.0 if comm else 0.0, link_world=world,
-                    slicing=slicing, jitter=jitter, packing=packing)
-    return CostModel(name="profiled", unit="s", passes=passes, latency=lat, bandwidth=bw,
-                     links=links, host=cpu, meta={"repeats": repeats})
-
-
-CostModel.profiler = staticmethod(profile_cost_model)
+__all__ = ["CostModel", "simulate", "profile_cost_model", "profile_plan", "profile_packing",
+           "profile_links", "profile_slicing"]

@@ -29,7 +29,7 @@ import warnings
 
 import torch
 
-from piper_nb.ir.kinds import BUCKET_COLLECTIVES
+from piper_nb.ir.kinds import BUCKET_COLLECTIVES, Op
 from piper_nb.profile.passes import typical
 
 __all__ = ["profile_links", "fit_links", "link_sizes"]
@@ -109,15 +109,15 @@ def _link_worker(rank: int, world: int, port: int, groups: list[int], repeats: i
             numel = -(-size // (4 * n)) * n
             g = pgs[n]
             # (buffers, as the worker holds them before the call; the call)
-            ops = {"ALL_REDUCE": (lambda numel=numel: (torch.zeros(numel),),
+            ops = {Op.ALL_REDUCE: (lambda numel=numel: (torch.zeros(numel),),
                                   lambda t, g=g: dist.all_reduce(t, group=g, async_op=True)),
-                   "REDUCE_SCATTER": (lambda numel=numel, n=n: (torch.empty(numel // n),
+                   Op.REDUCE_SCATTER: (lambda numel=numel, n=n: (torch.empty(numel // n),
                                                                 torch.zeros(numel)),
                                       lambda o, t, g=g: rs(o, t, group=g, async_op=True)),
-                   "ALL_GATHER": (lambda numel=numel, n=n: (torch.empty(numel),
+                   Op.ALL_GATHER: (lambda numel=numel, n=n: (torch.empty(numel),
                                                             torch.zeros(numel // n)),
                                   lambda o, t, g=g: ag(o, t, group=g, async_op=True)),
-                   "ALL_TO_ALL": (lambda numel=numel: (torch.empty(numel), torch.zeros(numel)),
+                   Op.ALL_TO_ALL: (lambda numel=numel: (torch.empty(numel), torch.zeros(numel)),
                                   lambda o, t, g=g: dist.all_to_all_single(o, t, group=g,
                                                                            async_op=True))}
             for kind in kinds:
@@ -242,7 +242,7 @@ def fit_links(raw: dict) -> dict[tuple[str, int | str], tuple[float, float]]:
     fitted: dict = {}
     for name, points in raw.items():
         kind, n = name.split("/")
-        if kind == "issue" and n == "WAIT":   # host time of a WAIT: (seconds, inf)
+        if kind == "issue" and n == Op.WAIT:   # host time of a WAIT: (seconds, inf)
             # the median: in a tenth of the calls gloo had not delivered the message yet
             # (its stalls, 1-5 ms), which the link's own time already counts
             fitted[("issue", n)] = (statistics.median(points), math.inf)

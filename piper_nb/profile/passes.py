@@ -24,8 +24,8 @@ import time
 
 import torch
 
-from piper_nb.compiler.shapes import random_value
-from piper_nb.ir.kinds import BUCKET_COLLECTIVES
+from piper_nb.ir.kinds import BUCKET_COLLECTIVES, Op
+from piper_nb.plan.sizes import random_value
 from piper_nb.runtime.bundle import load_bundle, make_bundle
 from piper_nb.runtime.worker import Worker
 
@@ -125,7 +125,7 @@ class _Bench:
         F then BI and BW where the plan splits backwards (DualPipe runs both kinds for one
         region; `split_too`: both whatever the plan runs)."""
         first, w = self.first, self.w
-        f = first.get((r, "F"))
+        f = first.get((r, Op.F))
         if f is None:
             return {}
         got = {}
@@ -133,13 +133,13 @@ class _Bench:
         for split in ((False, True) if split_too or not modes else modes):
             self._gather(r)
             self._inputs(f)
-            got["F"] = self.timed(f)
+            got[Op.F] = self.timed(f)
             self._out_grads(f)
             if split:
-                got["BI"] = self.timed(replace_kind(f, "BI"))
-                got["BW"] = self.timed(replace_kind(f, "BW"))
+                got[Op.BI] = self.timed(replace_kind(f, Op.BI))
+                got[Op.BW] = self.timed(replace_kind(f, Op.BW))
             else:
-                got["B"] = self.timed(replace_kind(f, "B"))
+                got[Op.B] = self.timed(replace_kind(f, Op.B))
             w.values.clear()
             w.losses.clear()
         return got
@@ -148,7 +148,7 @@ class _Bench:
         """One U of region r: gradients (or reduced shards) in place, the optimizer's step.
         The gradients are small random numbers, as in training: all-zero ones leave AdamW's
         second moments at zero, where its arithmetic runs about 3x slower on CPU."""
-        ins = self.first.get((r, "U"))
+        ins = self.first.get((r, Op.U))
         if ins is None:
             return 0.0
         st = self.w.store
@@ -171,12 +171,12 @@ class _Bench:
         mid-step state (every gradient present, the optimizer's state made, a stash alive)."""
         w = self.w
         for r, kind in list(self.first):
-            if kind == "U":
+            if kind == Op.U:
                 self.update(r)
         for p in w.store.params.values():
             p.grad = torch.zeros_like(p)
         for (r, kind), ins in self.first.items():
-            if kind == "F":
+            if kind == Op.F:
                 self._gather(r)
                 self._inputs(ins)
                 w.run(ins)
@@ -215,16 +215,16 @@ def _bucket_host_times(bench: _Bench, b: int, kinds: set[str], repeats: int
         for kind in sorted(kinds):
             for n in lay.names:
                 st.params[n].grad = torch.randn(st.params[n].shape, generator=gen) * 1e-3
-            if kind == "ALL_REDUCE":
+            if kind == Op.ALL_REDUCE:
                 pack, flat = _timed_call(st.flat_grads, b)
                 unpack = _timed_call(st.set_grads, b, flat)[0]
-            elif kind == "REDUCE_SCATTER":
+            elif kind == Op.REDUCE_SCATTER:
                 pack = _timed_call(st.flat_grads, b)[0] + _timed_call(st.clear_grads, b)[0]
                 shard = torch.randn(lay.shard, generator=gen) * 1e-3
                 st.grad_shards[b] = shard.clone()   # a later microbatch adds to the first
                 unpack = _timed_call(st.add_grad_shard, b, shard)[0]
                 st.grad_shards.pop(b, None)
-            elif kind == "ALL_GATHER":
+            elif kind == Op.ALL_GATHER:
                 full = torch.zeros(lay.padded, dtype=st.like(b).dtype)
                 pack = 0.0
                 if lay.zero == 3:
@@ -276,7 +276,7 @@ def _devices_by_region(plan) -> dict[int, int]:
     out: dict[int, int] = {}
     for dp in plan.devices:
         for ins in dp.instrs:
-            if ins.kind == "F":
+            if ins.kind == Op.F:
                 out.setdefault(ins.region, dp.device)
     return out
 
@@ -315,7 +315,7 @@ def profile_plan(plan, repeats: int = 7, optimizer=None, overhead_repeats: int =
     updates = {}   # region -> a device that updates it
     for dp in plan.devices:
         for ins in dp.instrs:
-            if ins.kind == "U":
+            if ins.kind == Op.U:
                 updates.setdefault(ins.region, dp.device)
     with torch.random.fork_rng(devices=[]), one_thread():
         torch.manual_seed(0)
@@ -334,10 +334,10 @@ def profile_plan(plan, repeats: int = 7, optimizer=None, overhead_repeats: int =
             for r, d in sorted(updates.items()):
                 t = bench(d).update(r)
                 if k:
-                    times.setdefault((r, "U"), []).append(t)
+                    times.setdefault((r, Op.U), []).append(t)
         passes = {key: typical(v) for key, v in times.items()}
         for r, d in regions:   # BI and BW where the plan does not split (one round)
-            if (r, "BI") not in passes:
+            if (r, Op.BI) not in passes:
                 for kind, t in bench(d).passes(r, split_too=True).items():
                     passes.setdefault((r, kind), t)
         seen: dict[tuple, float] = {}

@@ -20,6 +20,8 @@ import hashlib
 import torch
 from torch import nn
 
+from piper_nb.ir.kinds import Op
+
 __all__ = ["Buffers", "forward_seed", "seed_forward"]
 
 
@@ -31,7 +33,7 @@ class Buffers:
                 if name.startswith("model."):   # direct_calls' flat aliases are the same tensors
                     self.tensors.setdefault(name.removeprefix("model."), buf)
         self.init = {n: b.detach().clone() for n, b in self.tensors.items()}
-        owned = {i.region for i in instrs if i.kind == "F" and i.mb <= 0 and i.replica == 0}
+        owned = {i.region for i in instrs if i.kind == Op.F and i.mb <= 0 and i.replica == 0}
         self.owned = [n for r in sorted(owned) for n in plan.regions[r].buffers
                       if n in self.tensors]
 

@@ -42,6 +42,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from piper_nb.trace import Memory
+
 __all__ = ["Comm", "Pending"]
 
 _RS = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -64,7 +66,7 @@ class Pending:
     tensors: list[torch.Tensor]     # buffers in flight (results for RECV / collectives)
     start: float
     end: float | None = None        # first time it was seen complete
-    memory: str = "buffers"         # the MemorySample field its new buffers count in
+    memory: Memory = Memory.BUFFERS  # the kind its new buffers count as
     new: list[torch.Tensor] = field(default_factory=list)   # buffers it allocated
     meta: object = None             # what its WAIT needs to unpack the results (ALL_TO_ALL)
 

@@ -16,7 +16,8 @@ from __future__ import annotations
 import torch
 
 from piper_nb.capture.split import LOSS
-from piper_nb.compiler.shapes import SavedBytes
+from piper_nb.ir.kinds import Op
+from piper_nb.plan.sizes import SavedBytes
 from piper_nb.runtime.buffers import seed_forward
 from piper_nb.runtime.layout import batch_part
 from piper_nb.runtime.stores import Stash
@@ -33,15 +34,15 @@ class ComputePasses:
 
     def run(self, ins) -> None:
         """Run one compute instruction (F, B, BI, BW or U) as the step loop does."""
-        if ins.kind != "U":
+        if ins.kind != Op.U:
             missing = [b for b in self.needs[ins.region] if not self.store.gathered(b)]
             if missing:
                 raise RuntimeError(f"{ins} on device {self.rank} needs the parameters of ZeRO-3 "
                                    f"bucket {missing[0]}, which are not gathered: the plan has "
                                    "no ALL_GATHER (or frees it too early) before this pass")
-        if ins.kind == "F":
+        if ins.kind == Op.F:
             self._forward(ins)
-        elif ins.kind == "U":
+        elif ins.kind == Op.U:
             if self.updater is None:
                 raise RuntimeError("no optimizer: reset the worker before stepping")
             self.updater.update(ins.params, ins.buckets)
@@ -130,7 +131,7 @@ class ComputePasses:
         if st is None:
             raise RuntimeError(f"{ins} on device {self.rank} has no stashed forward "
                                f"{ins.region}F{ins.mb} (never ran, or already dropped)")
-        if ins.kind == "BW":
+        if ins.kind == Op.BW:
             outs, grads = st.out_grads or ([], [])
             held = self.store.params
             params = [held[p] for p in self.plan.regions[ins.region].params
@@ -142,7 +143,7 @@ class ComputePasses:
         if ins.recompute and st.args is not None:
             self._recompute(ins, st)
         outs, grads = self._out_grads(st, ins.mb)
-        if ins.kind == "B":
+        if ins.kind == Op.B:
             if outs:
                 torch.autograd.backward(outs, grads)
             for v, leaf in st.leaves:

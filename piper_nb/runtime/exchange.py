@@ -29,6 +29,8 @@ import math
 
 import torch
 
+from piper_nb.ir.kinds import Purpose
+
 __all__ = ["TokenExchange"]
 
 _BYTE = torch.uint8
@@ -87,13 +89,13 @@ class TokenExchange:
     # ---- issue and wait ----------------------------------------------------------------
     def issue(self, ins) -> tuple[list, list, list]:
         """Start the exchange: (works, buffers, receive layout for `finish`)."""
-        if ins.purpose not in ("dispatch", "combine") or len(ins.owners) != len(ins.values):
+        if ins.purpose not in (Purpose.DISPATCH, Purpose.COMBINE) or len(ins.owners) != len(ins.values):
             raise RuntimeError(f"{ins} on device {self.rank}: an ALL_TO_ALL needs purpose "
                                f"dispatch or combine and one owner per value, got "
                                f"{ins.purpose!r} with owners {list(ins.owners)}")
         n, me, mb = len(ins.group), ins.replica, ins.mb
         owner = [ins.group.index(o) for o in ins.owners]
-        gather = ins.purpose == "dispatch"
+        gather = ins.purpose == Purpose.DISPATCH
         if gather and not ins.grad:  # the first exchange of this microbatch: count tokens
             local = [self._held(ins, v, None) for v in ins.values]
             per = self.comm.gather_counts([t.shape[0] for t in local], ins.group, ins.stream)
@@ -138,7 +140,7 @@ class TokenExchange:
         table = self.values.grads if ins.grad else self.values.acts
         me = ins.replica
         for k, v in enumerate(ins.values):
-            if ins.purpose == "dispatch" or ins.group.index(ins.owners[k]) == me:
+            if ins.purpose == Purpose.DISPATCH or ins.group.index(ins.owners[k]) == me:
                 table.pop((v, ins.mb), None)
             if k not in got:
                 continue

@@ -26,9 +26,10 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from piper_nb.ir.kinds import Held
 from piper_nb.runtime.layout import Layout
 
-__all__ = ["ParamStore", "ValueStore", "Stash", "nbytes", "parse_free"]
+__all__ = ["ParamStore", "ValueStore", "Stash", "nbytes"]
 
 
 def nbytes(t: torch.Tensor | None) -> int:
@@ -188,15 +189,6 @@ class ParamStore:
                           for n, v in opt.items()} for k, opt in st["optim"].items()}
 
 
-def parse_free(key: str) -> tuple[str, object]:
-    """A FREE key -> ("param", bucket) | ("act" | "grad", (value, microbatch))."""
-    kind, _, rest = key.partition(":")
-    if kind == "param":
-        return kind, int(rest)
-    value, _, mb = rest.rpartition("@")
-    return kind, (value, int(mb))
-
-
 @dataclass
 class Stash:
     """The autograd state of one forward, kept until its backward."""
@@ -220,7 +212,7 @@ class ValueStore:
 
     def drop(self, kind: str, key: tuple[str, int]) -> None:
         """Drop the buffer a parsed FREE key (`parse_free("act:x@1")`) names, if held."""
-        (self.acts if kind == "act" else self.grads).pop(key, None)
+        (self.acts if kind == Held.ACT else self.grads).pop(key, None)
 
     def clear(self) -> None:
         self.acts.clear()

@@ -14,7 +14,7 @@ import time
 
 import torch
 
-from piper_nb.compiler.plan import Instr
+from piper_nb.plan.instr import Instr
 from piper_nb.trace import Event, MemorySample
 
 __all__ = ["Clock", "Recorder"]

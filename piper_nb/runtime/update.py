@@ -22,8 +22,9 @@ import math
 
 import torch
 
-from piper_nb.compiler.clip import norm_weights
+from piper_nb.ir.kinds import Op
 from piper_nb.optim import OptimizerSpec, shard_pieces
+from piper_nb.plan.clipping import norm_weights
 from piper_nb.runtime.stores import ParamStore
 
 __all__ = ["Updater"]
@@ -40,8 +41,8 @@ class Updater:
         self.mixed = plan.precision != "fp32"    # fp32 masters for low-precision parameters
         self.norm: float | None = None
         self.coef: torch.Tensor | None = None
-        mine = {b for i in instrs if i.kind == "U" for b in i.buckets}
-        self.full = {n for i in instrs if i.kind == "U" for n in i.params}
+        mine = {b for i in instrs if i.kind == Op.U for b in i.buckets}
+        self.full = {n for i in instrs if i.kind == Op.U for n in i.params}
         self.pieces = {b: self._pieces(b, spec.group_of) for b in mine}
         self.params_of = {b: self._pieces(b, lambda n: n) for b in mine}   # one per parameter
         self.weights = norm_weights(plan) if self.max_norm is not None else {}

@@ -18,23 +18,28 @@ import os
 
 import torch
 
-from piper_nb.compiler.precision import PRECISIONS
-from piper_nb.ir.kinds import P2P, PASSES
+from piper_nb.ir.kinds import P2P, PASSES, Held, Memory, Op
 from piper_nb.optim import check_optimizer
+from piper_nb.plan.instr import parse_free
+from piper_nb.plan.precision import PRECISIONS
 from piper_nb.runtime.buffers import Buffers
 from piper_nb.runtime.bundle import Bundle, bind_params, direct_calls, to_device
 from piper_nb.runtime.comm import Comm, Pending
 from piper_nb.runtime.compute import ComputePasses
 from piper_nb.runtime.exchange import TokenExchange
 from piper_nb.runtime.layout import bucket_layouts
-from piper_nb.runtime.stores import ParamStore, ValueStore, parse_free
+from piper_nb.runtime.stores import ParamStore, ValueStore
 from piper_nb.runtime.syncbn import sync_batchnorms
 from piper_nb.runtime.timing import Clock, Recorder
 from piper_nb.runtime.update import Updater
 
 __all__ = ["Worker", "FAIL_ENV"]
 
-FAIL_ENV = "PIPER_NB_FAIL_AT"   # test hook: "<device>:<instruction text>[:exit]"
+# Fault injection: "<device>:<instruction text>[:exit]" makes that device raise (or exit)
+# right before that instruction. It ships, rather than being patched in by tests, because
+# the failures it rehearses happen in worker processes and engines the tests cannot patch,
+# and so that a user can rehearse a failure on a real cluster (docs/cluster.md).
+FAIL_ENV = "PIPER_NB_FAIL_AT"
 _COMPUTE, _ISSUE, _WAIT, _FREE = range(4)    # how the step loop dispatches an instruction
 
 
@@ -50,7 +55,7 @@ class Worker(ComputePasses):
         self.instrs = plan.devices[rank].instrs if rank < plan.world else ()
         regions = sorted({i.region for i in self.instrs if i.kind in PASSES})
         names = dict.fromkeys(p for r in regions for p in plan.regions[r].params)
-        names.update(dict.fromkeys(p for i in self.instrs if i.kind == "U" for p in i.params))
+        names.update(dict.fromkeys(p for i in self.instrs if i.kind == Op.U for p in i.params))
         self.layouts = bucket_layouts(plan)
         self.init = bundle.init
         self.store = ParamStore(list(names), bundle.init, self.layouts, rank, device,
@@ -70,9 +75,8 @@ class Worker(ComputePasses):
         replicas = replica_groups(plan)
         comm.ensure_groups([*(i.group for i in everything if i.group), *replicas.values()],
                            pairs=[(dp.device, i.peer) for dp in plan.devices
-                                  for i in dp.instrs if i.kind == "SEND"],
-                           counted=[i.group for i in everything if i.kind == "ALL_TO_ALL"
-                                    and i.purpose == "dispatch" and not i.grad])
+                                  for i in dp.instrs if i.kind == Op.SEND],
+                           counted=[i.group for i in everything if i.is_counted_dispatch])
         groups = getattr(comm, "groups", None)   # None: a profiler's worker, no peers
         for r, mod in self.modules.items():   # BatchNorm over the whole microbatch
             if r in replicas and groups is not None:
@@ -81,13 +85,13 @@ class Worker(ComputePasses):
         # decoded once, not on every step: how each instruction dispatches, what every
         # RECV allocates, and what every FREE drops
         self.dispatch = [_COMPUTE if i.is_compute else _ISSUE if i.is_issue else
-                         _WAIT if i.kind == "WAIT" else _FREE if i.kind == "FREE" else -1
+                         _WAIT if i.kind == Op.WAIT else _FREE if i.kind == Op.FREE else -1
                          for i in self.instrs]
         self.recv_specs = {k: [(tuple(plan.values[v].shape), getattr(torch, plan.values[v].dtype))
                                for v in i.values]
-                           for k, i in enumerate(self.instrs) if i.kind == "RECV"}
+                           for k, i in enumerate(self.instrs) if i.kind == Op.RECV}
         self.frees = {k: [parse_free(key) for key in i.keys]
-                      for k, i in enumerate(self.instrs) if i.kind == "FREE"}
+                      for k, i in enumerate(self.instrs) if i.kind == Op.FREE}
         self.updater: Updater | None = None
         self.seed = 0
         self.tracing = True
@@ -108,7 +112,7 @@ class Worker(ComputePasses):
 
     def text(self, idx: int) -> str:
         ins = self.instrs[idx]
-        return f"wait({self.instrs[ins.target]})" if ins.kind == "WAIT" else str(ins)
+        return f"wait({self.instrs[ins.target]})" if ins.kind == Op.WAIT else str(ins)
 
     def step(self, batch, fail_at: str | None = None, trace: bool = True) -> dict:
         """Run the plan once on `batch` (inputs, targets); times relative to the step start.
@@ -194,9 +198,9 @@ class Worker(ComputePasses):
         params, grads, optim = self.store.bytes()
         acts, bufs = self.values.bytes(), self.store.pending_bytes()
         for p in self.pending.values():
-            if p.memory == "params":
+            if p.memory == Memory.PARAMS:
                 params += p.bytes
-            elif p.memory == "activations":
+            elif p.memory == Memory.ACTIVATIONS:
                 acts += p.bytes
             else:
                 bufs += p.bytes
@@ -224,7 +228,7 @@ class Worker(ComputePasses):
     def _issue(self, idx: int, ins) -> None:
         start, comm, store = self.clock.mark(), self.comm, self.store
         meta = None
-        if ins.kind == "SEND":
+        if ins.kind == Op.SEND:
             table = self.values.grads if ins.grad else self.values.acts
             missing = [v for v in ins.values if (v, ins.mb) not in table]
             if missing:
@@ -233,25 +237,25 @@ class Worker(ComputePasses):
                                    f"{self.rank} does not hold")
             works, bufs = comm.send([table[(v, ins.mb)] for v in ins.values], ins.peer, ins.tag,
                                     ins.stream)
-            memory, new = "buffers", []       # the values themselves are already counted
-        elif ins.kind == "RECV":
+            memory, new = Memory.BUFFERS, []       # the values themselves are already counted
+        elif ins.kind == Op.RECV:
             works, bufs = comm.recv(self.recv_specs[idx], ins.peer, ins.tag, ins.stream)
-            memory, new = "activations", bufs  # received act:/grad: buffers, as the simulator
-        elif ins.kind == "ALL_REDUCE":
-            flat = self.updater.norm_share() if ins.bucket < 0 else self._to_reduce(ins.bucket)
+            memory, new = Memory.ACTIVATIONS, bufs  # received act:/grad: buffers, as the simulator
+        elif ins.kind == Op.ALL_REDUCE:
+            flat = self.updater.norm_share() if ins.is_norm else self._to_reduce(ins.bucket)
             works, bufs = comm.all_reduce(flat, ins.group, ins.stream)
-            memory, new = "buffers", bufs
-        elif ins.kind == "REDUCE_SCATTER":
+            memory, new = Memory.BUFFERS, bufs
+        elif ins.kind == Op.REDUCE_SCATTER:
             works, bufs = comm.reduce_scatter(self._to_reduce(ins.bucket), ins.group, ins.stream)
             store.clear_grads(ins.bucket)
-            memory, new = "buffers", bufs
-        elif ins.kind == "ALL_GATHER":
+            memory, new = Memory.BUFFERS, bufs
+        elif ins.kind == Op.ALL_GATHER:
             works, bufs = comm.all_gather(store.shards[ins.bucket], ins.group, ins.stream)
             zero3 = self.layouts[ins.bucket].zero == 3  # a gathered bucket counts as parameters
-            memory, new = ("params" if zero3 else "buffers"), bufs[:1]
-        elif ins.kind == "ALL_TO_ALL":
+            memory, new = (Memory.PARAMS if zero3 else Memory.BUFFERS), bufs[:1]
+        elif ins.kind == Op.ALL_TO_ALL:
             works, bufs, meta = self.exchange.issue(ins)
-            memory, new = "buffers", bufs     # packed tokens in flight, as the simulator
+            memory, new = Memory.BUFFERS, bufs     # packed tokens in flight, as the simulator
         else:
             raise NotImplementedError(f"{ins.kind} ({ins}) is not supported by the runtime yet")
         span = comm.take_span()   # CUDA: the transfer's own events, on its stream
@@ -274,29 +278,29 @@ class Worker(ComputePasses):
         if p.end is None:
             p.end = self.clock.mark()
         self.rec.event(src, p.start, p.end)
-        if src.kind == "RECV":
+        if src.kind == Op.RECV:
             for v, t in zip(src.values, results, strict=True):
                 if src.grad:
                     self.values.add_grad(v, src.mb, t)
                 else:
                     self.values.acts[(v, src.mb)] = t
-        elif src.kind == "ALL_REDUCE" and src.bucket < 0:   # the gradient norm (clipping)
+        elif src.is_norm:   # the gradient norm (clipping)
             self.updater.set_norm(results[0])
-        elif src.kind == "ALL_REDUCE":
+        elif src.kind == Op.ALL_REDUCE:
             self.store.set_grads(src.bucket, results[0])
-        elif src.kind == "REDUCE_SCATTER":
+        elif src.kind == Op.REDUCE_SCATTER:
             self.store.add_grad_shard(src.bucket, results[0])
-        elif src.kind == "ALL_GATHER":
+        elif src.kind == Op.ALL_GATHER:
             if self.layouts[src.bucket].zero == 3:
                 self.store.acquire(src.bucket, results[0])
             else:
                 self.store.write_params(src.bucket, results[0])
-        elif src.kind == "ALL_TO_ALL":
+        elif src.kind == Op.ALL_TO_ALL:
             self.exchange.finish(src, results[0], p.meta)
 
     def _free(self, idx: int) -> None:
         for kind, key in self.frees[idx]:
-            if kind == "param":
+            if kind == Held.PARAM:
                 self.store.free(key)
             else:
                 self.values.drop(kind, key)
@@ -321,7 +325,7 @@ def replica_groups(plan) -> dict[int, tuple[int, ...]]:
     found: dict[int, dict[int, int]] = {}
     for dp in plan.devices:
         for ins in dp.instrs:
-            if ins.kind == "F" and ins.replicas > 1 and ins.mb <= 0:
+            if ins.kind == Op.F and ins.replicas > 1 and ins.mb <= 0:
                 found.setdefault(ins.region, {})[ins.replica] = dp.device
     return {r: tuple(devs[k] for k in sorted(devs)) for r, devs in found.items()}
 

@@ -19,7 +19,7 @@ from piper_nb.directives.schedule import FUNCTIONS
 from piper_nb.directives.spec import Directive, place, split
 from piper_nb.errors import PlanError
 from piper_nb.ir.action import Action, Grid, parse_grid, slot_text
-from piper_nb.ir.kinds import PASS_ORDER
+from piper_nb.ir.kinds import PASS_ORDER, Op
 
 __all__ = ["validate_grid", "from_grid", "grid_directives", "place_directives", "as_grid",
            "check_count", "check_flag"]
@@ -117,17 +117,17 @@ def validate_grid(grid: Grid) -> None:
 def _check_passes(grid: Grid, s: int, m: int, passes: dict[str, Action],
                   where: dict[Action, tuple[int, int]]) -> None:
     first = where[min(passes.values(), key=lambda a: where[a])]
-    if "F" not in passes:
+    if Op.F not in passes:
         raise _fail(grid, first, f"stage {s} microbatch {m} has a backward but no forward; "
                                  f"add {s}F{m} before it")
     f_at = where[passes["F"]]
-    if "B" in passes and ("BI" in passes or "BW" in passes):
+    if Op.B in passes and (Op.BI in passes or Op.BW in passes):
         raise _fail(grid, where[passes["B"]], f"{s}B{m} is a full backward, and {s}I{m}/{s}W{m} "
                                               "split it too; use either B or I and W")
-    if "B" not in passes and "BI" not in passes:
+    if Op.B not in passes and Op.BI not in passes:
         raise _fail(grid, f_at, f"{s}F{m} has no backward; add {s}B{m} (or {s}I{m} and {s}W{m})")
-    if ("BI" in passes) != ("BW" in passes):
-        have, need = ("I", "W") if "BI" in passes else ("W", "I")
+    if (Op.BI in passes) != (Op.BW in passes):
+        have, need = ("I", "W") if Op.BI in passes else ("W", "I")
         raise _fail(grid, where[passes["BI" if have == "I" else "BW"]],
                     f"{s}{have}{m} needs its {s}{need}{m}; I and W come in pairs")
     chain = [passes[p] for p in PASS_ORDER if p in passes]
@@ -148,7 +148,7 @@ def place_directives(grid: Grid) -> list[Directive]:
     for r, row in enumerate(grid):
         for slot in row:
             for a in slot:
-                if a.pass_ == "F":
+                if a.pass_ == Op.F:
                     ranks[a.stage][a.mb] = r
     out: list[Directive] = []
     for s in sorted(ranks):

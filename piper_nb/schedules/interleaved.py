@@ -19,6 +19,7 @@ from collections import defaultdict
 from piper_nb.directives.spec import Directive
 from piper_nb.errors import PlanError
 from piper_nb.ir.action import Action, Grid, Slot
+from piper_nb.ir.kinds import Op
 from piper_nb.schedules.grid import check_count, check_flag, grid_directives
 from piper_nb.schedules.one_f_one_b import one_f_one_b_grid
 
@@ -32,7 +33,7 @@ def _row(rank: int, ranks: int, microbatches: int, chunks: int) -> tuple[Slot, .
 
     def act(pass_: str, k: int) -> Slot:
         chunk = (k // ranks) % chunks
-        stage = (chunk if pass_ == "F" else chunks - 1 - chunk) * ranks + rank
+        stage = (chunk if pass_ == Op.F else chunks - 1 - chunk) * ranks + rank
         mb = next_mb[pass_, stage]
         next_mb[pass_, stage] += 1
         return (Action(stage, pass_, mb),)

@@ -23,6 +23,7 @@ from typing import Any
 from piper_nb.directives.spec import Directive
 from piper_nb.errors import PlanError
 from piper_nb.ir.action import Action, Grid, Slot, parse_slot, slot_text
+from piper_nb.ir.kinds import Op
 from piper_nb.schedules.grid import as_grid, from_grid, validate_grid
 
 __all__ = ["parse_torch_csv", "from_torch_csv", "grid_to_torch_csv", "plan_to_torch_csv"]
@@ -124,7 +125,7 @@ def plan_to_torch_csv(plan: Any, devices: Sequence[int] | None = None) -> str:
         seen: set[Action] = set()
         last_overlap = -1
         for ins in plan.devices[d].instrs:
-            if ins.kind not in ("F", "B", "BI", "BW"):
+            if ins.kind not in (Op.F, Op.B, Op.BI, Op.BW):
                 continue
             a = Action(stage_of.get(ins.region, 0), ins.kind, max(ins.mb, 0))
             if a in seen:

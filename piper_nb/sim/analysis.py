@@ -13,9 +13,10 @@ from collections import defaultdict
 from dataclasses import dataclass
 
 from piper_nb.errors import PlanError
+from piper_nb.ir.kinds import Op
 from piper_nb.trace import MEMORY_KINDS
 
-__all__ = ["step_window", "busy_time", "bubble", "bubble_fraction", "peak_memory",
+__all__ = ["live_stashes", "step_window", "busy_time", "bubble", "bubble_fraction", "peak_memory",
            "over_capacity", "compare",
            "Comparison"]
 
@@ -146,3 +147,26 @@ def compare(predicted, measured) -> Comparison:
         rows.append((key[0], key[1], p, m, m / p if p else (1.0 if not m else float("inf"))))
     return Comparison(tuple(rows), predicted.step_time, measured.step_time,
                       len(a.keys() ^ b.keys()))
+
+
+def live_stashes(trace, device: int) -> int:
+    """Peak number of (region, microbatch) activation stashes alive on `device`: each lives
+    from the start of its F to the end of its last backward (B, or BW when split)."""
+    born, last = {}, {}
+    rank = {Op.BI: 0, Op.B: 1, Op.BW: 1}
+    for e in trace.events:
+        if e.device != device or e.stream != "compute":
+            continue
+        key = (e.region, e.mb)
+        if e.kind == Op.F:
+            born[key] = e.start
+        elif e.kind in rank:
+            old = last.get(key)
+            if old is None or (rank[e.kind], e.end) >= (rank[old[0]], old[1]):
+                last[key] = (e.kind, e.end)
+    marks = [(t, 1) for t in born.values()] + [(v[1], -1) for k, v in last.items() if k in born]
+    peak = alive = 0
+    for _, step in sorted(marks):
+        alive += step
+        peak = max(peak, alive)
+    return peak

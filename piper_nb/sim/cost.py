@@ -7,11 +7,12 @@ Three ways to get one, all the same `CostModel` value:
 - `CostModel.profile(plan)`: every region's F, B, BI, BW and U timed on this machine on
   one microbatch slice the way a worker runs them (one thread), the worker's bookkeeping per
   instruction, and latency + bytes/bandwidth fitted over gloo per kind of message and group
-  size (`piper_nb.profile`, which registers itself as `CostModel.profiler`: measuring
-  starts processes, which the simulator never does). Such a model has a `host`
+  size. Measuring starts processes, which the simulator never does, so this constructor
+  lives one floor up: `pn.CostModel` is `piper_nb.profile.CostModel`, this class plus
+  `profile`. Such a model has a `host`
   (`sim.host_model.HostModel`): host-synchronous (`sync`: a CPU worker waits for each
   pass), sharing `cores` among the devices computing at once, with what time-slicing costs
-  on top where they outnumber the cores (`sim/slicing.py`);
+  on top where they outnumber the cores (`sim/time_slicing.py`);
 - `CostModel.analytic(plan, "H100")`: FLOPs per region counted by
   `torch.utils.flop_counter.FlopCounterMode`, divided by the hardware's peak and an
   efficiency factor; messages cost bytes / NVLink bandwidth inside a node of 8 devices and
@@ -23,20 +24,15 @@ it runs the forward again first (`CostModel.compute`).
 
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
-import torch
-
-from piper_nb.compiler.clip import NORM_BYTES
 from piper_nb.errors import PlanError
+from piper_nb.ir.kinds import Op
+from piper_nb.plan.sizes import element_size, message_bytes
+from piper_nb.sim.host_model import HostModel
 
-if TYPE_CHECKING:   # host_model imports message_bytes from here
-    from piper_nb.sim.host_model import HostModel
-
-__all__ = ["CostModel", "HardwareSpec", "HARDWARE", "message_bytes", "bucket_bytes", "value_bytes"]
+__all__ = ["CostModel", "HardwareSpec", "HARDWARE"]
 
 
 
@@ -87,39 +83,6 @@ HARDWARE = {       # memory: the vendor's figure (A100 40/80 GB, H100 80 GB, H20
 }
 
 
-@functools.cache
-def _elem(dtype: str) -> int:
-    return torch.empty((), dtype=getattr(torch, dtype)).element_size()
-
-
-def value_bytes(info) -> int:
-    """Bytes of one value (a `ValueInfo`), without allocating anything."""
-    return math.prod(info.shape) * _elem(info.dtype)
-
-
-def bucket_bytes(plan, bucket: int) -> int:
-    """Bytes of one bucket's full (unsharded) flat buffer."""
-    total = 0
-    for p in plan.buckets[bucket].params:
-        shape, dtype = plan.params[p]
-        total += math.prod(shape) * _elem(dtype)
-    return total
-
-
-def message_bytes(plan, ins) -> int:
-    """Bytes one SEND/RECV or collective moves (a collective: its full buffer)."""
-    if ins.purpose == "norm":
-        return NORM_BYTES
-    if 0 <= ins.bucket < len(plan.buckets):
-        full = bucket_bytes(plan, ins.bucket)
-        reduce = getattr(plan, "reduce_dtype", None)
-        if reduce and ins.purpose == "grad":   # a bf16 plan may reduce gradients in fp32
-            first = plan.params[plan.buckets[ins.bucket].params[0]][1]
-            return full * _elem(reduce) // _elem(first)
-        return full
-    return sum(value_bytes(plan.values[v]) for v in ins.values if v in plan.values)
-
-
 @dataclass(frozen=True, kw_only=True)
 class CostModel:
     """Durations of passes and messages. Times are in `unit` ("s" or "unit").
@@ -160,18 +123,6 @@ class CostModel:
         return cls(name=f"uniform(F={F}, B={B}, W={W}, FB={FB}, comm={comm})", unit="unit",
                    passes=passes, fb=FB, comm=comm)
 
-    # `piper_nb.profile` registers the function that measures a plan (it starts processes
-    # and runs the runtime; the simulator never does): `CostModel.profile` calls it
-    profiler = None
-
-    @classmethod
-    def profile(cls, plan, repeats: int = 5, comm: bool = True, optimizer=None,
-                cores: int | None = None) -> CostModel:
-        """Measure `plan`'s costs here, as local CPU workers will see them: see
-        `piper_nb.profile.profile_cost_model`."""
-        if cls.profiler is None:
-            raise RuntimeError("no profiler registered: import piper_nb (or piper_nb.profile)")
-        return cls.profiler(plan, repeats=repeats, comm=comm, optimizer=optimizer, cores=cores)
 
     @classmethod
     def analytic(cls, plan, hardware: str | HardwareSpec = "H100") -> CostModel:
@@ -187,11 +138,11 @@ class CostModel:
         passes = {}
         for r, flops in region_flops(plan).items():
             f = flops / rate
-            passes[(r, "F")], passes[(r, "B")] = f, 2 * f
-            passes[(r, "BI")], passes[(r, "BW")] = f, f
-            nbytes = sum(math.prod(plan.params[p][0]) * _elem(plan.params[p][1])
+            passes[(r, Op.F)], passes[(r, Op.B)] = f, 2 * f
+            passes[(r, Op.BI)], passes[(r, Op.BW)] = f, f
+            nbytes = sum(math.prod(plan.params[p][0]) * element_size(plan.params[p][1])
                          for p in plan.regions[r].params if p in plan.params)
-            passes[(r, "U")] = 4 * nbytes / hardware.hbm_bandwidth  # read p, g, state; write p
+            passes[(r, Op.U)] = 4 * nbytes / hardware.hbm_bandwidth  # read p, g, state; write p
         return cls(name=f"analytic({hardware.name})", unit="s", passes=passes,
                    latency=hardware.nvlink_latency, bandwidth=hardware.nvlink_bandwidth,
                    inter_latency=hardware.ib_latency, inter_bandwidth=hardware.ib_bandwidth,
@@ -203,7 +154,7 @@ class CostModel:
         """Duration of one F/B/BI/BW/U instruction; the B or BI of a recomputed region
         (`ins.recompute`) runs its forward first, so costs one F more."""
         took = self._pass(ins.region, ins.kind)
-        if ins.recompute and ins.kind in ("B", "BI"):
+        if ins.recompute and ins.kind in (Op.B, Op.BI):
             took += self._pass(ins.region, "F")
         return took
 
@@ -214,15 +165,15 @@ class CostModel:
             return p[key]
         if (-1, kind) in p:
             return p[(-1, kind)]
-        if kind == "B" and (region, "BI") in p:   # a profile without a full B
-            return p[(region, "BI")] + p.get((region, "BW"), 0.0)
+        if kind == Op.B and (region, Op.BI) in p:   # a profile without a full B
+            return p[(region, Op.BI)] + p.get((region, Op.BW), 0.0)
         return 0.0
 
     def overlapped(self, members) -> float:
         """Duration of one overlap slot (F&B): `fb` replaces F + B when set."""
         total = sum(self.compute(m) for m in members)
         kinds = sorted(m.kind for m in members)
-        if self.fb is None or len(members) < 2 or "F" not in kinds:
+        if self.fb is None or len(members) < 2 or Op.F not in kinds:
             return total
         f = self.passes.get((-1, "F"), 0.0)
         b = self.passes.get((-1, "B"), 0.0)
@@ -241,7 +192,7 @@ class CostModel:
         (`runtime.exchange`): 8 bytes per value from each member, on the ALL_GATHER link."""
         if self.comm is not None:
             return self.comm
-        return self.link_time("ALL_GATHER", ins.group, 8 * len(ins.values) * len(ins.group))
+        return self.link_time(Op.ALL_GATHER, ins.group, 8 * len(ins.values) * len(ins.group))
 
     def link_time(self, kind: str, members, nbytes: float) -> float:
         """Duration of `nbytes` moved by a `kind` op ("p2p" or a collective) over `members`."""
@@ -259,9 +210,9 @@ class CostModel:
             lat = self.inter_latency if self.inter_latency is not None else lat
             bw = self.inter_bandwidth
         n = max(len(group), 2)
-        if kind == "ALL_REDUCE":
+        if kind == Op.ALL_REDUCE:
             steps, factor = 2 * (n - 1), 2 * (n - 1) / n
-        elif kind in ("ALL_GATHER", "REDUCE_SCATTER", "ALL_TO_ALL"):
+        elif kind in (Op.ALL_GATHER, Op.REDUCE_SCATTER, Op.ALL_TO_ALL):
             steps, factor = n - 1, (n - 1) / n
         else:
             steps, factor = 1, 1.0

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from piper_nb.compiler.shapes import random_value
+from piper_nb.plan.sizes import random_value
 
 __all__ = ["region_flops", "region_inputs"]
 

@@ -13,11 +13,11 @@ writes a message into its socket inside the call), and under "WAIT" what a WAIT 
 once its op is done; with `sync` the host waits for each pass, as CPU workers do (an
 overlap slot then runs its passes one after another); with `cores`, the devices
 computing at once share that many cores with `background` other runnable tasks
-(processor sharing, `sim.sharing`: a pass measured at a share of max(1, (1 + background)
+(processor sharing, `sim.core_sharing`: a pass measured at a share of max(1, (1 + background)
 / cores) runs at max(1, (active + background) / cores), active being the devices
 computing meanwhile; found by re-simulating until the timeline settles), times `slicing`
 where tasks outnumber cores: what time-slicing costs beyond the fair share (caches
-refilled after the others ran, migrations; `sim.slicing`), with `jitter` the shape of it:
+refilled after the others ran, migrations; `sim.time_slicing`), with `jitter` the shape of it:
 quantiles of a pass's time over its median while every device runs (a pass mostly runs at
 full speed and now and then waits out a slice; the simulator draws from it, keeping the
 mean). `comm_cores` is what a collective in flight takes of the cores on each of its
@@ -34,7 +34,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from piper_nb.sim.cost import message_bytes
+from piper_nb.plan.sizes import message_bytes
 
 __all__ = ["HostModel", "NO_HOST"]
 

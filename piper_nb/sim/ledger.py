@@ -1,7 +1,7 @@
 """The memory ledger: one device's instruction list walked the way the worker runs it
 (`runtime.worker`, `runtime.stores`), over sizes instead of tensors.
 
-`_Ledger` keeps the bytes device `d` holds, by kind (`ir.kinds.Memory`), in running totals
+`Ledger` keeps the bytes device `d` holds, by kind (`ir.kinds.Memory`), in running totals
 so a sample costs O(1). Its step loop dispatches each instruction by kind, as the worker's
 does, to a handler of the same name: `_forward`, `_backward` and `_update` (the worker's
 `run`), `_issue`, `_wait` and `_free`; a WAIT's completion then calls the ledger's
@@ -13,17 +13,14 @@ kind, is `sim.memory`'s (its docstring); `sim.memory.memory_samples` drives it.
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
 
-from piper_nb.compiler.clip import NORM_BYTES
-from piper_nb.ir.kinds import BACKWARDS, BUCKET_COLLECTIVES, COMM, PASSES, Memory, Op
-from piper_nb.sim.cost import _elem, value_bytes
+from piper_nb.ir.kinds import BACKWARDS, BUCKET_COLLECTIVES, COMM, PASSES, Held, Memory, Op, Purpose
+from piper_nb.plan.instr import parse_free
+from piper_nb.plan.sizes import NORM_BYTES, element_size, value_bytes
+from piper_nb.sim.memory_settings import MemorySettings
 from piper_nb.sim.tokens import Routing
-from piper_nb.sim.trace import MemorySample
 from piper_nb.sim.update_state import update_states
-
-if TYPE_CHECKING:
-    from piper_nb.sim.memory import MemorySettings
+from piper_nb.trace import MemorySample
 
 _LOSS = "loss"                              # capture.split's LOSS
 
@@ -36,7 +33,8 @@ _HANDLERS = {Op.F: "_forward", **dict.fromkeys(BACKWARDS, "_backward"), Op.U: "_
              **dict.fromkeys(COMM, "_issue"), Op.WAIT: "_wait", Op.FREE: "_free"}
 
 
-def _numel(plan, p: str) -> int:
+def param_numel(plan, p: str) -> int:
+    """Elements of parameter `p` of `plan`."""
     return math.prod(plan.params[p][0])
 
 
@@ -56,7 +54,7 @@ class _Stash:
         self.saved, self.leaves, self.refs, self.out_grads = saved, leaves, refs, []
 
 
-class _Ledger:
+class Ledger:
     """Bytes held on device `d`, instruction by instruction: the worker's bookkeeping
     (`runtime.worker`, `runtime.stores`) over sizes instead of tensors, with running totals
     so a sample costs O(1)."""
@@ -68,13 +66,13 @@ class _Ledger:
         self.routing = routing
         self.pb, self.gb = settings.param_bytes, settings.grad_bytes
         # gradients travel (and ZeRO shards of them are kept) in the plan's reduction dtype
-        self.rb = _elem(plan.reduce_dtype) if plan.reduce_dtype else self.gb
+        self.rb = element_size(plan.reduce_dtype) if plan.reduce_dtype else self.gb
         regions = sorted({i.region for i in self.instrs if i.kind in PASSES
                           and 0 <= i.region < len(plan.regions)})
         names = dict.fromkeys(p for r in regions for p in plan.regions[r].params)
         names.update(dict.fromkeys(p for i in self.instrs if i.kind == Op.U for p in i.params))
         self.names = {n: None for n in names if n in plan.params}
-        self.gsize = {n: _numel(plan, n) * (self.gb if self.gb is not None else self._elem(n))
+        self.gsize = {n: param_numel(plan, n) * (self.gb if self.gb is not None else self.elem(n))
                       for n in self.names}
         self.buckets = {b.index: b for b in plan.buckets
                         if d in b.group and any(n in names for n in b.params)}
@@ -100,7 +98,7 @@ class _Ledger:
         """Parameter bytes held throughout: full parameters and ZeRO-3 bucket shards."""
         zero3 = [b for b in self.buckets.values() if b.zero == 3]
         sharded = {n for b in zero3 for n in b.params}
-        base = sum(_numel(self.plan, n) * (self.pb if self.pb is not None else self._elem(n))
+        base = sum(param_numel(self.plan, n) * (self.pb if self.pb is not None else self.elem(n))
                    for n in self.names if n not in sharded)
         return base + sum(self._shard(b.index, self.pb) for b in zero3)
 
@@ -112,14 +110,15 @@ class _Ledger:
                 else by_kind.get(ins.kind) for ins in self.instrs]
 
     # -- sizes --
-    def _elem(self, name: str) -> int:
-        return _elem(self.plan.params[name][1])
+    def elem(self, name: str) -> int:
+        """Bytes per element of parameter `name`."""
+        return element_size(self.plan.params[name][1])
 
     def _shard(self, b: int, per: float | None) -> float:
         """Bytes of one padded shard of bucket b (`per` bytes per element, None: dtype)."""
         bk = self.plan.buckets[b]
-        total = sum(_numel(self.plan, n) for n in bk.params)
-        per = per if per is not None else self._elem(bk.params[0])
+        total = sum(param_numel(self.plan, n) for n in bk.params)
+        per = per if per is not None else self.elem(bk.params[0])
         return -(-total // len(bk.group)) * per
 
     def _padded(self, b: int, per: float | None) -> float:
@@ -268,7 +267,7 @@ class _Ledger:
         """An issued transfer holds its buffers from issue to WAIT (a SEND's values are
         already counted); a reduce-scatter takes the gradients at issue."""
         k, b = ins.kind, ins.bucket
-        if k == Op.ALL_REDUCE and ins.purpose == "norm":   # clipping's squared-norm share
+        if ins.is_norm:   # clipping's squared-norm share
             self.pending[i] = (_BUFFERS, NORM_BYTES)
             self.level[_BUFFERS] += NORM_BYTES
             return
@@ -318,13 +317,12 @@ class _Ledger:
     def _free(self, i: int, ins) -> None:
         """FREE: a gathered bucket's use ends (`param:b`), or a value buffer is let go."""
         for key in ins.keys:
-            kind, _, rest = key.partition(":")
-            if kind == "param":
-                self._release(int(rest))
+            kind, what = parse_free(key)
+            if kind == Held.PARAM:
+                self._release(what)
             else:
-                value, _, mb = rest.rpartition("@")
-                table = self.acts if kind == "act" else self.vgrads
-                self._let_go(table.pop((value, int(mb)), None))
+                table = self.acts if kind == Held.ACT else self.vgrads
+                self._let_go(table.pop(what, None))
 
     # -- what a WAIT or FREE does to the parameter store (runtime.stores.ParamStore) --
     def _set_grads(self, b: int) -> None:
@@ -366,7 +364,7 @@ class _Ledger:
     def _exchange_done(self, ins) -> None:
         """An exchange's WAIT: what was sent is let go, what came is held (acts or grads)."""
         table = self.vgrads if ins.grad else self.acts
-        dispatch = ins.purpose == "dispatch"
+        dispatch = ins.purpose == Purpose.DISPATCH
         for v, owner in zip(ins.values, ins.owners, strict=True):
             key, mine = (v, ins.mb), owner == self.d
             if dispatch or mine:

@@ -49,85 +49,24 @@ ledger's (`sim.ledger`).
 
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import dataclass
 
-from piper_nb.errors import PlanError
 from piper_nb.ir.kinds import COMPUTE, Op
-from piper_nb.optim import OptimizerSpec, check_optimizer
-from piper_nb.sim.cost import _elem
-from piper_nb.sim.ledger import _Ledger, _numel
+from piper_nb.plan.sizes import element_size
+from piper_nb.sim.ledger import Ledger, param_numel
+from piper_nb.sim.memory_settings import (
+    DEFAULT_SETTINGS,
+    MIXED_PRECISION_ADAM,
+    OPTIMIZER_BYTES,
+    MemorySettings,
+)
 from piper_nb.sim.tokens import Routing
-from piper_nb.sim.trace import MemorySample
+from piper_nb.trace import MemorySample
 
 __all__ = ["MemorySettings", "Holding", "model_states", "device_model_states", "communicators",
-           "zero_model_states", "memory_samples", "live_stashes", "MIXED_PRECISION_ADAM",
+           "zero_model_states", "memory_samples", "MIXED_PRECISION_ADAM",
            "OPTIMIZER_BYTES"]
-
-# bytes of optimizer state per parameter (fp32 state): SGD none, momentum 1x, Adam(W) 2x
-OPTIMIZER_BYTES = {"sgd": 0, "momentum": 4, "sgd_momentum": 4, "adam": 8, "adamw": 8}
-
-
-@dataclass(frozen=True, kw_only=True)
-class MemorySettings:
-    """Bytes per parameter element; None means the parameter's own dtype size."""
-
-    param_bytes: float | None = None   # weights
-    grad_bytes: float | None = None    # gradients
-    optim_bytes: float | None = None   # optimizer state (None: from `optimizer`)
-    optimizer: object = "sgd"          # a name in OPTIMIZER_BYTES, or as pn.train takes it
-    first_step: bool = False           # optimizer state appears at the update (step 1)
-    tokens: dict | None = None         # routing, "value@mb" -> rows per member (sim.tokens)
-    # GPU allowances beyond the tensors the runtime counts, added to "buffers" throughout:
-    # a fixed share per device (allocator rounding and slack, kernels' workspaces) and a
-    # share per communicator the device uses (NCCL's buffers; 0 on CPU). `for_cuda` gives
-    # typical figures; a GPU run reports torch.cuda.max_memory_allocated to compare with.
-    reserve_bytes: float = 0.0
-    per_communicator: float = 0.0
-
-    @classmethod
-    def for_cuda(cls, *, reserve_bytes: float = 64 * 2**20, channels: int = 2,
-                 buffer_bytes: float = 4 * 2**20, **kw) -> MemorySettings:
-        """Settings with GPU allowances: `reserve_bytes` per device, and per communicator
-        NCCL's `channels` x `buffer_bytes` (NCCL_BUFFSIZE, 4 MiB by default)."""
-        return cls(reserve_bytes=reserve_bytes, per_communicator=channels * buffer_bytes, **kw)
-
-    @functools.cached_property
-    def spec(self) -> OptimizerSpec | None:
-        """The optimizer as `pn.train` builds it (None: sized by name or `optim_bytes`)."""
-        opt = self.optimizer
-        if self.optim_bytes is not None or isinstance(opt, str):
-            return None
-        return check_optimizer(opt, "MemorySettings")
-
-    def optim_per_param(self) -> float:
-        """Optimizer state bytes per parameter element (the analytic figure)."""
-        if self.optim_bytes is not None:
-            return self.optim_bytes
-        if self.spec is not None:
-            return self.spec.per_element()
-        key = self.optimizer.lower()
-        if key not in OPTIMIZER_BYTES:
-            raise PlanError(f"unknown optimizer {self.optimizer!r} for the memory model; use one "
-                            f"of {', '.join(OPTIMIZER_BYTES)}, an optimizer factory as pn.train "
-                            "takes it, or set optim_bytes=")
-        return OPTIMIZER_BYTES[key]
-
-    def optim_state(self, shape: tuple[int, ...], dtype: str, group: int = 0) -> float:
-        """Bytes of state one updated tensor keeps: what the optimizer really allocates for
-        that shape (its scalar `step` included), or the per-element figure."""
-        if self.spec is not None:
-            return self.spec.state_bytes(shape, dtype, group)
-        return math.prod(shape) * self.optim_per_param()
-
-    def group_of(self, name: str) -> int:
-        return self.spec.group_of(name) if self.spec is not None else 0
-
-
-# the ZeRO paper's mixed-precision Adam: fp16 weights and grads, 12 bytes of fp32 state
-MIXED_PRECISION_ADAM = MemorySettings(param_bytes=2, grad_bytes=2, optim_bytes=12)
-
 
 @dataclass(frozen=True)
 class Holding:
@@ -140,7 +79,7 @@ class Holding:
     trainable: bool = True   # frozen parameters hold no gradient and no optimizer state
 
 
-def model_states(holdings, settings: MemorySettings = MemorySettings()) -> dict[str, float]:
+def model_states(holdings, settings: MemorySettings = DEFAULT_SETTINGS) -> dict[str, float]:
     """Steady-state bytes of params, grads and optimizer state for these holdings."""
     out = {"params": 0.0, "grads": 0.0, "optim": 0.0}
     ob = settings.optim_per_param()
@@ -170,16 +109,16 @@ def device_holdings(plan, d: int) -> list[Holding]:
     for p in names:
         b = sharded.get(p)
         if b is None:
-            out.append(Holding(_numel(plan, p), 0, 1, _elem(plan.params[p][1]),
+            out.append(Holding(param_numel(plan, p), 0, 1, element_size(plan.params[p][1]),
                                trainable=p not in plan.frozen))
         elif b.index not in seen:
             seen.add(b.index)
-            numel = sum(_numel(plan, q) for q in b.params)
-            out.append(Holding(numel, b.zero, len(b.group), _elem(plan.params[p][1])))
+            numel = sum(param_numel(plan, q) for q in b.params)
+            out.append(Holding(numel, b.zero, len(b.group), element_size(plan.params[p][1])))
     return out
 
 
-def device_model_states(plan, d: int, settings: MemorySettings = MemorySettings()) -> dict:
+def device_model_states(plan, d: int, settings: MemorySettings = DEFAULT_SETTINGS) -> dict:
     """The ZeRO paper's steady-state model states of device `d` (all allocated at once)."""
     return model_states(device_holdings(plan, d), settings)
 
@@ -225,29 +164,6 @@ def memory_samples(timing, settings: MemorySettings | None = None,
         extra = settings.reserve_bytes + (settings.per_communicator
                                           * communicators(timing.plan, d)
                                           if settings.per_communicator else 0)
-        samples += _Ledger(timing.plan, d, settings, routing).run(_sample_times(timing, d), d,
+        samples += Ledger(timing.plan, d, settings, routing).run(_sample_times(timing, d), d,
                                                                   extra)
     return samples
-
-
-def live_stashes(trace, device: int) -> int:
-    """Peak number of (region, microbatch) activation stashes alive on `device`: each lives
-    from the start of its F to the end of its last backward (B, or BW when split)."""
-    born, last = {}, {}
-    rank = {Op.BI: 0, Op.B: 1, Op.BW: 1}
-    for e in trace.events:
-        if e.device != device or e.stream != "compute":
-            continue
-        key = (e.region, e.mb)
-        if e.kind == Op.F:
-            born[key] = e.start
-        elif e.kind in rank:
-            old = last.get(key)
-            if old is None or (rank[e.kind], e.end) >= (rank[old[0]], old[1]):
-                last[key] = (e.kind, e.end)
-    marks = [(t, 1) for t in born.values()] + [(v[1], -1) for k, v in last.items() if k in born]
-    peak = alive = 0
-    for _, step in sorted(marks):
-        alive += step
-        peak = max(peak, alive)
-    return peak

@@ -241,6 +241,6 @@ class CompactTrace(Trace):
         return over_capacity(SimpleNamespace(meta=self.meta, memory=peaks), capacity)
 
     def live_stashes(self, device: int) -> int:
-        from piper_nb.sim.memory import live_stashes
+        from piper_nb.sim.analysis import live_stashes
         return live_stashes(self._own, self._rep[device] if 0 <= device < len(self._rep)
                             else device)

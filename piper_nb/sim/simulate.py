@@ -24,7 +24,7 @@ compute stream and one stream per communication stream name:
   (CPU workers) and an overlap slot runs its passes in list order; with `cores`, the
   devices computing at once share the cores (processor sharing, found by re-simulating
   with stretched durations until the step time settles, and time-slicing's jitter where
-  devices outnumber cores: `sim.sharing`).
+  devices outnumber cores: `sim.core_sharing`).
 
 Ops live in a heap keyed by ready time (ties: the smallest (template device, instruction
 index) among the op's members, see `sim.replicas`), devices are indices and instructions
@@ -41,13 +41,13 @@ import math
 from collections import defaultdict
 from dataclasses import dataclass
 
-from piper_nb.compiler.plan import Plan
 from piper_nb.errors import PlanError
-from piper_nb.ir.kinds import COMM, COMPUTE, P2P
+from piper_nb.ir.kinds import COMM, COMPUTE, P2P, Op
+from piper_nb.plan.plan import Plan
+from piper_nb.sim.core_sharing import jittered, shared_cores
 from piper_nb.sim.cost import CostModel
 from piper_nb.sim.host_model import NO_HOST
 from piper_nb.sim.replicas import CompactTrace, replica_runs
-from piper_nb.sim.sharing import jittered, shared_cores
 from piper_nb.sim.trace import Event, Trace
 
 __all__ = ["simulate", "Timing", "run_timing", "overlap_steps"]
@@ -97,7 +97,7 @@ def overlap_steps(instrs) -> list[int | tuple[int, ...]]:
                 between.append(j)
             j += 1
         inner = [k for k in between if k < members[-1]]
-        pre = [k for k in inner if instrs[k].kind == "WAIT" and instrs[k].target < i]
+        pre = [k for k in inner if instrs[k].kind == Op.WAIT and instrs[k].target < i]
         taken = set(pre)
         steps += pre
         steps.append(tuple(members) if len(members) > 1 else i)
@@ -139,12 +139,11 @@ class _Sim:
         self.seq = 0
         # per device: forward dispatches, whose host first all-gathers token counts (blocking)
         self.counting = counting if counting is not None else [
-            {i for i, x in enumerate(instrs) if x.kind == "ALL_TO_ALL" and x.purpose == "dispatch"
-             and not x.grad} for instrs in self.instrs]
+            {i for i, x in enumerate(instrs) if x.is_counted_dispatch} for instrs in self.instrs]
 
     def _issue(self, d: int, i: int, ins, ready: float) -> None:
         if ins.kind in P2P:
-            key = (d, ins.peer, ins.tag) if ins.kind == "SEND" else (ins.peer, d, ins.tag)
+            key = (d, ins.peer, ins.tag) if ins.kind == Op.SEND else (ins.peer, d, ins.tag)
             other = self.p2p.pop(key, None)
             if other is None:
                 self.p2p[key] = (d, i, ready)
@@ -174,7 +173,7 @@ class _Sim:
         posted, start, end = self.posted[d], self.start[d], self.end[d]
         p, t, cfree = self.pos[d], self.t[d], self.cfree[d]
         overhead, sync, stretch, plan = self.overhead[d], self.sync, self.stretch[d], self.plan
-        wait, packing = self.host.issue_time(plan, "WAIT"), self.host.packing
+        wait, packing = self.host.issue_time(plan, Op.WAIT), self.host.packing
         issued = self.host.issue_time if self.host.issue else None
         while p < len(steps):
             s = steps[p]
@@ -188,7 +187,7 @@ class _Sim:
                 continue
             ins = instrs[s]
             kind = ins.kind
-            if kind == "WAIT":
+            if kind == Op.WAIT:
                 e = end[ins.target]
                 if e < 0:
                     self.blocked[d] = ins.target
@@ -206,7 +205,7 @@ class _Sim:
                 posted[s], start[s], end[s] = t, st, cfree
                 if sync:
                     t = cfree
-            elif kind == "FREE":
+            elif kind == Op.FREE:
                 posted[s] = start[s] = end[s] = t if t > cfree else cfree
             elif s in counting:   # a forward dispatch: counts first, the host blocks
                 if posted[s] < 0:
@@ -223,7 +222,7 @@ class _Sim:
                 if packing:
                     t += packing.get((kind, ins.bucket), _NONE)[0]
                 posted[s] = t
-                self._issue(d, s, ins, t if kind == "RECV" or t > cfree else cfree)
+                self._issue(d, s, ins, t if kind == Op.RECV or t > cfree else cfree)
                 if issued is not None:
                     t += issued(plan, ins)
             t += overhead
@@ -304,17 +303,21 @@ def _events(timing: Timing, runs: list[bool] | None = None) -> list[Event]:
     return out
 
 
-def simulate(plan: Plan, cost_model: CostModel | None = None, *, memory=None) -> Trace:
-    """Predict the timeline and memory of one training step of `plan`.
+def simulate(plan: Plan, cost_model: CostModel | None, *, memory=None) -> Trace:
+    """Predict the timeline and memory of one training step of `plan` under `cost_model`.
 
-    `cost_model` defaults to `CostModel.profile(plan)` (timed on this machine); `memory`
-    is a `MemorySettings` (bytes per parameter, gradient and optimizer state; for an expert
-    plan, the routing that sizes its token buffers).
+    `memory` is a `MemorySettings` (bytes per parameter, gradient and optimizer state; for
+    an expert plan, the routing that sizes its token buffers). The simulator never measures:
+    `pn.simulate` (`piper_nb.profile.simulate`) is this with the profiled model as default.
     """
     from piper_nb.sim.memory import memory_samples
     if not isinstance(plan, Plan):
         raise PlanError("simulate takes the Plan returned by pn.compile(spec, program, batch)")
-    cost = cost_model if cost_model is not None else CostModel.profile(plan)
+    if cost_model is None:
+        raise PlanError("the simulator needs a cost model: pn.CostModel.uniform(), "
+                        "pn.CostModel.analytic(plan, 'H100') or pn.CostModel.profile(plan) "
+                        "(pn.simulate(plan) profiles by default)")
+    cost = cost_model
     was_on = gc.isenabled()
     gc.disable()  # hundreds of thousands of small objects, no cycles: skip the GC passes
     try:

@@ -2,7 +2,7 @@
 
 `pn.compile` marks the values whose first dimension is a routed token count (`plan.rows`:
 value -> symbol) and how each region's saved bytes grow per routed row
-(`plan.saved_rows`), see `compiler.rows`. A routing says, per forward dispatch
+(`plan.saved_rows`), see `compiler.token_rows`. A routing says, per forward dispatch
 (`"value@mb"`), how many rows each member of its group sends the expert; a measured step
 records the one it made (`trace.meta["tokens"]`). Without one, every member routes as the
 captured microbatch did.
@@ -17,8 +17,8 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 
-from piper_nb.compiler.rows import captured_rows, saved_at
-from piper_nb.sim.cost import _elem, value_bytes
+from piper_nb.plan.sizes import element_size, value_bytes
+from piper_nb.plan.token_rows import captured_rows, saved_at
 
 __all__ = ["Routing"]
 
@@ -34,7 +34,7 @@ class Routing:
         if plan.rows:
             for dp in plan.devices:
                 for ins in dp.instrs:
-                    if ins.kind == "ALL_TO_ALL" and ins.purpose == "dispatch" and not ins.grad:
+                    if ins.is_counted_dispatch:
                         dispatched.update(ins.values)
                         for v in ins.values:
                             if v in plan.rows:
@@ -42,7 +42,7 @@ class Routing:
         # regions that run inside an expert (on its owner): they take dispatched values
         self.experts = frozenset(r.index for r in plan.regions
                                  if any(v in dispatched for v in r.inputs))
-        self.row_bytes = {v: math.prod(plan.values[v].shape[1:]) * _elem(plan.values[v].dtype)
+        self.row_bytes = {v: math.prod(plan.values[v].shape[1:]) * element_size(plan.values[v].dtype)
                           for v in plan.rows}
 
     def counts(self, symbol: str, mb: int) -> tuple[int, ...]:

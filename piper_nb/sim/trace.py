@@ -74,7 +74,7 @@ class Trace:
 
     def live_stashes(self, device: int) -> int:
         """Peak count of activation stashes (region, microbatch) alive on `device`."""
-        from piper_nb.sim.memory import live_stashes
+        from piper_nb.sim.analysis import live_stashes
         return live_stashes(self, device)
 
     def compare(self, other: Trace):

@@ -9,13 +9,10 @@ masters, so its state is the fp32 optimizer's plus the 4-byte master copy.
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
 
 from piper_nb.ir.kinds import Op
 from piper_nb.optim import shard_pieces
-
-if TYPE_CHECKING:
-    from piper_nb.sim.memory import MemorySettings
+from piper_nb.sim.memory_settings import MemorySettings
 
 __all__ = ["update_states"]
 

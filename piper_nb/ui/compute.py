@@ -27,7 +27,7 @@ from piper_nb.compiler.compile import compile as compile_plan
 from piper_nb.compiler.compile import expand
 from piper_nb.directives.spec import Program, directive_from_json
 from piper_nb.errors import PlanError
-from piper_nb.sim.cost import CostModel
+from piper_nb.profile import CostModel
 from piper_nb.sim.simulate import simulate
 from piper_nb.ui.state import DesignerState
 

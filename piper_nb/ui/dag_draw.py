@@ -15,7 +15,7 @@ from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 
 from piper_nb.ir.filters import tags_text
-from piper_nb.ir.kinds import COMM, P2P
+from piper_nb.ir.kinds import COMM, P2P, EdgeKind
 from piper_nb.viz.dag import STYLE, auto_collapse, stage_label
 from piper_nb.viz.replicas import group_label
 
@@ -108,7 +108,7 @@ def draw_groups(dag, groups: DagGroups, rankdir: str = "LR"):
                     shape, color = STYLE.get(n.op.value, ("ellipse", "#ffffff"))
                 sub.node(names[gid], label, shape=shape, fillcolor=color, id=gid, tooltip=gid)
     for (a, b, kind), count in groups.edges.items():
-        attrs = {"style": "dashed", "color": "#999999"} if kind == "temporal" else {}
+        attrs = {"style": "dashed", "color": "#999999"} if kind == EdgeKind.TEMPORAL else {}
         if count > 1:
             attrs.update(label=str(count), fontsize="7")
         g.edge(names[a], names[b], **attrs)

@@ -1,7 +1,7 @@
 """The Designer's Directives panel: the program as editable rows, a schedule picker,
 Piper JSON import/export and the equivalent Python.
 
-Rows are `ui/rows.py` widgets, rebuilt only when the list's shape changes (a row added,
+Rows are `ui/directive_row.py` widgets, rebuilt only when the list's shape changes (a row added,
 removed, moved or imported); otherwise `sync(state)` writes values into the existing
 widgets. The schedule picker inserts a `{"op": "schedule", ...}` row (its builder expands
 at compile time; export can write the expansion out for Piper). Problems from a refresh
@@ -17,7 +17,7 @@ import ipywidgets as W
 
 from piper_nb.errors import PlanError
 from piper_nb.ui.codegen import python_code
-from piper_nb.ui.rows import DirectiveRow
+from piper_nb.ui.directive_row import DirectiveRow
 from piper_nb.ui.state import (
     OPS,
     SCHEDULES,

@@ -19,7 +19,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 
 from piper_nb.ir.filters import tags_text
-from piper_nb.ir.kinds import COMM, SHORT, Op
+from piper_nb.ir.kinds import COMM, SHORT, EdgeKind, Op
 from piper_nb.viz.replicas import group_label
 
 __all__ = ["DagView", "dag_view", "draw_dag", "dag_to_graphviz", "auto_collapse", "stage_label",
@@ -28,11 +28,11 @@ __all__ = ["DagView", "dag_view", "draw_dag", "dag_to_graphviz", "auto_collapse"
 READABLE = 60      # auto-collapsing aims at no more nodes than this
 
 # op -> (shape, fill colour)
-STYLE = {"F": ("box", "#c6dbef"), "B": ("box", "#fdd0a2"), "BI": ("box", "#fcbba1"),
-         "BW": ("box", "#c7e9c0"), "U": ("box3d", "#d9d9d9"),
-         "SEND": ("cds", "#dadaeb"), "RECV": ("cds", "#efedf5"),
-         "ALL_REDUCE": ("hexagon", "#fee391"), "ALL_GATHER": ("hexagon", "#d9f0a3"),
-         "REDUCE_SCATTER": ("hexagon", "#fec44f"), "ALL_TO_ALL": ("octagon", "#bcbddc"),
+STYLE = {Op.F: ("box", "#c6dbef"), Op.B: ("box", "#fdd0a2"), Op.BI: ("box", "#fcbba1"),
+         Op.BW: ("box", "#c7e9c0"), Op.U: ("box3d", "#d9d9d9"),
+         Op.SEND: ("cds", "#dadaeb"), Op.RECV: ("cds", "#efedf5"),
+         Op.ALL_REDUCE: ("hexagon", "#fee391"), Op.ALL_GATHER: ("hexagon", "#d9f0a3"),
+         Op.REDUCE_SCATTER: ("hexagon", "#fec44f"), Op.ALL_TO_ALL: ("octagon", "#bcbddc"),
          "stage": ("box", "#e6ecf5")}        # a whole stage (collapse with "PASS")
 
 
@@ -147,7 +147,7 @@ def draw_dag(view: DagView, rankdir: str = "LR", name: str = "dag", size: str = 
             continue
         _nodes(target, keys, view, ids)
     for (a, b, kind), count in view.edges.items():
-        attrs = {"style": "dashed", "color": "#999999"} if kind == "temporal" else {}
+        attrs = {"style": "dashed", "color": "#999999"} if kind == EdgeKind.TEMPORAL else {}
         if count > 1 and view.collapse:
             attrs["label"] = str(count)
             attrs["fontsize"] = "7"

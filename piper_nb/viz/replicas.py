@@ -25,7 +25,7 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass
 
-from piper_nb.ir.kinds import PASSES
+from piper_nb.ir.kinds import PASSES, Op
 
 __all__ = ["DeviceGroup", "group_replicas", "group_label", "Marks", "bar_marks"]
 
@@ -112,12 +112,12 @@ class Marks:
 def bar_marks(trace) -> Marks:
     """The chunks of every device and, with two entry points, each microbatch's direction."""
     stages: dict[int, set[int]] = defaultdict(set)
-    first = min((e.region for e in trace.events if e.kind == "F" and e.region >= 0), default=-1)
+    first = min((e.region for e in trace.events if e.kind == Op.F and e.region >= 0), default=-1)
     entry: dict[int, int] = {}
     for e in trace.events:
         if e.kind in _PASSES and e.region >= 0:
             stages[e.device].add(e.region)
-            if e.kind == "F" and e.region == first and e.mb >= 0:
+            if e.kind == Op.F and e.region == first and e.mb >= 0:
                 entry[e.mb] = min(entry.get(e.mb, e.device), e.device)
     chunks = {d: tuple(sorted(s)) for d, s in stages.items()}
     entries = sorted(set(entry.values()))

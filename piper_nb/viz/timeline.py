@@ -26,6 +26,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from piper_nb.ir.kinds import Op
 from piper_nb.trace import MEMORY_KINDS
 from piper_nb.viz.replicas import DeviceGroup, bar_marks, group_replicas
 from piper_nb.viz.units import bytes_scale, time_scale, time_text
@@ -33,9 +34,9 @@ from piper_nb.viz.units import bytes_scale, time_scale, time_text
 __all__ = ["COLORS", "TimelineData", "timeline_data", "draw_timeline", "timeline_figure",
            "to_chrome_trace", "stream_order"]
 
-COLORS = {"F": "#4C78A8", "B": "#F58518", "BI": "#E45756", "BW": "#72B7B2", "U": "#54A24B",
-          "SEND": "#B279A2", "RECV": "#FF9DA6", "ALL_REDUCE": "#9D755D",
-          "ALL_GATHER": "#8CD17D", "REDUCE_SCATTER": "#EECA3B", "ALL_TO_ALL": "#79706E"}
+COLORS = {Op.F: "#4C78A8", Op.B: "#F58518", Op.BI: "#E45756", Op.BW: "#72B7B2", Op.U: "#54A24B",
+          Op.SEND: "#B279A2", Op.RECV: "#FF9DA6", Op.ALL_REDUCE: "#9D755D",
+          Op.ALL_GATHER: "#8CD17D", Op.REDUCE_SCATTER: "#EECA3B", Op.ALL_TO_ALL: "#79706E"}
 MAX_DEVICES = 64       # rows of devices (or groups of replicas) drawn unless devices= says
 EXPAND_BARS = 6000     # a figure carries its every-device view up to this many bars
 

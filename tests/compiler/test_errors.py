@@ -121,7 +121,8 @@ def test_a_schedule_placed_against_its_grid_is_named(setup):
 
 def test_collective_order_mismatch_is_caught(setup):
     from piper_nb.compiler.checks import check_collective_order
-    from piper_nb.compiler.plan import DevicePlan, Instr, Plan
+    from piper_nb.plan.instr import Instr
+    from piper_nb.plan.plan import DevicePlan, Plan
 
     a = Instr("ALL_REDUCE", "AR[PP=0]#b0", "dp", group=(0, 1), bucket=0, purpose="grad")
     b = Instr("ALL_REDUCE", "AR[PP=1]#b1", "dp", group=(0, 1), bucket=1, purpose="grad")

@@ -13,8 +13,10 @@ from torch import nn
 import piper_nb as pn
 from piper_nb.compiler.checks import check_plan
 from piper_nb.compiler.lower import lower
-from piper_nb.compiler.plan import DevicePlan, Instr
-from piper_nb.ir.dag import Edge, Op
+from piper_nb.ir.kinds import Op
+from piper_nb.ir.node import Edge
+from piper_nb.plan.instr import Instr
+from piper_nb.plan.plan import DevicePlan
 
 
 class Skip(nn.Module):

@@ -5,7 +5,7 @@ import pytest
 
 import piper_nb as pn
 from piper_nb.directives.spec import Place
-from piper_nb.ir.dag import Op
+from piper_nb.ir.kinds import Op
 
 S = pn.schedules
 SCHEDULES = {

@@ -3,7 +3,7 @@
 import pytest
 
 import piper_nb as pn
-from piper_nb.compiler.plan import Plan
+from piper_nb.plan.plan import Plan
 
 
 def stages(model, n):
@@ -58,17 +58,15 @@ def test_plan_json_round_trips(mlp):
 
 
 def test_dag_text_and_json_round_trip(mlp):
-    from piper_nb.ir.text import dag_from_json, dag_from_text
-
     model, batch = mlp
     plan = pn.compile(stages(model, 2), [
         pn.place({"PP": 0}, [0, 2]), pn.place({"PP": 1}, [1, 3]),
         pn.replicate({"PP": 0}, [0, 2], zero=1), pn.replicate({"PP": 1}, [1, 3], zero=1),
         *pn.schedules.one_f_one_b(2, 4)], batch)
     dag = plan.dag
-    again = dag_from_text(dag.text())
+    again = pn.TrainingDAG.from_text(dag.text())
     assert (again.nodes, again.edges, again.history) == (dag.nodes, dag.edges, dag.history)
-    again = dag_from_json(dag.to_json())
+    again = pn.TrainingDAG.from_json(dag.to_json())
     assert (again.nodes, again.edges) == (dag.nodes, dag.edges)
     pn.validate(again, placed=True)
 

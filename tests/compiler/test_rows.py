@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import torch
 
-from piper_nb.compiler.plan import Plan
-from piper_nb.compiler.rows import captured_rows, saved_at
-from piper_nb.compiler.shapes import SavedBytes, param_ptrs
+from piper_nb.compiler.shapes import param_ptrs
+from piper_nb.plan.plan import Plan
+from piper_nb.plan.sizes import SavedBytes
+from piper_nb.plan.token_rows import captured_rows, saved_at
 from piper_nb.strategies import compile_strategy
 
 

@@ -120,7 +120,7 @@ def test_the_plan_marks_recomputed_passes_and_frees_their_inputs_after_the_backw
     assert text[freed - 1] == "r1:B0"                 # the input lives until the backward
     back = pn.Plan.from_json(plan.to_json())
     assert back.devices[1].instrs == plan.devices[1].instrs
-    assert "recompute (1 regions)" in plan.dag.history
+    assert "recompute: 1 regions" in plan.dag.history
 
 
 class _Norm(nn.Module):

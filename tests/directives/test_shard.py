@@ -4,8 +4,7 @@ import pytest
 import torch
 
 import piper_nb as pn
-from piper_nb.ir.dag import Op
-from piper_nb.ir.text import dag_from_text
+from piper_nb.ir.kinds import Op
 from piper_nb.strategies import moe_annotation
 
 
@@ -111,7 +110,7 @@ def test_all_to_all_nodes_carry_values_owners_and_token_counts(moe2):
     for n in dag.nodes:
         if n.op in (Op.SEND, Op.RECV):
             assert "EP" not in dict(n.tags), n.id
-    again = dag_from_text(dag.text())
+    again = type(dag).from_text(dag.text())
     assert (again.nodes, again.edges) == (dag.nodes, dag.edges)
 
 

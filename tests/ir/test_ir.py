@@ -6,8 +6,10 @@ import pytest
 
 import piper_nb as pn
 from piper_nb.ir.action import Action, grid_text, parse_action, parse_grid, parse_slot
-from piper_nb.ir.dag import Edge, Node, Op, TrainingDAG
+from piper_nb.ir.dag import TrainingDAG
 from piper_nb.ir.filters import as_filter, freeze_tags, matches
+from piper_nb.ir.kinds import Op
+from piper_nb.ir.node import Edge, Node
 
 
 def test_filters_are_conjunctive_with_wildcards():

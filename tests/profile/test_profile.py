@@ -10,10 +10,10 @@ import pytest
 import torch
 
 import piper_nb as pn
-import piper_nb.profile as prof
+import piper_nb.profile.cost_model as prof
+from piper_nb.plan.sizes import message_bytes
+from piper_nb.profile import CostModel, simulate
 from piper_nb.profile import links as link_profile
-from piper_nb.sim import CostModel, simulate
-from piper_nb.sim.cost import message_bytes
 
 
 def plan2(microbatches: int = 2):
@@ -126,7 +126,7 @@ def test_token_exchanges_get_an_all_to_all_fit_of_their_own(monkeypatch):
 def test_time_slicing_is_measured_with_a_process_per_device_when_they_outnumber_cores():
     import warnings
 
-    from piper_nb.profile.slicing import profile_slicing
+    from piper_nb.profile.time_slicing import profile_slicing
     plan = plan2()
     assert profile_slicing(plan, cores=2) == (1.0, ())        # a core each: nothing to pay
     with warnings.catch_warnings():

@@ -11,9 +11,10 @@ from torch import nn
 
 import piper_nb as pn
 from piper_nb import optim
+from piper_nb.plan.instr import parse_free
 from piper_nb.runtime.bundle import bind_params, direct_calls, load_bundle, make_bundle, param_aliases
 from piper_nb.runtime.layout import Layout, assemble_state, batch_part, bucket_layouts
-from piper_nb.runtime.stores import ParamStore, ValueStore, parse_free
+from piper_nb.runtime.stores import ParamStore, ValueStore
 from piper_nb.runtime.worker import Worker
 from piper_nb.train import reference_train
 

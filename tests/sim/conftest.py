@@ -8,7 +8,8 @@ import re
 import pytest
 
 import piper_nb as pn
-from piper_nb.compiler.plan import DevicePlan, Instr, Plan
+from piper_nb.plan.instr import Instr
+from piper_nb.plan.plan import DevicePlan, Plan
 
 _PASS = {"F": "F", "B": "B", "I": "BI", "W": "BW"}
 _COMP = re.compile(r"^r(\d+):([FBIW])(\d+)$")

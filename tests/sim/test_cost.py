@@ -7,9 +7,9 @@ import pytest
 
 import piper_nb as pn
 from piper_nb import PlanError
-from piper_nb.compiler.plan import Instr
+from piper_nb.plan.instr import Instr
+from piper_nb.plan.sizes import message_bytes, value_bytes
 from piper_nb.sim import CostModel, HardwareSpec
-from piper_nb.sim.cost import message_bytes, value_bytes
 
 
 def plan2(microbatches: int = 2):
@@ -68,7 +68,7 @@ def _dp_plan_args():
 
 
 def test_time_slicing_phases_in_from_one_task_a_core_to_two():
-    from piper_nb.sim.slicing import slicing_slowdown
+    from piper_nb.sim.time_slicing import slicing_slowdown
     assert slicing_slowdown(0.5, 1.2) == slicing_slowdown(1.0, 1.2) == 1.0
     assert slicing_slowdown(1.5, 1.2) == pytest.approx(1.5 * 1.1)
     assert slicing_slowdown(2.0, 1.2) == pytest.approx(2.4)
@@ -77,7 +77,7 @@ def test_time_slicing_phases_in_from_one_task_a_core_to_two():
 
 
 def test_jitter_is_each_pass_over_its_own_median_in_quantiles():
-    from piper_nb.sim.slicing import jitter_quantiles
+    from piper_nb.sim.time_slicing import jitter_quantiles
     samples = {(0, "F"): [1.0, 1.0, 1.0, 5.0], (0, "B"): [2.0, 2.0, 2.0, 2.0],
                (1, "F"): [7.0, 7.0]}                           # too few to have a median
     assert jitter_quantiles(samples, n=8) == (1.0,) * 7 + (5.0,)

@@ -11,8 +11,8 @@ import pytest
 
 import piper_nb as pn
 from piper_nb.compiler.checks import check_plan
-from piper_nb.compiler.plan import DevicePlan, Plan, StampedDevicePlan
 from piper_nb.errors import PlanError
+from piper_nb.plan.plan import DevicePlan, Plan, StampedDevicePlan
 from piper_nb.sim.cost import CostModel
 from piper_nb.sim.replicas import CompactTrace, replica_runs
 

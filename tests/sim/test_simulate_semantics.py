@@ -9,7 +9,7 @@ import pytest
 
 import piper_nb as pn
 from piper_nb import PlanError
-from piper_nb.compiler.plan import Instr
+from piper_nb.plan.instr import Instr
 from piper_nb.sim import CostModel, HostModel, simulate
 from piper_nb.sim.simulate import overlap_steps, run_timing
 
@@ -140,7 +140,7 @@ def test_a_sliced_pass_draws_its_time_from_the_jitter_and_a_collective_waits_for
 
 
 def test_messages_cost_the_fit_of_their_kind_and_group_size():
-    from piper_nb.sim.cost import message_bytes
+    from piper_nb.plan.sizes import message_bytes
     plan = pn.compile(*_dp_plan_args())
     ar = next(i for i in plan[0].instrs if i.kind == "ALL_REDUCE")
     nbytes = message_bytes(plan, ar)
@@ -182,7 +182,7 @@ def test_a_message_in_flight_takes_a_core_on_its_receiver(hand_plan, monkeypatch
     assert loaded.step_time == pytest.approx((1 + 2 ** 0.5) / 2, rel=0.01)
     # with the rate the sender's call writes at, the reader is busy only while it copies:
     # 1000 bytes at 4000 per unit, half the span, so x = 1 + 0.125 / x
-    module = importlib.import_module("piper_nb.sim.sharing")   # where the reader is timed
+    module = importlib.import_module("piper_nb.sim.core_sharing")   # where the reader is timed
     monkeypatch.setattr(module, "message_bytes", lambda plan, ins: 1000)
     copying = simulate(plan, _host_model(sync=True, cores=2, comm_cores=1.0,
                                          issue={"SEND": (0.0, 4000.0)}))

@@ -6,9 +6,9 @@ group's first device, expert 1 on its second.
 
 from __future__ import annotations
 
-from piper_nb.compiler.rows import captured_rows
+from piper_nb.plan.sizes import value_bytes
+from piper_nb.plan.token_rows import captured_rows
 from piper_nb.sim import CostModel, MemorySettings, simulate
-from piper_nb.sim.cost import value_bytes
 from piper_nb.sim.tokens import Routing
 from piper_nb.strategies import compile_strategy
 

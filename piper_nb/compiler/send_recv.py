@@ -18,21 +18,26 @@ One message per (pass, other device group), not one per edge:
 
 from __future__ import annotations
 
+from piper_nb.directives.base import Context, Directives
+from piper_nb.directives.shard import experts_of
 from piper_nb.errors import PlanError
-from piper_nb.ir.dag import Edge, Node, Op, TrainingDAG
-from piper_nb.ir.kinds import COMPUTE
+from piper_nb.ir.dag import TrainingDAG
+from piper_nb.ir.kinds import COMPUTE, EdgeKind, Op
+from piper_nb.ir.node import Edge, Node
 
 __all__ = ["insert_send_recv"]
 
 
 def _crosses(dag: TrainingDAG, e: Edge, skip_regions: frozenset[int]) -> bool:
     a, b = dag[e.src], dag[e.dst]
-    return not (e.kind != "data" or a.op not in COMPUTE or b.op not in COMPUTE or b.op == Op.U
+    return not (e.kind != EdgeKind.DATA or a.op not in COMPUTE or b.op not in COMPUTE or b.op == Op.U
                 or a.devices == b.devices or a.region in skip_regions
                 or b.region in skip_regions)
 
 
-def insert_send_recv(dag: TrainingDAG, skip_regions: frozenset[int] = frozenset()) -> TrainingDAG:
+def insert_send_recv(dag: TrainingDAG, _: Directives, ctx: Context) -> TrainingDAG:
+    """A SEND/RECV pair per (pass, other device group) whose data edges cross devices."""
+    skip_regions = experts_of(dag)
     nodes = list(dag.nodes)
     edges: list[Edge] = []
     groups: dict[tuple, list[Edge]] = {}
@@ -46,13 +51,13 @@ def insert_send_recv(dag: TrainingDAG, skip_regions: frozenset[int] = frozenset(
                             "data can only flow between groups of the same size (replica i sends "
                             "to replica i); place both sides on the same number of devices")
         # activations: one producer to a device group; gradients: a device group to one producer
-        key = ("F", a.id, b.devices) if a.op == Op.F else ("B", b.id, a.devices)
+        key = (False, a.id, b.devices) if a.op == Op.F else (True, b.id, a.devices)
         groups.setdefault(key, []).append(e)
-    for (kind, _, _), group in groups.items():
-        send, recv, new_edges = _pair(dag, group, grad=kind == "B")
+    for (grad, _, _), group in groups.items():
+        send, recv, new_edges = _pair(dag, group, grad=grad)
         nodes += [send, recv]
         edges += new_edges
-    return dag.replace(nodes=nodes, edges=edges, step="send/recv")
+    return dag.replace(nodes=nodes, edges=edges)
 
 
 def _pair(dag: TrainingDAG, group: list[Edge], grad: bool) -> tuple[Node, Node, list[Edge]]:
@@ -76,12 +81,12 @@ def _pair(dag: TrainingDAG, group: list[Edge], grad: bool) -> tuple[Node, Node, 
     recv = Node(id=f"RECV({name})", op=Op.RECV, tags=b.tags, devices=b.devices,
                 region=b.region, **common)
     if len(group) == 1:
-        return send, recv, [Edge(srcs[0], send.id, "data", values),
-                            Edge(send.id, recv.id, "data", values),
-                            Edge(recv.id, dsts[0], "data", values)]
-    out = [Edge(s, send.id, "data", _values(group, src=s)) for s in srcs]
-    out.append(Edge(send.id, recv.id, "data", values))
-    out += [Edge(recv.id, d, "data", _values(group, dst=d)) for d in dsts]
+        return send, recv, [Edge(srcs[0], send.id, EdgeKind.DATA, values),
+                            Edge(send.id, recv.id, EdgeKind.DATA, values),
+                            Edge(recv.id, dsts[0], EdgeKind.DATA, values)]
+    out = [Edge(s, send.id, EdgeKind.DATA, _values(group, src=s)) for s in srcs]
+    out.append(Edge(send.id, recv.id, EdgeKind.DATA, values))
+    out += [Edge(recv.id, d, EdgeKind.DATA, _values(group, dst=d)) for d in dsts]
     return send, recv, out
 
 

@@ -13,9 +13,10 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import fields
 
-from piper_nb.compiler.plan import Instr
-from piper_nb.ir.dag import Node, TrainingDAG
-from piper_nb.ir.kinds import P2P
+from piper_nb.ir.dag import TrainingDAG
+from piper_nb.ir.kinds import P2P, Op
+from piper_nb.ir.node import Node
+from piper_nb.plan.instr import Instr
 
 __all__ = ["Stamper", "classes_of"]
 
@@ -60,7 +61,7 @@ class Stamper:
         by_id, partner, tags = self._from
         rows = []
         for ins in self.template:
-            if ins.kind in ("WAIT", "FREE"):
+            if ins.kind in (Op.WAIT, Op.FREE):
                 rows.append(None)
                 continue
             n = by_id[ins.node]

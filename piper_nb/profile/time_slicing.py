@@ -7,7 +7,7 @@ its passes alone, the others waiting; then all run rounds at once for a fixed wi
 factor is the mean, over devices, of (time per round together) / (time per round alone x
 processes / cores). On this 2-core machine it comes out at 1.05-1.12 for 4 processes. The
 jitter is the quantiles of each pass's time over its own median while all run together
-(`sim.slicing`, where the simulator uses both).
+(`sim.time_slicing`, where the simulator uses both).
 """
 
 from __future__ import annotations
@@ -21,7 +21,8 @@ import tempfile
 import time
 import warnings
 
-from piper_nb.sim.slicing import Slicing, jitter_quantiles, quantiles
+from piper_nb.ir.kinds import Op
+from piper_nb.sim.time_slicing import Slicing, jitter_quantiles, quantiles
 
 __all__ = ["profile_slicing"]
 
@@ -48,7 +49,7 @@ def profile_slicing(plan, optimizer=None, rounds: int = 10, timeout: float = 180
     # placed as LocalCluster(world) places its workers; on fewer cores, all on those
     placement = (core_plan(world) if cores >= len(usable) else [tuple(usable[:cores])] * world)
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    procs = [subprocess.Popen([sys.executable, "-m", "piper_nb.profile.slicing", path, str(d),
+    procs = [subprocess.Popen([sys.executable, "-m", "piper_nb.profile.time_slicing", path, str(d),
                                str(rounds), ",".join(map(str, placement[d] or ()))],
                               stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True, env=env)
@@ -131,8 +132,8 @@ def _device_main(path: str, device: int, rounds: int) -> None:
     plan = load_bundle(blob).plan
     bench = _Bench(plan, device, optimizer if optimizer is not None else SGD(0.1), blob)
     mine = plan.devices[device].instrs
-    regions = sorted({i.region for i in mine if i.kind == "F"})
-    updates = sorted({i.region for i in mine if i.kind == "U"})
+    regions = sorted({i.region for i in mine if i.kind == Op.F})
+    updates = sorted({i.region for i in mine if i.kind == Op.U})
     _round(bench, regions, updates)   # warm up
     print("ready", flush=True)
     for line in sys.stdin:

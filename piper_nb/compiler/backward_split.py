@@ -8,10 +8,19 @@ from __future__ import annotations
 
 import dataclasses
 
-from piper_nb.ir.dag import Edge, Node, Op, TrainingDAG, node_id
+from piper_nb.directives.base import Context, Directives
+from piper_nb.ir.dag import TrainingDAG
 from piper_nb.ir.filters import freeze_tags
+from piper_nb.ir.kinds import Op
+from piper_nb.ir.node import Edge, Node, node_id
 
-__all__ = ["apply_backward_split", "names_split_backward"]
+__all__ = ["split_backwards", "apply_backward_split", "names_split_backward"]
+
+
+def split_backwards(dag: TrainingDAG, orders: Directives, ctx: Context) -> TrainingDAG:
+    """Every B that an order names as BI or BW, split in two (reads the orders; the order
+    pass applies them)."""
+    return apply_backward_split(dag, names_split_backward([d for _, d in orders]))
 
 
 def names_split_backward(order_directives) -> list[dict]:
@@ -20,8 +29,8 @@ def names_split_backward(order_directives) -> list[dict]:
     for d in order_directives:
         for group in d.groups:
             for f in group:
-                if f.get("PASS") in ("BI", "BW"):
-                    out.append({**f, "PASS": "B"})
+                if f.get("PASS") in (Op.BI, Op.BW):
+                    out.append({**f, "PASS": Op.B.value})
     return out
 
 
@@ -52,4 +61,4 @@ def apply_backward_split(dag: TrainingDAG, filters: list[dict]) -> TrainingDAG:
         dst = first.get(e.dst, e.dst)
         edges.append(dataclasses.replace(e, src=src, dst=dst))
     edges += [Edge(first[t], last[t]) for t in targets]
-    return dag.replace(nodes=nodes, edges=edges, step=f"backward split ({len(targets)} B)")
+    return dag.replace(nodes=nodes, edges=edges, step=f"{len(targets)} B")

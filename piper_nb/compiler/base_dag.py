@@ -7,15 +7,23 @@ activations; B[r] -> U[r] for the accumulated gradients.
 
 from __future__ import annotations
 
-from piper_nb.ir.dag import Edge, Node, Op, TrainingDAG, node_id
+from piper_nb.directives.base import Context, Directives
+from piper_nb.ir.dag import TrainingDAG
 from piper_nb.ir.filters import freeze_tags
+from piper_nb.ir.kinds import EdgeKind, Op
+from piper_nb.ir.node import Edge, Node, node_id
 
-__all__ = ["build_dag"]
+__all__ = ["base_dag", "build_dag"]
 
 
 def _node(op: Op, region) -> Node:
     tags = freeze_tags({**dict(region.tags), "PASS": op.value})
     return Node(id=node_id(op, tags), op=op, tags=tags, region=region.index)
+
+
+def base_dag(_: TrainingDAG | None, __: Directives, ctx: Context) -> TrainingDAG:
+    """The first pass: the captured model's base DAG, its frozen parameters in the meta."""
+    return build_dag(ctx.capture, ctx.values).replace(meta={"frozen": ctx.frozen})
 
 
 def build_dag(capture, values: dict) -> TrainingDAG:
@@ -34,10 +42,10 @@ def build_dag(capture, values: dict) -> TrainingDAG:
         for dst in capture.consumers.get(value, ()):
             flows.setdefault((src, dst), []).append(value)
     for (src, dst), names in sorted(flows.items()):
-        edges.append(Edge(f[src].id, f[dst].id, "data", tuple(names)))
+        edges.append(Edge(f[src].id, f[dst].id, EdgeKind.DATA, tuple(names)))
         grads = tuple(v for v in names if values[v].requires_grad)
         if grads:
-            edges.append(Edge(b[dst].id, b[src].id, "data", grads))
+            edges.append(Edge(b[dst].id, b[src].id, EdgeKind.DATA, grads))
     meta = {"regions": capture.regions, "tied": dict(capture.tied), "splits": ()}
     return TrainingDAG(nodes=tuple(nodes), edges=tuple(edges), meta=tuple(meta.items()),
-                       history=("build",))
+                       history=())

@@ -1,7 +1,7 @@
-"""Plans: one instruction list per device, the only thing the runtime executes.
+"""Plans: one instruction list per device (`DevicePlan`), the only thing the runtime executes,
+and the `Plan` that holds them with the tables the runtime and the simulator share.
 
-An `Instr` is a small immutable value; its text form (`r0:F1`, `r0:SEND_F1>2`, `b0:AR`,
-`b0:AG@F1`, `wait(...)`, `free(...)`) is the notation of `piper_nb.ir.text`, whose
+Instructions are `plan.instr.Instr` values in the notation of `piper_nb.ir.text`, whose
 docstring is the glossary. Communication is issued on its own logical stream and waited
 for right before its consumer, so it overlaps compute. `print(plan)` shows every device's
 list side by side with what the `r`/`b` prefixes stand for; the JSON form is exact.
@@ -10,64 +10,19 @@ list side by side with what the `r`/`b` prefixes stand for; the JSON form is exa
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from piper_nb.ir.kinds import COMM, COMPUTE
-from piper_nb.ir.text import bucket_legend, instr_text, region_legend, wait_text
+from piper_nb.capture.split import RegionInfo
+from piper_nb.directives.replicate import Bucket
+from piper_nb.ir.filters import freeze_tags
+from piper_nb.ir.kinds import Op
+from piper_nb.ir.text import bucket_legend, region_legend, wait_text
+from piper_nb.plan.instr import Instr
+from piper_nb.plan.sizes import ValueInfo
+from piper_nb.schedules.torch_csv import plan_to_torch_csv
 
 __all__ = ["Instr", "DevicePlan", "StampedDevicePlan", "Plan"]
-
-
-@dataclass(frozen=True, slots=True)
-class Instr:
-    kind: str                       # F B BI BW U SEND RECV ALL_* REDUCE_SCATTER WAIT FREE
-    node: str = ""                  # the DAG node it comes from
-    stream: str = "compute"
-    region: int = -1
-    mb: int = -1
-    replica: int = 0                # position of this device in the region's replica group
-    replicas: int = 1
-    peer: int = -1                  # SEND / RECV
-    tag: int = -1                   # SEND / RECV message tag
-    group: tuple[int, ...] = ()     # collectives
-    bucket: int = -1                # collectives over parameter buckets
-    values: tuple[str, ...] = ()    # SEND / RECV / ALL_TO_ALL: value names
-    grad: bool = False              # SEND / RECV carry gradients
-    purpose: str = ""               # collectives: "grad" | "param" | "a2a"
-    target: int = -1                # WAIT: index of the issue it waits for
-    keys: tuple[str, ...] = ()      # FREE: buffers released ("act:x@1", "grad:x@1", "param:0")
-    params: tuple[str, ...] = ()    # U: parameters this device updates here
-    buckets: tuple[int, ...] = ()   # U: sharded buckets this device updates here
-    overlap: int = -1               # passes sharing an overlap slot (F&B)
-    owners: tuple[int, ...] = ()    # ALL_TO_ALL: per value, the device holding its expert
-    split_by: tuple[str, ...] = ()  # ALL_TO_ALL: per value, the dispatched value whose
-                                    # per-replica token counts size its pieces
-    recompute: bool = False         # F / B / BI of a recomputed region (`pn.recompute`)
-
-    @property
-    def is_compute(self) -> bool:
-        return self.kind in COMPUTE
-
-    @property
-    def is_issue(self) -> bool:
-        return self.kind in COMM
-
-    def __str__(self) -> str:
-        return instr_text(self)
-
-    def to_json(self) -> dict:
-        out = {}
-        for f in fields(self):
-            v = getattr(self, f.name)
-            if v != f.default:
-                out[f.name] = list(v) if isinstance(v, tuple) else v
-        return out
-
-    @classmethod
-    def from_json(cls, obj: dict) -> Instr:
-        kw = {k: tuple(v) if isinstance(v, list) else v for k, v in obj.items()}
-        return cls(**kw)
 
 
 @dataclass(frozen=True)
@@ -81,10 +36,10 @@ class DevicePlan:
     def text(self, waits: bool = False) -> list[str]:
         out = []
         for ins in self.instrs:
-            if ins.kind == "WAIT":
+            if ins.kind == Op.WAIT:
                 if waits:
                     out.append(wait_text(self.instrs[ins.target]))
-            elif ins.kind != "FREE" or waits:
+            elif ins.kind != Op.FREE or waits:
                 out.append(str(ins))
         return out
 
@@ -181,7 +136,7 @@ class Plan:
         todo = [d for d in range(self.world) if active[d]]
         while todo:
             for ins in self.devices[todo.pop()].instrs:
-                if (ins.kind == "SEND" or ins.kind == "RECV") and not active[ins.peer]:
+                if (ins.kind == Op.SEND or ins.kind == Op.RECV) and not active[ins.peer]:
                     active[ins.peer] = True
                     todo.append(ins.peer)
         return active
@@ -192,7 +147,7 @@ class Plan:
         for dp in self.devices:
             rows = [str(i) for i in dp.instrs if i.is_compute] if compute_only else dp.text(waits)
             cols.append([f"dev{dp.device}", *rows])
-        return _columns(cols)
+        return columns_text(cols)
 
     def legend(self) -> str:
         """What the prefixes of the instructions stand for: `r0 = {PP=0}`, one line per
@@ -210,7 +165,6 @@ class Plan:
     def to_torch_csv(self, devices: tuple[int, ...] | list[int] | None = None) -> str:
         """The compute passes per device (or per one of `devices`) as PyTorch pipelining's
         schedule CSV (`0F1`, stage = PP index); see `piper_nb.schedules.torch_csv`."""
-        from piper_nb.schedules.torch_csv import plan_to_torch_csv
         return plan_to_torch_csv(self, devices)
 
     def __repr__(self) -> str:
@@ -243,10 +197,6 @@ class Plan:
 
     @classmethod
     def from_json(cls, text: str) -> Plan:
-        from piper_nb.capture.split import RegionInfo
-        from piper_nb.compiler.shapes import ValueInfo
-        from piper_nb.directives.replicate import Bucket
-        from piper_nb.ir.filters import freeze_tags
         obj = json.loads(text)
         regions = tuple(RegionInfo(index=r["index"], tags=freeze_tags(r["tags"]), modules=(),
                                    params=tuple(r["params"]), buffers=(), inputs=tuple(r["inputs"]),
@@ -271,7 +221,9 @@ class Plan:
                    precision=obj.get("precision", "fp32"), reduce_dtype=obj.get("reduce_dtype"))
 
 
-def _columns(cols: list[list[str]], mark: dict[int, int] | None = None) -> str:
+def columns_text(cols: list[list[str]], mark: dict[int, int] | None = None) -> str:
+    """Text columns side by side (one per device, its title first); `mark` = {column: row}
+    wraps those cells in `>x<` (where the dry run finds each device stuck)."""
     height = max(len(c) for c in cols)
     width = [max(len(x) for x in c) + 2 for c in cols]
     lines = []

@@ -9,7 +9,7 @@ from a measured `factor`. The mean hides the shape, which matters wherever devic
 for each other: together, a pass mostly runs at full speed, and about one in six waits out
 other processes' slices, 2-25x its usual time (4 processes on 2 cores). `jitter` keeps that
 shape, as quantiles of each pass's time over its own median; the simulator draws from it.
-`profile.slicing` measures both, by running one process per device.
+`profile.time_slicing` measures both, by running one process per device.
 """
 
 from __future__ import annotations

@@ -11,8 +11,9 @@ passes cannot make two devices wait for each other.
 
 from __future__ import annotations
 
-from piper_nb.ir.dag import Node, Op, TrainingDAG
-from piper_nb.ir.kinds import COLLECTIVES
+from piper_nb.ir.dag import TrainingDAG
+from piper_nb.ir.kinds import COLLECTIVES, Op
+from piper_nb.ir.node import Node
 
 __all__ = ["merge_floating"]
 

@@ -31,10 +31,10 @@ import math
 import random
 from collections.abc import Callable
 
-from piper_nb.ir.kinds import COLLECTIVES, COMPUTE
-from piper_nb.sim.cost import message_bytes
+from piper_nb.ir.kinds import COLLECTIVES, COMPUTE, Op
+from piper_nb.plan.sizes import message_bytes
 from piper_nb.sim.host_model import HostModel
-from piper_nb.sim.slicing import slicing_slowdown
+from piper_nb.sim.time_slicing import slicing_slowdown
 
 __all__ = ["shared_cores", "jittered", "JITTER_SAMPLES"]
 
@@ -65,7 +65,7 @@ def _reader(plan, host: HostModel) -> Callable:
     """The load of receiving a message: its copy off the socket (timed at the rate the
     sender's call writes it) spread over its span; the whole span without that rate."""
     comm = host.comm_cores
-    send = host.issue.get("SEND")
+    send = host.issue.get(Op.SEND)
     copy_rate = send[1] if isinstance(send, tuple) and 0 < send[1] < math.inf else None
 
     def reading(sim, d: int, i: int, ins) -> float:
@@ -87,7 +87,7 @@ def _load_changes(sim, comm: float, reading: Callable) -> list[tuple[float, floa
                     spans += [(start[i], 1.0), (end[i], -1.0)]
                 elif comm and ins.kind in COLLECTIVES:
                     spans += [(start[i], comm), (end[i], -comm)]
-                elif comm and ins.kind == "RECV":
+                elif comm and ins.kind == Op.RECV:
                     load = reading(sim, d, i, ins)
                     spans += [(start[i], load), (end[i], -load)]
     spans.sort()

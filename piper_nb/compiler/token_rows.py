@@ -22,8 +22,9 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from piper_nb.compiler.shapes import region_args
+from piper_nb.plan.token_rows import captured_rows
 
-__all__ = ["token_rows", "captured_rows", "saved_at"]
+__all__ = ["token_rows"]
 
 
 def _affine(expr) -> dict[str, int] | None:
@@ -106,17 +107,3 @@ def token_rows(capture, batch: dict[str, torch.Tensor], saved: dict[int, int], v
                 c * hints[s] for s, c in coef.items()) == saved[r]:
             out[r] = coef
     return rows, out
-
-
-def captured_rows(rows: dict[str, str], values: dict) -> dict[str, int]:
-    """symbol -> its size in the captured routing (`propagate`'s shapes)."""
-    out: dict[str, int] = {}
-    for v, s in rows.items():
-        out.setdefault(s, values[v].shape[0])
-    return out
-
-
-def saved_at(captured: int, coef: dict[str, int], at: dict[str, int],
-             hints: dict[str, int]) -> int:
-    """A region's saved bytes with symbol sizes `at`, from its bytes at `hints`."""
-    return captured + sum(c * (at[s] - hints[s]) for s, c in coef.items())
