@@ -52,10 +52,10 @@ lint: $(STAMP)
 	$(BIN)/ruff check piper_nb tests benchmarks
 
 # the differential fuzzer: CASES random model x strategy cases against one process
-# (make fuzz SEED=N replays one case)
+# (make fuzz SEED=N replays one case; COMM=nccl-emulated runs them under NCCL's semantics)
 CASES ?= 500
 fuzz: $(STAMP)
-	$(BIN)/python tests/fuzz/run.py $(if $(SEED),--seed $(SEED),--cases $(CASES))
+	$(BIN)/python tests/fuzz/run.py $(if $(SEED),--seed $(SEED),--cases $(CASES)) $(if $(COMM),--comm $(COMM))
 
 # everything only a GPU shows, one table (a dry run without CUDA: what it would run)
 gpu-check: $(STAMP)

@@ -40,7 +40,8 @@ class Result:
     routing that step made (`"value@mb"` -> rows per group member), which
     `MemorySettings(tokens=...)` takes to size the simulated token buffers the same way. On
     GPUs, `"cuda_max_allocated"`: device -> `torch.cuda.max_memory_allocated` over the step
-    (compare with a simulation under `MemorySettings.for_cuda()`)."""
+    (compare with a simulation under `MemorySettings.for_cuda(nccl=False)`: NCCL's own
+    buffers are outside PyTorch's allocator, and so outside that figure)."""
 
     losses: list[float]
     step_times: list[float]                 # seconds, step start to the last device's end

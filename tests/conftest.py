@@ -1,5 +1,10 @@
 """Fixtures every tier shares: one local cluster of 2 and one of 4 workers per session
-(spawning costs seconds; plans larger than 2 devices run on the 4), and `one_thread`."""
+(spawning costs seconds; plans larger than 2 devices run on the 4), and `one_thread`.
+
+The shared clusters run NCCL's semantics on CPU (`comm="nccl-emulated"`): every test that
+trains on them (the pipeline equivalence tests among them) runs the plan's stream program
+as a GPU would, so a plan that would hang under NCCL fails here. `pn.train` without a
+cluster, and the clusters tests make for themselves, run gloo natively."""
 
 from __future__ import annotations
 
@@ -11,13 +16,13 @@ from piper_nb.cluster.local import LocalCluster
 
 @pytest.fixture(scope="session")
 def cluster2():
-    with LocalCluster(2) as cluster:
+    with LocalCluster(2, comm="nccl-emulated") as cluster:
         yield cluster
 
 
 @pytest.fixture(scope="session")
 def cluster4():
-    with LocalCluster(4) as cluster:
+    with LocalCluster(4, comm="nccl-emulated") as cluster:
         yield cluster
 
 
@@ -28,3 +33,52 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(old)
+
+
+def coupled_program(plan):
+    """`plan`'s stream program as piper_nb's runtime issued it before the stream program
+    existed (the negative control): one CUDA stream per logical stream name (`pp`, `dp`),
+    which first waits for the compute stream, issues the op, and then waits for it (its
+    `on_stream` called `work.wait()` inside `torch.cuda.stream(s)`). So every op on `pp`
+    completes after the one before it, whatever its communicator."""
+    from piper_nb.ir.kinds import COMM
+    from piper_nb.plan.streams import (
+        COMPUTE_STREAM,
+        DeviceStreams,
+        Launch,
+        Step,
+        StreamProgram,
+        comm_stream,
+        communicator,
+    )
+    devices = {}
+    for dp in plan.devices:
+        out = []
+        for x in plan.streams()[dp.device].launches:
+            ins = dp.instrs[x.instr] if x.instr >= 0 else None
+            if ins is None or ins.kind not in COMM or x.step == Step.SYNC or \
+                    x.step == Step.EXCHANGE:
+                out.append(x)
+                continue
+            if x.step != Step.COMM:
+                continue   # the issue's launches are rewritten whole, at its COMM
+            k, s, comm = x.instr, ins.stream, communicator(dp.device, ins)
+            out += [Launch(Step.RECORD, COMPUTE_STREAM, k, f"c{k}"),
+                    Launch(Step.WAIT, s, k, f"c{k}"), Launch(Step.RECORD, s, k, f"i{k}"),
+                    Launch(Step.WAIT, comm_stream(comm), k, f"i{k}"),
+                    Launch(Step.COMM, comm_stream(comm), k, comm=comm),
+                    Launch(Step.RECORD, comm_stream(comm), k, f"d{k}"),
+                    Launch(Step.WAIT, s, k, f"d{k}")]
+        streams = {x.stream for x in out if x.step not in (Step.SYNC, Step.EXCHANGE)}
+        ends = [x for x in out if x.step == Step.SYNC and x.instr == -1]
+        out = [x for x in out if x not in ends]
+        out += [Launch(Step.SYNC, s, -1) for s in sorted(streams, key=lambda s: (s != "compute", s))]
+        devices[dp.device] = DeviceStreams(dp.device, tuple(out), dp.instrs)
+    program = StreamProgram(plan, devices)
+    return program
+
+
+@pytest.fixture
+def coupled():
+    """`coupled(plan)`: the old `on_stream` coupling written as a stream program."""
+    return coupled_program

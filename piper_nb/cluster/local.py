@@ -38,15 +38,25 @@ class LocalCluster(ClusterCommands):
     """`n` local workers. `device` is "cpu" or "cuda"; `timeout` bounds every command (s).
     `pin`: None pins each CPU worker to a core of its own when there are at least `n`
     cores, True pins them round-robin in any case, False never pins; cores that other
-    running clusters of this process hold are taken last."""
+    running clusters of this process hold are taken last. `comm="nccl-emulated"` runs
+    CPU workers with NCCL's semantics (`runtime.emulation`: the stream program on one
+    thread per stream, every communicator a FIFO, CPU tensors refused): a plan that would
+    hang on GPUs hangs here too, and is reported after 80% of `timeout` with the streams
+    that are stuck."""
 
     def __init__(self, n: int, *, device: str = "cpu", timeout: float = 300.0,
-                 start_timeout: float = 120.0, pin: bool | None = None):
+                 start_timeout: float = 120.0, pin: bool | None = None, comm: str = "native"):
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
             raise ValueError(f"LocalCluster: n is a positive number of workers, got {n!r}")
         if device not in ("cpu", "cuda"):
             raise ValueError(f"LocalCluster: device is 'cpu' or 'cuda', got {device!r}")
+        if comm not in ("native", "nccl-emulated"):
+            raise ValueError(f"LocalCluster: comm is 'native' or 'nccl-emulated', got {comm!r}")
+        if comm == "nccl-emulated" and device != "cpu":
+            raise ValueError("LocalCluster: comm='nccl-emulated' emulates NCCL on CPU workers; "
+                             "with device='cuda' the workers run NCCL itself")
         self.n, self.device, self.timeout, self.start_timeout = n, device, timeout, start_timeout
+        self.comm = comm
         self.pin = pin
         self.cores: list = [None] * n                  # per rank: pinned cores, or None
         self._held: list[int] = []                     # cores counted in _PINNED for us
@@ -77,7 +87,8 @@ class LocalCluster(ClusterCommands):
             parent, child = ctx.Pipe()
             p = ctx.Process(target=serve, name=f"piper_nb-worker-{rank}", daemon=True,
                             args=(rank, self.n, port, self.device, child, self._results,
-                                  self.timeout), kwargs={"cores": self.cores[rank]})
+                                  self.timeout), kwargs={"cores": self.cores[rank],
+                                                         "comm": self.comm})
             p.start()
             child.close()
             self._procs.append(p)

@@ -52,10 +52,12 @@ class ClusterCommands:
         model's, fresh optimizer state; `seed` seeds every forward's random operations."""
         self._run("reset", self._key(plan), (optimizer, seed))
 
-    def step(self, plan, batch, trace: bool = True) -> list[dict]:
+    def step(self, plan, batch, trace: bool = True, record_streams: bool = False) -> list[dict]:
         """One training step of `plan` on `batch`; per rank: loss, end, events and (when
-        `trace`) memory samples and, for an expert plan, the routing it made."""
-        out = self._run("step", self._key(plan), (tuple(batch), os.environ.get(FAIL_ENV), trace))
+        `trace`) memory samples and, for an expert plan, the routing it made; with
+        `record_streams`, what each of its streams executed (`"streams"`)."""
+        out = self._run("step", self._key(plan), (tuple(batch), os.environ.get(FAIL_ENV), trace,
+                                                  record_streams))
         return [out[r] for r in range(self.n)]
 
     def state(self, plan) -> dict:

@@ -20,6 +20,7 @@ from piper_nb.ir.kinds import Op
 from piper_nb.ir.text import bucket_legend, region_legend, wait_text
 from piper_nb.plan.instr import Instr
 from piper_nb.plan.sizes import ValueInfo
+from piper_nb.plan.streams import StreamProgram
 from piper_nb.schedules.torch_csv import plan_to_torch_csv
 
 __all__ = ["Instr", "DevicePlan", "StampedDevicePlan", "Plan"]
@@ -107,9 +108,27 @@ class Plan:
     dag: Any = None
     program: Any = None
     capture: Any = None
+    # the stream program to run instead of the one lowered from `devices` (None: lowered);
+    # set only to run a hand-made program, such as a test's negative control
+    stream_program: Any = field(default=None, compare=False, repr=False)
 
     def __getitem__(self, device: int) -> DevicePlan:
         return self.devices[device]
+
+    def __getstate__(self) -> dict:
+        """Pickled without what is derived and cached (the lowered stream program)."""
+        return {k: v for k, v in self.__dict__.items() if k != "_streams"}
+
+    def streams(self) -> StreamProgram:
+        """What a GPU runs: per device, each stream's operations, their communicators,
+        events and the host's synchronisations (`plan.streams`). Made once per plan."""
+        if self.stream_program is not None:
+            return self.stream_program
+        made = self.__dict__.get("_streams")
+        if made is None:
+            made = StreamProgram(self)
+            object.__setattr__(self, "_streams", made)
+        return made
 
     def stamps(self) -> dict[int, int]:
         """Device -> the device its instructions were stamped from by the lowering (same

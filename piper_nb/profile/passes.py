@@ -60,7 +60,7 @@ def typical(times: list[float]) -> float:
 class _NoComm:
     """A worker built here runs passes only: it makes no groups and sends nothing."""
 
-    def ensure_groups(self, groups, pairs=(), counted=()) -> None:
+    def ensure_groups(self, comms=(), counted=(), batchnorm=()) -> None:
         pass
 
     def barrier(self) -> None:

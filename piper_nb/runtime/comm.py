@@ -1,28 +1,30 @@
-"""Communication for one worker: process groups, async issue, staged buffers, streams.
+"""Communication for one worker: communicators, transfers, staged and recycled buffers.
 
-Every SEND/RECV and collective of a plan is issued asynchronously (`async_op=True`) and
-returns a `Pending` that its WAIT completes, so transfers overlap the compute in between.
-With gloo on CPU the transfer runs on gloo's threads; with NCCL each logical stream name
-gets its own CUDA stream that first waits for the compute stream, and a WAIT makes the
-compute stream wait for the transfer without blocking the host (the process group's
-watchdog owns the timeout). Gloo with CUDA tensors (one GPU shared by several ranks)
-stages buffers through host memory.
+A `Transfer` is one communication instruction made ready on the host: its buffers (what
+it sends, what it receives into), its communicator (`plan.streams.communicator`: `p2p:a>b`
+for a direction of a pair, `group:r0,r1,...` for a collective) and what it needs besides
+(peer, tag, all-to-all splits). `Comm.start` starts it asynchronously (`async_op=True`)
+and returns its works; *where* it starts (which CUDA stream is current, which stream
+waits for it) is the stream program's business, executed by `runtime.streams`.
 
-Communicators, the way NCCL needs them (`compiler.nccl` checks plans against this layout):
-one process group per collective device group, and, on NCCL, one per *direction* of each
-pair that exchanges messages, so a receive waiting at the head of one direction's stream
-never holds up the other direction (gloo matches messages by tag: its point-to-point stays
-on the default group, where extra groups would only add event-loop threads); within a
-direction, receives are posted in the sender's order (`compiler.p2p`). All are created
-when a plan is loaded, in one global order on every rank, and each is warmed up once then
-with a one-element message, so none is first created in the middle of a step (where two
-ranks could create two of them in opposite orders).
+Communicators, the way NCCL needs them (`compiler.nccl` checks stream programs against
+this layout): one process group per collective group, and, on NCCL, one per *direction*
+of each pair that exchanges messages, so a receive waiting at the head of one direction's
+stream never holds up the other (gloo matches messages by tag: its point-to-point stays
+on the default group, where extra groups would only add event-loop threads). Every rank
+creates every group, in one global order (`plan.streams.communicators`), when a plan is
+loaded, never in the middle of a step. On NCCL, groups are made by one `dist.split_group`
+per *family* of disjoint groups (`plan.streams.families`): every rank takes part in each
+split, members or not, so creation cannot hang, and it costs one world-wide call per
+family instead of one per group (about 32,000 at PP 64 x DP 256). Each new communicator is
+warmed up once with a one-element message, in the same global order on every rank.
+
 `gather_counts` (the token counts of an expert dispatch, known on the host) goes over a
-CPU (gloo) group, without draining the GPU; `all_to_all` serves the token exchange.
-Receive buffers on CPU are recycled across steps, as PyTorch's pipeline stages keep
-theirs: after a step (`recycle`), a buffer nothing references any more is handed to the
-next receive of its shape instead of a fresh allocation, whose page faults land on gloo's
-thread while compute runs.
+CPU (gloo) group, without draining the GPU. Receive buffers on CPU are recycled across
+steps, as PyTorch's pipeline stages keep theirs: after a step (`recycle`), a buffer nothing
+references any more is handed to the next receive of its shape instead of a fresh
+allocation, whose page faults land on gloo's thread while compute runs. Gloo with CUDA
+tensors (one GPU shared by several ranks) stages buffers through host memory.
 
 A worker pinned to a core of its own (`own_core`) yields that core right after posting a
 message: the rest of the transfer (gloo's threads, the kernel's loopback delivery) needs
@@ -32,7 +34,6 @@ the same core, and the next pass would otherwise hold it for up to a scheduler s
 
 from __future__ import annotations
 
-import contextlib
 import datetime
 import inspect
 import os
@@ -42,19 +43,42 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from piper_nb.ir.kinds import Op
+from piper_nb.plan.streams import comm_ranks, families
 from piper_nb.trace import Memory
 
-__all__ = ["Comm", "Pending"]
+__all__ = ["Comm", "Pending", "Transfer", "BLOCKING_WAIT_ENV"]
 
 _RS = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 _AG = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _SORT_RANKS = "sort_ranks" in inspect.signature(dist.new_group).parameters
 _USE_COUNT = getattr(torch._C, "_storage_Use_Count", None)
+BLOCKING_WAIT_ENV = ("TORCH_NCCL_BLOCKING_WAIT", "NCCL_BLOCKING_WAIT")
 
 
 def _unused(t: torch.Tensor) -> bool:
     """Nothing but `t` holds its storage (the query's own storage object counts one)."""
     return _USE_COUNT is not None and _USE_COUNT(t.untyped_storage()._cdata) <= 2
+
+
+@dataclass
+class Transfer:
+    """One communication instruction, ready to start: `bufs` are what it sends (SEND),
+    receives into (RECV), or its (output, input) buffers (collectives)."""
+
+    kind: Op
+    comm: str                       # its communicator
+    bufs: list[torch.Tensor]
+    peer: int = -1
+    tag: int = -1
+    splits: tuple = ()              # ALL_TO_ALL: (out_splits, in_splits)
+    index: int = -1                 # the instruction's index in the device plan
+    text: str = ""                  # the instruction's text, for errors
+
+    @property
+    def outputs(self) -> list[torch.Tensor]:
+        """What the instruction's WAIT hands on: received buffers, or a collective's output."""
+        return self.bufs
 
 
 @dataclass
@@ -77,37 +101,86 @@ class Pending:
 
 class Comm:
     def __init__(self, rank: int, device: torch.device, backend: str,
-                 per_direction: bool | None = None):
+                 per_direction: bool | None = None, emulated: bool = False):
         self.rank, self.device, self.backend = rank, device, backend
+        # NCCL's semantics on CPU (`runtime.emulation`): a gloo group per communicator, and
+        # the host's own exchanges on groups of their own
+        self.emulated = emulated
         # one group per direction of each pair: what NCCL needs; gloo matches messages by
         # tag on the default group, and every extra gloo group costs an event-loop thread
-        self.per_direction = backend != "gloo" if per_direction is None else per_direction
+        self.per_direction = (backend != "gloo" or emulated) if per_direction is None \
+            else per_direction
         self.stage = device.type == "cuda" and backend == "gloo"
         self.cuda = device.type == "cuda" and not self.stage   # NCCL on GPU tensors
+        if (self.cuda or emulated) and any(os.environ.get(k, "0") not in ("", "0")
+                                           for k in BLOCKING_WAIT_ENV):
+            raise RuntimeError(
+                "TORCH_NCCL_BLOCKING_WAIT is set: every WAIT of the plan would block the host "
+                "right after its communication is issued, so no transfer would overlap "
+                "compute and the stream program piper_nb checked would not be the one that "
+                "runs. Unset it; piper_nb bounds every step with the cluster's timeout")
         self.groups: dict[tuple[int, ...], object] = {}
         self.pairs: dict[tuple[int, int], object] = {}      # (src, dst) -> its direction's group
         self.cpu_groups: dict[tuple[int, ...], object] = {}  # token counts (NCCL plans)
-        self.streams: dict[str, torch.cuda.Stream] = {}
+        self.bn_groups: dict[tuple[int, ...], object] = {}   # SyncedBatchNorm's own groups
         self.pool: dict[tuple, list[torch.Tensor]] = {}   # (shape, dtype) -> spare buffers
         self.lent: list[torch.Tensor] = []                # receive buffers of this step
         self.own_core = False   # pinned alone on a core: yield it after posting a message
+        self.created: list[tuple[str, int]] = []          # (how, groups) per creation call
 
-    def ensure_groups(self, groups, pairs=(), counted=()) -> None:
-        """Create the process groups not made yet, and warm each new one up: collective
-        `groups`, one group per direction of `pairs` ((src, dst)), CPU groups for the token
-        counts of `counted` groups. Every rank calls this with the same lists."""
-        new_groups = [g for g in sorted(set(tuple(x) for x in groups)) if g not in self.groups]
-        for g in new_groups:
-            self.groups[g] = self._new_group(g)
-        new_pairs = [p for p in sorted(set(pairs)) if p not in self.pairs] \
-            if self.per_direction else []
-        for src, dst in new_pairs:
-            self.pairs[(src, dst)] = dist.new_group(sorted((src, dst)))
+    # ---- communicators -----------------------------------------------------------------
+    def ensure_groups(self, comms=(), counted=(), batchnorm=()) -> None:
+        """Create the communicators not made yet (`comms`: keys in one global order), CPU
+        groups for the token counts of `counted` groups and SyncedBatchNorm's groups
+        (`batchnorm`), and warm each new one up. Every rank calls this with the same lists."""
+        new = [c for c in comms if self._held(c) is None and not self._elsewhere(c)]
+        for fam in self._families(new):
+            self._create(fam)
         for g in sorted(set(tuple(x) for x in counted)):
             if g not in self.cpu_groups:
-                self.cpu_groups[g] = (self._new_group(g, "gloo") if self.backend != "gloo"
+                self.cpu_groups[g] = (self._new_group(g, "gloo")
+                                      if self.backend != "gloo" or self.emulated
                                       else self.groups.get(g) or self._new_group(g))
-        self._warm_up(new_groups, new_pairs)
+        for g in sorted(set(tuple(x) for x in batchnorm)):
+            if g not in self.bn_groups:   # never shared with the plan's own collectives
+                self.bn_groups[g] = self._new_group(g)
+        self._warm_up(new)
+
+    def _elsewhere(self, comm: str) -> bool:
+        """A direction that travels on the default group (gloo, no groups per direction)."""
+        return comm.startswith("p2p:") and not self.per_direction
+
+    def _held(self, comm: str):
+        ranks = comm_ranks(comm)
+        return self.pairs.get(ranks) if comm.startswith("p2p:") else self.groups.get(ranks)
+
+    def _families(self, comms: list[str]) -> list[list[str]]:
+        if self.backend == "nccl" and hasattr(dist, "split_group"):
+            return families(comms)
+        return [[c] for c in comms]
+
+    def _create(self, fam: list[str]) -> None:
+        """One family's groups: one `split_group` on NCCL (groups listed in rank order),
+        else one `new_group` each, on every rank."""
+        ranked = [sorted(set(comm_ranks(c))) for c in fam]
+        if len(fam) > 1 and all(list(comm_ranks(c)) == r or c.startswith("p2p:")
+                                for c, r in zip(fam, ranked, strict=True)):
+            mine = dist.split_group(split_ranks=ranked)
+            self.created.append(("split_group", len(fam)))
+            for c, r in zip(fam, ranked, strict=True):
+                if self.rank in r:
+                    self._keep(c, mine)
+            return
+        for c in fam:
+            ranks = comm_ranks(c)
+            group = (dist.new_group(sorted(ranks)) if c.startswith("p2p:")
+                     else self._new_group(ranks))
+            self.created.append(("new_group", 1))
+            self._keep(c, group)
+
+    def _keep(self, comm: str, group) -> None:
+        ranks = comm_ranks(comm)
+        (self.pairs if comm.startswith("p2p:") else self.groups)[ranks] = group
 
     def _new_group(self, g: tuple[int, ...], backend: str | None = None):
         if _SORT_RANKS:  # group rank i is g[i]: shard i belongs to the i-th listed device
@@ -117,18 +190,32 @@ class Comm:
         raise RuntimeError(f"this torch sorts group ranks; group {list(g)} must be listed in "
                            "ascending order")
 
-    def _warm_up(self, groups: list[tuple[int, ...]], pairs: list[tuple[int, int]]) -> None:
+    def group_of(self, comm: str):
+        """The process group of communicator `comm` (None: the default group)."""
+        if self._elsewhere(comm):
+            return None
+        group = self._held(comm)
+        if group is None:
+            raise RuntimeError(f"device {self.rank} has no communicator {comm}: the plan's "
+                               "groups are made when it is loaded")
+        return group
+
+    def _warm_up(self, comms: list[str]) -> None:
         """One blocking one-element operation per new communicator, in the same global order
-        on every rank (NCCL creates a communicator on its first use)."""
+        on every rank (a communicator is connected on its first use)."""
         one = torch.zeros(1, device="cpu" if self.stage else self.device)
-        for g in groups:
-            if self.rank in g:
-                dist.all_reduce(one, group=self.groups[g])
-        for src, dst in pairs:
-            if self.rank == src:
-                dist.send(one, dst, group=self.pairs[(src, dst)])
-            elif self.rank == dst:
-                dist.recv(one, src, group=self.pairs[(src, dst)])
+        for c in comms:
+            ranks = comm_ranks(c)
+            if self.rank not in ranks or self._elsewhere(c):
+                continue
+            group = self.group_of(c)
+            if c.startswith("p2p:"):
+                if self.rank == ranks[0]:
+                    dist.send(one, ranks[1], group=group)
+                else:
+                    dist.recv(one, ranks[0], group=group)
+            else:
+                dist.all_reduce(one, group=group)
         if self.cuda:
             torch.cuda.synchronize(self.device)
 
@@ -140,51 +227,13 @@ class Comm:
         if self.own_core:
             os.sched_yield()
 
-    @contextlib.contextmanager
-    def on_stream(self, name: str):
-        """Issue on the CUDA stream of logical stream `name` (no-op on CPU). The block
-        appends what it issued to `self.issued`; on CUDA the stream then waits for it
-        (the host does not) and `take_span()` gives the events that bracket the transfer
-        on that stream, not on the compute stream (which overlaps it)."""
-        self.issued: list = []
-        if not self.cuda:
-            yield
-            return
-        s = self.streams.get(name)
-        if s is None:
-            s = self.streams[name] = torch.cuda.Stream(device=self.device)
-        s.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(s):
-            start = torch.cuda.Event(enable_timing=True)
-            start.record()
-            yield
-            for w in self.issued:
-                w.wait()
-            end = torch.cuda.Event(enable_timing=True)
-            end.record()
-        self.span = (start, end)
-
-    def take_span(self):
-        """(start, end) CUDA events of the last issue's transfer, or None (CPU)."""
-        span, self.span = getattr(self, "span", None), None
-        return span
-
+    # ---- transfers: made on the host, started where the stream program says -------------
     def _out(self, t: torch.Tensor) -> torch.Tensor:
         t = t.detach().contiguous()
         return t.cpu() if self.stage else t
 
     def _buf(self, shape, dtype) -> torch.Tensor:
         return torch.empty(shape, dtype=dtype, device="cpu" if self.stage else self.device)
-
-    def send(self, tensors: list[torch.Tensor], peer: int, tag: int, stream: str) -> tuple:
-        group = self.pairs.get((self.rank, peer))
-        with self.on_stream(stream):
-            bufs = [self._out(t) for t in tensors]
-            works = [dist.isend(b, peer, group=group, tag=tag * 64 + k)
-                     for k, b in enumerate(bufs)]
-            self.issued += works
-        self._posted()
-        return works, bufs
 
     def _recv_buf(self, shape, dtype) -> torch.Tensor:
         if self.device.type != "cpu":   # CUDA has its caching allocator
@@ -205,42 +254,69 @@ class Comm:
             self.pool.setdefault((tuple(buf.shape), buf.dtype), []).append(buf)
         self.lent = []
 
-    def recv(self, specs: list[tuple], peer: int, tag: int, stream: str) -> tuple:
-        group = self.pairs.get((peer, self.rank))
-        with self.on_stream(stream):
-            bufs = [self._recv_buf(shape, dtype) for shape, dtype in specs]
-            works = [dist.irecv(b, peer, group=group, tag=tag * 64 + k)
-                     for k, b in enumerate(bufs)]
-            self.issued += works
-        return works, bufs
+    def send(self, tensors: list[torch.Tensor], peer: int, tag: int, comm: str) -> Transfer:
+        return Transfer(Op.SEND, comm, [self._out(t) for t in tensors], peer=peer, tag=tag)
 
-    def all_reduce(self, flat: torch.Tensor, group: tuple, stream: str) -> tuple:
-        with self.on_stream(stream):
-            buf = self._out(flat)
-            work = dist.all_reduce(buf, group=self.groups[tuple(group)], async_op=True)
-            self.issued.append(work)
+    def recv(self, specs: list[tuple], peer: int, tag: int, comm: str) -> Transfer:
+        return Transfer(Op.RECV, comm, [self._recv_buf(shape, dtype) for shape, dtype in specs],
+                        peer=peer, tag=tag)
+
+    def all_reduce(self, flat: torch.Tensor, comm: str) -> Transfer:
+        return Transfer(Op.ALL_REDUCE, comm, [self._out(flat)])
+
+    def reduce_scatter(self, flat: torch.Tensor, n: int, comm: str) -> Transfer:
+        return Transfer(Op.REDUCE_SCATTER, comm,
+                        [self._buf((flat.numel() // n,), flat.dtype), self._out(flat)])
+
+    def all_gather(self, shard: torch.Tensor, n: int, comm: str) -> Transfer:
+        return Transfer(Op.ALL_GATHER, comm,
+                        [self._buf((shard.numel() * n,), shard.dtype), self._out(shard)])
+
+    def all_to_all(self, flat: torch.Tensor, out_splits: list[int], in_splits: list[int],
+                   comm: str) -> Transfer:
+        """Piece i of `flat` (`in_splits[i]` elements) to member i; `out_splits[i]` from it."""
+        return Transfer(Op.ALL_TO_ALL, comm, [self._buf((sum(out_splits),), flat.dtype),
+                                              self._out(flat)],
+                        splits=(list(out_splits), list(in_splits)))
+
+    def start(self, t: Transfer) -> list:
+        """Start `t` asynchronously on its communicator; its works."""
+        group = self.group_of(t.comm)
+        if t.kind == Op.SEND:
+            works = [dist.isend(b, t.peer, group=group, tag=t.tag * 64 + k)
+                     for k, b in enumerate(t.bufs)]
+        elif t.kind == Op.RECV:
+            return [dist.irecv(b, t.peer, group=group, tag=t.tag * 64 + k)
+                    for k, b in enumerate(t.bufs)]
+        elif t.kind == Op.ALL_REDUCE:
+            works = [dist.all_reduce(t.bufs[0], group=group, async_op=True)]
+        elif t.kind == Op.REDUCE_SCATTER:
+            works = [_RS(t.bufs[0], t.bufs[1], group=group, async_op=True)]
+        elif t.kind == Op.ALL_GATHER:
+            works = [_AG(t.bufs[0], t.bufs[1], group=group, async_op=True)]
+        elif t.kind == Op.ALL_TO_ALL:
+            out_splits, in_splits = t.splits
+            works = [dist.all_to_all_single(t.bufs[0], t.bufs[1], out_splits, in_splits,
+                                            group=group, async_op=True)]
+        else:
+            raise NotImplementedError(f"{t.kind} is not a communication")
         self._posted()
-        return [work], [buf]
+        return works
 
-    def reduce_scatter(self, flat: torch.Tensor, group: tuple, stream: str) -> tuple:
-        with self.on_stream(stream):
-            src = self._out(flat)
-            out = self._buf((flat.numel() // len(group),), flat.dtype)
-            work = _RS(out, src, group=self.groups[tuple(group)], async_op=True)
-            self.issued.append(work)
-        self._posted()
-        return [work], [out, src]
+    def run_blocking(self, t: Transfer, group) -> None:
+        """A collective `t`, run to its end on `group` (the NCCL emulation's streams)."""
+        if t.kind == Op.ALL_REDUCE:
+            dist.all_reduce(t.bufs[0], group=group)
+        elif t.kind == Op.REDUCE_SCATTER:
+            _RS(t.bufs[0], t.bufs[1], group=group)
+        elif t.kind == Op.ALL_GATHER:
+            _AG(t.bufs[0], t.bufs[1], group=group)
+        elif t.kind == Op.ALL_TO_ALL:
+            dist.all_to_all_single(t.bufs[0], t.bufs[1], *t.splits, group=group)
+        else:
+            raise NotImplementedError(f"{t.kind} is not a collective")
 
-    def all_gather(self, shard: torch.Tensor, group: tuple, stream: str) -> tuple:
-        with self.on_stream(stream):
-            src = self._out(shard)
-            out = self._buf((shard.numel() * len(group),), shard.dtype)
-            work = _AG(out, src, group=self.groups[tuple(group)], async_op=True)
-            self.issued.append(work)
-        self._posted()
-        return [work], [out, src]
-
-    def gather_counts(self, counts: list[int], group: tuple, stream: str) -> list[list[int]]:
+    def gather_counts(self, counts: list[int], group: tuple) -> list[list[int]]:
         """Blocking all-gather of a few int64 counts the host knows: one list per member, in
         group order, over a CPU group (on NCCL plans, a gloo group: the GPU keeps running)."""
         g = tuple(group)
@@ -252,25 +328,14 @@ class Comm:
         k = len(counts)
         return [flat[i * k:(i + 1) * k] for i in range(len(g))]
 
-    def all_to_all(self, flat: torch.Tensor, out_splits: list[int], in_splits: list[int],
-                   group: tuple, stream: str) -> tuple:
-        """Piece i of `flat` (`in_splits[i]` elements) to member i; `out_splits[i]` from it."""
-        with self.on_stream(stream):
-            src = self._out(flat)
-            out = self._buf((sum(out_splits),), flat.dtype)
-            work = dist.all_to_all_single(out, src, out_splits, in_splits,
-                                          group=self.groups[tuple(group)], async_op=True)
-            self.issued.append(work)
-        self._posted()
-        return [work], [out, src]
-
+    # ---- completion --------------------------------------------------------------------
     def watch(self, p: Pending, clock) -> None:
         """Record the completion time by callback where the backend supports it."""
         if self.device.type == "cuda":
-            return  # CUDA times are events, marked at the WAIT (see timing.Clock)
+            return  # CUDA times are events (see runtime.streams)
         try:
             futs = [w.get_future() for w in p.works]
-        except RuntimeError:  # gloo point-to-point: polled instead
+        except (RuntimeError, AttributeError):  # gloo point-to-point: polled instead
             return
         left = [len(futs)]
 
@@ -285,19 +350,19 @@ class Comm:
         if self.device.type != "cuda" and p.end is None and all(w.is_completed() for w in p.works):
             p.end = clock.now()
 
-    def wait(self, p: Pending, timeout: float) -> list[torch.Tensor]:
-        """Until `p` completes: the host blocks (gloo, with `timeout`), or on NCCL the
-        compute stream waits for the transfer and the host goes on; results on device."""
+    def wait_works(self, works: list, timeout: float) -> None:
+        """Until `works` complete: the host blocks (gloo, with `timeout`); on NCCL the
+        current stream waits for them and the host goes on."""
         if self.cuda:
-            for w in p.works:   # no timeout: NCCL's would block the host and poll
+            for w in works:   # no timeout: NCCL's would block the host and poll
                 w.wait()
-            for t in p.tensors:  # made on a comm stream, used on the compute stream
-                t.record_stream(torch.cuda.current_stream(self.device))
-            return p.tensors
+            return
         deadline = time.monotonic() + timeout
-        for w in p.works:  # gloo raises when the time is up (and the pair is then unusable)
+        for w in works:  # gloo raises when the time is up (and the pair is then unusable)
             w.wait(datetime.timedelta(seconds=max(deadline - time.monotonic(), 0.001)))
+
+    def results(self, p: Pending) -> list[torch.Tensor]:
+        """A completed transfer's buffers, on the device."""
         if self.stage:
             return [t.to(self.device) for t in p.tensors]
         return p.tensors
-

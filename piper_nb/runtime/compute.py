@@ -22,7 +22,13 @@ from piper_nb.runtime.buffers import seed_forward
 from piper_nb.runtime.layout import batch_part
 from piper_nb.runtime.stores import Stash
 
-__all__ = ["ComputePasses"]
+__all__ = ["ComputePasses", "on_device"]
+
+
+def on_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """`t` on `device`: region outputs made on the host (sizes, `capture.split.pack_size`)
+    are moved, so that everything a SEND hands NCCL is a device tensor."""
+    return t.to(device)   # the same tensor when it is there already
 
 
 
@@ -73,8 +79,8 @@ class ComputePasses:
         for name, out in outputs.items():
             if name == LOSS:
                 self.losses.append(out.detach())
-            else:
-                self.values.acts[(name, mb)] = out
+            else:   # a size crossing regions is made on the host (`pack_size`): move it
+                self.values.acts[(name, mb)] = on_device(out, self.device)
         if ins.recompute:
             self.values.stash[(ins.region, mb)] = Stash(leaves, outputs, 0, args=args)
         else:

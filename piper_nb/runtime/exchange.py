@@ -87,26 +87,33 @@ class TokenExchange:
         return t
 
     # ---- issue and wait ----------------------------------------------------------------
-    def issue(self, ins) -> tuple[list, list, list]:
-        """Start the exchange: (works, buffers, receive layout for `finish`)."""
+    def _checked(self, ins) -> None:
         if ins.purpose not in (Purpose.DISPATCH, Purpose.COMBINE) or len(ins.owners) != len(ins.values):
             raise RuntimeError(f"{ins} on device {self.rank}: an ALL_TO_ALL needs purpose "
                                f"dispatch or combine and one owner per value, got "
                                f"{ins.purpose!r} with owners {list(ins.owners)}")
-        n, me, mb = len(ins.group), ins.replica, ins.mb
+
+    def count(self, ins) -> None:
+        """A forward dispatch's host step (the stream program's `exchange`): all-gather each
+        member's row count of every value and record them under (value, mb)."""
+        self._checked(ins)
+        local = [self._held(ins, v, None) for v in ins.values]
+        per = self.comm.gather_counts([t.shape[0] for t in local], ins.group)
+        for k, v in enumerate(ins.values):
+            self.counts[(v, ins.mb)] = tuple(per[i][k] for i in range(len(ins.group)))
+
+    def transfer(self, ins, comm: str) -> tuple:
+        """The exchange, ready to start: (transfer, receive layout for `finish`)."""
+        self._checked(ins)
+        n, me = len(ins.group), ins.replica
         owner = [ins.group.index(o) for o in ins.owners]
         gather = ins.purpose == Purpose.DISPATCH
-        if gather and not ins.grad:  # the first exchange of this microbatch: count tokens
-            local = [self._held(ins, v, None) for v in ins.values]
-            per = self.comm.gather_counts([t.shape[0] for t in local], ins.group, ins.stream)
-            for k, v in enumerate(ins.values):
-                self.counts[(v, mb)] = tuple(per[i][k] for i in range(n))
         send: list[list[torch.Tensor]] = [[] for _ in range(n)]
         recv: list[tuple[int, int, int]] = []   # (source member, value index, rows)
         for k, v in enumerate(ins.values):
             rows, o = self._rows(ins, k), owner[k]
             if gather:
-                t = local[k] if not ins.grad else self._held(ins, v, rows[me])
+                t = self._held(ins, v, None if not ins.grad else rows[me])
                 send[o].append(self._bytes(ins, v, t))
                 if me == o:
                     recv += [(i, k, rows[i]) for i in range(n)]
@@ -123,8 +130,7 @@ class TokenExchange:
             out_splits[i] += r * self._spec(ins.values[k])[2]
         flat = [b for pieces in send for b in pieces]
         flat = torch.cat(flat) if flat else torch.empty(0, dtype=_BYTE, device=self.device)
-        works, bufs = self.comm.all_to_all(flat, out_splits, in_splits, ins.group, ins.stream)
-        return works, bufs, recv
+        return self.comm.all_to_all(flat, out_splits, in_splits, comm), recv
 
     def finish(self, ins, out: torch.Tensor, recv: list[tuple[int, int, int]]) -> None:
         """The exchange is complete: drop what was sent, store what came (acts or grads)."""

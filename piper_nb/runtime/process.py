@@ -88,10 +88,11 @@ def _put(results, rank: int, kind: str, payload) -> None:
 def serve(rank: int, world: int, port: int, device_kind: str, conn, results,
           timeout: float, threads: int = 1, *, host: str = "127.0.0.1",
           local_rank: int | None = None, backend: str | None = None,
-          cores: tuple[int, ...] | None = None) -> None:
+          cores: tuple[int, ...] | None = None, comm: str = "native") -> None:
     """Run worker `rank` of `world` until the driver says stop or goes away. The group meets
     at `host:port` (rank 0's machine); `local_rank` picks the GPU on this machine; `cores`
-    (from `core_plan`) pins the process before any of torch's or gloo's threads start."""
+    (from `core_plan`) pins the process before any of torch's or gloo's threads start;
+    `comm="nccl-emulated"` runs NCCL's semantics over gloo (`runtime.emulation`)."""
     own_core = bool(cores) and len(cores) == 1 and world <= len(usable_cores())
     pin_threads(cores)
     torch.set_num_threads(threads)
@@ -103,8 +104,8 @@ def serve(rank: int, world: int, port: int, device_kind: str, conn, results,
         bound = {"device_id": device} if backend == "nccl" else {}
         dist.init_process_group(backend, store=_store(host, port, rank, world, limit), rank=rank,
                                 world_size=world, timeout=limit, **bound)
-        comm = Comm(rank, device, backend)
-        comm.own_core = own_core and device.type == "cpu"
+        channel = Comm(rank, device, backend, emulated=comm == "nccl-emulated")
+        channel.own_core = own_core and device.type == "cpu"
     except BaseException as err:  # report, then let the driver clean up
         _put(results, rank, "error", _describe(err, None))
         return
@@ -121,7 +122,7 @@ def serve(rank: int, world: int, port: int, device_kind: str, conn, results,
         worker = workers.get(key)
         try:
             if op == "load":
-                worker = workers[key] = Worker(rank, load_bundle(payload), comm, device, timeout)
+                worker = workers[key] = Worker(rank, load_bundle(payload), channel, device, timeout)
                 out = None
             elif op == "unload":
                 workers.pop(key, None)

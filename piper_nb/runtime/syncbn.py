@@ -8,9 +8,11 @@ group (two blocking all-reduces: the mean, then the squared deviations, as the o
 kernel computes them) and whose backward sums the gradients of those statistics the same
 way (autograd through `_AllReduce`). The running statistics then move exactly as one
 process's, on every replica. PyTorch's `nn.SyncBatchNorm` does this on GPUs only; this
-works on CPU (gloo) too. The exchanges run inside F and B, on the replica group, in the
-same order on every replica (replicas run the same program); plans do not show them and the
-simulator does not cost them.
+works on CPU (gloo) too. The exchanges run inside F and B, on a group of the replicas' own
+(`Comm.bn_groups`, never shared with the plan's collectives, so they cannot meet one of
+those out of order under NCCL), in the same order on every replica (replicas run the same
+program); plans do not show them and the simulator does not cost them. Nothing here stops
+the host: the cumulative average's factor stays a tensor.
 """
 
 from __future__ import annotations
@@ -69,10 +71,14 @@ class SyncedBatchNorm(nn.Module):
         if bn.track_running_stats and bn.training:
             with torch.no_grad():
                 bn.num_batches_tracked.add_(1)
-                f = (1.0 / float(bn.num_batches_tracked) if bn.momentum is None
-                     else bn.momentum)
-                bn.running_mean.mul_(1 - f).add_(mean.detach(), alpha=f)
-                bn.running_var.mul_(1 - f).add_(var.detach() * n / (n - 1), alpha=f)
+                if bn.momentum is None:   # a cumulative average: 1/count, kept on the device
+                    f = 1.0 / bn.num_batches_tracked.double()   # (float() would stop the host)
+                    bn.running_mean.mul_(1 - f).add_(mean.detach() * f)
+                    bn.running_var.mul_(1 - f).add_(var.detach() * n / (n - 1) * f)
+                else:
+                    f = bn.momentum
+                    bn.running_mean.mul_(1 - f).add_(mean.detach(), alpha=f)
+                    bn.running_var.mul_(1 - f).add_(var.detach() * n / (n - 1), alpha=f)
         return y
 
 

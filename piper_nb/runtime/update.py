@@ -39,7 +39,7 @@ class Updater:
             g["params"] = []
         self.max_norm = plan.clip_grad_norm
         self.mixed = plan.precision != "fp32"    # fp32 masters for low-precision parameters
-        self.norm: float | None = None
+        self.norm_tensor: torch.Tensor | None = None
         self.coef: torch.Tensor | None = None
         mine = {b for i in instrs if i.kind == Op.U for b in i.buckets}
         self.full = {n for i in instrs if i.kind == Op.U for n in i.params}
@@ -126,11 +126,18 @@ class Updater:
         return total
 
     def set_norm(self, total: torch.Tensor) -> None:
-        """The all-reduced squared norm: the norm, and the scale U applies (fp32, as torch)."""
+        """The all-reduced squared norm: the norm, and the scale U applies (fp32, as torch,
+        which multiplies even by 1). Both stay tensors: nothing here stops the host; the norm
+        is read once the step is over (`grad_norm`)."""
         norm = torch.sqrt(total.reshape(())).float()
-        self.norm = float(norm)
-        coef = torch.clamp(self.max_norm / (norm + 1e-6), max=1.0)
-        self.coef = None if float(coef) == 1.0 else coef
+        self.norm_tensor = norm
+        self.coef = torch.clamp(self.max_norm / (norm + 1e-6), max=1.0)
+
+    @property
+    def norm(self) -> float | None:
+        """The last step's global gradient norm (read after the step: a host sync there)."""
+        t = self.norm_tensor
+        return None if t is None else float(t)
 
     # -- checkpoints --
     def state_dict(self) -> dict:

@@ -22,15 +22,19 @@ from piper_nb.ir.kinds import P2P, PASSES, Held, Memory, Op
 from piper_nb.optim import check_optimizer
 from piper_nb.plan.instr import parse_free
 from piper_nb.plan.precision import PRECISIONS
+from piper_nb.plan.streams import DeviceStreams, communicators
 from piper_nb.runtime.buffers import Buffers
 from piper_nb.runtime.bundle import Bundle, bind_params, direct_calls, to_device
 from piper_nb.runtime.comm import Comm, Pending
 from piper_nb.runtime.compute import ComputePasses
+from piper_nb.runtime.emulation import EmulatedStreams
 from piper_nb.runtime.exchange import TokenExchange
 from piper_nb.runtime.layout import bucket_layouts
 from piper_nb.runtime.stores import ParamStore, ValueStore
+from piper_nb.runtime.streams import CudaStreams, HostStreams
 from piper_nb.runtime.syncbn import sync_batchnorms
 from piper_nb.runtime.timing import Clock, Recorder
+from piper_nb.runtime.transfers import Transfers
 from piper_nb.runtime.update import Updater
 
 __all__ = ["Worker", "FAIL_ENV"]
@@ -43,7 +47,7 @@ FAIL_ENV = "PIPER_NB_FAIL_AT"
 _COMPUTE, _ISSUE, _WAIT, _FREE = range(4)    # how the step loop dispatches an instruction
 
 
-class Worker(ComputePasses):
+class Worker(ComputePasses, Transfers):
     """Runs device `rank`'s instructions: the step loop, communication and memory
     accounting here, the compute passes (`run`) in `compute.ComputePasses`."""
 
@@ -71,17 +75,24 @@ class Worker(ComputePasses):
         self.needs = {r: sorted({b for b in self.store.full
                                  if set(self.layouts[b].names) & set(plan.regions[r].params)})
                       for r in regions}  # ZeRO-3 buckets each region's passes must have gathered
-        everything = [i for dp in plan.devices for i in dp.instrs]
         replicas = replica_groups(plan)
-        comm.ensure_groups([*(i.group for i in everything if i.group), *replicas.values()],
-                           pairs=[(dp.device, i.peer) for dp in plan.devices
-                                  for i in dp.instrs if i.kind == Op.SEND],
-                           counted=[i.group for i in everything if i.is_counted_dispatch])
-        groups = getattr(comm, "groups", None)   # None: a profiler's worker, no peers
+        # replicated regions with BatchNorm, over every region (every rank creates the same
+        # groups, in the same order, or group creation hangs)
+        synced = {r for r in replicas if any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm)
+                                             for m in bundle.modules[r].modules())}
+        comm.ensure_groups(communicators(plan),
+                           counted=[i.group for dp in plan.devices for i in dp.instrs
+                                    if i.is_counted_dispatch],
+                           batchnorm=sorted({replicas[r] for r in synced}))
+        bn_groups = getattr(comm, "bn_groups", None)   # None: a profiler's worker, no peers
         for r, mod in self.modules.items():   # BatchNorm over the whole microbatch
-            if r in replicas and groups is not None:
-                sync_batchnorms(mod, lambda r=r: groups[replicas[r]])
+            if r in synced and bn_groups is not None:   # only this rank's regions
+                sync_batchnorms(mod, lambda r=r: bn_groups[replicas[r]])
             self.modules[r] = direct_calls(mod)
+        program = plan.streams()[rank] if rank < plan.world else DeviceStreams(rank, ())
+        if not program.instrs:   # a program shipped on its own names no instructions
+            program = DeviceStreams(rank, program.launches, self.instrs)
+        self.streams = make_streams(comm, program, timeout)
         # decoded once, not on every step: how each instruction dispatches, what every
         # RECV allocates, and what every FREE drops
         self.dispatch = [_COMPUTE if i.is_compute else _ISSUE if i.is_issue else
@@ -114,13 +125,23 @@ class Worker(ComputePasses):
         ins = self.instrs[idx]
         return f"wait({self.instrs[ins.target]})" if ins.kind == Op.WAIT else str(ins)
 
-    def step(self, batch, fail_at: str | None = None, trace: bool = True) -> dict:
+    def step(self, batch, fail_at: str | None = None, trace: bool = True,
+             record_streams: bool = False) -> dict:
         """Run the plan once on `batch` (inputs, targets); times relative to the step start.
 
         With `trace=False` the step is timed but memory is not counted (no per-instruction
-        accounting, no saved-tensor hooks): what `pn.train` does on all but the last step."""
+        accounting, no saved-tensor hooks): what `pn.train` does on all but the last step.
+        `record_streams` returns what each stream executed (`out["streams"]`)."""
+        tracker = getattr(self.streams, "tracker", None)   # emulated CUDA: host tensors
+        if tracker is None:
+            return self._step(batch, fail_at, trace, record_streams)
+        with tracker:
+            return self._step(batch, fail_at, trace, record_streams)
+
+    def _step(self, batch, fail_at, trace: bool, record_streams: bool) -> dict:
         self.step_no += 1
         self.tracing = trace
+        self.streams.begin_step(record_streams)
         self.begin(batch)
         fail = _parse_fail(fail_at, self.rank)
         self.comm.barrier()
@@ -138,7 +159,7 @@ class Worker(ComputePasses):
                 raise RuntimeError(f"injected failure ({FAIL_ENV}={fail_at})")
             if how == _COMPUTE:
                 start = mark()
-                self.run(ins)
+                self.streams.launch(idx, run=lambda ins=ins: self.run(ins))
                 rec.event(ins, start, mark())
             elif how == _ISSUE:
                 self._issue(idx, ins)
@@ -151,6 +172,7 @@ class Worker(ComputePasses):
             if trace:
                 rec.memory(self.clock.mark(), *self.memory())
         self.current = -1
+        self.streams.end_step()
         loss = self._step_loss()
         end = self.clock.mark()
         leftover = self._leftover()
@@ -159,6 +181,8 @@ class Worker(ComputePasses):
                "memory": memory, "leftover": leftover, "lr": self.updater.lr(),
                "grad_norm": self.updater.norm}
         self.updater.end_step()
+        if record_streams:
+            out["streams"] = {k: list(v) for k, v in self.streams.log.items()}
         if trace and self.exchange.counts:  # token rows per group member, "value@mb" -> rows
             out["tokens"] = {f"{v}@{mb}": list(c) for (v, mb), c in self.exchange.counts.items()}
         if trace and self.device.type == "cuda":   # what the allocator really held at its peak
@@ -226,55 +250,34 @@ class Worker(ComputePasses):
 
     # ---- communication -----------------------------------------------------------------
     def _issue(self, idx: int, ins) -> None:
-        start, comm, store = self.clock.mark(), self.comm, self.store
-        meta = None
-        if ins.kind == Op.SEND:
-            table = self.values.grads if ins.grad else self.values.acts
-            missing = [v for v in ins.values if (v, ins.mb) not in table]
-            if missing:
-                what = "gradient" if ins.grad else "activation"
-                raise RuntimeError(f"{ins} sends {what} {missing[0]}@{ins.mb}, which device "
-                                   f"{self.rank} does not hold")
-            works, bufs = comm.send([table[(v, ins.mb)] for v in ins.values], ins.peer, ins.tag,
-                                    ins.stream)
-            memory, new = Memory.BUFFERS, []       # the values themselves are already counted
-        elif ins.kind == Op.RECV:
-            works, bufs = comm.recv(self.recv_specs[idx], ins.peer, ins.tag, ins.stream)
-            memory, new = Memory.ACTIVATIONS, bufs  # received act:/grad: buffers, as the simulator
-        elif ins.kind == Op.ALL_REDUCE:
-            flat = self.updater.norm_share() if ins.is_norm else self._to_reduce(ins.bucket)
-            works, bufs = comm.all_reduce(flat, ins.group, ins.stream)
-            memory, new = Memory.BUFFERS, bufs
-        elif ins.kind == Op.REDUCE_SCATTER:
-            works, bufs = comm.reduce_scatter(self._to_reduce(ins.bucket), ins.group, ins.stream)
-            store.clear_grads(ins.bucket)
-            memory, new = Memory.BUFFERS, bufs
-        elif ins.kind == Op.ALL_GATHER:
-            works, bufs = comm.all_gather(store.shards[ins.bucket], ins.group, ins.stream)
-            zero3 = self.layouts[ins.bucket].zero == 3  # a gathered bucket counts as parameters
-            memory, new = (Memory.PARAMS if zero3 else Memory.BUFFERS), bufs[:1]
-        elif ins.kind == Op.ALL_TO_ALL:
-            works, bufs, meta = self.exchange.issue(ins)
-            memory, new = Memory.BUFFERS, bufs     # packed tokens in flight, as the simulator
-        else:
-            raise NotImplementedError(f"{ins.kind} ({ins}) is not supported by the runtime yet")
-        span = comm.take_span()   # CUDA: the transfer's own events, on its stream
-        p = Pending(idx, works, bufs, span[0] if span else start, memory=memory, new=new,
-                    meta=meta, end=span[1] if span else None)
-        if ins.kind not in P2P:  # gloo p2p has no future and reports completion
-            comm.watch(p, self.clock)         # only at wait(): its WAIT marks the end
-        self.pending[idx] = p
+        """Make the instruction's transfer and launch it where the stream program says."""
+        start = self.clock.mark()
+        made: dict = {}
 
-    def _to_reduce(self, b: int) -> torch.Tensor:
-        """Bucket b's gradients as one flat buffer in the plan's reduction dtype."""
-        flat = self.store.flat_grads(b)
-        want = self.plan.reduce_dtype
-        return flat if want is None else flat.to(getattr(torch, want))   # no copy if same
+        def transfer():
+            t, made["memory"], made["new"], made["meta"] = self._transfer(ins, idx)
+            t.index, t.text = idx, str(ins)
+            made["t"] = t
+            return t
+        works = self.streams.launch(idx, transfer=transfer,
+                                    exchange=lambda: self.exchange.count(ins))
+        t = made["t"]
+        span = getattr(self.streams, "span", None) if self.device.type == "cuda" else None
+        p = Pending(idx, works, t.outputs, span[0] if span and span[0] else start,
+                    memory=made["memory"], new=made["new"], meta=made["meta"],
+                    end=span[1] if span else None)
+        if ins.kind not in P2P:  # gloo p2p has no future and reports completion
+            self.comm.watch(p, self.clock)         # only at wait(): its WAIT marks the end
+        self.pending[idx] = p
 
     def _wait(self, ins) -> None:
         p = self.pending.pop(ins.target)
         src = self.instrs[ins.target]
-        results = self.comm.wait(p, self.timeout)
+        self.streams.launch(self.current)   # the waiting stream waits for the transfer
+        results = self.comm.results(p)
+        if self.comm.cuda:   # made on a communicator's stream, used on the compute stream
+            for t in p.tensors:
+                t.record_stream(torch.cuda.current_stream(self.device))
         if p.end is None:
             p.end = self.clock.mark()
         self.rec.event(src, p.start, p.end)
@@ -338,3 +341,13 @@ def _parse_fail(spec: str | None, rank: int) -> tuple[str, str] | None:
     if dev.strip() != str(rank):
         return None
     return text, mode
+
+
+def make_streams(comm, program: DeviceStreams, timeout: float):
+    """The executor of `program` for this worker's communication (see `runtime.streams`):
+    NCCL emulated on CPU, CUDA streams, or the host's gloo."""
+    if getattr(comm, "emulated", False):
+        return EmulatedStreams(comm, program, timeout * 0.8)   # its report beats the cluster's
+    if getattr(comm, "cuda", False):
+        return CudaStreams(comm, program, timeout)
+    return HostStreams(comm, program, timeout)

@@ -52,8 +52,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from piper_nb.ir.kinds import COMPUTE, Op
+from piper_nb.ir.kinds import COMM, COMPUTE
 from piper_nb.plan.sizes import element_size
+from piper_nb.plan.streams import communicator
 from piper_nb.sim.ledger import Ledger, param_numel
 from piper_nb.sim.memory_settings import (
     DEFAULT_SETTINGS,
@@ -125,16 +126,8 @@ def device_model_states(plan, d: int, settings: MemorySettings = DEFAULT_SETTING
 
 def communicators(plan, d: int) -> int:
     """Communicators device d uses: one per collective group, one per direction of each
-    pair it exchanges messages with (the runtime's layout, `runtime.comm`)."""
-    seen = set()
-    for ins in plan.devices[d].instrs:
-        if ins.kind == Op.SEND:
-            seen.add((d, ins.peer))
-        elif ins.kind == Op.RECV:
-            seen.add((ins.peer, d))
-        elif ins.group:
-            seen.add(tuple(ins.group))
-    return len(seen)
+    pair it exchanges messages with (the stream program's layout, `plan.streams`)."""
+    return len({communicator(d, ins) for ins in plan.devices[d].instrs if ins.kind in COMM})
 
 
 def _sample_times(timing, d: int) -> list[float]:

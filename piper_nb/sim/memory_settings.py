@@ -31,16 +31,23 @@ class MemorySettings:
     # GPU allowances beyond the tensors the runtime counts, added to "buffers" throughout:
     # a fixed share per device (allocator rounding and slack, kernels' workspaces) and a
     # share per communicator the device uses (NCCL's buffers; 0 on CPU). `for_cuda` gives
-    # typical figures; a GPU run reports torch.cuda.max_memory_allocated to compare with.
+    # typical figures. NCCL allocates its buffers itself, outside PyTorch's caching
+    # allocator: they take device memory (count them against its capacity), but
+    # torch.cuda.max_memory_allocated, which a GPU run reports, never sees them; compare
+    # that figure with `for_cuda(nccl=False)`.
     reserve_bytes: float = 0.0
     per_communicator: float = 0.0
 
     @classmethod
     def for_cuda(cls, *, reserve_bytes: float = 64 * 2**20, channels: int = 2,
-                 buffer_bytes: float = 4 * 2**20, **kw) -> MemorySettings:
-        """Settings with GPU allowances: `reserve_bytes` per device, and per communicator
-        NCCL's `channels` x `buffer_bytes` (NCCL_BUFFSIZE, 4 MiB by default)."""
-        return cls(reserve_bytes=reserve_bytes, per_communicator=channels * buffer_bytes, **kw)
+                 buffer_bytes: float = 4 * 2**20, nccl: bool = True, **kw) -> MemorySettings:
+        """Settings with GPU allowances: `reserve_bytes` per device and, with `nccl`, per
+        communicator NCCL's `channels` x `buffer_bytes` (NCCL_BUFFSIZE, 4 MiB by default):
+        what the device holds. `nccl=False` leaves NCCL's buffers out, as
+        torch.cuda.max_memory_allocated does (NCCL allocates them outside PyTorch's
+        allocator): the figure to compare a measured step with."""
+        return cls(reserve_bytes=reserve_bytes,
+                   per_communicator=channels * buffer_bytes if nccl else 0.0, **kw)
 
     @functools.cached_property
     def spec(self) -> OptimizerSpec | None:

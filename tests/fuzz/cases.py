@@ -246,9 +246,10 @@ def _warmup(opt):
     return torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 3))
 
 
-def check(case: Case, cluster) -> str:
+def check(case: Case, cluster, streams: bool = False) -> str:
     """Train the case and compare; raises AssertionError naming the case and its replay
-    command. Returns what was compared."""
+    command. Returns what was compared. `streams` (on an NCCL-emulated cluster) also
+    checks that each device's streams executed exactly the plan's stream program."""
     model = StageGraph(case.spec)
     batch = model.example_batch(case.batch_size, seed=case.seed)
     try:
@@ -270,10 +271,22 @@ def check(case: Case, cluster) -> str:
             torch.testing.assert_close(torch.tensor(result.grad_norms),
                                        torch.tensor(ref.grad_norms), rtol=rtol, atol=atol)
         assert result.leftover == [], f"buffers never freed: {result.leftover[:4]}"
+        if streams:
+            ran_its_stream_program(plan, batch, cluster, opt)
+            return "equal to the reference, its stream program run exactly"
         return "equal to the reference"
     except Exception as err:
         raise AssertionError(f"fuzz case failed: {case.line()}\n  {type(err).__name__}: {err}\n"
                              f"  replay: {case.replay()}") from err
+
+
+def ran_its_stream_program(plan, batch, cluster, opt) -> None:
+    """One more step recording what each stream executed: the plan's stream program."""
+    cluster.reset(plan, opt)
+    for d, out in enumerate(cluster.step(plan, batch, record_streams=True)[:plan.world]):
+        want = plan.streams()[d].streams()
+        got = {k: tuple(v) for k, v in out["streams"].items()}
+        assert got == want, f"device {d} ran streams {sorted(got)} unlike its program"
 
 
 def _equal(result, ref, exact: bool = False, tol: tuple = (RTOL, ATOL)) -> None:

@@ -1,7 +1,10 @@
 """Run the differential fuzzer: `make fuzz` (500 cases), or one case to replay a failure.
 
-    .venv/bin/python tests/fuzz/run.py [--cases 500] [--start 0]
+    .venv/bin/python tests/fuzz/run.py [--cases 500] [--start 0] [--comm nccl-emulated]
     .venv/bin/python tests/fuzz/run.py --seed 1234
+
+`--comm nccl-emulated` runs every case under NCCL's semantics on CPU and checks that each
+device ran exactly its stream program (`make fuzz COMM=nccl-emulated`).
 
 Cases are drawn from consecutive seeds (see `cases.py`); two local clusters (2 and 4
 workers) run them all. Prints one line per case and a summary: how many, how long, how
@@ -29,6 +32,8 @@ def main() -> int:
     ap.add_argument("--seed", type=int, help="replay this one case")
     ap.add_argument("--cases", type=int, default=500)
     ap.add_argument("--start", type=int, default=0, help="first seed")
+    ap.add_argument("--comm", default="native", choices=["native", "nccl-emulated"],
+                    help="the clusters' communication (default: %(default)s)")
     args = ap.parse_args()
     seeds = [args.seed] if args.seed is not None else range(args.start, args.start + args.cases)
     torch.set_num_threads(1)
@@ -39,10 +44,10 @@ def main() -> int:
             case = draw(seed)
             size = 2 if case.world <= 2 else 4
             if size not in clusters:
-                clusters[size] = pn.LocalCluster(size).start()
+                clusters[size] = pn.LocalCluster(size, comm=args.comm).start()
             start = time.perf_counter()
             try:
-                what = check(case, clusters[size])
+                what = check(case, clusters[size], streams=args.comm == "nccl-emulated")
                 status = "ok"
             except AssertionError as err:
                 failed.append(case)

@@ -1,7 +1,9 @@
 """The differential fuzzer's fast subset: the first cases of `make fuzz` (see cases.py).
 
 Each case is a random StageGraph under a random schedule, DP width and ZeRO level, trained
-and compared with one process. A failure names the case and the command that replays it.
+and compared with one process, on the shared clusters, which emulate NCCL (tests/conftest.py);
+the first `STREAMS` cases also check that every device ran exactly its stream program. A
+failure names the case and the command that replays it.
 """
 
 from __future__ import annotations
@@ -18,13 +20,14 @@ from cases import check, draw  # noqa: E402
 pytestmark = [pytest.mark.dist, pytest.mark.usefixtures("one_thread")]
 
 FAST = int(os.environ.get("PIPER_NB_FUZZ_FAST", "120"))   # seeds 0 .. FAST-1
+STREAMS = 40   # the first seeds also check that the runtime ran the stream program
 
 
 @pytest.mark.parametrize("seed", range(FAST))
 def test_case_trains_like_one_process(request, seed):
     case = draw(seed)
     cluster = request.getfixturevalue("cluster2" if case.world <= 2 else "cluster4")
-    check(case, cluster)
+    check(case, cluster, streams=seed < STREAMS)   # the shared clusters emulate NCCL
 
 
 def test_the_draw_covers_every_schedule_zero_level_and_feature():

@@ -24,20 +24,24 @@ def _rank(rank: int, port: int, out) -> None:
     dist.init_process_group("gloo", store=store, rank=rank, world_size=2)
     try:
         comm = Comm(rank, torch.device("cpu"), "gloo", per_direction=True)   # NCCL's layout
-        comm.ensure_groups([(0, 1)], pairs=[(0, 1), (1, 0)], counted=[(0, 1)])
+        comms = ["group:0,1", "p2p:0>1", "p2p:1>0"]   # as plan.streams.communicators orders
+        comm.ensure_groups(comms, counted=[(0, 1)])
         made = (len(comm.groups), len(comm.pairs), len(comm.cpu_groups))
-        comm.ensure_groups([(0, 1)], pairs=[(1, 0), (0, 1)], counted=[(0, 1)])   # idempotent
+        comm.ensure_groups(comms, counted=[(0, 1)])   # idempotent
         assert (len(comm.groups), len(comm.pairs), len(comm.cpu_groups)) == made
         assert comm.pairs[(0, 1)] is not comm.pairs[(1, 0)]
         peer = 1 - rank
         # each rank posts its receive first, then sends: with both directions on one
         # in-order stream this would wait forever; on two it cannot
-        works, bufs = comm.recv([((3,), torch.float32)], peer, tag=5, stream="pp")
-        sent, _ = comm.send([torch.full((3,), float(rank))], peer, tag=5, stream="pp")
-        got = comm.wait(Pending(0, works, bufs, 0.0), 30.0)
+        recv = comm.recv([((3,), torch.float32)], peer, tag=5, comm=f"p2p:{peer}>{rank}")
+        works = comm.start(recv)
+        sent = comm.start(comm.send([torch.full((3,), float(rank))], peer, tag=5,
+                                    comm=f"p2p:{rank}>{peer}"))
+        comm.wait_works(works, 30.0)
+        got = comm.results(Pending(0, works, recv.bufs, 0.0))
         for w in sent:
             w.wait()
-        counts = comm.gather_counts([rank + 1, 7], (0, 1), "ep")
+        counts = comm.gather_counts([rank + 1, 7], (0, 1))
         out.put((rank, made, float(got[0][0]), counts))
     finally:
         dist.destroy_process_group()
@@ -58,3 +62,12 @@ def test_each_direction_of_a_pair_has_its_own_group_made_once_at_load():
         assert made == (1, 2, 1)
         assert got == float(1 - rank)
         assert counts == [[1, 7], [2, 7]]
+
+
+def test_blocking_wait_is_refused_where_nccl_runs(monkeypatch):
+    """TORCH_NCCL_BLOCKING_WAIT=1 makes the host block at every WAIT right after the issue:
+    not the stream program the checks approved. Refused where NCCL (or its emulation) runs."""
+    monkeypatch.setenv("TORCH_NCCL_BLOCKING_WAIT", "1")
+    with pytest.raises(RuntimeError, match="TORCH_NCCL_BLOCKING_WAIT is set.*Unset it"):
+        Comm(0, torch.device("cpu"), "gloo", emulated=True)
+    Comm(0, torch.device("cpu"), "gloo")   # gloo itself never reads it

@@ -1,5 +1,6 @@
-"""benchmarks/gpu_check.py runs to completion without a GPU, in a dry mode that compiles
-and checks every plan it would train and says what it would run and what it skips."""
+"""benchmarks/gpu_check.py runs to completion without a GPU, in a dry mode that compiles and
+checks every plan it would train, lists every probe with what it would do, gives the
+multi-rank plans their static / emulated status, and says what one GPU cannot show."""
 
 from __future__ import annotations
 
@@ -8,14 +9,41 @@ import sys
 from pathlib import Path
 
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "gpu_check.py"
+PROBES = ("nccl-collectives", "stream-coupling", "stream-coupling-old", "cpu-tensor",
+          "tinygpt-fp32", "tinygpt-bf16", "hf-llama", "matmul-bf16", "gpt-mid step",
+          "gpt-mid memory")
+MULTI_RANK = ("nccl-pp2", "nccl-dualpipev", "nccl-pp2-dp2-zero3", "nccl-pp2-dp2-ep2")
+TRAINED = ("cpu-tensor", "tinygpt-fp32", "tinygpt-bf16", "hf-llama", "gpt-mid step", "gpt-mid memory")
 
 
-def test_the_gpu_check_dry_run_lists_every_case():
-    out = subprocess.run([sys.executable, str(SCRIPT), "--dry-run"], capture_output=True,
-                         text=True, timeout=300, check=True).stdout
-    table = out[out.index("| case | status | detail |"):]
-    for case in ("bf16", "nccl-1rank", "overlap", "memory", "step time", "nccl-pp2",
-                 "nccl-dualpipev", "nccl-pp2-dp2-zero3", "nccl-pp2-dp2-ep2"):
-        assert f"| {case} |" in table, case
-    assert "| bf16 | would run |" in table   # compiled in bf16, trained only on a GPU
-    assert "compiled and checked (NCCL check included)" in table
+def _table(out: str) -> dict[str, tuple[str, str]]:
+    """case -> (status, detail), from the markdown table the check prints."""
+    table = out[out.index("| case | status | detail |"):].split("\n\n")[0]
+    rows = {}
+    for line in table.splitlines()[2:]:
+        case, status, detail = (cell.strip() for cell in line.strip().strip("|").split(" | ", 2))
+        rows[case] = (status, detail)
+    return rows
+
+
+def test_the_gpu_check_dry_run_lists_every_probe_and_what_one_gpu_cannot_show():
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--dry-run"], capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = _table(proc.stdout)
+    assert set(rows) == set(PROBES) | set(MULTI_RANK)
+    for case in PROBES:
+        assert rows[case][0] == "would run", (case, rows[case])
+    for case in TRAINED:   # its plan compiled, and so checked, on CPU
+        assert rows[case][1].endswith("compiled and checked (NCCL check included)"), case
+    for case in MULTI_RANK:
+        status, detail = rows[case]
+        assert status == "static + emulated", case
+        assert "compiler.nccl.check_nccl" in detail and "nccl-emulated" in detail, case
+        assert "two ranks on one GPU" in detail, case
+    note = proc.stdout[proc.stdout.index("What one GPU cannot show"):]
+    assert "NCCL refuses two ranks on one GPU" in note and "Duplicate GPU detected" in note
+    assert "nccl-emulated" in note and "check_nccl" in note
+    # the hand-written stream programs the coupling probes launch, old coupling included
+    assert "nccl:group:0#b: wait(i2)" in proc.stdout
+    assert "shared: wait(c1) rec(i1) wait(d1) wait(c2) rec(i2) wait(d2)" in proc.stdout

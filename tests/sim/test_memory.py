@@ -105,6 +105,10 @@ def test_gpu_allowances_add_a_share_per_device_and_per_communicator():
     gpu = pn.simulate(plan, pn.CostModel.uniform(),
                       memory=pn.MemorySettings.for_cuda(reserve_bytes=1000, buffer_bytes=10,
                                                         channels=2))
-    for a, b in zip(plain.memory, gpu.memory, strict=True):
+    seen = pn.simulate(plan, pn.CostModel.uniform(),   # what max_memory_allocated sees
+                       memory=pn.MemorySettings.for_cuda(reserve_bytes=1000, buffer_bytes=10,
+                                                         channels=2, nccl=False))
+    for a, b, c in zip(plain.memory, gpu.memory, seen.memory, strict=True):
         assert b.buffers - a.buffers == 1000 + 20 * communicators(plan, a.device)
+        assert c.buffers - a.buffers == 1000      # NCCL's own buffers on neither side
         assert (a.params, a.grads, a.activations) == (b.params, b.grads, b.activations)
