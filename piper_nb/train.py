@@ -312,7 +312,7 @@ def reference_train(model: nn.Module, batch, steps: int, microbatches: int, opti
                            lr_scheduler=lr_scheduler)
     check_precision(precision, None)
     _check_materialized(model, "reference_train")
-    model = copy.deepcopy(model).train().to(PRECISIONS[precision])
+    model = copy.deepcopy(model).to(PRECISIONS[precision])   # in the modes the user set
     loss_fn = resolve_loss(model, loss_fn, "reference_train")
     params = dict(model.named_parameters())
     masters = {n: p.detach().float().clone() if precision != "fp32" else p

@@ -63,7 +63,8 @@ class Spec:
         named = named_batch(example) if example is not None else None
         names = tuple(named) if named is not None else PAIR
         bound = getattr(loss_fn, "__self__", None), getattr(loss_fn, "__func__", loss_fn)
-        key = ("capture", id(bound[0]), id(bound[1]), method, names)
+        modes = tuple(m.training for m in self.model.modules())   # eval/train is traced in
+        key = ("capture", id(bound[0]), id(bound[1]), method, names, modes)
         cache = derived(self)
         hit = cache.get(key)
         if hit is None or hit[0] is not bound[1]:   # the function kept alive: ids stay its own

@@ -29,6 +29,7 @@ import torch.fx as fx
 import torch.fx.traceback as fx_traceback
 from torch import nn
 
+from piper_nb.capture.functions import seen_functions
 from piper_nb.capture.region import tracing_scope
 from piper_nb.errors import PlanError
 
@@ -51,10 +52,17 @@ def export_graph(root: nn.Module, example: dict[str, torch.Tensor], name: str
     else:
         args, dynamic = (dict(example),), (dims,)
     try:
-        with tracing_scope(), fx_traceback.preserve_node_meta():
+        with tracing_scope(), fx_traceback.preserve_node_meta(), seen_functions() as seen:
             program = torch.export.export(root, args, dynamic_shapes=dynamic, strict=False)
     except Exception as err:  # export raises many kinds; the user needs the reason and where
         raise PlanError(_export_failure(name, err)) from err
+    if seen:
+        names = ", ".join(f"{c.__module__}.{c.__qualname__}" for c in seen)
+        raise PlanError(f"{name} applies the custom torch.autograd.Function {names}: "
+                        "torch.export keeps only its forward, so the plan would train with the "
+                        "gradient of its forward's operations instead of its backward. Capture "
+                        "with torch.fx, which keeps it whole (capture='fx', with an (inputs, "
+                        "targets) batch), or write it with differentiable operations")
     gm = program.module()
     _clean(gm.graph)
     gm.recompile()

@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch.fx as fx
 from torch import nn
 
 from piper_nb.capture.batch import PAIR
 from piper_nb.capture.export import export_graph, export_module_path, export_size_nodes
+from piper_nb.capture.functions import keeping_functions
 from piper_nb.capture.loss import compute_loss
 from piper_nb.capture.region import current_region_tags, tracing_scope
 from piper_nb.errors import PlanError
@@ -60,16 +61,18 @@ def _module_path(node: fx.Node) -> str:
     return path.removeprefix("model.").removeprefix("model") if path.startswith("model") else path
 
 
-def _trace(root: nn.Module, name: str) -> fx.GraphModule:
-    with tracing_scope():
+def _trace(root: nn.Module, name: str) -> tuple[fx.GraphModule, dict[str, type]]:
+    """The traced graph and the custom autograd Functions kept in it (`capture.functions`)."""
+    tracer = _Tracer()
+    with tracing_scope(), keeping_functions(tracer) as functions:
         try:
-            graph = _Tracer().trace(root)
+            graph = tracer.trace(root)
         except Exception as err:  # fx raises many kinds; the user needs the reason
             raise PlanError(f"could not trace {name} with torch.fx: {err}. "
                             "Regions are found by tracing; avoid Python control flow on tensor "
                             "values inside forward(), or give pn.compile the batch so it can "
                             "capture by torch.export (capture='export')") from err
-    return fx.GraphModule(root, graph)
+    return fx.GraphModule(root, graph), functions
 
 
 @dataclass(frozen=True)
@@ -80,6 +83,7 @@ class FrontEnd:
     gm: fx.GraphModule
     module_path: Callable[[fx.Node], str]
     size_nodes: Callable[[list[fx.Node]], set[fx.Node]]
+    functions: dict = field(default_factory=dict)   # key -> autograd.Function class kept
 
 
 METHODS = ("auto", "fx", "export")
@@ -100,8 +104,8 @@ def front_end(model: nn.Module, loss_fn: Callable, example: dict | None,
         method = "export"
     if method != "export":
         try:
-            return FrontEnd("fx", _trace(_WithLoss(model, loss_fn), name), _module_path,
-                            _size_nodes)
+            gm, functions = _trace(_WithLoss(model, loss_fn), name)
+            return FrontEnd("fx", gm, _module_path, _size_nodes, functions)
         except PlanError:
             if method == "fx" or example is None:
                 raise

@@ -35,6 +35,7 @@ from piper_nb.capture.batch import PAIR
 from piper_nb.capture.experts import cut_pieces, sliced_forwards
 from piper_nb.capture.export import custom_op_modules, rematerialize
 from piper_nb.capture.front_ends import FrontEnd, front_end
+from piper_nb.capture.functions import apply_function
 from piper_nb.capture.segments import assign_regions
 from piper_nb.errors import PlanError
 from piper_nb.ir.filters import SEG, Tags, freeze_tags, tags_text
@@ -79,6 +80,7 @@ class Capture:
     # expert piece -> (stacked parameter, first expert, end, the piece's tensor)
     pieces: dict[str, tuple] = field(default_factory=dict)
     method: str = "fx"                         # the front end: "fx" or "export"
+    functions: dict = field(default_factory=dict)   # custom autograd Functions kept, by key
     batch: tuple[str, ...] = PAIR              # the batch's tensors, as the graph reads them
     imports: tuple[str, ...] = ()              # modules registering custom ops the regions call
 
@@ -123,10 +125,16 @@ def pack_size(v) -> torch.Tensor:
 
 class RegionTracer(fx.Tracer):
     """Re-creates a region GraphModule from its code (as unpickling does): the size helpers
-    `pack_size` and `unpack_size` stay calls instead of being traced through."""
+    `pack_size` and `unpack_size`, and the calls of custom autograd Functions
+    (`capture.functions.apply_function`), stay calls instead of being traced through, and
+    buffers are proxied: an op on a buffer alone (torch.export's `num_batches_tracked.add_(1)`)
+    stays an op instead of running once, at unpickling."""
+
+    proxy_buffer_attributes = True
 
     def __init__(self, autowrap_modules=(math,), autowrap_functions=()):
-        super().__init__(autowrap_modules, (*autowrap_functions, pack_size, unpack_size))
+        super().__init__(autowrap_modules, (*autowrap_functions, pack_size, unpack_size,
+                                            apply_function))
 
 
 def unpack_size(t: torch.Tensor):
@@ -183,6 +191,7 @@ def capture_regions(spec, loss_fn: Callable, example: dict | None = None,
                    consumers={name_map.get(v, v): tuple(sorted(cs))
                               for v, cs in flow.consumers.items()},
                    tied=holdings.tied, method=front.method, batch=names,
+                   functions=dict(front.functions),
                    imports=custom_op_modules(modules) if front.method == "export" else (),
                    pieces={p: (full, lo, hi, params[p]) for p, (full, lo, hi) in pieces.items()})
 

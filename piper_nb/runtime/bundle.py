@@ -1,11 +1,12 @@
 """What the driver ships to every worker, once per plan: a `Bundle`.
 
 A bundle holds the plan's tables (without the DAG, the program or the captured model), the
-region GraphModules, the initial value of every parameter under its canonical name (the
-first name `named_parameters()` gives it) and an alias table for tied parameters, whose
-other names (`head.proj.weight`) point at the canonical one (`embed.tok.weight`). Workers
-rebind each region module's parameters to their own tensors with `bind_params`, so all
-regions on one device share one tensor per parameter, as the original model did.
+region GraphModules, the custom autograd Functions they call (`capture.functions`), the
+initial value of every parameter under its canonical name (the first name
+`named_parameters()` gives it) and an alias table for tied parameters, whose other names
+(`head.proj.weight`) point at the canonical one (`embed.tok.weight`). Workers rebind each
+region module's parameters to their own tensors with `bind_params`, so all regions on one
+device share one tensor per parameter, as the original model did.
 """
 
 from __future__ import annotations
@@ -15,10 +16,12 @@ import importlib
 import pickle
 from dataclasses import dataclass
 
+import cloudpickle
 import torch
 import torch.fx as fx
 from torch import nn
 
+from piper_nb.capture.functions import register
 from piper_nb.errors import PlanError
 
 __all__ = ["Bundle", "make_bundle", "load_bundle", "bind_params", "direct_calls",
@@ -51,11 +54,14 @@ def make_bundle(plan) -> bytes:
     tables = dataclasses.replace(plan, dag=None, program=None, capture=None)
     init = {n: p.detach().clone() for n, p in cap.named_parameters()}
     inner = pickle.dumps(Bundle(tables, tuple(cap.modules), init, param_aliases(cap.model)))
-    return pickle.dumps((tuple(getattr(cap, "imports", ())), inner))
+    # custom autograd Functions the regions call, by value where they are not importable
+    # (a notebook's): cloudpickle, and registered before the regions are unpickled
+    functions = cloudpickle.dumps(dict(getattr(cap, "functions", {})))
+    return pickle.dumps((tuple(getattr(cap, "imports", ())), functions, inner))
 
 
 def load_bundle(blob: bytes) -> Bundle:
-    imports, inner = pickle.loads(blob)
+    imports, functions, inner = pickle.loads(blob)
     for name in imports:
         try:
             importlib.import_module(name)
@@ -63,6 +69,7 @@ def load_bundle(blob: bytes) -> Bundle:
             raise PlanError(f"the plan's regions call ops registered by {name}, which this "
                             f"worker cannot import ({err}); install the same packages on "
                             "every worker") from None
+    register(pickle.loads(functions))
     return pickle.loads(inner)
 
 

@@ -68,7 +68,7 @@ class Worker(ComputePasses, Transfers):
         for r in regions:
             mod = to_device(bundle.modules[r], device)
             bind_params(mod, self.store.params, bundle.aliases)
-            self.modules[r] = mod.train()
+            self.modules[r] = mod   # each module in the mode the user left it (eval, train)
         self.buffers = Buffers(plan, self.modules, self.instrs)
         self.values = ValueStore()
         self.exchange = TokenExchange(plan, comm, self.values, rank, device)
