@@ -133,11 +133,14 @@ def _run(args) -> int:
         model, loss_fn = build_model(args.model, args.tied), None
         batch = model.example_batch(batch_size=args.batch_size or DEFAULT_BATCH_SIZE, seed=0)
     spec = pn.annotate(model, pn.cut_stages(model, stage_count(program)))
-    plan = pn.compile(spec, program, batch, world=args.devices, loss_fn=loss_fn)
+    plan = pn.compile(spec, program, batch, world=args.devices, loss_fn=loss_fn,
+                      loss_mean=args.loss_mean)
     opt = optim.AdamW(args.lr) if args.optimizer == "adamw" else optim.SGD(args.lr, momentum=0.9)
     with LocalCluster(args.devices) as cluster:
         result = train(plan, batch, args.steps, opt, cluster=cluster)
-    ref = reference_train(model, batch, args.steps, plan.microbatches, opt, loss_fn=loss_fn)
+    # the one process a plan equals: one mean per (microbatch, replica) slice of the batch
+    ref = reference_train(model, batch, args.steps, plan.reference_microbatches, opt,
+                          loss_fn=loss_fn, loss_mean=plan.loss_mean)
     print(f"{'step':>4}  {'loss':>12}  {'reference':>12}  {'|diff|':>9}  {'time ms':>8}")
     for s, (a, b, t) in enumerate(zip(result.losses, ref.losses, result.step_times, strict=True)):
         print(f"{s + 1:>4}  {a:>12.6f}  {b:>12.6f}  {abs(a - b):>9.2e}  {t * 1e3:>8.2f}")
@@ -168,6 +171,9 @@ def main(argv: list[str] | None = None) -> int:
                           "a user function returns its own batch")
     run.add_argument("--optimizer", choices=("sgd", "adamw"), default="adamw")
     run.add_argument("--lr", type=float, default=1e-3)
+    run.add_argument("--loss-mean", choices=("microbatch", "global"), default="microbatch",
+                     help="what a step minimises: the mean of the microbatches' mean losses "
+                          "(default), or the loss over the whole batch (token mean)")
     run.add_argument("--out", default="piper_nb_out")
     args = parser.parse_args(argv)
     if ":" in args.model:

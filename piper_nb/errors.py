@@ -38,14 +38,25 @@ class PlanError(ValueError):
 
 
 class RuntimeFailure(RuntimeError):
-    """A worker raised while executing its plan."""
+    """A worker raised while executing its plan (`step`: the training step, when known)."""
 
     def __init__(self, message: str, *, device: int | None = None, instruction: str | None = None,
-                 original: str | None = None):
+                 original: str | None = None, step: int | None = None):
         self.device = device
         self.instruction = instruction
         self.original = original
-        super().__init__(message)
+        self.step = step
+        self.message = message
+        super().__init__(message if step is None else f"step {step}: {message}")
+
+    def at_step(self, step: int) -> RuntimeFailure:
+        """The same failure, naming the training step it happened in (kept if named)."""
+        if self.step is not None:
+            return self
+        err = type(self)(self.message, device=self.device, instruction=self.instruction,
+                         original=self.original, step=step)
+        err.__cause__ = self.__cause__
+        return err
 
 
 class WorkerLost(RuntimeFailure):

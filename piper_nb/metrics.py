@@ -3,7 +3,8 @@
 `StepMetrics` is one step's loss, global gradient norm (when the plan clips, see
 `compiler.clip`; `clip_grad_norm=math.inf` reports it without clipping), learning rate (the
 default parameter group's, as the step used it), throughput in samples and, for token
-batches, tokens per second, and the step time. `pn.train` passes one to `progress(step,
+batches, tokens per second, the step time, and the metrics the loss function returned
+(`(loss, {"accuracy": acc})`, averaged over the step's microbatches). `pn.train` passes one to `progress(step,
 steps, metrics)` after every step and keeps them in `Result.metrics`; with `log_dir` it also
 writes them with `torch.utils.tensorboard.SummaryWriter` under `train/...`.
 """
@@ -12,7 +13,7 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 import torch
 
@@ -31,9 +32,10 @@ class StepMetrics:
     lr: float | None = None
     grad_norm: float | None = None    # before clipping, as clip_grad_norm_ returns it
     tokens_per_s: float | None = None  # batches of token ids only
+    metrics: dict = field(default_factory=dict)   # the loss function's, averaged over the step
 
     def text(self) -> str:
-        parts = [f"loss {self.loss:.4f}"]
+        parts = [f"loss {self.loss:.4f}", *(f"{k} {v:.4g}" for k, v in self.metrics.items())]
         if self.grad_norm is not None:
             parts.append(f"grad norm {self.grad_norm:.3g}")
         if self.lr is not None:
@@ -65,8 +67,10 @@ class TensorBoardLog:
         self.writer = SummaryWriter(log_dir=os.fspath(log_dir))
 
     def write(self, m: StepMetrics) -> None:
-        for name, value in asdict(m).items():
-            if name != "step" and value is not None and math.isfinite(value):
+        values = {k: v for k, v in asdict(m).items() if k not in ("step", "metrics")}
+        values.update({f"metric/{k}": v for k, v in m.metrics.items()})
+        for name, value in values.items():
+            if value is not None and math.isfinite(value):
                 self.writer.add_scalar(f"train/{name}", value, m.step)
         self.writer.flush()
 

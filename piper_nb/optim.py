@@ -20,6 +20,7 @@ settings that build `torch.optim.SGD` / `torch.optim.AdamW` (single-tensor path)
 from __future__ import annotations
 
 import copy
+import difflib
 import fnmatch
 import functools
 import math
@@ -27,6 +28,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import torch
+
+from piper_nb.errors import PlanError
 
 __all__ = ["SGD", "AdamW", "OptimizerSpec", "check_optimizer", "shard_pieces", "ELEMENTWISE"]
 
@@ -119,6 +122,25 @@ class OptimizerSpec:
         """Index of `name`'s group; len(groups) is the default group."""
         return _group_of(self.groups, name)
 
+    def check_patterns(self, names, where: str) -> None:
+        """PlanError naming a `param_groups` group none of whose patterns matches any of
+        `names` (a typo such as `"*.bais"` would otherwise leave its settings unused,
+        silently). A group listing several patterns may hold some that match nothing here
+        (a no-decay list naming norms a model lacks), as torch recipes do."""
+        names = list(names)
+        prefixes = {p for n in names for p in
+                    [n] + [n.rsplit(".", k)[0] for k in range(1, n.count(".") + 1)]}
+        for i, (patterns, _) in enumerate(self.groups):
+            if any(fnmatch.fnmatchcase(p, pat) for pat in patterns for p in prefixes):
+                continue
+            close = [c for pat in patterns
+                     for c in difflib.get_close_matches(pat, sorted(prefixes), n=1)]
+            hint = f" (did you mean {close[0]!r}?)" if close else \
+                f" (names look like {', '.join(repr(n) for n in names[:3])})"
+            shown = ", ".join(repr(p) for p in patterns)
+            raise PlanError(f"{where}: param_groups[{i}] pattern {shown} matches no "
+                            f"parameter or module{hint}; fix or remove it")
+
     def build(self, params_per_group: list[list] | None = None):
         """(optimizer, scheduler or None) over `params_per_group` (one list per group, the
         default group last); without it, over one empty placeholder per group (a device
@@ -210,7 +232,6 @@ def _state_bytes(spec: OptimizerSpec, shape: tuple, dtype: str, group: int) -> i
             continue
         return sum(t.numel() * t.element_size() for t in opt.state[p].values()
                    if isinstance(t, torch.Tensor))
-    from piper_nb.errors import PlanError
     raise PlanError(f"cannot size the state of {spec.cls_name} for a tensor of shape "
                     f"{list(shape)} without running it; pass MemorySettings(optim_bytes=...)")
 
@@ -258,7 +279,6 @@ def check_optimizer(optimizer, where: str = "train", *, param_groups=None,
                     lr_scheduler=None) -> OptimizerSpec:
     """The optimizer, its parameter groups and scheduler as one `OptimizerSpec`, checked by
     building them once here (a PlanError before any worker starts, not at the first update)."""
-    from piper_nb.errors import PlanError
     if isinstance(optimizer, OptimizerSpec):
         if param_groups is None and lr_scheduler is None:
             return optimizer
@@ -298,7 +318,6 @@ def check_optimizer(optimizer, where: str = "train", *, param_groups=None,
 
 
 def _groups(param_groups, where: str) -> tuple:
-    from piper_nb.errors import PlanError
     out = []
     for i, g in enumerate(param_groups or ()):
         if not isinstance(g, dict) or "params" not in g:
@@ -316,7 +335,6 @@ def _groups(param_groups, where: str) -> tuple:
 
 
 def _check_group_keys(spec: OptimizerSpec, opt: torch.optim.Optimizer, where: str) -> None:
-    from piper_nb.errors import PlanError
     known = set(opt.defaults)
     for i, (pats, opts) in enumerate(spec.groups):
         bad = [k for k, _ in opts if k not in known]

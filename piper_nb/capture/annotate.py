@@ -52,11 +52,14 @@ class Spec:
             tags.update(self.module_tags.get(".".join(parts[:i]), {}))
         return tags
 
-    def capture(self, loss_fn: Callable | None = None, example=None, method: str = "auto"):
-        """The model cut into regions (made once per loss function, batch names and front
-        end); `example`, a batch ((inputs, targets) or a dict), lets models torch.fx cannot
+    def capture(self, loss_fn: Callable | None = None, example=None, method: str = "auto",
+                loss_mean: str = "microbatch"):
+        """The model cut into regions (made once per loss function, batch names, front end
+        modules' train/eval modes and `loss_mean` (`capture.loss`), and for torch.export once
+        per sample shapes too);
+        `example`, a batch ((inputs, targets) or a dict), lets models torch.fx cannot
         trace be exported, and names the batch's tensors."""
-        from piper_nb.capture.batch import PAIR, named_batch
+        from piper_nb.capture.batch import PAIR, named_batch, samples
         from piper_nb.capture.loss import resolve_loss
         from piper_nb.capture.split import capture_regions
         loss_fn = resolve_loss(self.model, loss_fn, "pn.compile")
@@ -64,11 +67,15 @@ class Spec:
         names = tuple(named) if named is not None else PAIR
         bound = getattr(loss_fn, "__self__", None), getattr(loss_fn, "__func__", loss_fn)
         modes = tuple(m.training for m in self.model.modules())   # eval/train is traced in
-        key = ("capture", id(bound[0]), id(bound[1]), method, names, modes)
+        key = ("capture", id(bound[0]), id(bound[1]), method, names, modes, loss_mean)
         cache = derived(self)
         hit = cache.get(key)
+        if hit is not None and hit[1].samples not in (None, samples(named)):
+            key = (*key, samples(named))   # an export is specialised to its samples' shapes
+            hit = cache.get(key)
         if hit is None or hit[0] is not bound[1]:   # the function kept alive: ids stay its own
-            hit = cache[key] = (bound[1], capture_regions(self, loss_fn, named, method))
+            hit = cache[key] = (bound[1], capture_regions(self, loss_fn, named, method,
+                                                          loss_mean))
         return hit[1]
 
     def __repr__(self) -> str:

@@ -18,7 +18,8 @@ import torch
 
 from piper_nb.errors import PlanError
 
-__all__ = ["PAIR", "named_batch", "batch_size", "slice_batch", "ordered"]
+__all__ = ["PAIR", "named_batch", "batch_size", "samples", "check_samples", "slice_batch",
+           "ordered"]
 
 PAIR = ("inputs", "targets")
 _RESERVED = frozenset({"loss"})
@@ -54,6 +55,29 @@ def named_batch(batch, where: str = "batch") -> dict[str, torch.Tensor]:
 
 def batch_size(named: Mapping[str, torch.Tensor]) -> int:
     return next(iter(named.values())).shape[0]
+
+
+def samples(named: Mapping[str, torch.Tensor]) -> tuple[tuple[str, tuple[int, ...], str], ...]:
+    """What one sample of each tensor is: (name, shape without the batch dim, dtype). A plan
+    is compiled for these (receive buffers, the recorded shapes), as for its batch size."""
+    return tuple((k, tuple(t.shape[1:]), str(t.dtype).removeprefix("torch."))
+                 for k, t in named.items())
+
+
+def check_samples(expected: tuple, named: Mapping[str, torch.Tensor], where: str,
+                  fix: str) -> None:
+    """PlanError when the batch's samples differ from `expected` (a plan's `samples`): a
+    sequence length or dtype the plan was not compiled for. `fix` says what to do."""
+    if not expected:
+        return
+    want = {k: (shape, dtype) for k, shape, dtype in expected}
+    for k, shape, dtype in samples(named):
+        if k in want and want[k] != (shape, dtype):
+            w_shape, w_dtype = want[k]
+            got, exp = (f"shape {list(shape)}", f"{list(w_shape)}") if shape != w_shape else (
+                f"dtype {dtype}", w_dtype)
+            raise PlanError(f"{where}: batch[{k!r}] has per-sample {got} but the plan was "
+                            f"compiled for {exp}; {fix}")
 
 
 def slice_batch(named: Mapping[str, torch.Tensor], part: slice) -> dict[str, torch.Tensor]:

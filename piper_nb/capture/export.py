@@ -28,6 +28,7 @@ import torch
 import torch.fx as fx
 import torch.fx.traceback as fx_traceback
 from torch import nn
+from torch.nn.utils import parametrize
 
 from piper_nb.capture.functions import seen_functions
 from piper_nb.capture.region import tracing_scope
@@ -45,6 +46,7 @@ def export_graph(root: nn.Module, example: dict[str, torch.Tensor], name: str
     if next(iter(example.values())).shape[0] < 2:
         raise PlanError(f"capturing {name} by torch.export needs an example batch of at least "
                         "2 samples (a batch of 1 is specialised); use a larger batch")
+    _check_parametrizations(root, name)
     batch = torch.export.Dim("batch", min=1, max=1 << 20)
     dims = {k: {0: batch} for k in example}
     if tuple(example) == ("inputs", "targets"):
@@ -54,6 +56,8 @@ def export_graph(root: nn.Module, example: dict[str, torch.Tensor], name: str
     try:
         with tracing_scope(), fx_traceback.preserve_node_meta(), seen_functions() as seen:
             program = torch.export.export(root, args, dynamic_shapes=dynamic, strict=False)
+    except PlanError:
+        raise
     except Exception as err:  # export raises many kinds; the user needs the reason and where
         raise PlanError(_export_failure(name, err)) from err
     if seen:
@@ -67,6 +71,25 @@ def export_graph(root: nn.Module, example: dict[str, torch.Tensor], name: str
     _clean(gm.graph)
     gm.recompile()
     return gm
+
+
+def _check_parametrizations(root: nn.Module, name: str) -> None:
+    """A parametrization that updates buffers under no_grad (spectral_norm's power
+    iteration) cannot be exported faithfully: the export keeps the update but not the
+    no_grad, so a worker's forward fails. Say so, with the fix."""
+    for path, m in root.named_modules():
+        if not parametrize.is_parametrized(m):
+            continue
+        for tensor, plist in m.parametrizations.items():
+            for p in plist:
+                if any(True for _ in p.buffers()):
+                    where = path.removeprefix("model.")
+                    raise PlanError(
+                        f"{name}: {where}.{tensor} is parametrized by {type(p).__name__} "
+                        "(spectral_norm), which updates its buffers under no_grad in every "
+                        "forward; torch.export keeps the update but not the no_grad. Capture "
+                        "with torch.fx (capture='fx', an (inputs, targets) batch), or remove "
+                        "the parametrization (torch.nn.utils.parametrize.remove_parametrizations)")
 
 
 def _export_failure(name: str, err: Exception) -> str:
@@ -96,8 +119,7 @@ def _clean(g: fx.Graph) -> None:
                 or n.target is torch.ops.aten._assert_tensor_metadata.default):
             g.erase_node(n)
     out = next(n for n in g.nodes if n.op == "output")
-    (loss,) = out.args[0]                      # the flattened outputs: one loss
-    out.args = (loss,)
+    out.args = (tuple(out.args[0]),)           # the flattened outputs: loss, count, metrics
     g._codegen = fx.graph.CodeGen()            # one plain input per batch tensor
     for n in g.nodes:                          # pn.region scopes -> the tags capture reads
         custom = n.meta.get("custom")

@@ -10,12 +10,14 @@ falls back to export, so a model fx handles is captured as before, in millisecon
 
 from __future__ import annotations
 
+import itertools
 import operator
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch.fx as fx
 from torch import nn
+from torch.nn.utils import parametrize
 
 from piper_nb.capture.batch import PAIR
 from piper_nb.capture.export import export_graph, export_module_path, export_size_nodes
@@ -27,26 +29,54 @@ from piper_nb.errors import PlanError
 __all__ = ["FrontEnd", "front_end", "METHODS"]
 
 
-class _WithLoss(nn.Module):
-    """model + loss on an (inputs, targets) batch: what the graph computes."""
+_TOKENS = itertools.count()
+_RECORDED: dict[int, tuple[str, ...]] = {}   # wrapper token -> its outputs' names
 
-    def __init__(self, model: nn.Module, loss_fn: Callable):
+
+class _WithLoss(nn.Module):
+    """model + loss on an (inputs, targets) batch: what the graph computes. The graph returns
+    `LossParts.flat()`: the loss, then the count ("global") and the metrics, whose names
+    tracing records in `outputs`."""
+
+    def __init__(self, model: nn.Module, loss_fn: Callable, loss_mean: str):
         super().__init__()
         self.model = model
-        self._loss_fn = loss_fn
+        self._loss_fn, self._loss_mean = loss_fn, loss_mean
+        # what tracing records, kept outside the module: export traces a copy of it
+        self._token = next(_TOKENS)
+
+    @property
+    def outputs(self) -> tuple[str, ...]:
+        return _RECORDED.pop(self._token, ())
 
     def forward(self, inputs, targets):
-        return compute_loss(self.model, self._loss_fn, {"inputs": inputs, "targets": targets})
+        return self._flat({"inputs": inputs, "targets": targets})
+
+    def _flat(self, batch: dict) -> tuple:
+        parts = compute_loss(self.model, self._loss_fn, batch, self._loss_mean)
+        _RECORDED[self._token] = parts.names()
+        return parts.flat()
 
 
 class _WithLossOnDict(_WithLoss):
     """model + loss on a dict batch (export flattens it into one input per key, in order)."""
 
     def forward(self, batch):
-        return compute_loss(self.model, self._loss_fn, batch)
+        return self._flat(batch)
 
 
 class _Tracer(fx.Tracer):
+    """fx's tracer, tagging each node with the `pn.region` it was made in. A module with
+    parametrizations (`weight_norm`, `spectral_norm`) is traced through, not called as a
+    leaf: its weight is then computed in the graph from the parametrization's parameters
+    (`a.parametrizations.weight.original0`), which are what trains, as in one process, and
+    the region holds no parametrized module (those pickle only through a state_dict)."""
+
+    def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
+        if parametrize.is_parametrized(m):
+            return False
+        return super().is_leaf_module(m, qualname)
+
     def create_node(self, kind, target, args, kwargs, name=None, type_expr=None):
         node = super().create_node(kind, target, args, kwargs, name, type_expr)
         node.meta["pn_tags"] = current_region_tags()
@@ -67,6 +97,8 @@ def _trace(root: nn.Module, name: str) -> tuple[fx.GraphModule, dict[str, type]]
     with tracing_scope(), keeping_functions(tracer) as functions:
         try:
             graph = tracer.trace(root)
+        except PlanError:   # the model's own words (a loss of the wrong form)
+            raise
         except Exception as err:  # fx raises many kinds; the user needs the reason
             raise PlanError(f"could not trace {name} with torch.fx: {err}. "
                             "Regions are found by tracing; avoid Python control flow on tensor "
@@ -84,13 +116,15 @@ class FrontEnd:
     module_path: Callable[[fx.Node], str]
     size_nodes: Callable[[list[fx.Node]], set[fx.Node]]
     functions: dict = field(default_factory=dict)   # key -> autograd.Function class kept
+    outputs: tuple[str, ...] = ()   # the graph's outputs after the loss (`LossParts.names`)
 
 
 METHODS = ("auto", "fx", "export")
 
 
 def front_end(model: nn.Module, loss_fn: Callable, example: dict | None,
-              method: str, names: tuple[str, ...] = PAIR) -> FrontEnd:
+              method: str, names: tuple[str, ...] = PAIR, loss_mean: str = "microbatch"
+              ) -> FrontEnd:
     """fx symbolic tracing (fast: the models written for it), or torch.export (any model
     whose forward runs on the example batch); "auto" tries fx, then export. A dict batch
     (`names` other than inputs, targets) is always exported."""
@@ -104,16 +138,17 @@ def front_end(model: nn.Module, loss_fn: Callable, example: dict | None,
         method = "export"
     if method != "export":
         try:
-            gm, functions = _trace(_WithLoss(model, loss_fn), name)
-            return FrontEnd("fx", gm, _module_path, _size_nodes, functions)
+            root = _WithLoss(model, loss_fn, loss_mean)
+            gm, functions = _trace(root, name)
+            return FrontEnd("fx", gm, _module_path, _size_nodes, functions, root.outputs)
         except PlanError:
             if method == "fx" or example is None:
                 raise
     if example is None:
         raise PlanError("capture='export' needs the example batch: pass it to spec.capture")
-    root = _WithLoss(model, loss_fn) if names == PAIR else _WithLossOnDict(model, loss_fn)
-    return FrontEnd("export", export_graph(root, example, name), export_module_path,
-                    export_size_nodes)
+    root = (_WithLoss if names == PAIR else _WithLossOnDict)(model, loss_fn, loss_mean)
+    gm = export_graph(root, example, name)
+    return FrontEnd("export", gm, export_module_path, export_size_nodes, outputs=root.outputs)
 
 
 _SIZE_METHODS = frozenset({"size", "dim", "ndimension", "numel", "nelement"})

@@ -128,9 +128,14 @@ def assign_regions(nodes: list[fx.Node], own: dict[fx.Node, dict],
         region_of[n] = r
         graph.depend(r, srcs)
     _follow_users(nodes, weights, region_of, graph)
+    out = nodes[-1] if nodes and nodes[-1].op == "output" else None
+    flat = out.args[0] if out is not None else ()
+    loss = flat[0] if isinstance(flat, (tuple, list)) else flat
     for n in reversed(nodes):
         if n.op in _GLUE and n not in region_of:
             users = {region_of[u] for u in n.users if u in region_of}
+            if not users and out in n.users and loss in region_of:
+                users = {region_of[loss]}   # a count or metric from the targets alone
             if not users:
                 raise PlanError(f"operation {n.name} ({n.target}) belongs to no region; "
                                 "tag the module that computes it")

@@ -23,7 +23,6 @@ their parameters cut into pieces, which the regions then hold (`Capture.named_pa
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -31,20 +30,20 @@ import torch
 import torch.fx as fx
 from torch import nn
 
-from piper_nb.capture.batch import PAIR
+from piper_nb.capture.batch import PAIR, samples
 from piper_nb.capture.experts import cut_pieces, sliced_forwards
 from piper_nb.capture.export import custom_op_modules, rematerialize
 from piper_nb.capture.front_ends import FrontEnd, front_end
-from piper_nb.capture.functions import apply_function
+from piper_nb.capture.region_code import region_module
 from piper_nb.capture.segments import assign_regions
 from piper_nb.errors import PlanError
 from piper_nb.ir.filters import SEG, Tags, freeze_tags, tags_text
+from piper_nb.ir.loss_outputs import COUNT, LOSS, is_loss_output, metric_name
 
 __all__ = ["RegionInfo", "Capture", "capture_regions", "BATCH_INPUT", "BATCH_TARGET", "LOSS",
            "SEG"]
 
 BATCH_INPUT, BATCH_TARGET = PAIR
-LOSS = "loss"
 
 
 @dataclass(frozen=True)
@@ -83,18 +82,22 @@ class Capture:
     functions: dict = field(default_factory=dict)   # custom autograd Functions kept, by key
     batch: tuple[str, ...] = PAIR              # the batch's tensors, as the graph reads them
     imports: tuple[str, ...] = ()              # modules registering custom ops the regions call
+    samples: tuple | None = None               # export: the sample shapes it is specialised to
+    loss_mean: str = "microbatch"              # what the loss region returns (`capture.loss`)
 
     def named_parameters(self) -> list[tuple[str, torch.Tensor]]:
         """The parameters the regions hold: the model's, each stacked parameter of sliced
         experts replaced by its pieces (`capture.experts`), read from the model's tensor
-        now (a view: its current values, device and requires_grad)."""
+        now (a view: its current values, device and requires_grad). A frozen parameter no
+        region reads is not among them."""
+        held = {p for r in self.regions for p in r.params}
         cut: dict[str, list[tuple[str, int, int]]] = {}
         for p, (full, lo, hi, _) in self.pieces.items():
             cut.setdefault(full, []).append((p, lo, hi))
         out = []
         for name, t in self.model.named_parameters():
             out += [(p, t[lo:hi]) for p, lo, hi in cut[name]] if name in cut else [(name, t)]
-        return out
+        return [(n, t) for n, t in out if n in held]
 
     def region_of_tags(self, tags: dict) -> int:
         key = freeze_tags(tags)
@@ -104,55 +107,13 @@ class Capture:
         raise KeyError(tags)
 
 
-_SIZE_DTYPE, _INT_DTYPE = torch.uint8, torch.int8
-
-
-def pack_size(v) -> torch.Tensor:
-    """A size crossing regions as a tensor: a torch.Size (or tuple of ints) becomes a uint8
-    tensor *of that shape*, a non-negative int n an int8 tensor of shape (n,); both are one
-    byte expanded (stride 0), and a tensor of zeros of the recorded shape and dtype decodes
-    to the same size (so profiling with synthetic inputs works). Other numbers travel by
-    value in a 0-d tensor."""
-    one = torch.zeros((), dtype=_SIZE_DTYPE)
-    if isinstance(v, bool):
-        return torch.tensor(v)
-    if isinstance(v, (int, torch.SymInt)):   # a SymInt: a routed count, sized symbolically
-        return one.to(_INT_DTYPE).expand(v) if v >= 0 else torch.tensor(v)
-    if isinstance(v, float):
-        return torch.tensor(v, dtype=torch.float64)
-    return one.expand(tuple(v))
-
-
-class RegionTracer(fx.Tracer):
-    """Re-creates a region GraphModule from its code (as unpickling does): the size helpers
-    `pack_size` and `unpack_size`, and the calls of custom autograd Functions
-    (`capture.functions.apply_function`), stay calls instead of being traced through, and
-    buffers are proxied: an op on a buffer alone (torch.export's `num_batches_tracked.add_(1)`)
-    stays an op instead of running once, at unpickling."""
-
-    proxy_buffer_attributes = True
-
-    def __init__(self, autowrap_modules=(math,), autowrap_functions=()):
-        super().__init__(autowrap_modules, (*autowrap_functions, pack_size, unpack_size,
-                                            apply_function))
-
-
-def unpack_size(t: torch.Tensor):
-    """Inverse of `pack_size`."""
-    if t.dtype == _SIZE_DTYPE:
-        return t.shape
-    if t.dtype == _INT_DTYPE:
-        return t.shape[0]
-    return t.item()
-
-
 def _strip(target: str) -> str:
     """A module path of the traced root as a path of the model."""
     return target.removeprefix("model.")
 
 
 def capture_regions(spec, loss_fn: Callable, example: dict | None = None,
-                    method: str = "auto") -> Capture:
+                    method: str = "auto", loss_mean: str = "microbatch") -> Capture:
     """Capture `spec.model` with `loss_fn` and split it into one GraphModule per region;
     `example` is a named batch (`capture.batch.named_batch`)."""
     model = spec.model
@@ -166,7 +127,8 @@ def capture_regions(spec, loss_fn: Callable, example: dict | None = None,
                         "tokens by value, which needs real weights; build the model on the "
                         "CPU, or plan it without [lo:hi] slices")
     with sliced_forwards(model, slices):
-        front = front_end(model, loss_fn, example, "export" if slices else method, names)
+        front = front_end(model, loss_fn, example, "export" if slices else method, names,
+                          loss_mean)
     gm = front.gm
     pieces = cut_pieces(gm, slices) if slices else {}
     nodes = list(gm.graph.nodes)
@@ -183,7 +145,7 @@ def capture_regions(spec, loss_fn: Callable, example: dict | None = None,
         region_of, tags_of_region = assign_regions(nodes, own)
     holdings = _region_holdings(model, params, gm, nodes, region_of, tags_of_region, front,
                                 {full for full, _, _ in pieces.values()})
-    flow = _cross_region_values(nodes, region_of, front.size_nodes, names)
+    flow = _cross_region_values(nodes, region_of, front.size_nodes, names, front.outputs)
     regions, modules = _build_regions(gm, nodes, region_of, tags_of_region, holdings, flow)
     name_map = flow.name_map
     return Capture(model=model, loss_fn=loss_fn, regions=tuple(regions), modules=tuple(modules),
@@ -191,7 +153,8 @@ def capture_regions(spec, loss_fn: Callable, example: dict | None = None,
                    consumers={name_map.get(v, v): tuple(sorted(cs))
                               for v, cs in flow.consumers.items()},
                    tied=holdings.tied, method=front.method, batch=names,
-                   functions=dict(front.functions),
+                   functions=dict(front.functions), loss_mean=loss_mean,
+                   samples=samples(example) if front.method == "export" else None,
                    imports=custom_op_modules(modules) if front.method == "export" else (),
                    pieces={p: (full, lo, hi, params[p]) for p, (full, lo, hi) in pieces.items()})
 
@@ -265,14 +228,17 @@ def _region_holdings(model: nn.Module, params: dict[str, nn.Parameter], gm: fx.G
                     region_buffers[r][target] = None
         elif front.method == "export" and n in region_of and front.module_path(n):
             region_modules[region_of[n]][front.module_path(n)] = None
-    used = {k: v for k, v in param_ids.items() if v[0] not in pieced}
+    # a frozen parameter forward never reads (a spare head) is left out, as PyTorch leaves it
+    used = {k: v for k, v in param_ids.items() if v[0] not in pieced
+            and (params[v[0]].requires_grad or any(v[0] in ps for ps in region_params.values()))}
     return _Holdings(region_modules, region_params, region_buffers,
                      _tied_params(used, region_params))
 
 
 def _tied_params(param_ids: dict[int, list[str]], region_params: dict[int, dict[str, None]],
                  ) -> dict[str, tuple[int, ...]]:
-    """Parameters held by more than one region; fails on parameters no region uses."""
+    """Parameters held by more than one region; fails on trainable parameters no region
+    uses (their gradient would be None, which PyTorch's DDP refuses as well)."""
     holders: dict[str, list[int]] = {}
     for r, ps in region_params.items():
         for p in ps:
@@ -293,17 +259,36 @@ class _Dataflow:
     consumers: dict[str, set[int]]    # value -> reading regions
     name_map: dict[str, str]          # placeholder name -> the batch tensor's name
     sizes: set[fx.Node]               # nodes computing sizes: packed when they cross
-    loss_node: fx.Node
+    ends: dict[str, fx.Node]          # LOSS, COUNT, metrics (`ir.loss_outputs`) -> node
+
+    @property
+    def loss_node(self) -> fx.Node:
+        return self.ends[LOSS]
+
+
+def loss_ends(nodes: list[fx.Node], outputs: tuple[str, ...]) -> dict[str, fx.Node]:
+    """The graph's outputs by name: LOSS, then `outputs` (`FrontEnd.outputs`); PlanError
+    when one is not computed by the model (a constant count, an input returned)."""
+    out_node = next(n for n in nodes if n.op == "output")
+    flat = out_node.args[0]
+    flat = tuple(flat) if isinstance(flat, (tuple, list)) else (flat,)
+    ends = dict(zip((LOSS, *outputs), flat, strict=True))
+    for name, n in ends.items():
+        if not isinstance(n, fx.Node) or n.op in ("placeholder", "get_attr"):
+            what = metric_name(name) or ("the count" if name == COUNT else "the loss")
+            raise PlanError(f"{what} is not computed from the model's output (a constant or "
+                            "a batch tensor returned as is); compute it with tensor operations "
+                            "on the output and targets, e.g. (labels != -100).sum()")
+    return ends
 
 
 def _cross_region_values(nodes: list[fx.Node], region_of: dict[fx.Node, int],
                          size_nodes: Callable[[list[fx.Node]], set[fx.Node]],
-                         names: tuple[str, ...]) -> _Dataflow:
+                         names: tuple[str, ...], outputs: tuple[str, ...]) -> _Dataflow:
     """The values that cross regions (batch inputs included), who produces and reads them."""
     producer: dict[str, int] = {}
     consumers: dict[str, set[int]] = {}
-    out_node = next(n for n in nodes if n.op == "output")
-    loss_node = out_node.args[0]
+    ends = loss_ends(nodes, outputs)
     for n in nodes:
         if n.op == "placeholder":
             producer[n.name] = -1
@@ -323,7 +308,7 @@ def _cross_region_values(nodes: list[fx.Node], region_of: dict[fx.Node, int],
         raise PlanError(f"batch key {sorted(clash)[0]!r} is also the name of a value inside the "
                         "model; rename that batch entry")
     name_map = dict(zip(placeholders, names, strict=True))
-    return _Dataflow(producer, consumers, name_map, size_nodes(nodes), loss_node)
+    return _Dataflow(producer, consumers, name_map, size_nodes(nodes), ends)
 
 
 def _build_regions(gm: fx.GraphModule, nodes: list[fx.Node], region_of: dict[fx.Node, int],
@@ -338,42 +323,15 @@ def _build_regions(gm: fx.GraphModule, nodes: list[fx.Node], region_of: dict[fx.
         in_names.sort(key=lambda v: nodes.index(by_name[v]))
         out_names = [v for v, p in flow.producer.items() if p == r]
         out_names.sort(key=lambda v: nodes.index(by_name[v]))
-        if flow.loss_node in mine:
-            out_names.append(LOSS)
-        modules.append(_region_module(gm, r, mine, in_names, out_names, by_name, flow))
+        out_names += [name for name, n in flow.ends.items() if n in mine]
+        modules.append(region_module(gm, r, mine, in_names, out_names, by_name, flow.name_map,
+                                     flow.sizes, flow.ends))
         regions.append(RegionInfo(
             index=r, tags=tags_of_region[r], modules=tuple(holdings.modules[r]),
             params=tuple(holdings.params[r]), buffers=tuple(holdings.buffers[r]),
             inputs=tuple(flow.name_map.get(v, v) for v in in_names),
             outputs=tuple(out_names)))
     return regions, modules
-
-
-def _region_module(gm: fx.GraphModule, r: int, mine: list[fx.Node], in_names: list[str],
-                   out_names: list[str], by_name: dict[str, fx.Node], flow: _Dataflow,
-                   ) -> fx.GraphModule:
-    """The GraphModule of region `r`: its ops, reading `in_names` and returning `out_names`."""
-    g = fx.Graph()
-    env: dict[fx.Node, fx.Node] = {}
-    for v in in_names:
-        env[by_name[v]] = g.placeholder(flow.name_map.get(v, v))
-        if by_name[v] in flow.sizes:  # a shape crossing regions travels as a tensor
-            env[by_name[v]] = g.call_function(unpack_size, (env[by_name[v]],))
-
-    def arg(a: fx.Node) -> fx.Node:
-        if a not in env and a.op == "get_attr":
-            env[a] = g.get_attr(a.target)
-        return env[a]
-
-    for n in mine:
-        env[n] = g.node_copy(n, arg)
-    outs = [env[flow.loss_node] if v == LOSS else
-            g.call_function(pack_size, (env[by_name[v]],)) if by_name[v] in flow.sizes else
-            env[by_name[v]] for v in out_names]
-    g.output(tuple(outs))
-    g.lint()
-    g._tracer_cls = RegionTracer  # unpickling re-traces the code: keep the size helpers calls
-    return fx.GraphModule(gm, g, class_name=f"Region{r}")
 
 
 def run_reference(capture: Capture, inputs, targets: torch.Tensor | None = None
@@ -387,6 +345,6 @@ def run_reference(capture: Capture, inputs, targets: torch.Tensor | None = None
         for name, val in zip(info.outputs, outs, strict=True):
             if name == LOSS:
                 loss = val
-            else:
+            elif not is_loss_output(name):
                 values[name] = val
     return loss

@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
 import os
 import re
 import tempfile
@@ -29,6 +30,7 @@ from pathlib import Path
 import torch
 
 from piper_nb.errors import PlanError, RuntimeFailure
+from piper_nb.metrics import StepMetrics
 
 __all__ = ["FORMAT", "Checkpointer", "save", "load", "latest", "checkpoints", "plan_fingerprint",
            "full_state"]
@@ -145,12 +147,13 @@ class Checkpointer:
             return None
         return cls(plan, optimizer, directory, every, resume)
 
-    def restore(self, cluster) -> tuple[int, list[float], list[float]]:
-        """Load the newest checkpoint into the workers when resuming: (step, losses, times).
-        Without one (or without `resume`), (0, [], []): the run starts from the beginning."""
+    def restore(self, cluster) -> tuple[int, list[float], list[float], list[StepMetrics]]:
+        """Load the newest checkpoint into the workers when resuming: (step, losses, times,
+        metrics). Without one (or without `resume`), (0, [], [], []): the run starts from
+        the beginning."""
         path = latest(self.dir) if self.resume else None
         if path is None:
-            return 0, [], []
+            return 0, [], [], []
         obj = load(path)
         if obj["fingerprint"] != self.fingerprint:
             raise PlanError(f"{path} was written by a different plan (world {obj['world']}); resume "
@@ -164,10 +167,20 @@ class Checkpointer:
         empty = {"step": obj["step"], "full": {}, "shards": {}, "optim": {}}
         states += [empty] * (n - len(states))   # ranks beyond the plan's world hold nothing
         _require(cluster, "load_train_state")(self.plan, states)
-        return obj["step"], list(obj["losses"]), list(obj["step_times"])
+        return obj["step"], list(obj["losses"]), list(obj["step_times"]), self.metrics(obj)
+
+    @staticmethod
+    def metrics(path_or_obj) -> list[StepMetrics]:
+        """The `StepMetrics` of the steps a checkpoint covers (an older checkpoint, which
+        kept losses and times only: made from those)."""
+        obj = load(path_or_obj) if isinstance(path_or_obj, (str, os.PathLike)) else path_or_obj
+        if "metrics" in obj:
+            return [StepMetrics(**m) for m in obj["metrics"]]
+        return [StepMetrics(i + 1, loss, t, math.nan)
+                for i, (loss, t) in enumerate(zip(obj["losses"], obj["step_times"], strict=True))]
 
     def after_step(self, cluster, step: int, steps: int, losses: list[float],
-                   times: list[float]) -> Path | None:
+                   times: list[float], metrics: list[StepMetrics] = ()) -> Path | None:
         """Write a checkpoint after `step` when it is due (every `every` steps and the last)."""
         if step % self.every and step != steps:
             return None
@@ -175,7 +188,8 @@ class Checkpointer:
         obj = {"format": FORMAT, "step": step, "data_position": step, "world": self.plan.world,
                "fingerprint": self.fingerprint, "optimizer": _optimizer_record(self.optimizer),
                "losses": [float(x) for x in losses], "step_times": [float(x) for x in times],
-               "workers": states, "torch": str(torch.__version__)}
+               "metrics": [dataclasses.asdict(m) for m in metrics], "workers": states,
+               "torch": str(torch.__version__)}
         path = save(self.dir, obj, self.keep)
         self.written.append(path)
         return path

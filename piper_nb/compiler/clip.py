@@ -18,15 +18,14 @@ all-reduce (8 bytes) and the memory model holds its buffer from issue to WAIT.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 
 from piper_nb.compiler.checks import check_plan
+from piper_nb.compiler.scalar_reduce import before_updates
 from piper_nb.errors import PlanError
-from piper_nb.ir.kinds import Op, Purpose
+from piper_nb.ir.kinds import Purpose
 from piper_nb.plan.clipping import has_norm_step
-from piper_nb.plan.instr import Instr
-from piper_nb.plan.plan import DevicePlan, Plan, StampedDevicePlan
+from piper_nb.plan.plan import Plan
 
 __all__ = ["with_grad_clipping"]
 
@@ -46,59 +45,9 @@ def with_grad_clipping(plan: Plan, max_norm: float | None) -> Plan:
     if has:
         return plan if plan.clip_grad_norm == max_norm else \
             dataclasses.replace(plan, clip_grad_norm=float(max_norm))
-    out = dataclasses.replace(plan, devices=_rewrite_all(plan), clip_grad_norm=float(max_norm))
+    out = dataclasses.replace(plan, devices=before_updates(plan, Purpose.NORM),
+                              clip_grad_norm=float(max_norm))
     check_plan(out)
     return out
 
 
-def _rewrite_all(plan: Plan) -> tuple[DevicePlan, ...]:
-    """Every device rewritten; a replica stamped from a template stays stamped (from the
-    rewritten template, by the rewrite of what its stamper makes), so a plan of thousands
-    of replicas still holds one list per class."""
-    group = tuple(range(plan.world))
-    made = {id(dp.instrs): _rewrite(dp.instrs, group) for dp in plan.devices if dp.stamp is None}
-    out = []
-    for dp in plan.devices:
-        if dp.stamp is None:
-            out.append(DevicePlan(dp.device, made[id(dp.instrs)]))
-        elif id(dp.stamp[0]) in made:
-            out.append(StampedDevicePlan(dp.device, made[id(dp.stamp[0])],
-                                         functools.partial(_restamp, dp.stamp[1], group)))
-        else:
-            out.append(DevicePlan(dp.device, _rewrite(dp.instrs, group)))
-    return tuple(out)
-
-
-def _restamp(stamper, group: tuple[int, ...], device: int) -> tuple[Instr, ...]:
-    return _rewrite(stamper(device), group)
-
-
-def _rewrite(instrs: tuple[Instr, ...], group: tuple[int, ...]) -> tuple[Instr, ...]:
-    """Updates and their dependents after everything else, the norm all-reduce before them."""
-    late: set[int] = set()
-    updated: set[int] = set()
-    for k, ins in enumerate(instrs):
-        if ins.kind == Op.U:
-            late.add(k)
-            updated.update(ins.buckets)
-        elif ins.kind == Op.ALL_GATHER and ins.purpose == Purpose.PARAM and ins.bucket in updated \
-                and ins.mb < 0:
-            late.add(k)   # a ZeRO-1/2 gather of the shards just updated
-        elif ins.kind == Op.WAIT and ins.target in late:
-            late.add(k)
-    early = [k for k in range(len(instrs)) if k not in late]
-    order = early + [-1, -2] + sorted(late)
-    where = {old: new for new, old in enumerate(order)}
-    norm = Instr(Op.ALL_REDUCE, node="norm", stream="dp", group=group, purpose=Purpose.NORM)
-    out = []
-    for old in order:
-        if old == -1:
-            out.append(norm)
-        elif old == -2:
-            out.append(Instr(Op.WAIT, node="norm", stream="dp", target=where[-1]))
-        else:
-            ins = instrs[old]
-            if ins.kind == Op.WAIT:
-                ins = dataclasses.replace(ins, target=where[ins.target])
-            out.append(ins)
-    return tuple(out)

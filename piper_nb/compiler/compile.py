@@ -16,11 +16,13 @@ from collections.abc import Callable, Iterable
 import torch
 
 from piper_nb.capture.annotate import Spec
-from piper_nb.capture.batch import batch_size, named_batch, slice_batch
+from piper_nb.capture.batch import batch_size, named_batch, samples, slice_batch
+from piper_nb.capture.loss import check_loss_mean
 from piper_nb.capture.untouched import untouched
 from piper_nb.compiler.buffers import check_buffer_order, check_buffers
 from piper_nb.compiler.checks import check_plan
 from piper_nb.compiler.clip import with_grad_clipping
+from piper_nb.compiler.global_loss import with_global_loss
 from piper_nb.compiler.lower import lower
 from piper_nb.compiler.passes import run_pipeline
 from piper_nb.compiler.precision import cast_batch, cast_spec, check_precision
@@ -64,7 +66,7 @@ def build_global_dag(capture, directives: list[tuple[int, Directive]], values: d
 def compile(spec: Spec, program: Program | Iterable, batch, *, loss_fn: Callable | None = None,
             world: int | None = None, check: bool = True, capture: str = "auto",
             clip_grad_norm: float | None = None, precision: str = "fp32",
-            reduce_dtype: str | None = None) -> Plan:
+            reduce_dtype: str | None = None, loss_mean: str = "microbatch") -> Plan:
     """Compile `program` for `spec` on `batch` into a checked Plan (raises PlanError).
 
     `capture` picks the front end that cuts the model into regions: "fx" (symbolic
@@ -74,10 +76,17 @@ def compile(spec: Spec, program: Program | Iterable, batch, *, loss_fn: Callable
     all-reduce before the updates), so simulations see it; `pn.train` can also add it.
     `precision="bf16"` compiles for bf16 weights, activations and gradients with fp32 master
     weights and optimizer state; gradients are reduced in `reduce_dtype` ("fp32" by
-    default, or "bf16"). See `compiler.precision`."""
+    default, or "bf16"). See `compiler.precision`.
+    `loss_mean` is what the step minimises: "microbatch" (the default), the mean of the
+    microbatches' mean losses (of each replica's share under data parallelism: see
+    `Plan.reference_microbatches`), as `torch.distributed.pipelining` computes it; or
+    "global", the loss over the whole batch, equal for every plan: a Hugging Face model's
+    token mean over all its labels, or a `loss_fn` returning (sum, count). See
+    `capture.loss` and `compiler.global_loss`."""
     mixed = check_precision(precision, reduce_dtype)
+    check_loss_mean(loss_mean)
     with _gc_paused():
-        plan = _compile(spec, program, batch, loss_fn, world, check, capture, mixed)
+        plan = _compile(spec, program, batch, loss_fn, world, check, capture, mixed, loss_mean)
         return with_grad_clipping(plan, clip_grad_norm)
 
 
@@ -94,34 +103,45 @@ def _gc_paused():
             gc.enable()
 
 
-def _compile(spec, program, batch, loss_fn, world, check, method, mixed) -> Plan:
+def _compile(spec, program, batch, loss_fn, world, check, method, mixed, loss_mean) -> Plan:
     if not isinstance(spec, Spec):
         raise PlanError("compile takes the Spec returned by pn.annotate(model, {...})")
-    named = cast_batch(named_batch(batch, "pn.compile"), mixed[0])
+    user = named_batch(batch, "pn.compile")
+    named = cast_batch(user, mixed[0])
     spec = cast_spec(spec, mixed[0])
     directives = expand(program)
-    capture = spec.capture(loss_fn, named, method)
-    return _plan(capture, directives, named, world, check, mixed)
+    capture = spec.capture(loss_fn, named, method, loss_mean)
+    return _plan(capture, directives, named, world, check, mixed, samples(user), spec)
 
 
 def rebatch(plan: Plan, batch) -> Plan:
-    """`plan`'s program compiled for a batch of another size (a loader's last, smaller
-    batch): the same capture, directives and world, so the same devices, buckets and
-    parameter layouts; PlanError when the microbatches or replicas do not divide it."""
+    """`plan`'s program compiled for another batch: of another size (a loader's last, smaller
+    batch) or other samples (a sequence length the collator padded to); the same
+    directives and world, so the same devices, buckets and parameter layouts. An export
+    capture, specialised to its example's sample shapes, is made again for new ones (fx
+    graphs hold for any). PlanError when the microbatches or replicas do not divide it."""
     if plan.capture is None:
         raise PlanError("this plan carries no captured model; compile it with pn.compile")
-    named = cast_batch(named_batch(batch, "rebatch"), plan.precision)
+    user = named_batch(batch, "rebatch")
+    named = cast_batch(user, plan.precision)
     if tuple(named) != plan.batch_names:
         raise PlanError(f"the batch has {list(named)} but the plan was compiled for "
                         f"{list(plan.batch_names)}")
+    capture = plan.capture
+    if capture.method == "export" and samples(user) != plan.samples:
+        if plan.spec is None:
+            raise PlanError("this plan was exported for other sample shapes and carries no "
+                            "Spec to export again; compile it for this batch with pn.compile")
+        capture = plan.spec.capture(capture.loss_fn, named, "export", capture.loss_mean)
     with _gc_paused():
-        new = _plan(plan.capture, plan.program, named, plan.world, True,
-                    (plan.precision, plan.reduce_dtype))
+        new = _plan(capture, plan.program, named, plan.world, True,
+                    (plan.precision, plan.reduce_dtype), samples(user), plan.spec)
         return with_grad_clipping(new, plan.clip_grad_norm)
 
 
 def _plan(capture, directives, named: dict, world: int | None, check: bool,
-          mixed: tuple[str, str | None] = ("fp32", None)) -> Plan:
+          mixed: tuple[str, str | None] = ("fp32", None), sampled: tuple = (),
+          spec: Spec | None = None) -> Plan:
     """Lower and check the directives for the captured model on the named batch."""
     bsz = batch_size(named)
     micro = _microbatches(directives, bsz)
@@ -149,10 +169,12 @@ def _plan(capture, directives, named: dict, world: int | None, check: bool,
         saved_rows=shapes["saved_rows"],
         params={k: (tuple(p.shape), str(p.dtype).removeprefix("torch."))
                 for k, p in capture.named_parameters()},
-        frozen=tuple(sorted(frozen)), batch_names=capture.batch,
+        frozen=tuple(sorted(frozen)), batch_names=capture.batch, samples=sampled, spec=spec,
         precision=mixed[0], reduce_dtype=mixed[1],
         pieces={p: tuple(v[:3]) for p, v in getattr(capture, "pieces", {}).items()},
         dag=dag, program=directives, capture=capture)
+    if capture.loss_mean == "global":
+        plan = with_global_loss(plan)
     check_buffer_order(plan, shapes["changed"])
     if check:
         check_plan(plan)

@@ -33,7 +33,6 @@ from piper_nb.ir.kinds import PASSES, EdgeKind, Op, Purpose
 
 __all__ = ["Flow", "Asymmetric"]
 
-_LOSS = "loss"                              # capture.split's LOSS
 
 
 class Asymmetric(Exception):
@@ -238,7 +237,7 @@ class Flow:
     def issued(self, d: int, i: int, ins) -> None:
         """A reduction or exchange is issued: what it takes from this member, now (clipping's
         all-reduce of the gradient norm moves no gradient: not followed)."""
-        if ins.is_norm:
+        if ins.is_scalar:
             return
         seq = self.coll_next[d][ins.group]
         self.coll_next[d][ins.group] = seq + 1

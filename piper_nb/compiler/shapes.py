@@ -12,6 +12,7 @@ import torch
 
 from piper_nb.capture.split import LOSS
 from piper_nb.errors import PlanError
+from piper_nb.ir.loss_outputs import COUNT, is_loss_output, metric_name
 from piper_nb.plan.sizes import SavedBytes, ValueInfo, storage_key
 
 __all__ = ["propagate", "region_args"]
@@ -35,6 +36,11 @@ def region_args(info, vals: dict, batch: frozenset[str]) -> list[torch.Tensor]:
     return args
 
 
+def _described(batch: dict[str, torch.Tensor]) -> str:
+    return ", ".join(f"{k} {list(t.shape)} {str(t.dtype).removeprefix('torch.')}"
+                     for k, t in batch.items())
+
+
 def propagate(capture, batch: dict[str, torch.Tensor]):
     """-> (values: name -> ValueInfo, saved: region -> bytes, loss value, changed: region ->
     the buffers its forward changes, such as BatchNorm's running statistics), running the
@@ -50,7 +56,13 @@ def propagate(capture, batch: dict[str, torch.Tensor]):
         args = region_args(info, vals, names)
         before = {n: b.detach().clone() for n, b in mod.named_buffers()}
         with SavedBytes(exclude | {storage_key(a) for a in args}) as counter:
-            outs = mod(*args)
+            try:
+                outs = mod(*args)
+            except PlanError:
+                raise
+            except Exception as err:   # PyTorch's own words, with where and on what
+                raise PlanError(f"region {info.name} fails on the example batch "
+                                f"({_described(batch)}): {type(err).__name__}: {err}") from err
         saved[info.index] = counter.bytes
         moved = [n.removeprefix("model.") for n, b in mod.named_buffers()   # (meta: unknown)
                  if n in before and not b.is_meta and not torch.equal(b, before[n])]
@@ -61,6 +73,11 @@ def propagate(capture, batch: dict[str, torch.Tensor]):
                 raise PlanError(f"value {name!r} leaves region {info.name} but is a "
                                 f"{type(out).__name__}, not a tensor; move the cut so only "
                                 "tensors cross regions")
+            if is_loss_output(name) and out.numel() != 1:
+                what = metric_name(name) or ("the count" if name == COUNT else "the loss")
+                raise PlanError(f"{what} is a tensor of shape {list(out.shape)}, computed in "
+                                f"region {info.name}; a loss (and each count or metric) must "
+                                "be a scalar: reduce it, e.g. .mean() or reduction='mean'")
             if name == LOSS:
                 loss = out
             vals[name] = out

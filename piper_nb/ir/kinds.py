@@ -46,6 +46,7 @@ class Purpose(StrEnum):
     DISPATCH = "dispatch"            # an all-to-all carrying tokens to the experts
     COMBINE = "combine"              # an all-to-all bringing the experts' outputs back
     NORM = "norm"                    # the all-reduce of the squared gradient norm (clipping)
+    COUNT = "count"                  # the all-reduce of the global-batch loss's count
 
     def __str__(self) -> str:
         return self.value

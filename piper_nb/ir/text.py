@@ -33,6 +33,8 @@ always a microbatch.
                     (ZeRO-3: one gather before every pass, so `b0:AG@F0 b0:AG@B0`)
     norm:AR         all-reduce of the squared gradient norm before the updates
                     (`clip_grad_norm`)
+    count:AR        all-reduce of the global-batch loss's count before the updates
+                    (`loss_mean="global"`)
     r0:DISPATCH_F1  all-to-all sending microbatch 1's tokens from region 0 to the experts
     r3:COMBINE_F1   all-to-all bringing the experts' outputs back to region 3
     r3:DISPATCH_B1  r0:COMBINE_B1   the same two exchanges carrying gradients, backwards
@@ -106,8 +108,8 @@ def instr_text(ins: Any) -> str:
         return f"{scope}{k}_{'B' if ins.grad else 'F'}{_mb(ins)}{arrow}{ins.peer}"
     if k == Op.ALL_TO_ALL and ins.purpose in (Purpose.DISPATCH, Purpose.COMBINE):
         return f"{scope}{ins.purpose.upper()}_{'B' if ins.grad else 'F'}{_mb(ins)}"
-    if k in SHORT and ins.purpose == Purpose.NORM:   # clipping's all-reduce of the gradient norm
-        return f"norm:{SHORT[k]}"
+    if k in SHORT and ins.purpose in (Purpose.NORM, Purpose.COUNT):   # clipping's norm, the
+        return f"{ins.purpose}:{SHORT[k]}"                            # global loss's count
     if k in SHORT:
         if ins.bucket < 0:                  # not over a bucket (hand-written plans)
             return f"{scope}{SHORT[k]}" + (f"@{ins.mb}" if ins.mb >= 0 else "")

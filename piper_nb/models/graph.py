@@ -2,7 +2,8 @@
 
 Real models are not chains: an encoder's output is read by every decoder layer, U-Nets
 and DenseNets skip ahead, embeddings are tied to the output head, some layers are frozen,
-BatchNorm keeps running statistics, a module is called twice. `StageGraph(GraphSpec(...))`
+BatchNorm keeps running statistics, a module is called twice, a layer applies a custom
+autograd Function, some layers are in eval mode. `StageGraph(GraphSpec(...))`
 builds such a model from a small description, one `stages.i` module per pipeline stage,
 and `GraphSpec.draw(rng, stages)` draws a random one (the differential fuzzer in
 `tests/fuzz` does). Everything is seeded; `annotation()` tags stage i with `PP: i`.
@@ -19,7 +20,7 @@ from torch import nn
 
 from ._common import seeded
 
-__all__ = ["GraphSpec", "StageGraph", "ACTIVATIONS"]
+__all__ = ["GraphSpec", "StageGraph", "ACTIVATIONS", "StraightClamp"]
 
 ACTIVATIONS = {"tanh": nn.Tanh, "relu": nn.ReLU, "gelu": nn.GELU, "sigmoid": nn.Sigmoid,
                "silu": nn.SiLU, "identity": nn.Identity}
@@ -42,6 +43,9 @@ class GraphSpec:
     scales: tuple[int, ...] = ()                 # stages scaled by a constant buffer
     dropout: float = 0.0                         # after every stage
     shared: tuple[int, int] | None = None        # (a, b): `shared` runs after stages a and b
+    functions: tuple[int, ...] = ()              # stages clamped by `StraightClamp` after their Linear
+    eval_stages: tuple[int, ...] = ()            # stages in eval mode (BatchNorm on running stats)
+    eval_dropout: bool = False                   # the dropout module in eval mode (off)
     seed: int = 0
 
     def __post_init__(self):
@@ -59,6 +63,10 @@ class GraphSpec:
             raise ValueError(f"GraphSpec: acts needs one of {sorted(ACTIVATIONS)} per stage")
         if self.shared is not None and not 0 <= self.shared[0] < self.shared[1] < n:
             raise ValueError(f"GraphSpec: shared ({self.shared}) needs 0 <= a < b < {n}")
+        for name in ("functions", "eval_stages"):
+            bad = [i for i in getattr(self, name) if not 0 <= i < n]
+            if bad:
+                raise ValueError(f"GraphSpec: {name} {bad} are not stages 0..{n - 1}")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"GraphSpec: dropout must be in [0, 1), got {self.dropout}")
 
@@ -90,6 +98,19 @@ class GraphSpec:
                    frozen=frozen, norms=pick(0.25) if norms else (), scales=pick(0.2),
                    dropout=rng.choice([0.1, 0.3]) if dropout else 0.0, shared=share,
                    seed=rng.randrange(2**31))
+
+
+class StraightClamp(torch.autograd.Function):
+    """Clamps to [-1, 1] forward; passes the gradient through unchanged backward (a
+    straight-through estimator): its backward is not the gradient of its forward."""
+
+    @staticmethod
+    def forward(ctx, h):
+        return h.clamp(-1.0, 1.0)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
 
 
 class _Stage(nn.Module):
@@ -128,6 +149,10 @@ class StageGraph(nn.Module):
         self.act = (nn.ModuleList(ACTIVATIONS[a]() for a in acts) if spec.act_modules else None)
         self._acts = acts
         self.drop = nn.Dropout(spec.dropout) if spec.dropout else None
+        for i in spec.eval_stages:
+            self.stages[i].eval()
+        if self.drop is not None and spec.eval_dropout:
+            self.drop.eval()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         spec, outs, h = self.spec, [], x
@@ -136,6 +161,8 @@ class StageGraph(nn.Module):
                 if b == i:
                     h = h + outs[a]
             h = stage(h)
+            if i in spec.functions:
+                h = StraightClamp.apply(h)
             h = self.act[i](h) if self.act is not None else _ACT_FN[self._acts[i]](h)
             if self.drop is not None:
                 h = self.drop(h)
@@ -154,9 +181,14 @@ class StageGraph(nn.Module):
             out["shared"] = {"PP": self.spec.shared[0]}
         return out
 
-    def example_batch(self, batch_size: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    def example_batch(self, batch_size: int, seed: int = 0, length: int | None = None
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(inputs, targets) of `batch_size` samples; with `length`, each sample a sequence
+        of `length` vectors (no BatchNorm stage then: it normalizes (N, dim) batches)."""
         g = torch.Generator().manual_seed(seed)
-        x = torch.randn(batch_size, self.spec.dim, generator=g)
+        shape = (batch_size, self.spec.dim) if length is None else (batch_size, length,
+                                                                    self.spec.dim)
+        x = torch.randn(*shape, generator=g)
         w = torch.randn(self.spec.dim, self.spec.dim, generator=g) / self.spec.dim ** 0.5
         return x, torch.tanh(x @ w)
 

@@ -66,6 +66,16 @@ class Instr:
         """Clipping's all-reduce of this device's share of the squared gradient norm."""
         return self.kind == Op.ALL_REDUCE and self.purpose == Purpose.NORM
 
+    @property
+    def is_count(self) -> bool:
+        """The global-batch loss's all-reduce of what this device's losses count."""
+        return self.kind == Op.ALL_REDUCE and self.purpose == Purpose.COUNT
+
+    @property
+    def is_scalar(self) -> bool:
+        """An all-reduce of one float64 (the norm or the count): no gradient, no bucket."""
+        return self.is_norm or self.is_count
+
     def __str__(self) -> str:
         return instr_text(self)
 

@@ -101,13 +101,16 @@ class Plan:
     params: dict = field(default_factory=dict)        # name -> (shape, dtype)
     frozen: tuple[str, ...] = ()    # parameters without requires_grad: never updated
     batch_names: tuple[str, ...] = ("inputs", "targets")   # the batch's tensors, in order
+    samples: tuple = ()             # (name, per-sample shape, dtype) the plan is compiled for
     pieces: dict = field(default_factory=dict)  # expert piece -> (stacked param, lo, hi)
     clip_grad_norm: float | None = None   # max global gradient norm (`compiler.clip`)
     precision: str = "fp32"         # "bf16": bf16 weights, activations, grads; fp32 masters
     reduce_dtype: str | None = None  # dtype gradients are reduced in (None: the grads')
+    loss_mean: str = "microbatch"   # "global": the loss over the whole batch (`compiler.global_loss`)
     dag: Any = None
     program: Any = None
     capture: Any = None
+    spec: Any = field(default=None, compare=False, repr=False)   # what a new shape re-captures
     # the stream program to run instead of the one lowered from `devices` (None: lowered);
     # set only to run a hand-made program, such as a test's negative control
     stream_program: Any = field(default=None, compare=False, repr=False)
@@ -186,6 +189,15 @@ class Plan:
         schedule CSV (`0F1`, stage = PP index); see `piper_nb.schedules.torch_csv`."""
         return plan_to_torch_csv(self, devices)
 
+    @property
+    def reference_microbatches(self) -> int:
+        """The `microbatches` with which `pn.reference_train` (one process) trains as this
+        plan does. The step's loss is the mean of one mean per slice the loss region runs
+        on: per microbatch, and per replica within it when the loss region is replicated,
+        in batch order; so a PP x DP plan equals the reference with microbatches x replicas.
+        Under `loss_mean="global"` the loss is the whole batch's whatever the slicing: 1."""
+        return 1 if self.loss_mean == "global" else round(1 / self.loss_scale)
+
     def __repr__(self) -> str:
         n = sum(len(d.stamp[0]) if d.stamp else len(d.instrs) for d in self.devices)
         return (f"Plan(world={self.world}, microbatches={self.microbatches}, "
@@ -207,10 +219,12 @@ class Plan:
             "params": {k: {"shape": list(s), "dtype": d} for k, (s, d) in self.params.items()},
             "frozen": list(self.frozen),
             "batch_names": list(self.batch_names),
+            "samples": [[k, list(shape), dtype] for k, shape, dtype in self.samples],
             "pieces": {k: list(v) for k, v in self.pieces.items()},
             **({"clip_grad_norm": self.clip_grad_norm} if self.clip_grad_norm is not None else {}),
             **({"precision": self.precision, "reduce_dtype": self.reduce_dtype}
                if self.precision != "fp32" else {}),
+            **({"loss_mean": self.loss_mean} if self.loss_mean != "microbatch" else {}),
             "devices": [[i.to_json() for i in dp.instrs] for dp in self.devices],
         }, indent=indent)
 
@@ -235,9 +249,12 @@ class Plan:
                    params={k: (tuple(v["shape"]), v["dtype"]) for k, v in obj["params"].items()},
                    frozen=tuple(obj.get("frozen", ())),
                    batch_names=tuple(obj.get("batch_names", ("inputs", "targets"))),
+                   samples=tuple((k, tuple(shape), dtype)
+                                 for k, shape, dtype in obj.get("samples", ())),
                    pieces={k: tuple(v) for k, v in obj.get("pieces", {}).items()},
                    clip_grad_norm=obj.get("clip_grad_norm"),
-                   precision=obj.get("precision", "fp32"), reduce_dtype=obj.get("reduce_dtype"))
+                   precision=obj.get("precision", "fp32"), reduce_dtype=obj.get("reduce_dtype"),
+                   loss_mean=obj.get("loss_mean", "microbatch"))
 
 
 def columns_text(cols: list[list[str]], mark: dict[int, int] | None = None) -> str:

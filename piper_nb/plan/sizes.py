@@ -98,7 +98,7 @@ def bucket_bytes(plan, bucket: int) -> int:
 
 def message_bytes(plan, ins) -> int:
     """Bytes one SEND/RECV or collective moves (a collective: its full buffer)."""
-    if ins.is_norm:
+    if ins.is_scalar:
         return NORM_BYTES
     if 0 <= ins.bucket < len(plan.buckets):
         full = bucket_bytes(plan, ins.bucket)

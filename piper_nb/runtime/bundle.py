@@ -51,7 +51,7 @@ def make_bundle(plan) -> bytes:
     if cap is None:
         raise PlanError("this plan carries no captured model (it was loaded from JSON?); "
                         "compile it with pn.compile(spec, program, batch) to train it")
-    tables = dataclasses.replace(plan, dag=None, program=None, capture=None)
+    tables = dataclasses.replace(plan, dag=None, program=None, capture=None, spec=None)
     init = {n: p.detach().clone() for n, p in cap.named_parameters()}
     inner = pickle.dumps(Bundle(tables, tuple(cap.modules), init, param_aliases(cap.model)))
     # custom autograd Functions the regions call, by value where they are not importable

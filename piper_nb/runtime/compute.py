@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import torch
 
-from piper_nb.capture.split import LOSS
 from piper_nb.ir.kinds import Op
+from piper_nb.ir.loss_outputs import LOSS, is_loss_output
 from piper_nb.plan.sizes import SavedBytes
 from piper_nb.runtime.buffers import seed_forward
 from piper_nb.runtime.layout import batch_part
@@ -36,7 +36,8 @@ class ComputePasses:
     """The compute instructions of a `Worker`, which holds what they use: `plan`, `rank`,
     `device`, `modules` (region -> module), `store` (parameters), `values` (activations,
     gradients, stashes), `needs` (region -> ZeRO-3 buckets), `updater`, `seed`,
-    `step_no`, `tracing`, and per step `batch`, `parts` and `losses`."""
+    `step_no`, `tracing`, and per step `batch`, `parts`, `losses` and `ends` (the count and
+    metrics each forward of the loss region returned, by name)."""
 
     def run(self, ins) -> None:
         """Run one compute instruction (F, B, BI, BW or U) as the step loop does."""
@@ -79,6 +80,8 @@ class ComputePasses:
         for name, out in outputs.items():
             if name == LOSS:
                 self.losses.append(out.detach())
+            elif is_loss_output(name):   # the count, a metric: reported, not sent
+                self.ends.setdefault(name, []).append(out.detach())
             else:   # a size crossing regions is made on the host (`pack_size`): move it
                 self.values.acts[(name, mb)] = on_device(out, self.device)
         if ins.recompute:

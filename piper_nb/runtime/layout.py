@@ -15,7 +15,9 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["Layout", "bucket_layouts", "batch_part", "assemble_state"]
+from piper_nb.optim import shard_pieces
+
+__all__ = ["Layout", "bucket_layouts", "batch_part", "assemble_state", "assemble_optim_state"]
 
 
 @dataclass(frozen=True)
@@ -117,3 +119,41 @@ def assemble_state(plan, per_device: list[dict]) -> dict[str, torch.Tensor]:
     for st in per_device:
         full.update(st.get("buffers", {}))
     return full
+
+
+def assemble_optim_state(plan, per_device: list[dict], group_of) -> dict[str, dict]:
+    """Canonical parameter name -> its full optimizer state (`exp_avg`, `step`, ...), from
+    each worker's `train_state()`: a parameter updated whole gives its state as it is (the
+    replicas hold equal copies); ZeRO shards give theirs piece by piece (`optim.shard_pieces`,
+    `group_of` the optimizer's groups), laid back into the bucket's flat order and cut into
+    parameters, as the shards of the parameters are. bf16 master weights are left out."""
+    out: dict[str, dict] = {}
+    layouts = bucket_layouts(plan)
+    flats: dict[tuple[int, str], torch.Tensor] = {}
+    scalars: dict[int, dict] = {}
+    for rank, st in enumerate(per_device):
+        for key, state in st.get("optim", {}).items():
+            if isinstance(key, str):
+                out.setdefault(key, dict(state))
+            elif key[0] == "bucket":
+                _, b, first = key
+                lay = layouts[b]
+                pos = lay.position(rank)
+                sizes = [(n, math.prod(s)) for n, s in zip(lay.names, lay.shapes, strict=True)]
+                lo, hi = next((p[1], p[2]) for p in shard_pieces(sizes, lay.shard, pos, group_of)
+                              if p[0] == first)
+                for k, v in state.items():
+                    if isinstance(v, torch.Tensor) and v.dim() == 1 and v.numel() == hi - lo:
+                        flat = flats.setdefault((b, k), torch.zeros(lay.padded, dtype=v.dtype))
+                        flat[pos * lay.shard + lo:pos * lay.shard + hi] = v
+                    else:
+                        scalars.setdefault(b, {}).setdefault(k, v)
+    for (b, k), flat in flats.items():
+        for name, view in zip(layouts[b].names, layouts[b].views(flat), strict=True):
+            out.setdefault(name, {})[k] = view.clone()
+    for b, values in scalars.items():
+        for name in layouts[b].names:
+            if name in out:
+                for k, v in values.items():
+                    out[name].setdefault(k, v.clone() if isinstance(v, torch.Tensor) else v)
+    return dict(sorted(out.items()))

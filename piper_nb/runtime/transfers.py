@@ -32,7 +32,8 @@ class Transfers:
             t = comm.recv(self.recv_specs[idx], ins.peer, ins.tag, key)
             return t, Memory.ACTIVATIONS, t.bufs, None
         if ins.kind == Op.ALL_REDUCE:
-            flat = self.updater.norm_share() if ins.is_norm else self._to_reduce(ins.bucket)
+            flat = (self.updater.norm_share() if ins.is_norm else self.count_share()
+                    if ins.is_count else self._to_reduce(ins.bucket))
             t = comm.all_reduce(flat, key)
             return t, Memory.BUFFERS, t.bufs, None
         if ins.kind == Op.REDUCE_SCATTER:

@@ -41,6 +41,7 @@ class Updater:
         self.mixed = plan.precision != "fp32"    # fp32 masters for low-precision parameters
         self.norm_tensor: torch.Tensor | None = None
         self.coef: torch.Tensor | None = None
+        self.count_tensor: torch.Tensor | None = None   # loss_mean="global": the batch's count
         mine = {b for i in instrs if i.kind == Op.U for b in i.buckets}
         self.full = {n for i in instrs if i.kind == Op.U for n in i.params}
         self.pieces = {b: self._pieces(b, spec.group_of) for b in mine}
@@ -82,9 +83,10 @@ class Updater:
 
     def _step(self, items: list[tuple]) -> None:
         groups, state = self.opt.param_groups, self.store.state
+        factor = self._factor()
         for key, g, t, grad in items:
-            if self.coef is not None:
-                grad.mul_(self.coef.to(grad.dtype))
+            if factor is not None:
+                grad.mul_(factor.to(grad.dtype))
             if t.grad is not grad:
                 t.grad = grad
             groups[min(g, len(groups) - 1)]["params"].append(t)
@@ -103,14 +105,35 @@ class Updater:
         if self.sched is not None:
             self.sched.step()
         self.coef = None
+        self.count_tensor = None
 
     def lr(self) -> float:
         """The default group's learning rate (the one this step used, before `end_step`)."""
         return float(self.opt.param_groups[-1]["lr"])
 
+    def _factor(self) -> torch.Tensor | None:
+        """What U multiplies the gradients by: 1 / the count (global loss), then the clip."""
+        scale = None if self.count_tensor is None else 1.0 / self.count_tensor
+        if self.coef is None:
+            return scale
+        return self.coef if scale is None else (scale * self.coef.double())
+
+    # -- the global-batch loss --
+    def set_count(self, total: torch.Tensor) -> None:
+        """The all-reduced count of the whole batch (`compiler.global_loss`): U divides the
+        gradients by it, and the norm is the norm of the divided gradients."""
+        self.count_tensor = total.reshape(()).double()
+
+    @property
+    def count(self) -> float | None:
+        """The step's count (read after the step: a host sync there)."""
+        t = self.count_tensor
+        return None if t is None else float(t)
+
     # -- clipping --
     def norm_share(self) -> torch.Tensor:
-        """This device's weighted share of the squared global gradient norm (float64)."""
+        """This device's weighted share of the squared global gradient norm (float64), of
+        the gradients divided by the count under the global-batch loss."""
         total = torch.zeros(1, dtype=torch.float64, device=self.store.device)
         w = self.weights
         for n in sorted(self.full):
@@ -123,6 +146,8 @@ class Updater:
                 continue
             for name, lo, hi, _ in self.params_of[b]:
                 total += w[name] * grad[lo:hi].double().square().sum()
+        if self.count_tensor is not None:
+            total = total / self.count_tensor.square()
         return total
 
     def set_norm(self, total: torch.Tensor) -> None:

@@ -19,6 +19,7 @@ import os
 import torch
 
 from piper_nb.ir.kinds import P2P, PASSES, Held, Memory, Op
+from piper_nb.ir.loss_outputs import COUNT, metric_name
 from piper_nb.optim import check_optimizer
 from piper_nb.plan.instr import parse_free
 from piper_nb.plan.precision import PRECISIONS
@@ -179,7 +180,8 @@ class Worker(ComputePasses, Transfers):
         events, memory = rec.resolve()
         out = {"loss": loss, "end": self.clock.resolve(end), "events": events,
                "memory": memory, "leftover": leftover, "lr": self.updater.lr(),
-               "grad_norm": self.updater.norm}
+               "grad_norm": self.updater.norm, "count": self.updater.count,
+               "metrics": self._metrics()}
         self.updater.end_step()
         if record_streams:
             out["streams"] = {k: list(v) for k, v in self.streams.log.items()}
@@ -208,6 +210,20 @@ class Worker(ComputePasses, Transfers):
         self.pending: dict[int, Pending] = {}
         self.exchange.reset()
         self.losses: list[torch.Tensor] = []   # each forward's detached loss, summed at the end
+        self.ends: dict[str, list[torch.Tensor]] = {}   # count and metrics, per forward
+
+    def count_share(self) -> torch.Tensor:
+        """What this device's loss forwards counted this step (float64), for `count:AR`."""
+        counts = self.ends.get(COUNT, [])
+        total = torch.zeros(1, dtype=torch.float64, device=self.device)
+        return total + torch.stack([c.reshape(()) for c in counts]).double().sum() \
+            if counts else total
+
+    def _metrics(self) -> dict[str, tuple[float, int]]:
+        """Metric name -> (sum over this device's loss forwards, how many): the driver
+        averages over every microbatch and replica."""
+        return {metric_name(k): (float(torch.stack([t.reshape(()) for t in v]).double().sum()),
+                                 len(v)) for k, v in self.ends.items() if metric_name(k)}
 
     def _step_loss(self) -> float:
         """This device's share of the step's loss: every microbatch's loss times the plan's
@@ -289,6 +305,8 @@ class Worker(ComputePasses, Transfers):
                     self.values.acts[(v, src.mb)] = t
         elif src.is_norm:   # the gradient norm (clipping)
             self.updater.set_norm(results[0])
+        elif src.is_count:   # the global-batch loss's count
+            self.updater.set_count(results[0])
         elif src.kind == Op.ALL_REDUCE:
             self.store.set_grads(src.bucket, results[0])
         elif src.kind == Op.REDUCE_SCATTER:

@@ -15,14 +15,13 @@ from __future__ import annotations
 import math
 
 from piper_nb.ir.kinds import BACKWARDS, BUCKET_COLLECTIVES, COMM, PASSES, Held, Memory, Op, Purpose
+from piper_nb.ir.loss_outputs import LOSS, is_loss_output
 from piper_nb.plan.instr import parse_free
 from piper_nb.plan.sizes import NORM_BYTES, element_size, value_bytes
 from piper_nb.sim.memory_settings import MemorySettings
 from piper_nb.sim.tokens import Routing
 from piper_nb.sim.update_state import update_states
 from piper_nb.trace import MemorySample
-
-_LOSS = "loss"                              # capture.split's LOSS
 
 # the memory kinds as plain ints: indexing `level` with an IntEnum member costs six times an
 # int in this loop, which runs once per instruction of every device
@@ -195,7 +194,7 @@ class Ledger:
         for v in self.plan.regions[ins.region].outputs:
             buf = _Buf(self._vb(v, ins.mb, expert))
             refs.append(buf)
-            if v != _LOSS:
+            if not is_loss_output(v):
                 self._put(self.acts, (v, ins.mb), buf)
         for buf in refs:
             self._hold(buf)
@@ -210,9 +209,9 @@ class Ledger:
         """The output gradients a BI keeps until its BW (and a fresh loss gradient), held."""
         outs = self.plan.regions[ins.region].outputs
         grads = [self.vgrads[(v, ins.mb)] for v in outs
-                 if v != _LOSS and (v, ins.mb) in self.vgrads]
-        if _LOSS in outs:
-            grads.append(_Buf(self.vbytes.get(_LOSS, 0)))
+                 if not is_loss_output(v) and (v, ins.mb) in self.vgrads]
+        if LOSS in outs:
+            grads.append(_Buf(self.vbytes.get(LOSS, 0)))
         for buf in grads:
             self._hold(buf)
         return grads
@@ -267,7 +266,7 @@ class Ledger:
         """An issued transfer holds its buffers from issue to WAIT (a SEND's values are
         already counted); a reduce-scatter takes the gradients at issue."""
         k, b = ins.kind, ins.bucket
-        if ins.is_norm:   # clipping's squared-norm share
+        if ins.is_scalar:   # clipping's squared-norm share, the global loss's count
             self.pending[i] = (_BUFFERS, NORM_BYTES)
             self.level[_BUFFERS] += NORM_BYTES
             return

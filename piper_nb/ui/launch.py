@@ -43,6 +43,9 @@ class StepReporter:
     def state(self, plan) -> dict:
         return self.cluster.state(plan)
 
+    def train_state(self, plan) -> list[dict]:
+        return self.cluster.train_state(plan)
+
 
 class LaunchPanel:
     """`widget`: launch controls, progress, loss curve and the two timelines."""
@@ -102,6 +105,7 @@ class LaunchPanel:
     def _run(self, plan, trace, model, batch, steps: int, lr: float) -> None:
         from piper_nb.optim import SGD
         from piper_nb.train import reference_train, train
+        from piper_nb.train.loop import step_loss
         self.result = self.reference = self.error = None
         losses: list[float] = []
         lrs: list[float] = []
@@ -109,14 +113,15 @@ class LaunchPanel:
         self.progress.description = f"steps 0/{steps}"
         try:
             self.status.value = "<span class='pn-muted'>reference run ...</span>"
-            self.reference = reference_train(model, batch, steps, plan.microbatches, SGD(lr=lr))
+            self.reference = reference_train(model, batch, steps, plan.reference_microbatches,
+                                             SGD(lr=lr), loss_mean=plan.loss_mean)
             ref = list(self.reference.losses)
             self._set_losses([], ref, steps)
             self.status.value = (f"<span class='pn-muted'>starting {plan.world} workers ...</span>")
             cluster = self.get_cluster(plan.world)
 
             def on_step(outs: list[dict]) -> None:
-                losses.append(float(sum(o["loss"] for o in outs)))
+                losses.append(step_loss(plan, outs))
                 lrs.append(outs[0]["lr"])
                 self.progress.value = len(losses)
                 self.progress.description = f"steps {len(losses)}/{steps}"

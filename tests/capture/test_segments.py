@@ -7,7 +7,7 @@ from torch import nn
 
 import piper_nb as pn
 from piper_nb.capture import run_reference
-from piper_nb.capture.split import pack_size, unpack_size
+from piper_nb.capture.region_code import pack_size, unpack_size
 from piper_nb.ir.filters import matches
 from piper_nb.strategies import moe_annotation
 

@@ -61,13 +61,16 @@ def test_killed_and_resumed_run_equals_an_uninterrupted_one(cluster, tmp_path, m
         if step == KILL_AFTER:
             monkeypatch.setenv("PIPER_NB_FAIL_AT", f"0:{instr}:exit")
 
-    with pytest.raises(WorkerLost):
+    with pytest.raises(WorkerLost, match=rf"^step {KILL_AFTER + 1}: the worker of device 0"):
         train(plan, batches, STEPS, opt, cluster=cluster, progress=kill_after_step_3,
               checkpoint_dir=tmp_path, checkpoint_every=1)
     monkeypatch.delenv("PIPER_NB_FAIL_AT")
     assert [s for s, _ in ck.checkpoints(tmp_path)] == [2, 3]     # keep=2, nothing torn
     resumed = train(plan, batches, STEPS, opt, cluster=cluster, checkpoint_dir=tmp_path, resume=True)
     assert resumed.losses == full.losses
+    assert [m.step for m in resumed.metrics] == list(range(1, STEPS + 1))  # the resumed and before
+    assert [m.loss for m in resumed.metrics] == full.losses
+    assert [m.lr for m in resumed.metrics] == [m.lr for m in full.metrics]
     for name_, want in full.params.items():
         assert torch.equal(resumed.params[name_], want), name_
     assert [s for s, _ in ck.checkpoints(tmp_path)] == [5, 6]
@@ -145,6 +148,6 @@ def test_checkpointer_validates_its_arguments(tmp_path):
         ck.Checkpointer.for_train(plan, optim.SGD(0.1), None, 2, False)
     assert ck.Checkpointer.for_train(plan, optim.SGD(0.1), None, None, False) is None
     c = ck.Checkpointer(plan, optim.SGD(0.1), tmp_path, resume=True)
-    assert c.restore(object()) == (0, [], [])      # nothing to resume from: start at step 0
+    assert c.restore(object()) == (0, [], [], [])      # nothing to resume from: start at step 0
     with pytest.raises(PlanError, match="cannot checkpoint"):
         c.after_step(object(), 1, 1, [1.0], [0.1])

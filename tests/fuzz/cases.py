@@ -10,7 +10,13 @@ ZB1P, DualPipeV, full DualPipe, a random valid hand-written grid, or none), with
 parallel replicas and ZeRO 0-3 on every stage (PP x DP, at most 4 devices), SGD with
 momentum, AdamW or another element-wise torch.optim optimizer, sometimes with a no-decay
 group for biases, a warmup schedule and global gradient clipping, sometimes in bf16 (with
-SGD and no BatchNorm, compared at bf16 tolerance), for 2-3 steps. The
+SGD and no BatchNorm, compared at bf16 tolerance), for 2-3 steps. Fidelity draws: stages
+applying a custom autograd Function (`StraightClamp`, a straight-through clamp whose
+backward is not its forward's gradient), stages and the dropout module in eval mode
+(compared with the reference then), batches of sequences whose length changes from step to
+step (each new length compiled once), and the global-batch loss (`loss_mean="global"`)
+over targets partly masked out (NaN: the padded labels of a regression), whose
+microbatches count different numbers of valid elements. The
 check: the losses and every entry of the trained `state_dict()` equal the single-process
 reference's (rtol 1e-5, atol 4e-5, PyTorch's pipelining tests' tolerance), with clipping
 the gradient norms too, and the plan leaves no buffer behind. With dropout, the
@@ -28,9 +34,11 @@ Replay one case: `python tests/fuzz/run.py --seed N` (or `make fuzz SEED=N`).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import random
+import warnings
 from dataclasses import dataclass, field
 
 import torch
@@ -66,6 +74,8 @@ class Case:
     warmup: bool = False          # a LambdaLR warmup schedule
     clip: float | None = None     # clip_grad_norm (math.inf: the norm only)
     bf16: bool = False            # precision="bf16", compared at bf16 tolerance
+    lengths: tuple[int, ...] = ()  # per step: a batch of sequences of that length (() : none)
+    global_loss: bool = False     # loss_mean="global" over targets partly masked out (NaN)
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -80,12 +90,16 @@ class Case:
         s = self.spec
         model = (f"{s.stages} stages dim {s.dim}, skips {list(s.skips)}, ties {list(s.ties)}, "
                  f"frozen {list(s.frozen)}, norms {list(s.norms)}, scales {list(s.scales)}, "
-                 f"shared {s.shared}, dropout {s.dropout}, act modules {s.act_modules}")
+                 f"shared {s.shared}, dropout {s.dropout}, act modules {s.act_modules}, "
+                 f"functions {list(s.functions)}, eval {list(s.eval_stages)}"
+                 f"{' (dropout too)' if s.eval_dropout else ''}")
         rc = f", recompute {list(self.recompute)}" if self.recompute else ""
         rc += ", bias group" if self.groups else ""
         rc += ", warmup" if self.warmup else ""
         rc += f", clip {self.clip}" if self.clip is not None else ""
         rc += ", bf16" if self.bf16 else ""
+        rc += f", lengths {list(self.lengths)}" if self.lengths else ""
+        rc += ", global loss over masked targets" if self.global_loss else ""
         return (f"seed {self.seed}: {self.schedule} x{self.ranks} ranks, DP {self.dp}, "
                 f"ZeRO {self.zero}{'' if self.reshard else ' (no reshard)'}, bucket "
                 f"{self.bucket_size}, {self.microbatches} microbatches of {self.dp * self.per_part}"
@@ -128,7 +142,25 @@ def draw(seed: int) -> Case:
     # differently in bf16 than over the whole one (mixed-precision recipes keep norms fp32)
     case.bf16 = (case.optimizer == "sgd" and not spec.norms and not spec.dropout
                  and rng.random() < 0.4)
+    _draw_fidelity(rng, case)
     return case
+
+
+def _draw_fidelity(rng: random.Random, case: Case) -> None:
+    """Custom autograd Functions, eval-mode stages, changing sequence lengths, the global
+    loss over masked targets (drawn after everything else: earlier fields keep their draw)."""
+    spec, stages = case.spec, case.spec.stages
+    functions = tuple(i for i in range(stages) if rng.random() < 0.2)
+    # eval mode on some stages (BatchNorm then normalizes with its running statistics, which
+    # never move), and sometimes on the dropout too (off, so compared with the reference)
+    eval_stages = tuple(i for i in range(stages) if rng.random() < 0.25)
+    eval_dropout = bool(spec.dropout) and rng.random() < 0.5
+    case.spec = dataclasses.replace(spec, functions=functions, eval_stages=eval_stages,
+                                    eval_dropout=eval_dropout)
+    if not spec.norms and not case.bf16 and rng.random() < 0.2:
+        first = rng.choice([2, 3])
+        case.lengths = tuple([first] + [rng.choice([first, 1, 2, 3]) for _ in range(case.steps - 1)])
+    case.global_loss = not case.bf16 and rng.random() < 0.25
 
 
 def _shape(rng: random.Random, schedule: str) -> tuple[int, int, int]:
@@ -246,25 +278,61 @@ def _warmup(opt):
     return torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 3))
 
 
+def masked_sum(output: torch.Tensor, targets: torch.Tensor):
+    """The global loss's form: (squared error summed over the valid targets, their count);
+    a NaN target is padding."""
+    valid = ~torch.isnan(targets)
+    diff = torch.where(valid, output - torch.nan_to_num(targets), torch.zeros_like(output))
+    return diff.square().sum(), valid.sum()
+
+
+def batches(case: Case, model: StageGraph) -> list:
+    """One batch per step: the same one, or (`lengths`) sequences of each step's length;
+    under the global loss, some targets masked out (NaN), more in some rows than others."""
+    if case.lengths:
+        out = [model.example_batch(case.batch_size, seed=case.seed + s, length=n)
+               for s, n in enumerate(case.lengths)]
+    else:
+        out = [model.example_batch(case.batch_size, seed=case.seed)] * case.steps
+    if case.global_loss:
+        masked = []
+        for x, y in out:
+            y = y.clone()
+            for row in range(0, y.shape[0], 3):
+                y[row, ..., row % y.shape[-1]:] = float("nan")
+            masked.append((x, y))
+        out = masked
+    return out
+
+
 def check(case: Case, cluster, streams: bool = False) -> str:
     """Train the case and compare; raises AssertionError naming the case and its replay
     command. Returns what was compared. `streams` (on an NCCL-emulated cluster) also
     checks that each device's streams executed exactly the plan's stream program."""
     model = StageGraph(case.spec)
-    batch = model.example_batch(case.batch_size, seed=case.seed)
+    steps = batches(case, model)
+    batch = steps[0]
+    loss = ({"loss_fn": masked_sum, "loss_mean": "global"} if case.global_loss else {})
     try:
         plan = pn.compile(pn.annotate(model, model.annotation()), program(case), batch,
-                          precision="bf16" if case.bf16 else "fp32")
+                          precision="bf16" if case.bf16 else "fp32", **loss)
         opt = optimizer(case)
-        result = pn.train(plan, batch, case.steps, opt, cluster=cluster, seed=case.seed,
-                          **recipe(case))
-        if case.spec.dropout:
-            again = pn.train(plan, batch, case.steps, opt, cluster=cluster, seed=case.seed,
-                             **recipe(case))
-            _equal(result, again, exact=True)
-            return "same twice with one seed (dropout)"
-        ref = pn.reference_train(model, batch, case.steps, case.microbatches, opt,
-                                 precision="bf16" if case.bf16 else "fp32", **recipe(case))
+        with warnings.catch_warnings():   # a new sequence length: compiled once, and said
+            warnings.simplefilter("ignore", UserWarning)
+            result = pn.train(plan, iter(steps), case.steps, opt, cluster=cluster,
+                              seed=case.seed, **recipe(case))
+            if case.spec.dropout and not case.spec.eval_dropout:
+                again = pn.train(plan, iter(steps), case.steps, opt, cluster=cluster,
+                                 seed=case.seed, **recipe(case))
+                _equal(result, again, exact=True)
+                return "same twice with one seed (dropout)"
+        # the one process a plan equals (`Plan.reference_microbatches`); with BatchNorm,
+        # which normalizes each whole microbatch, the plan's own microbatches (the MSE of
+        # equal slices averages the same either way)
+        micro = case.microbatches if case.spec.norms else plan.reference_microbatches
+        ref = pn.reference_train(model, iter(steps), case.steps, micro, opt,
+                                 precision="bf16" if case.bf16 else "fp32", **recipe(case),
+                                 **loss)
         rtol, atol = BF16 if case.bf16 else (RTOL, ATOL)
         _equal(result, ref, tol=(rtol, atol))
         if case.clip is not None:   # the global norm: every parameter counted once

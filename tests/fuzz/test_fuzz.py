@@ -49,6 +49,13 @@ def test_the_draw_covers_every_schedule_zero_level_and_feature():
     assert any(c.recompute for c in cases if c.schedule in ("zb1p", "dualpipev"))
     assert any(c.recompute and c.zero == 3 for c in cases)
     assert any(mb >= 0 for c in cases for _, mb in c.recompute)
+    # fidelity: custom Functions, eval mode (BatchNorm, dropout), changing lengths, global loss
+    assert any(c.spec.functions and c.ranks > 1 for c in cases)
+    assert any(set(c.spec.eval_stages) & set(c.spec.norms) for c in cases)
+    assert any(c.spec.eval_dropout for c in cases)
+    assert any(len(set(c.lengths)) > 1 and c.ranks > 1 for c in cases)
+    assert any(c.global_loss and c.dp > 1 for c in cases)
+    assert any(c.global_loss and c.schedule == "dualpipev" for c in cases)
 
 
 def test_a_case_replays_from_its_seed():

@@ -14,7 +14,7 @@ import torch
 
 import piper_nb as pn
 from piper_nb import optim
-from piper_nb.capture.split import RegionTracer
+from piper_nb.capture.region_code import RegionTracer
 from piper_nb.cluster.local import LocalCluster
 from piper_nb.runtime.bundle import load_bundle, make_bundle
 from piper_nb.strategies import moe_annotation

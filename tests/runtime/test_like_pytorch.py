@@ -18,17 +18,26 @@ S = pn.schedules
 RTOL, ATOL = 1e-5, 4e-5
 
 
-def plain_loop(model, batches, microbatches: int, lr: float, loss_fn):
+def _chunks(batch, n: int) -> list:
+    if isinstance(batch, dict):
+        parts = {k: t.chunk(n) for k, t in batch.items()}
+        return [{k: parts[k][i] for k in batch} for i in range(n)]
+    return list(zip(batch[0].chunk(n), batch[1].chunk(n), strict=True))
+
+
+def plain_loop(model, batches, microbatches: int, lr: float, loss_fn=None):
     """SGD over each batch, `microbatches` equal slices accumulated, each loss / M: the
-    loop a user writes. The model's modes are left as the user set them."""
+    loop a user writes (a dict batch: `model(**batch)["loss"]`). The model's modes are left
+    as the user set them."""
     model = copy.deepcopy(model)
     opt = torch.optim.SGD(model.parameters(), lr=lr)
     losses = []
-    for x, y in batches:
+    for batch in batches:
         opt.zero_grad()
         total = 0.0
-        for xs, ys in zip(x.chunk(microbatches), y.chunk(microbatches), strict=True):
-            loss = loss_fn(model(xs), ys) / microbatches
+        for mb in _chunks(batch, microbatches):
+            out = model(**mb)["loss"] if isinstance(mb, dict) else loss_fn(model(mb[0]), mb[1])
+            loss = out / microbatches
             loss.backward()
             total += float(loss.detach())
         opt.step()
@@ -162,3 +171,98 @@ def test_train_mode_batchnorm_counts_every_microbatch(request, capture):
     losses, state = plain_loop(model, [batch] * 3, plan.microbatches, 0.1, model.loss_fn)
     assert_like(result, losses, state)
     assert int(result.state_dict()["n.num_batches_tracked"]) == 3 * plan.microbatches
+
+
+class Tokens(nn.Module):
+    """Token ids in, next-token logits out; the ids' padding mask crosses the stage as an
+    integer tensor, as attention masks do."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb, self.a, self.b = nn.Embedding(16, 8), nn.Linear(8, 8), nn.Linear(8, 16)
+
+    def forward(self, input_ids, labels=None):
+        with pn.region("PP", 0):
+            h = torch.tanh(self.a(self.emb(input_ids)))
+            keep = (input_ids != 0).long()
+        with pn.region("PP", 1):
+            logits = self.b(h * keep.unsqueeze(-1))
+        if labels is None:
+            return logits
+        return {"loss": self.loss_fn(logits, labels)}
+
+    def loss_fn(self, logits, labels):
+        return nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten())
+
+
+def _padded(length: int, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(1, 16, (8, length), generator=g)
+    ids[::3, length // 2:] = 0          # some rows padded, as a collator pads to the longest
+    return ids, torch.randint(0, 16, (8, length), generator=g)
+
+
+@pytest.mark.parametrize("form", ["pair-fx", "dict-export"])
+@pytest.mark.parametrize("name", sorted(STRATEGIES))
+def test_a_sequence_length_that_changes_between_steps(request, name, form):
+    """A collator padding each batch to its longest sequence: lengths 8, 4, 8, 6. Each new
+    length trains on the program compiled for it (a warning says so), from the same state."""
+    model = Tokens()
+    pairs = [_padded(n, i) for i, n in enumerate([8, 4, 8, 6])]
+    batches = ([{"input_ids": x, "labels": y} for x, y in pairs] if form == "dict-export"
+               else pairs)
+    plan = pn.compile(pn.annotate(model), programs(STRATEGIES[name]), batches[0],
+                      capture=form.split("-")[1])
+    with pytest.warns(UserWarning, match=r"'(inputs|input_ids)' is \[8, 4\] int64 \(the plan "
+                                         r"is for \[8, 8\] int64\)"):
+        result = pn.train(plan, iter(batches), 4, pn.optim.SGD(0.5),
+                          cluster=_cluster(request, name))
+    want = plain_loop(model, batches, plan.microbatches, 0.5, model.loss_fn)
+    assert_like(result, *want)
+
+
+def test_a_batch_the_plan_was_not_compiled_for_is_refused_by_step(cluster2):
+    """Below pn.train, a step on samples the plan does not know is a PlanError before any
+    worker runs, never a half-filled receive buffer."""
+    model = Tokens()
+    x, y = _padded(8, 0)
+    plan = pn.compile(pn.annotate(model), programs(True), (x, y))
+    x4, y4 = _padded(4, 1)
+    cluster2.reset(plan, pn.optim.SGD(0.1), 0)
+    with pytest.raises(pn.PlanError, match=r"cluster.step: batch\['inputs'\] has per-sample "
+                                           r"shape \[4\] but the plan was compiled for \[8\]"):
+        cluster2.step(plan, (x4, y4))
+    with pytest.raises(pn.PlanError, match=r"per-sample dtype int32 .* int64"):
+        cluster2.step(plan, (x.int(), y))
+
+
+@pytest.mark.parametrize("name", sorted(STRATEGIES))
+def test_the_optimizer_state_comes_back_whole(request, name):
+    """`result.optimizer_state_dict()`: AdamW's moments and step per parameter name, ZeRO
+    shards gathered back, equal to a plain torch.optim.AdamW loop's state."""
+    model = Tokens()
+    batch = _padded(8, 0)
+    plan = pn.compile(pn.annotate(model), programs(STRATEGIES[name]), batch)
+    groups = [{"params": ["*.bias"], "weight_decay": 0.0}]
+    result = pn.train(plan, batch, 2, pn.optim.AdamW(1e-2, weight_decay=0.1),
+                      cluster=_cluster(request, name), param_groups=groups)
+    plain = copy.deepcopy(model)
+    named = dict(plain.named_parameters())
+    opt = torch.optim.AdamW([{"params": [p for n, p in named.items() if n.endswith(".bias")],
+                              "weight_decay": 0.0},
+                             {"params": [p for n, p in named.items() if not n.endswith(".bias")]}],
+                            lr=1e-2, weight_decay=0.1)
+    for _ in range(2):
+        opt.zero_grad()
+        for xs, ys in _chunks(batch, plan.microbatches):
+            (model.loss_fn(plain(xs), ys) / plan.microbatches).backward()
+        opt.step()
+    got = result.optimizer_state_dict()
+    assert sorted(got["state"]) == sorted(named)
+    for n, p in named.items():
+        for k, want in opt.state[p].items():
+            torch.testing.assert_close(got["state"][n][k], want, rtol=RTOL, atol=1e-6,
+                                       msg=lambda m, n=n, k=k: f"{n} {k}: {m}")
+    assert [g["weight_decay"] for g in got["param_groups"]] == [0.0, 0.1]
+    assert sorted(got["param_groups"][0]["params"]) == ["a.bias", "b.bias"]

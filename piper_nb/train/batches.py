@@ -1,0 +1,86 @@
+"""The batches a run draws, and the plan for each: one batch repeated or a loader's, and the
+program compiled once per batch size and per-sample shapes (`BatchPlans`)."""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Iterable, Mapping
+
+import torch
+
+from piper_nb.capture.batch import batch_size, samples
+from piper_nb.errors import PlanError
+
+__all__ = ["each_batch", "BatchPlans", "other_plan_step"]
+
+
+def each_batch(batch_or_loader, steps: int) -> Iterable:
+    """One batch ((inputs, targets) or a dict of tensors) repeated, or the loader itself."""
+    one = (isinstance(batch_or_loader, Mapping) and all(
+        isinstance(t, torch.Tensor) for t in batch_or_loader.values())) or (
+        isinstance(batch_or_loader, (tuple, list)) and len(batch_or_loader) == 2 and all(
+            isinstance(t, torch.Tensor) for t in batch_or_loader))
+    return [batch_or_loader] * steps if one else batch_or_loader
+
+
+class BatchPlans:
+    """The plan for each batch a loader yields, by batch size and samples (sequence length,
+    dtypes): the compiled one, and for another batch (a last, smaller one; a sequence length
+    the collator padded to) the same program compiled once for it (`compiler.rebatch`), or,
+    for another size under `drop_last`, none: the batch is skipped. Either way the user is
+    told, once per kind of batch."""
+
+    def __init__(self, plan, drop_last: bool):
+        self.base, self.drop_last, self.told = plan, drop_last, set()
+        self.plans = {self.key(plan.batch_size, plan.samples): plan}
+
+    @staticmethod
+    def key(size: int, sampled: tuple) -> tuple:
+        return size, tuple(sorted(sampled))
+
+    def plan_for(self, named: dict, step: int):
+        size, base = batch_size(named), self.base
+        if set(named) != set(base.batch_names):
+            return base   # other keys: `ordered` says which
+        key = self.key(size, samples(named) if base.samples else ())
+        if key in self.plans:
+            return self.plans[key]
+        what = self._what(named, size)
+        if size != base.batch_size and self.drop_last:
+            self._tell(step, size, f"{what} is skipped (drop_last=True)")
+            return None
+        from piper_nb.compiler.compile import rebatch
+        try:
+            self.plans[key] = rebatch(base, named)   # clipping included
+        except PlanError as err:
+            raise PlanError(f"step {step}: {what} cannot be trained: {err.reason}" + (
+                "; pass drop_last=True to skip such batches" if size != base.batch_size
+                else "")) from None
+        self._tell(step, key, f"{what} trains on the same program compiled once for this " + (
+            "size" if size != base.batch_size else "shape"))
+        return self.plans[key]
+
+    def _what(self, named: dict, size: int) -> str:
+        base = self.base
+        if size != base.batch_size:
+            return f"a batch of {size} samples (the plan is for {base.batch_size})"
+        want = {k: (shape, dtype) for k, shape, dtype in base.samples}
+        k, shape, dtype = next(x for x in samples(named) if want.get(x[0]) != x[1:])
+        return (f"a batch whose {k!r} is {[size, *shape]} {dtype} (the plan is for "
+                f"{[size, *want[k][0]]} {want[k][1]})" if k in want else f"a batch with {k!r}")
+
+    def _tell(self, step: int, key, what: str) -> None:
+        if key not in self.told:
+            self.told.add(key)
+            warnings.warn(f"pn.train step {step}: {what}", stacklevel=5)
+
+
+def other_plan_step(cluster, base, plan, batch, trace: bool) -> list[dict]:
+    """One step on `plan` (compiled for another batch size) continuing `base`'s state: its
+    workers take the parameters, optimizer state and step count, run, and hand them back."""
+    cluster.load_train_state(plan, cluster.train_state(base))
+    outs = cluster.step(plan, batch, trace=trace)
+    cluster.load_train_state(base, cluster.train_state(plan))
+    return outs
+
+

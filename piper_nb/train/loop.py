@@ -1,0 +1,236 @@
+"""`pn.train`: a compiled plan trained on workers, step by step, with what each step
+reports (losses, metrics, the trace), checkpoints and the optimizer state at the end."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+
+import torch
+
+from piper_nb.capture.batch import batch_size, named_batch, ordered
+from piper_nb.errors import PlanError, RuntimeFailure
+from piper_nb.metrics import StepMetrics, TensorBoardLog, batch_tokens
+from piper_nb.optim import OptimizerSpec, check_optimizer
+from piper_nb.runtime.bundle import param_aliases
+from piper_nb.runtime.layout import assemble_optim_state
+from piper_nb.sim.trace import Trace
+from piper_nb.train.batches import BatchPlans, each_batch, other_plan_step
+from piper_nb.train.result import Result, check_materialized, model_template
+
+__all__ = ["train", "step_loss", "step_metrics"]
+
+
+def train(plan, batch_or_loader, steps: int, optimizer, cluster=None, *,
+          param_groups: list[dict] | None = None, lr_scheduler: Callable | None = None,
+          clip_grad_norm: float | None = None, log_dir: str | os.PathLike | None = None,
+          progress: Callable[[int, int, StepMetrics], None] | None = None,
+          checkpoint_dir: str | os.PathLike | None = None, checkpoint_every: int | None = None,
+          resume: bool = False, seed: int | None = None, drop_last: bool = False) -> Result:
+    """Train `plan` for `steps` steps on local workers (or on `cluster`, left running).
+
+    `optimizer` builds a `torch.optim` optimizer from parameters (`torch.optim.AdamW`,
+    `functools.partial(torch.optim.AdamW, lr=3e-4, weight_decay=0.1)`, `pn.optim.AdamW(...)`);
+    every device builds it over what it updates (full parameters, or its ZeRO shards).
+    `param_groups` overrides settings by parameter-name pattern, first match wins:
+    `[{"params": ["*norm*", "*.bias"], "weight_decay": 0.0}]` (a pattern matches a parameter's
+    name or a module path above it). `lr_scheduler(optimizer)` builds a
+    `torch.optim.lr_scheduler` scheduler, stepped once per step on every device.
+    `clip_grad_norm=1.0` clips the global gradient norm (across stages, replicas and shards,
+    each parameter once) as `torch.nn.utils.clip_grad_norm_` does: the plan gains a small
+    all-reduce before its updates (`compiler.clip`); `math.inf` reports the norm only.
+
+    Each step draws one batch. A batch of another size than the plan's (a loader's last,
+    smaller one), or with other per-sample shapes (a collator padding each batch to its
+    longest sequence), trains on the same program compiled once for it, from the same
+    parameters and optimizer state; with `drop_last=True` a batch of another size is skipped
+    instead (no step is taken; `Result.skipped` lists such steps). A warning says which,
+    once per kind of batch. Padding to a multiple (`pad_to_multiple_of`) bounds how many
+    programs a run compiles.
+
+    `seed` seeds the random operations (dropout) of every forward, per region, step,
+    microbatch and replica, so the same plan trains the same way twice. By default it is
+    drawn from torch's random generator, as a DataLoader draws its base seed: after
+    `torch.manual_seed(s)` the run repeats exactly.
+
+    `progress(step, steps, metrics)` is called after every step with its `StepMetrics` (raise
+    from it to stop the run); `log_dir` writes the same as TensorBoard event files.
+    With `checkpoint_dir`, the full training state (optimizer and scheduler included) is
+    written there atomically every `checkpoint_every` steps (default 1) and after the last
+    step; `resume=True` continues from the newest checkpoint there (a loader is advanced past
+    the batches already used), so the result equals an uninterrupted run's. See
+    `piper_nb.cluster.checkpoint`.
+    """
+    from piper_nb.cluster.checkpoint import Checkpointer
+    from piper_nb.cluster.local import LocalCluster
+    plan, spec, seed = _prepare(plan, optimizer, param_groups, lr_scheduler, clip_grad_norm,
+                                seed)
+    ckpt = Checkpointer.for_train(plan, spec, checkpoint_dir, checkpoint_every, resume)
+    run = _Run(plan, steps, spec, seed, drop_last, progress, log_dir)
+    own = cluster is None
+    cluster = LocalCluster(plan.world) if own else cluster
+    try:
+        cluster.reset(plan, spec, seed)
+        start = 0
+        if ckpt is not None:
+            start, run.losses, run.times, run.metrics = ckpt.restore(cluster)
+        it = iter(each_batch(batch_or_loader, steps))
+        _skip(it, start)
+        for s in range(start + 1, steps + 1):
+            try:
+                named = named_batch(next(it), f"step {s}")
+            except StopIteration:
+                raise PlanError(f"the loader ran out after {s - 1} of {steps} steps") from None
+            try:
+                stepped = run.step(cluster, s, named)
+            except RuntimeFailure as err:   # a worker failed or was lost: say in which step
+                raise err.at_step(s) from err
+            if stepped and ckpt is not None:
+                ckpt.after_step(cluster, s, steps, run.losses, run.times, run.metrics)
+        params = cluster.state(plan)
+        fetch = getattr(cluster, "train_state", None)   # a cluster of one's own may lack it
+        optim_state = {} if fetch is None else _optimizer_state(plan, spec,
+                                                                 fetch(plan)[:plan.world])
+    finally:
+        run.close()
+        if own:
+            cluster.close()
+    model = plan.capture.model
+    return Result(run.losses, run.times, run.trace, params, model_template(model),
+                  param_aliases(model), sorted(run.leftover), run.skipped, run.metrics,
+                  optim_state)
+
+
+def _skip(it, start: int) -> None:
+    """The data position: skip the batches a checkpoint already trained on."""
+    for s in range(1, start + 1):
+        if next(it, None) is None:
+            raise PlanError(f"the loader ran out after {s - 1} batches while skipping the "
+                            f"{start} a checkpoint already trained on")
+
+
+def _optimizer_state(plan, spec: OptimizerSpec, states: list[dict]) -> dict:
+    """`Result.optimizer_state`: the workers' optimizer state made whole, and the groups."""
+    state = assemble_optim_state(plan, states, spec.group_of)
+    groups = next((st["update"]["groups"] for st in states if "update" in st), [])
+    names = [n for n in plan.params if n not in plan.frozen]
+    return {"state": state, "param_groups": [
+        {**g, "params": [n for n in names if spec.group_of(n) == i]}
+        for i, g in enumerate(groups)]}
+
+
+def _prepare(plan, optimizer, param_groups, lr_scheduler, clip_grad_norm, seed):
+    """Everything `train` checks before a worker starts: (plan with clipping, the
+    optimizer's spec, the seed)."""
+    from piper_nb.compiler.clip import with_grad_clipping
+    if plan.capture is None:
+        raise PlanError("this plan has no captured model; compile it with pn.compile to train it")
+    check_materialized(plan.capture.model, "pn.train")
+    spec = check_optimizer(optimizer, "pn.train", param_groups=param_groups,
+                           lr_scheduler=lr_scheduler)
+    _check_shards(plan, spec)
+    spec.check_patterns((n for n, _ in plan.capture.model.named_parameters(
+        remove_duplicate=False)), "pn.train")
+    plan = with_grad_clipping(plan, clip_grad_norm if clip_grad_norm is not None
+                              else plan.clip_grad_norm)
+    if seed is None:
+        seed = int(torch.empty((), dtype=torch.int64).random_().item())
+    elif isinstance(seed, bool) or not isinstance(seed, int):
+        raise PlanError(f"pn.train: seed must be an integer, got {seed!r}")
+    return plan, spec, seed
+
+
+def _check_shards(plan, spec: OptimizerSpec) -> None:
+    """An optimizer that is not element-wise cannot update flat ZeRO shards: say so now."""
+    sharded = [b for b in plan.buckets if b.zero >= 1]
+    why = spec.requires_whole() if sharded else None
+    if why:
+        b = sharded[0]
+        raise PlanError(f"pn.train: torch.optim.{spec.cls_name} {why}, so it cannot update the "
+                        f"flat ZeRO-{b.zero} shards of bucket {b.index} ({len(b.params)} "
+                        f"parameters over devices {list(b.group)}); use replicate(..., zero=0) "
+                        "for those regions, or an element-wise optimizer (SGD, Adam, AdamW, ...)")
+
+
+class _Run:
+    """The driver's side of a run: one step at a time on the right plan, and what it reports
+    (losses, times, metrics, the last trace, progress and TensorBoard)."""
+
+    def __init__(self, plan, steps, spec, seed, drop_last, progress, log_dir):
+        self.plan, self.steps, self.spec, self.seed = plan, steps, spec, seed
+        self.progress = progress
+        self.sizes, self.shipped = BatchPlans(plan, drop_last), set()  # other-size plans shipped
+        self.losses, self.times, self.metrics = [], [], []
+        self.trace, self.leftover, self.skipped = None, set(), []
+        self.log = TensorBoardLog(log_dir) if log_dir is not None else None
+
+    def step(self, cluster, s: int, named: dict) -> bool:
+        """Train step `s` on `named` (False: skipped by drop_last)."""
+        plan, this = self.plan, self.sizes.plan_for(named, s)
+        if this is None:
+            self.skipped.append(s)
+            return False
+        batch = ordered(named, plan.batch_names, f"step {s}")
+        last = s == self.steps
+        if this is plan:
+            outs = cluster.step(plan, batch, trace=last)  # memory: on the kept step
+        else:
+            if id(this) not in self.shipped:   # the workers load its state over this
+                cluster.reset(this, self.spec, self.seed)
+                self.shipped.add(id(this))
+            outs = other_plan_step(cluster, plan, this, batch, last)
+        self.losses.append(step_loss(plan, outs))
+        self.times.append(max(o["end"] for o in outs))
+        for o in outs:
+            self.leftover.update(o["leftover"])
+        self.trace = _step_trace(outs, s, plan.world)
+        t, tokens = self.times[-1], batch_tokens(named)
+        m = StepMetrics(s, self.losses[-1], t, batch_size(named) / t, lr=outs[0].get("lr"),
+                        grad_norm=outs[0].get("grad_norm"),
+                        tokens_per_s=None if tokens is None else tokens / t,
+                        metrics=step_metrics(outs))
+        self.metrics.append(m)
+        if self.log is not None:
+            self.log.write(m)
+        if self.progress is not None:
+            self.progress(s, self.steps, m)
+        return True
+
+    def close(self) -> None:
+        if self.log is not None:
+            self.log.close()
+
+
+def step_loss(plan, outs: list[dict]) -> float:
+    """The step's loss from the workers' reports: the sum of their shares (each already
+    scaled by the plan's loss scale), divided by the batch's count under the global loss."""
+    total = sum(o["loss"] for o in outs)
+    if plan.loss_mean != "global":
+        return total
+    return total / outs[0]["count"] if outs[0]["count"] else float("nan")
+
+
+def step_metrics(outs: list[dict]) -> dict[str, float]:
+    """Each metric the loss returned, averaged over every microbatch and replica."""
+    sums: dict[str, list[float]] = {}
+    for o in outs:
+        for k, (total, n) in o.get("metrics", {}).items():
+            acc = sums.setdefault(k, [0.0, 0])
+            acc[0] += total
+            acc[1] += n
+    return {k: total / n for k, (total, n) in sums.items() if n}
+
+
+def _step_trace(outs: list[dict], step: int, world: int) -> Trace:
+    """The measured trace of one step from the workers' reports."""
+    meta = {"step": step, "world": world}
+    tokens = {k: v for o in outs for k, v in o.get("tokens", {}).items()}
+    if tokens:  # the routing this step made (expert parallelism): what sized its buffers
+        meta["tokens"] = tokens
+    cuda = {r: o["cuda_max_allocated"] for r, o in enumerate(outs) if "cuda_max_allocated" in o}
+    if cuda:  # GPU: torch.cuda.max_memory_allocated per device, beside the model's
+        meta["cuda_max_allocated"] = cuda
+    return Trace(tuple(e for o in outs for e in o["events"]),
+                 tuple(m for o in outs for m in o["memory"]), source="measured", meta=meta)
+
+
