@@ -56,7 +56,11 @@ def main() -> int:
             mix.update(k for k, v in [("skips", case.spec.skips), ("ties", case.spec.ties),
                                       ("frozen", case.spec.frozen), ("batchnorm", case.spec.norms),
                                       ("shared", case.spec.shared), ("dropout", case.spec.dropout),
-                                      ("recompute", case.recompute)]
+                                      ("recompute", case.recompute),
+                                      ("functions", case.spec.functions),
+                                      ("eval", case.spec.eval_stages or case.spec.eval_dropout),
+                                      ("lengths", len(set(case.lengths)) > 1),
+                                      ("global-loss", case.global_loss)]
                        if v)
             print(f"[{status} {time.perf_counter() - start:5.2f}s] {case.line()}"
                   + ("" if status == "ok" else f"\n{what}"), flush=True)
