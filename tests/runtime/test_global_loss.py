@@ -6,12 +6,17 @@ are padded (-100), so the mean of microbatch means would differ. Also the loss f
 from __future__ import annotations
 
 import copy
+import os
+import sys
 
 import pytest
 import torch
 from torch import nn
 
 import piper_nb as pn
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from plain import assert_like, tiny_llama  # noqa: E402
 
 pytestmark = pytest.mark.dist
 S = pn.schedules
@@ -77,16 +82,6 @@ def full_batch_loop(model, batches, lr: float, loss_of, clip: float | None = Non
     return losses, model.state_dict()
 
 
-def assert_like(result, want_losses, want_state):
-    torch.testing.assert_close(torch.tensor(result.losses), torch.tensor(want_losses),
-                               rtol=RTOL, atol=ATOL)
-    got = result.state_dict()
-    assert got.keys() == want_state.keys()
-    for k in want_state:
-        torch.testing.assert_close(got[k], want_state[k], rtol=RTOL, atol=ATOL,
-                                   msg=lambda m, k=k: f"{k}: {m}")
-
-
 PROGRAMS = {
     "pp2-1f1b": lambda: S.one_f_one_b(2, 4, place=True),
     "pp2-dp2-zero3": lambda: [
@@ -143,12 +138,7 @@ def test_a_hugging_face_model_trains_its_token_mean_over_the_global_batch(cluste
     """A Llama with padded labels and its own loss: num_items_in_batch as the Trainer
     counts it (labels[..., 1:] other than -100, across replicas), under PP 2 x DP 2."""
     transformers = pytest.importorskip("transformers")
-    config = transformers.LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32,
-                                      num_hidden_layers=2, num_attention_heads=2,
-                                      num_key_value_heads=1, pad_token_id=0, bos_token_id=1,
-                                      eos_token_id=2)
-    torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(config)
+    model = tiny_llama(transformers)
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(3, 32, (8, 6), generator=g)
     labels = ids.clone()

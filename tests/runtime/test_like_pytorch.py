@@ -6,12 +6,17 @@ process. Each case runs under PP 2 1F1B and PP 2 x DP 2 ZeRO-3."""
 from __future__ import annotations
 
 import copy
+import os
+import sys
 
 import pytest
 import torch
 from torch import nn
 
 import piper_nb as pn
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from plain import assert_like  # noqa: E402
 
 pytestmark = pytest.mark.dist
 S = pn.schedules
@@ -43,16 +48,6 @@ def plain_loop(model, batches, microbatches: int, lr: float, loss_fn=None):
         opt.step()
         losses.append(total)
     return losses, model.state_dict()
-
-
-def assert_like(result, want_losses, want_state):
-    torch.testing.assert_close(torch.tensor(result.losses), torch.tensor(want_losses),
-                               rtol=RTOL, atol=ATOL)
-    got = result.state_dict()
-    assert got.keys() == want_state.keys()
-    for k in want_state:
-        torch.testing.assert_close(got[k].float(), want_state[k].float(), rtol=RTOL, atol=ATOL,
-                                   msg=lambda m, k=k: f"{k}: {m}")
 
 
 def programs(two: bool):

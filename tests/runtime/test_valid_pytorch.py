@@ -6,12 +6,17 @@ a `PlanError` before anything runs (a `param_groups` typo, a batch of another dt
 from __future__ import annotations
 
 import copy
+import os
+import sys
 
 import pytest
 import torch
 from torch import nn
 
 import piper_nb as pn
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from plain import assert_like, tiny_llama  # noqa: E402
 
 pytestmark = pytest.mark.dist
 S = pn.schedules
@@ -56,13 +61,7 @@ def trains_like_pytorch(cluster, model, batch, capture: str, annotations=None, s
     plan = pn.compile(spec, S.one_f_one_b(2, 2, place=True), batch, capture=capture)
     result = pn.train(plan, batch, steps, pn.optim.SGD(0.1), cluster=cluster)
     losses, state = plain_loop(model, batch, steps, plan.microbatches, 0.1)
-    torch.testing.assert_close(torch.tensor(result.losses), torch.tensor(losses),
-                               rtol=RTOL, atol=ATOL)
-    got = result.state_dict()
-    assert got.keys() == state.keys()
-    for k in state:
-        torch.testing.assert_close(got[k].float(), state[k].float(), rtol=RTOL, atol=ATOL,
-                                   msg=lambda m, k=k: f"{k}: {m}")
+    assert_like(result, losses, state)
     return result
 
 
@@ -171,12 +170,7 @@ def test_peft_without_a_task_type_uses_the_models_own_loss():
     labels: its loss is the model's, not 'has no loss'."""
     peft = pytest.importorskip("peft")
     transformers = pytest.importorskip("transformers")
-    config = transformers.LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32,
-                                      num_hidden_layers=2, num_attention_heads=2,
-                                      num_key_value_heads=1, pad_token_id=0, bos_token_id=1,
-                                      eos_token_id=2)
-    torch.manual_seed(0)
-    base = transformers.LlamaForCausalLM(config)
+    base = tiny_llama(transformers)
     model = peft.get_peft_model(base, peft.LoraConfig(r=2, target_modules=["q_proj", "v_proj"]))
     ids = torch.randint(3, 32, (4, 6), generator=torch.Generator().manual_seed(0))
     batch = {"input_ids": ids, "labels": ids}

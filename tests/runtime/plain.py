@@ -1,0 +1,29 @@
+"""What the fidelity tests compare with: a result against a plain PyTorch loop's losses and
+state dict, and the tiny Llama they train (random weights, ids inside its vocabulary)."""
+
+from __future__ import annotations
+
+import torch
+
+RTOL, ATOL = 1e-5, 4e-5
+
+
+def assert_like(result, want_losses, want_state) -> None:
+    """`result`'s losses and every state-dict entry equal the plain loop's (fp32 rounding)."""
+    torch.testing.assert_close(torch.tensor(result.losses), torch.tensor(want_losses),
+                               rtol=RTOL, atol=ATOL)
+    got = result.state_dict()
+    assert got.keys() == want_state.keys()
+    for k in want_state:
+        torch.testing.assert_close(got[k].float(), want_state[k].float(), rtol=RTOL, atol=ATOL,
+                                   msg=lambda m, k=k: f"{k}: {m}")
+
+
+def tiny_llama(transformers):
+    """A 2-layer Llama of 32 tokens with random weights (seeded)."""
+    config = transformers.LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32,
+                                      num_hidden_layers=2, num_attention_heads=2,
+                                      num_key_value_heads=1, pad_token_id=0, bos_token_id=1,
+                                      eos_token_id=2)
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(config)
