@@ -157,8 +157,8 @@ def test_a_hugging_face_model_trains_its_token_mean_over_the_global_batch(cluste
     assert_like(result, *want)
 
 
-@pytest.mark.parametrize("form", ["tuple", "dict"])
-def test_a_loss_with_metrics_reports_them_per_step(cluster2, form):
+@pytest.mark.parametrize("form, capture", [("tuple", "fx"), ("dict", "fx"), ("tuple", "export")])
+def test_a_loss_with_metrics_reports_them_per_step(cluster2, form, capture):
     """(loss, metrics) and {"loss": ..., **metrics}: the loss trains as usual, the metrics
     are each microbatch's averaged, in StepMetrics and the progress text."""
     model = Stack()
@@ -171,7 +171,7 @@ def test_a_loss_with_metrics_reports_them_per_step(cluster2, form):
         return (loss, {"accuracy": hits}) if form == "tuple" else {"loss": loss, "accuracy": hits}
 
     spec = pn.annotate(model, ANNOTATE["pp2-1f1b"])
-    plan = pn.compile(spec, PROGRAMS["pp2-1f1b"](), batch, loss_fn=with_metrics)
+    plan = pn.compile(spec, PROGRAMS["pp2-1f1b"](), batch, loss_fn=with_metrics, capture=capture)
     result = pn.train(plan, batch, 2, pn.optim.SGD(0.5), cluster=cluster2)
     ref = pn.reference_train(model, batch, 2, plan.microbatches, pn.optim.SGD(0.5),
                              loss_fn=with_metrics)
