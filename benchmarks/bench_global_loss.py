@@ -49,7 +49,7 @@ def run(dim: int, depth: int, batch_size: int, steps: int) -> list[tuple[str, fl
                      "global": pn.compile(spec, program(), batch, loss_fn=squared_error_sum,
                                           loss_mean="global")}
             times: dict[str, list[float]] = {k: [] for k in plans}
-            for k, plan in plans.items():
+            for plan in plans.values():
                 cluster.reset(plan, pn.optim.SGD(0.01))
             for s in range(steps + 2):
                 for k, plan in plans.items():

@@ -70,7 +70,8 @@ class Spec:
         key = ("capture", id(bound[0]), id(bound[1]), method, names, modes, loss_mean)
         cache = derived(self)
         hit = cache.get(key)
-        if hit is not None and hit[1].samples not in (None, samples(named)):
+        if (hit is not None and hit[1].samples is not None and named is not None
+                and hit[1].samples != samples(named)):
             key = (*key, samples(named))   # an export is specialised to its samples' shapes
             hit = cache.get(key)
         if hit is None or hit[0] is not bound[1]:   # the function kept alive: ids stay its own
