@@ -86,8 +86,11 @@ def test_the_old_on_stream_coupling_hangs_and_the_stuck_streams_are_named(couple
     text = str(info.value)
     assert "NCCL emulation" in text and "a GPU cluster would hang here" in text
     assert "pp: at wait(d" in text            # the pp stream waits for its own transfer:
-    assert "RECV_B0<1 to complete" in text    # the receive a peer cannot send yet,
-    assert "waiting for device 1 to run its matching operation on p2p:1>0" in text
+    # the receive a peer cannot send yet; whichever device's bounded wait ends first reports
+    recv, peer, link = {0: ("RECV_B0<1", 1, "p2p:1>0"),
+                        1: ("RECV_F1<0", 0, "p2p:0>1")}[info.value.device]
+    assert f"{recv} to complete" in text
+    assert f"waiting for device {peer} to run its matching operation on {link}" in text
 
 
 class SizeAcross(nn.Module):
