@@ -54,11 +54,10 @@ class Spec:
 
     def capture(self, loss_fn: Callable | None = None, example=None, method: str = "auto",
                 loss_mean: str = "microbatch"):
-        """The model cut into regions (made once per loss function, batch names, front end
-        modules' train/eval modes and `loss_mean` (`capture.loss`), and for torch.export once
-        per sample shapes too);
-        `example`, a batch ((inputs, targets) or a dict), lets models torch.fx cannot
-        trace be exported, and names the batch's tensors."""
+        """The model cut into regions, made once per loss function, batch names, front end,
+        the modules' train/eval modes and `loss_mean` (`capture.loss`), and under torch.export
+        once per sample shapes too. `example`, a batch ((inputs, targets) or a dict), lets
+        models torch.fx cannot trace be exported, and names the batch's tensors."""
         from piper_nb.capture.batch import PAIR, named_batch, samples
         from piper_nb.capture.loss import resolve_loss
         from piper_nb.capture.split import capture_regions
