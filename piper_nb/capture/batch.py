@@ -18,8 +18,8 @@ import torch
 
 from piper_nb.errors import PlanError
 
-__all__ = ["PAIR", "named_batch", "batch_size", "samples", "check_samples", "slice_batch",
-           "ordered"]
+__all__ = ["PAIR", "named_batch", "batch_size", "samples", "sample_difference",
+           "check_samples", "slice_batch", "ordered"]
 
 PAIR = ("inputs", "targets")
 _RESERVED = frozenset({"loss"})
@@ -64,20 +64,26 @@ def samples(named: Mapping[str, torch.Tensor]) -> tuple[tuple[str, tuple[int, ..
                  for k, t in named.items())
 
 
+def sample_difference(expected: tuple, named: Mapping[str, torch.Tensor]) -> tuple | None:
+    """The first tensor, of those both have, whose samples differ from `expected` (a plan's
+    `samples`): (name, (shape, dtype) given, (shape, dtype) expected); None when none does."""
+    want = {k: (shape, dtype) for k, shape, dtype in expected}
+    return next(((k, (shape, dtype), want[k]) for k, shape, dtype in samples(named)
+                 if k in want and want[k] != (shape, dtype)), None)
+
+
 def check_samples(expected: tuple, named: Mapping[str, torch.Tensor], where: str,
                   fix: str) -> None:
     """PlanError when the batch's samples differ from `expected` (a plan's `samples`): a
     sequence length or dtype the plan was not compiled for. `fix` says what to do."""
-    if not expected:
+    diff = sample_difference(expected, named)
+    if diff is None:
         return
-    want = {k: (shape, dtype) for k, shape, dtype in expected}
-    for k, shape, dtype in samples(named):
-        if k in want and want[k] != (shape, dtype):
-            w_shape, w_dtype = want[k]
-            got, exp = (f"shape {list(shape)}", f"{list(w_shape)}") if shape != w_shape else (
-                f"dtype {dtype}", w_dtype)
-            raise PlanError(f"{where}: batch[{k!r}] has per-sample {got} but the plan was "
-                            f"compiled for {exp}; {fix}")
+    k, (shape, dtype), (w_shape, w_dtype) = diff
+    got, exp = (f"shape {list(shape)}", f"{list(w_shape)}") if shape != w_shape else (
+        f"dtype {dtype}", w_dtype)
+    raise PlanError(f"{where}: batch[{k!r}] has per-sample {got} but the plan was "
+                    f"compiled for {exp}; {fix}")
 
 
 def slice_batch(named: Mapping[str, torch.Tensor], part: slice) -> dict[str, torch.Tensor]:

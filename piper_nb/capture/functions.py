@@ -64,11 +64,8 @@ def keeping_functions(tracer: fx.Tracer) -> Iterator[dict[str, type]]:
             FUNCTIONS[key] = met[key] = cls
             return tracer.create_proxy("call_function", apply_function, (key, *args), kwargs)
         return _APPLY.__func__(cls, *args, **kwargs)
-    torch.autograd.Function.apply = classmethod(apply)
-    try:
+    with _applying(apply):
         yield met
-    finally:
-        torch.autograd.Function.apply = _APPLY
 
 
 @contextlib.contextmanager
@@ -80,8 +77,16 @@ def seen_functions() -> Iterator[list[type]]:
         if not cls.__module__.startswith("torch.") and cls not in seen:
             seen.append(cls)
         return _APPLY.__func__(cls, *args, **kwargs)
+    with _applying(apply):
+        yield seen
+
+
+@contextlib.contextmanager
+def _applying(apply) -> Iterator[None]:
+    """`torch.autograd.Function.apply` replaced by `apply` (a classmethod's function) for the
+    block, torch's own put back after it, whatever happens."""
     torch.autograd.Function.apply = classmethod(apply)
     try:
-        yield seen
+        yield
     finally:
         torch.autograd.Function.apply = _APPLY

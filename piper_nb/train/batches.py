@@ -8,7 +8,7 @@ from collections.abc import Iterable, Mapping
 
 import torch
 
-from piper_nb.capture.batch import batch_size, samples
+from piper_nb.capture.batch import batch_size, sample_difference, samples
 from piper_nb.errors import PlanError
 
 __all__ = ["each_batch", "BatchPlans", "other_plan_step"]
@@ -64,10 +64,9 @@ class BatchPlans:
         base = self.base
         if size != base.batch_size:
             return f"a batch of {size} samples (the plan is for {base.batch_size})"
-        want = {k: (shape, dtype) for k, shape, dtype in base.samples}
-        k, shape, dtype = next(x for x in samples(named) if want.get(x[0]) != x[1:])
+        k, (shape, dtype), (w_shape, w_dtype) = sample_difference(base.samples, named)
         return (f"a batch whose {k!r} is {[size, *shape]} {dtype} (the plan is for "
-                f"{[size, *want[k][0]]} {want[k][1]})" if k in want else f"a batch with {k!r}")
+                f"{[size, *w_shape]} {w_dtype})")
 
     def _tell(self, step: int, key, what: str) -> None:
         if key not in self.told:
