@@ -261,10 +261,6 @@ class _Dataflow:
     sizes: set[fx.Node]               # nodes computing sizes: packed when they cross
     ends: dict[str, fx.Node]          # LOSS, COUNT, metrics (`ir.loss_outputs`) -> node
 
-    @property
-    def loss_node(self) -> fx.Node:
-        return self.ends[LOSS]
-
 
 def loss_ends(nodes: list[fx.Node], outputs: tuple[str, ...]) -> dict[str, fx.Node]:
     """The graph's outputs by name: LOSS, then `outputs` (`FrontEnd.outputs`); PlanError
