@@ -1,15 +1,24 @@
 """piper_nb: a programmable distributed training system for PyTorch that lives in Jupyter.
 
 Tag regions of a model (`annotate`), write a program of directives (`place`, `replicate`,
-`shard`, `split`, `order`, `recompute`, schedules), `compile` it into checked per-device plans,
-`simulate` them, and `train` on real torch.distributed workers.
+`shard`, `split`, `order`, `recompute`, `tensor_parallel`, schedules), `compile` it into
+checked per-device plans, `simulate` them, and `train` on real torch.distributed workers.
 """
 
 from piper_nb import models, optim, profile, schedules
 from piper_nb.capture import annotate, cut_stages, expert_slices, pipeline_units, region
 from piper_nb.cluster import IPyParallelCluster, LocalCluster
 from piper_nb.compiler.compile import compile
-from piper_nb.directives.spec import Program, order, place, recompute, replicate, shard, split
+from piper_nb.directives.spec import (
+    Program,
+    order,
+    place,
+    recompute,
+    replicate,
+    shard,
+    split,
+    tensor_parallel,
+)
 from piper_nb.errors import PlanError, RuntimeFailure, WorkerLost
 from piper_nb.ir.dag import TrainingDAG
 from piper_nb.ir.kinds import Op, Purpose
@@ -24,7 +33,8 @@ from piper_nb.sim.memory import MIXED_PRECISION_ADAM, device_model_states, zero_
 from piper_nb.train import Result, reference_train, train
 
 __all__ = ["annotate", "cut_stages", "expert_slices", "region", "compile", "Plan", "DevicePlan",
-           "Instr", "Program", "place", "replicate", "shard", "split", "order", "recompute", "PlanError",
+           "Instr", "Program", "place", "replicate", "shard", "split", "order", "recompute",
+           "tensor_parallel", "PlanError",
            "RuntimeFailure", "WorkerLost", "TrainingDAG", "Node", "Edge", "Op", "Purpose", "validate",
            "models", "schedules", "CostModel", "HostModel", "HardwareSpec", "MemorySettings",
            "Trace", "simulate", "train", "reference_train", "LocalCluster", "IPyParallelCluster",

@@ -19,7 +19,7 @@ from collections.abc import Callable
 from piper_nb import models, schedules
 from piper_nb.capture import annotate, cut_stages
 from piper_nb.compiler.compile import compile
-from piper_nb.directives.spec import Program, place, replicate, shard, split
+from piper_nb.directives.spec import Program, place, replicate, shard, split, tensor_parallel
 
 __all__ = ["MATRIX", "SIZES", "compile_strategy", "moe_annotation"]
 
@@ -90,6 +90,11 @@ PP2_DP2_ZERO3 = [  # the same program as examples/pp2_dp2_zero3.json
     {"op": "schedule", "name": "1f1b", "ranks": 2, "microbatches": 4},
 ]
 
+PP2_TP2 = [  # Megatron's device order: each stage's TP group, then the next stage
+    place({"PP": 0}, [0]), place({"PP": 1}, [2]),
+    tensor_parallel({"PP": 0}, [0, 1]), tensor_parallel({"PP": 1}, [2, 3]),
+    *schedules.one_f_one_b(ranks=2, microbatches=4)]
+
 # name -> (size) -> (model, batch, annotation (None: 2 stages; an int: that many), program)
 MATRIX: dict[str, Callable[..., tuple]] = {
     **{f"zero{z}": _zero(z) for z in range(4)},
@@ -109,6 +114,10 @@ MATRIX: dict[str, Callable[..., tuple]] = {
     "pp2-dp2-ep2": _pp2_dp2_ep2,
     "tied-embeddings": lambda size="test": (
         *_gpt(size, tied=True), None, [*_pp(), *schedules.one_f_one_b(ranks=2, microbatches=4)]),
+    "pp2-tp2": lambda size="test": (*_gpt(size), None, PP2_TP2),
+    "tp2-dp2-zero3": lambda size="test": (*_gpt(size), {"": {"PP": 0}}, [
+        replicate({}, [0, 2], zero=3), tensor_parallel({}, [[0, 1], [2, 3]]),
+        split({}, "MB", 2)]),
 }
 
 

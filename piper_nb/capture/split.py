@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.fx as fx
@@ -84,12 +85,15 @@ class Capture:
     imports: tuple[str, ...] = ()              # modules registering custom ops the regions call
     samples: tuple | None = None               # export: the sample shapes it is specialised to
     loss_mean: str = "microbatch"              # what the loss region returns (`capture.loss`)
+    tp: Any = None                             # `capture.tensor_parallel.TPLayout`, if sharded
+    tp_local: dict = field(default_factory=dict)   # sharded parameter -> device 0's shard
 
-    def named_parameters(self) -> list[tuple[str, torch.Tensor]]:
+    def named_parameters(self, whole: bool = False) -> list[tuple[str, torch.Tensor]]:
         """The parameters the regions hold: the model's, each stacked parameter of sliced
         experts replaced by its pieces (`capture.experts`), read from the model's tensor
-        now (a view: its current values, device and requires_grad). A frozen parameter no
-        region reads is not among them."""
+        now (a view: its current values, device and requires_grad), and each
+        tensor-parallel one as device 0's shard (`whole`: the whole tensor, which workers
+        cut their own shards from). A frozen parameter no region reads is not among them."""
         held = {p for r in self.regions for p in r.params}
         cut: dict[str, list[tuple[str, int, int]]] = {}
         for p, (full, lo, hi, _) in self.pieces.items():
@@ -97,7 +101,8 @@ class Capture:
         out = []
         for name, t in self.model.named_parameters():
             out += [(p, t[lo:hi]) for p, lo, hi in cut[name]] if name in cut else [(name, t)]
-        return [(n, t) for n, t in out if n in held]
+        local = {} if whole else self.tp_local
+        return [(n, local.get(n, t)) for n, t in out if n in held]
 
     def region_of_tags(self, tags: dict) -> int:
         key = freeze_tags(tags)

@@ -18,6 +18,8 @@ import torch
 from piper_nb.capture.annotate import Spec
 from piper_nb.capture.batch import batch_size, named_batch, samples, slice_batch
 from piper_nb.capture.loss import check_loss_mean
+from piper_nb.capture.tensor_parallel import TPRequest, shard_capture
+from piper_nb.capture.tp_plan import model_tp_plan
 from piper_nb.capture.untouched import untouched
 from piper_nb.compiler.buffers import check_buffer_order, check_buffers
 from piper_nb.compiler.checks import check_plan
@@ -28,9 +30,11 @@ from piper_nb.compiler.passes import run_pipeline
 from piper_nb.compiler.precision import cast_batch, cast_spec, check_precision
 from piper_nb.compiler.shapes import propagate
 from piper_nb.compiler.token_rows import token_rows
+from piper_nb.compiler.tp_widen import widen
 from piper_nb.directives.base import Context
 from piper_nb.directives.recompute import check_recompute
-from piper_nb.directives.spec import Directive, Program, Replicate, Schedule, Shard, Split
+from piper_nb.directives.spec import Directive, Program, Replicate, Schedule, Shard, Split, TensorParallel
+from piper_nb.directives.tensor_parallel import tp_groups
 from piper_nb.errors import PlanError
 from piper_nb.ir.dag import TrainingDAG
 from piper_nb.ir.kinds import Op
@@ -145,6 +149,8 @@ def _plan(capture, directives, named: dict, world: int | None, check: bool,
     """Lower and check the directives for the captured model on the named batch."""
     bsz = batch_size(named)
     micro = _microbatches(directives, bsz)
+    capture = _sharded(capture, directives, named)
+    groups = tp_groups(directives)
     frozen = frozenset(n for n, p in capture.named_parameters() if not p.requires_grad)
     # shapes are per replica's share of a microbatch; the replicate directives give the
     # width, unless their regions are placed on smaller groups (a stage's two copies)
@@ -158,12 +164,13 @@ def _plan(capture, directives, named: dict, world: int | None, check: bool,
         dag = build_global_dag(capture, directives, shapes["values"], frozen)
     check_buffers(dag, shapes["changed"])
     check_recompute(dag, shapes["changed"])
-    n_world = _world(dag, directives, world)
-    buckets = dag.get_meta("buckets", ())
+    n_world = _world(dag, directives, world, groups)
+    devices, buckets = widen(lower(dag, dag.get_meta("buckets", ()), n_world), groups,
+                             dag.get_meta("buckets", ()), n_world)
     loss_region = next(r.index for r in capture.regions if r.has_loss)
     loss_width = next(len(n.devices) for n in dag.nodes if n.region == loss_region and n.op == Op.F)
     plan = Plan(
-        world=n_world, devices=lower(dag, buckets, n_world), microbatches=micro, batch_size=bsz,
+        world=n_world, devices=devices, microbatches=micro, batch_size=bsz,
         loss_scale=1.0 / (micro * loss_width), regions=capture.regions, buckets=buckets,
         values=shapes["values"], saved=shapes["saved"], rows=shapes["rows"],
         saved_rows=shapes["saved_rows"],
@@ -172,6 +179,8 @@ def _plan(capture, directives, named: dict, world: int | None, check: bool,
         frozen=tuple(sorted(frozen)), batch_names=capture.batch, samples=sampled, spec=spec,
         precision=mixed[0], reduce_dtype=mixed[1],
         pieces={p: tuple(v[:3]) for p, v in getattr(capture, "pieces", {}).items()},
+        tp_groups=tuple(groups[k] for k in sorted(groups)),
+        tp_params=dict(capture.tp.params) if capture.tp is not None else {},
         dag=dag, program=directives, capture=capture)
     if capture.loss_mean == "global":
         plan = with_global_loss(plan)
@@ -228,13 +237,40 @@ def _check_widths(dag: TrainingDAG, directives, bsz: int, micro: int) -> int:
     return max(widths, default=1)
 
 
-def _world(dag: TrainingDAG, directives, world: int | None) -> int:
-    used = dag.devices()
+def _sharded(capture, directives, named: dict):
+    """The capture with the tensor-parallel directives' regions cut into parts and sharded
+    (`capture.tensor_parallel`); a capture already sharded (a rebatch) stays as it is."""
+    tps = [(i, d) for i, d in directives if isinstance(d, TensorParallel)]
+    if not tps or capture.tp is not None:
+        return capture
+    requests = []
+    for i, d in tps:
+        if d.sequence_parallel:
+            raise PlanError("tensor_parallel: sequence_parallel=True is not supported yet (norms "
+                            "and residuals stay whole on every device); drop it", directive=i,
+                            op=d.op)
+        plan = d.plan or model_tp_plan(capture.model)
+        if not plan:
+            raise PlanError(f"tensor_parallel: {type(capture.model).__name__} has no "
+                            "tensor-parallel plan of its own; give one, as plan={'layers.*."
+                            "mlp.up': 'colwise', 'layers.*.mlp.down': 'rowwise'}",
+                            directive=i, op=d.op)
+        requests.append(TPRequest(d.filter, d.degree, plan, i))
+    with untouched(capture.model):
+        return shard_capture(capture, requests, named)
+
+
+def _flat(devices) -> list[int]:
+    return [d for x in devices for d in (x if isinstance(x, tuple) else (x,))]
+
+
+def _world(dag: TrainingDAG, directives, world: int | None, groups: dict | None = None) -> int:
+    used = sorted(set(dag.devices()) | {m for g in (groups or {}).values() for m in g})
     n_world = world if world is not None else (max(used) + 1 if used else 1)
     outside = [d for d in used if d >= n_world]
     if outside:
         idx, culprit = next((i, d) for i, d in directives
-                            if set(getattr(d, "devices", ())) & set(outside))
+                            if set(_flat(getattr(d, "devices", ()))) & set(outside))
         raise PlanError(f"device {outside[0]} is outside the world of {n_world} devices "
                         f"(ids 0..{n_world - 1}); use smaller ids or a larger world",
                         directive=idx, op=culprit.op)

@@ -26,13 +26,17 @@ class Units:
     def __init__(self, plan, width: dict[int, int], frozen: frozenset[str]):
         self.plan, self.frozen = plan, frozen
         self.mbs = max(plan.microbatches, 1)
-        self.bucket_of = {p: b.index for b in plan.buckets for p in b.params}
+        # a parameter is in one bucket, or in one per tensor-parallel rank (`tp_widen`)
+        self.buckets_of: dict[str, list[int]] = defaultdict(list)
+        for b in plan.buckets:
+            for p in b.params:
+                self.buckets_of[p].append(b.index)
         regions_of: dict[object, list[int]] = defaultdict(list)
         for r in plan.regions:
             for p in r.params:
-                u = self.bucket_of.get(p, p)
-                if p not in frozen and r.index not in regions_of[u]:
-                    regions_of[u].append(r.index)
+                for u in self.buckets_of.get(p) or [p]:
+                    if p not in frozen and r.index not in regions_of[u]:
+                        regions_of[u].append(r.index)
         self.regions_of = dict(regions_of)
         self.wmax = {u: max(width.get(r, 1) for r in rs) for u, rs in self.regions_of.items()}
         self.expected: dict[object, int] = {}
@@ -73,16 +77,17 @@ class Units:
             for p in self.plan.regions[region].params:
                 if p in self.frozen:
                     continue
-                b = self.bucket_of.get(p)
-                u = b if b is not None and device in self.plan.buckets[b].group else p
+                u = self.unit(p, device)
                 if all(u != x[0] for x in units):
                     units.append((u, self.offset(u, region), self.wmax[u]))
             out = self._of_region[key] = tuple(units)
         return out
 
     def unit(self, p: str, device: int):
-        b = self.bucket_of.get(p)
-        return b if b is not None and device in self.plan.buckets[b].group else p
+        for b in self.buckets_of.get(p, ()):
+            if device in self.plan.buckets[b].group:
+                return b
+        return p
 
     def name(self, u) -> str:
         if isinstance(u, int):

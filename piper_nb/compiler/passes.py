@@ -33,6 +33,7 @@ from piper_nb.directives.recompute import Recompute, apply_recompute
 from piper_nb.directives.replicate import Replicate, insert_grad_sync
 from piper_nb.directives.shard import Shard, apply_shards, insert_all_to_all, place_experts
 from piper_nb.directives.split import Split, apply_splits
+from piper_nb.directives.tensor_parallel import TensorParallel, insert_tp_collectives, place_tensor_parallel
 from piper_nb.errors import InternalError
 from piper_nb.ir.dag import TrainingDAG
 from piper_nb.ir.validate import validate
@@ -62,8 +63,12 @@ PIPELINE: tuple[Pass, ...] = (
     Pass("place", apply_places, consumes=(Place,)),                  # devices per pass
     Pass("replica placement", place_replicas, reads=(Replicate,)),   # replicate's devices
     Pass("expert placement", place_experts, reads=(Shard,)),         # each expert's device
+    Pass("tensor-parallel placement", place_tensor_parallel,         # one group's first
+         reads=(TensorParallel,)),                                   # device
     Pass("placement check", check_placement),                        # all placed; U placed
     Pass("send/recv", insert_send_recv),                             # a pair per crossing
+    Pass("tensor-parallel collectives", insert_tp_collectives,       # all-reduces between
+         consumes=(TensorParallel,)),                                # a region's parts
     Pass("gradient sync", insert_grad_sync, consumes=(Replicate,)),  # buckets, ZeRO
     Pass("shard", apply_shards, consumes=(Shard,)),                  # experts' surroundings
     Pass("all-to-all", insert_all_to_all),                           # dispatch and combine

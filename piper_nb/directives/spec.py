@@ -3,7 +3,8 @@
 Each directive is a frozen dataclass in its own module (value type, JSON fields, rewrite,
 Designer row defaults and code generation together; see `base.py`); `REGISTRY` maps each
 JSON `op` to its class. The `op` and field names in JSON are Piper's (`place`, `replicate`,
-`shard`, `split`, `order`), plus our `schedule` op that names a builder and `recompute`.
+`shard`, `split`, `order`), plus our `schedule` op that names a builder, `recompute` and
+`tensor_parallel`.
 """
 
 from __future__ import annotations
@@ -20,15 +21,17 @@ from piper_nb.directives.replicate import Replicate, replicate
 from piper_nb.directives.schedule import Schedule
 from piper_nb.directives.shard import Shard, shard
 from piper_nb.directives.split import Split, split
+from piper_nb.directives.tensor_parallel import TensorParallel, tensor_parallel
 from piper_nb.errors import PlanError
 
 __all__ = ["Directive", "Place", "Replicate", "Shard", "Split", "Order", "Schedule", "Recompute",
-           "Program", "place", "replicate", "shard", "split", "order", "recompute",
+           "TensorParallel", "Program", "place", "replicate", "shard", "split", "order",
+           "recompute", "tensor_parallel",
            "directive_from_json", "REGISTRY"]
 
 REGISTRY: dict[str, type[Directive]] = {cls.op: cls for cls in
                                         (Place, Replicate, Shard, Split, Order, Schedule,
-                                                     Recompute)}
+                                         Recompute, TensorParallel)}
 
 
 def directive_from_json(obj: Any) -> Directive:

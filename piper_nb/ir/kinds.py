@@ -47,6 +47,8 @@ class Purpose(StrEnum):
     COMBINE = "combine"              # an all-to-all bringing the experts' outputs back
     NORM = "norm"                    # the all-reduce of the squared gradient norm (clipping)
     COUNT = "count"                  # the all-reduce of the global-batch loss's count
+    TP = "tp"                        # tensor parallelism: a sharded part's partial sums, or
+                                     # the gradient shares of its inputs (`tensor_parallel`)
 
     def __str__(self) -> str:
         return self.value

@@ -35,6 +35,9 @@ always a microbatch.
                     (`clip_grad_norm`)
     count:AR        all-reduce of the global-batch loss's count before the updates
                     (`loss_mean="global"`)
+    r1:AR_F0        tensor parallelism: all-reduce of the partial sums region 1 (a sharded
+                    part) made in its forward of microbatch 0, over its TP group
+    r1:AR_B0        the all-reduce of the gradient shares of region 1's inputs, backward
     r0:DISPATCH_F1  all-to-all sending microbatch 1's tokens from region 0 to the experts
     r3:COMBINE_F1   all-to-all bringing the experts' outputs back to region 3
     r3:DISPATCH_B1  r0:COMBINE_B1   the same two exchanges carrying gradients, backwards
@@ -62,10 +65,12 @@ selects (a stage holds one region, or several: a mixture-of-experts block is the
 side `{PP=0}`, one region per expert `{PP=0,EP=e}` and the part after the experts
 `{PP=0,SEG=1}`); *SEG* numbers the later segments of a stage, the code that runs after
 another tagged part inside it (the combine after the experts) or after another stage (a
-module called twice); *device* = a rank; *bucket* = a group of parameters synchronized by
-one collective. Costs in `pn.CostModel.uniform(F=, B=, W=, FB=)` are the time of one pass
-of one region: F forward, B full backward, W the weight half of a split backward (its input
-half I costs B - W), FB an overlapped F&B slot (unset: F + B).
+module called twice); *PART* numbers the parts of a tensor-parallel region, between its
+collectives (`{PP=0,PART=1}`: from the colwise layers to the rowwise ones); *device* = a
+rank; *bucket* = a group of parameters synchronized by one collective. Costs in
+`pn.CostModel.uniform(F=, B=, W=, FB=)` are the time of one pass of one region: F forward,
+B full backward, W the weight half of a split backward (its input half I costs B - W), FB
+an overlapped F&B slot (unset: F + B).
 
 `instr_text` writes an instruction, `wait_text` a wait, `region_legend` / `bucket_legend`
 the prefixes; the JSON form (`Plan.to_json`) is the exact exchange form of a plan, the text
@@ -108,6 +113,8 @@ def instr_text(ins: Any) -> str:
         return f"{scope}{k}_{'B' if ins.grad else 'F'}{_mb(ins)}{arrow}{ins.peer}"
     if k == Op.ALL_TO_ALL and ins.purpose in (Purpose.DISPATCH, Purpose.COMBINE):
         return f"{scope}{ins.purpose.upper()}_{'B' if ins.grad else 'F'}{_mb(ins)}"
+    if k in SHORT and ins.purpose == Purpose.TP:   # tensor parallelism, between parts
+        return f"{scope}{SHORT[k]}_{'B' if ins.grad else 'F'}{_mb(ins)}"
     if k in SHORT and ins.purpose in (Purpose.NORM, Purpose.COUNT):   # clipping's norm, the
         return f"{ins.purpose}:{SHORT[k]}"                            # global loss's count
     if k in SHORT:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from piper_nb.errors import PlanError
 from piper_nb.ir.dag import TrainingDAG
-from piper_nb.ir.kinds import COMM, COMPUTE, EdgeKind, Op
+from piper_nb.ir.kinds import COMM, COMPUTE, EdgeKind, Op, Purpose
 
 __all__ = ["validate"]
 
@@ -19,7 +19,9 @@ def validate(dag: TrainingDAG, *, placed: bool = False) -> TrainingDAG:
             raise PlanError(f"{n.id}: its PASS tag {n.tag('PASS')} disagrees with its op {n.op}")
         if placed and not n.devices:
             raise PlanError(f"{n.id} is not placed on any device")
-        if n.op in COMM and placed and n.op not in (Op.SEND, Op.RECV) and len(n.devices) < 2:
+        # a tensor-parallel all-reduce runs over the group its devices lead (`tp_widen`)
+        if (n.op in COMM and placed and n.op not in (Op.SEND, Op.RECV) and len(n.devices) < 2
+                and n.attr("purpose") != Purpose.TP):
             raise PlanError(f"collective {n.id} needs at least two devices, has {list(n.devices)}")
     for e in dag.edges:
         if e.src not in ids or e.dst not in ids:

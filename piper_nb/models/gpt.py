@@ -50,16 +50,16 @@ class CausalSelfAttention(nn.Module):
         super().__init__()
         if dim % heads:
             raise ValueError(f"dim={dim} must be divisible by heads={heads}")
-        self.heads = heads
+        self.heads, self.head_dim = heads, dim // heads
         self.qkv = nn.Linear(dim, 3 * dim)
         self.out = nn.Linear(dim, dim)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, c = x.size(0), x.size(1), x.size(2)
-        q, k, v = self.qkv(x).split(c, dim=-1)
-        q, k, v = (z.reshape(b, t, self.heads, -1).transpose(1, 2) for z in (q, k, v))
+        b, t = x.size(0), x.size(1)   # heads as -1: a device's share under tensor parallelism
+        q, k, v = self.qkv(x).chunk(3, dim=-1)
+        q, k, v = (z.reshape(b, t, -1, self.head_dim).transpose(1, 2) for z in (q, k, v))
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.out(y.transpose(1, 2).reshape(b, t, c))
+        return self.out(y.transpose(1, 2).reshape(b, t, -1))
 
 
 class Block(nn.Module):
@@ -123,6 +123,11 @@ class LanguageModel(nn.Module):
 
 class TinyGPT(LanguageModel):
     """Decoder-only transformer: `embed` -> `blocks` -> `head`, tokens [B, T] -> logits."""
+
+    # how `pn.tensor_parallel` shards it when given no plan (Megatron's pairs: the fused
+    # q, k, v projection and the MLP's first layer by output, the layers after by input)
+    tp_plan = {"blocks.*.attn.qkv": "colwise:3", "blocks.*.attn.out": "rowwise",
+               "blocks.*.mlp.0": "colwise", "blocks.*.mlp.2": "rowwise"}
 
     def __init__(
         self,

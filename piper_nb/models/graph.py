@@ -46,6 +46,7 @@ class GraphSpec:
     functions: tuple[int, ...] = ()              # stages clamped by `StraightClamp` after their Linear
     eval_stages: tuple[int, ...] = ()            # stages in eval mode (BatchNorm on running stats)
     eval_dropout: bool = False                   # the dropout module in eval mode (off)
+    mlps: tuple[int, ...] = ()                   # stages adding an MLP x + down(tanh(up(x)))
     seed: int = 0
 
     def __post_init__(self):
@@ -63,7 +64,7 @@ class GraphSpec:
             raise ValueError(f"GraphSpec: acts needs one of {sorted(ACTIVATIONS)} per stage")
         if self.shared is not None and not 0 <= self.shared[0] < self.shared[1] < n:
             raise ValueError(f"GraphSpec: shared ({self.shared}) needs 0 <= a < b < {n}")
-        for name in ("functions", "eval_stages"):
+        for name in ("functions", "eval_stages", "mlps"):
             bad = [i for i in getattr(self, name) if not 0 <= i < n]
             if bad:
                 raise ValueError(f"GraphSpec: {name} {bad} are not stages 0..{n - 1}")
@@ -114,7 +115,7 @@ class StraightClamp(torch.autograd.Function):
 
 
 class _Stage(nn.Module):
-    def __init__(self, dim: int, norm: bool, scale: bool):
+    def __init__(self, dim: int, norm: bool, scale: bool, mlp: bool = False):
         super().__init__()
         self.lin = nn.Linear(dim, dim, bias=not norm)   # BatchNorm's shift makes a bias moot
         self.norm = nn.BatchNorm1d(dim) if norm else None
@@ -122,12 +123,15 @@ class _Stage(nn.Module):
             self.register_buffer("scale", torch.linspace(0.5, 1.5, dim))
         else:
             self.scale = None
+        self.up = nn.Linear(dim, 2 * dim) if mlp else None     # a pair to shard (TP)
+        self.down = nn.Linear(2 * dim, dim) if mlp else None
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         h = self.lin(h)
         if self.norm is not None:
             h = self.norm(h)
-        return h * self.scale if self.scale is not None else h
+        h = h * self.scale if self.scale is not None else h
+        return h + self.down(torch.tanh(self.up(h))) if self.up is not None else h
 
 
 class StageGraph(nn.Module):
@@ -139,7 +143,8 @@ class StageGraph(nn.Module):
         self.config = {"stages": spec.stages, "dim": spec.dim}
         with seeded(spec.seed):
             self.stages = nn.ModuleList(
-                _Stage(spec.dim, i in spec.norms, i in spec.scales) for i in range(spec.stages))
+                _Stage(spec.dim, i in spec.norms, i in spec.scales, i in spec.mlps)
+                for i in range(spec.stages))
             self.shared = nn.Linear(spec.dim, spec.dim) if spec.shared else None
         for a, b in spec.ties:
             self.stages[b].lin.weight = self.stages[a].lin.weight
@@ -173,6 +178,12 @@ class StageGraph(nn.Module):
 
     def loss_fn(self, output: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         return F.mse_loss(output, targets)
+
+    @property
+    def tp_plan(self) -> dict[str, str]:
+        """How `pn.tensor_parallel` shards it: each MLP's `up` by output, `down` by input."""
+        return {k: v for i in self.spec.mlps
+                for k, v in ((f"stages.{i}.up", "colwise"), (f"stages.{i}.down", "rowwise"))}
 
     def annotation(self) -> dict[str, dict[str, int]]:
         """Stage i is `PP: i`; `shared` belongs to the first stage that calls it."""

@@ -71,10 +71,10 @@ class GQAttention(nn.Module):
         self.flash = _flash_kernel(self.q.weight.device) if attention == "flash" else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, c = x.size(0), x.size(1), x.size(2)
-        q = self.q(x).reshape(b, t, self.heads, self.head_dim).transpose(1, 2)
-        k = self.k(x).reshape(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
-        v = self.v(x).reshape(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
+        b, t = x.size(0), x.size(1)   # heads as -1: a device's share under tensor parallelism
+        q = self.q(x).reshape(b, t, -1, self.head_dim).transpose(1, 2)
+        k = self.k(x).reshape(b, t, -1, self.head_dim).transpose(1, 2)
+        v = self.v(x).reshape(b, t, -1, self.head_dim).transpose(1, 2)
         q, k = rope(q, self.head_dim), rope(k, self.head_dim)
         group = self.heads // self.kv_heads
         k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
@@ -82,7 +82,7 @@ class GQAttention(nn.Module):
             y = self.flash(q, k, v, 0.0, True)[0]
         else:
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.o(y.transpose(1, 2).reshape(b, t, c))
+        return self.o(y.transpose(1, 2).reshape(b, t, -1))
 
 
 class SwiGLU(nn.Module):
@@ -132,6 +132,12 @@ class Llama(LanguageModel):
     `hidden` is the MLP's width (Llama's intermediate_size); `seq` only sizes
     `example_batch` (RoPE has no table); `attention` is "sdpa" or "flash" (see
     `GQAttention`)."""
+
+    # how `pn.tensor_parallel` shards it when given no plan (Hugging Face Llama's own)
+    tp_plan = {"blocks.*.attn.q": "colwise", "blocks.*.attn.k": "colwise",
+               "blocks.*.attn.v": "colwise", "blocks.*.attn.o": "rowwise",
+               "blocks.*.mlp.gate": "colwise", "blocks.*.mlp.up": "colwise",
+               "blocks.*.mlp.down": "rowwise"}
 
     def __init__(self, vocab: int = 64, dim: int = 32, layers: int = 4, heads: int = 4,
                  kv_heads: int = 2, hidden: int = 64, seq: int = 16, attention: str = "sdpa",

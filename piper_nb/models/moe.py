@@ -62,6 +62,10 @@ class MoEBlock(nn.Module):
 class TinyMoE(LanguageModel):
     """Decoder-only MoE transformer: `embed` -> `blocks` (MoE blocks) -> `head`."""
 
+    # how `pn.tensor_parallel` shards it when given no plan: the attention as TinyGPT's; the
+    # experts stay whole on each device (`pn.shard` spreads them instead)
+    tp_plan = {"blocks.*.attn.qkv": "colwise:3", "blocks.*.attn.out": "rowwise"}
+
     def __init__(
         self,
         vocab: int = 64,

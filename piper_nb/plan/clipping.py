@@ -17,7 +17,8 @@ def has_norm_step(plan: Plan) -> bool:
 
 def norm_weights(plan: Plan) -> dict[str, float]:
     """Parameter -> 1 / the number of places that update it (full copies, plus one per ZeRO
-    bucket holding it), so the world's weighted sum counts each parameter once."""
+    bucket holding it), so the world's weighted sum counts each parameter once; a
+    tensor-parallel one's places hold different shards, `degree` of them make it whole."""
     places: dict[str, int] = {}
     buckets: set[int] = set()
     for dp in plan.devices:
@@ -29,4 +30,5 @@ def norm_weights(plan: Plan) -> dict[str, float]:
     for b in buckets:
         for n in plan.buckets[b].params:
             places[n] = places.get(n, 0) + 1
-    return {n: 1.0 / k for n, k in places.items()}
+    tp = getattr(plan, "tp_params", {})
+    return {n: (tp[n][1] if n in tp else 1) / k for n, k in places.items()}

@@ -107,6 +107,8 @@ class Plan:
     precision: str = "fp32"         # "bf16": bf16 weights, activations, grads; fp32 masters
     reduce_dtype: str | None = None  # dtype gradients are reduced in (None: the grads')
     loss_mean: str = "microbatch"   # "global": the loss over the whole batch (`compiler.global_loss`)
+    tp_groups: tuple = ()           # tensor-parallel device groups (`tensor_parallel`)
+    tp_params: dict = field(default_factory=dict)   # sharded parameter -> (dim, degree, blocks)
     dag: Any = None
     program: Any = None
     capture: Any = None
@@ -117,6 +119,13 @@ class Plan:
 
     def __getitem__(self, device: int) -> DevicePlan:
         return self.devices[device]
+
+    def tp_rank(self, device: int) -> int:
+        """`device`'s position in its tensor-parallel group (0 outside any)."""
+        for g in self.tp_groups:
+            if device in g:
+                return g.index(device)
+        return 0
 
     def __getstate__(self) -> dict:
         """Pickled without what is derived and cached (the lowered stream program)."""
@@ -199,7 +208,7 @@ class Plan:
         return 1 if self.loss_mean == "global" else round(1 / self.loss_scale)
 
     def __repr__(self) -> str:
-        n = sum(len(d.stamp[0]) if d.stamp else len(d.instrs) for d in self.devices)
+        n = sum(len(d.stamp[0]) if d.stamp and d.stamp[0] else len(d.instrs) for d in self.devices)
         return (f"Plan(world={self.world}, microbatches={self.microbatches}, "
                 f"regions={len(self.regions)}, buckets={len(self.buckets)}, instructions={n})")
 
@@ -225,6 +234,9 @@ class Plan:
             **({"precision": self.precision, "reduce_dtype": self.reduce_dtype}
                if self.precision != "fp32" else {}),
             **({"loss_mean": self.loss_mean} if self.loss_mean != "microbatch" else {}),
+            **({"tp_groups": [list(g) for g in self.tp_groups],
+                "tp_params": {k: list(v) for k, v in self.tp_params.items()}}
+               if self.tp_groups else {}),
             "devices": [[i.to_json() for i in dp.instrs] for dp in self.devices],
         }, indent=indent)
 
@@ -254,7 +266,9 @@ class Plan:
                    pieces={k: tuple(v) for k, v in obj.get("pieces", {}).items()},
                    clip_grad_norm=obj.get("clip_grad_norm"),
                    precision=obj.get("precision", "fp32"), reduce_dtype=obj.get("reduce_dtype"),
-                   loss_mean=obj.get("loss_mean", "microbatch"))
+                   loss_mean=obj.get("loss_mean", "microbatch"),
+                   tp_groups=tuple(tuple(g) for g in obj.get("tp_groups", ())),
+                   tp_params={k: tuple(v) for k, v in obj.get("tp_params", {}).items()})
 
 
 def columns_text(cols: list[list[str]], mark: dict[int, int] | None = None) -> str:

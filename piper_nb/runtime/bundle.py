@@ -52,7 +52,8 @@ def make_bundle(plan) -> bytes:
         raise PlanError("this plan carries no captured model (it was loaded from JSON?); "
                         "compile it with pn.compile(spec, program, batch) to train it")
     tables = dataclasses.replace(plan, dag=None, program=None, capture=None, spec=None)
-    init = {n: p.detach().clone() for n, p in cap.named_parameters()}
+    # whole tensors: a tensor-parallel worker cuts its own shard (`layout.local_init`)
+    init = {n: p.detach().clone() for n, p in cap.named_parameters(whole=True)}
     inner = pickle.dumps(Bundle(tables, tuple(cap.modules), init, param_aliases(cap.model)))
     # custom autograd Functions the regions call, by value where they are not importable
     # (a notebook's): cloudpickle, and registered before the regions are unpickled

@@ -15,9 +15,11 @@ from dataclasses import dataclass
 
 import torch
 
+from piper_nb.capture.tensor_parallel import join_shards, local_shard
 from piper_nb.optim import shard_pieces
 
-__all__ = ["Layout", "bucket_layouts", "batch_part", "assemble_state", "assemble_optim_state"]
+__all__ = ["Layout", "bucket_layouts", "batch_part", "assemble_state", "assemble_optim_state",
+           "local_init"]
 
 
 @dataclass(frozen=True)
@@ -82,24 +84,39 @@ def batch_part(t: torch.Tensor, microbatches: int, mb: int, replica: int, replic
     return t[start:start + part]
 
 
-def assemble_state(plan, per_device: list[dict]) -> dict[str, torch.Tensor]:
-    """Canonical parameter name -> full tensor, from each worker's `export_state()`, and
-    buffer name -> tensor for the buffers the workers train.
+def local_init(init: dict[str, torch.Tensor], plan, device: int) -> dict[str, torch.Tensor]:
+    """The initial parameters as `device` holds them: its shard of each tensor-parallel one
+    (`plan.tp_params`), the rest whole."""
+    if not plan.tp_params:
+        return init
+    rank = plan.tp_rank(device)
+    return {n: local_shard(t, *plan.tp_params[n], rank) if n in plan.tp_params else t
+            for n, t in init.items()}
 
-    A worker reports the parameters it holds in full and, for ZeRO-3 buckets, its shard;
-    shards are concatenated in group order and cut back into parameters. Expert pieces
-    (`plan.pieces`: `<param>[lo:hi]`, `capture.experts`) are concatenated along dim 0 back
-    into their stacked parameter. Each trained buffer comes from the one device that owns
-    it (`runtime.buffers`).
-    """
+
+def _per_rank(plan, per_device: list[dict]) -> list[list[dict]]:
+    """The workers' reports split by tensor-parallel rank (one list when there is none)."""
+    if not plan.tp_params:
+        return [per_device]
+    ranks = [plan.tp_rank(d) for d in range(len(per_device))]
+    return [[st if ranks[d] == k else {} for d, st in enumerate(per_device)]
+            for k in range(max(ranks) + 1)]
+
+
+def _joined(plan, by_rank: list[dict], name: str, value):
+    """A tensor-parallel parameter's (or its state's) shards joined back into one tensor."""
+    dim, degree, blocks = plan.tp_params[name]
+    return join_shards([value(by_rank[k]) for k in range(degree)], dim, blocks)
+
+
+def _held(plan, per_device: list[dict], layouts) -> dict[str, torch.Tensor]:
     full: dict[str, torch.Tensor] = {}
     for st in per_device:
-        for name, t in st["full"].items():
+        for name, t in st.get("full", {}).items():
             full.setdefault(name, t)
-    layouts = bucket_layouts(plan)
     shards: dict[int, dict[int, torch.Tensor]] = {}
     for st in per_device:
-        for b, (pos, t) in st["shards"].items():
+        for b, (pos, t) in st.get("shards", {}).items():
             shards.setdefault(b, {})[pos] = t
     for b, parts in shards.items():
         lay = layouts[b]
@@ -108,6 +125,26 @@ def assemble_state(plan, per_device: list[dict]) -> dict[str, torch.Tensor]:
         flat = torch.cat([parts[i] for i in range(len(lay.group))])
         for name, view in zip(lay.names, lay.views(flat), strict=True):
             full.setdefault(name, view.clone())
+    return full
+
+
+def assemble_state(plan, per_device: list[dict]) -> dict[str, torch.Tensor]:
+    """Canonical parameter name -> full tensor, from each worker's `export_state()`, and
+    buffer name -> tensor for the buffers the workers train.
+
+    A worker reports the parameters it holds in full and, for ZeRO-3 buckets, its shard;
+    shards are concatenated in group order and cut back into parameters. Tensor-parallel
+    parameters are joined from every rank's shard (`plan.tp_params`). Expert pieces
+    (`plan.pieces`: `<param>[lo:hi]`, `capture.experts`) are concatenated along dim 0 back
+    into their stacked parameter. Each trained buffer comes from the one device that owns
+    it (`runtime.buffers`).
+    """
+    layouts = bucket_layouts(plan)
+    by_rank = [_held(plan, states, layouts) for states in _per_rank(plan, per_device)]
+    full = dict(by_rank[0])
+    for name in plan.tp_params:
+        if all(name in held for held in by_rank[:plan.tp_params[name][1]]):
+            full[name] = _joined(plan, by_rank, name, lambda held, n=name: held[n])
     missing = [n for n in plan.params if n not in full]
     if missing:
         raise RuntimeError(f"no worker holds parameters {missing[:5]}; the plan places them "
@@ -122,6 +159,21 @@ def assemble_state(plan, per_device: list[dict]) -> dict[str, torch.Tensor]:
 
 
 def assemble_optim_state(plan, per_device: list[dict], group_of) -> dict[str, dict]:
+    """`_optim_state` per tensor-parallel rank, each sharded parameter's state tensors of its
+    shape joined back into the whole parameter's (scalars, such as `step`, from rank 0)."""
+    by_rank = [_optim_state(plan, states, group_of) for states in _per_rank(plan, per_device)]
+    out = by_rank[0]
+    for name, (_, degree, _) in plan.tp_params.items():
+        if name not in out or not all(name in r for r in by_rank[:degree]):
+            continue
+        shape = tuple(plan.params[name][0])
+        for k, v in out[name].items():
+            if isinstance(v, torch.Tensor) and tuple(v.shape) == shape:
+                out[name][k] = _joined(plan, by_rank, name, lambda r, n=name, k=k: r[n][k])
+    return out
+
+
+def _optim_state(plan, per_device: list[dict], group_of) -> dict[str, dict]:
     """Canonical parameter name -> its full optimizer state (`exp_avg`, `step`, ...), from
     each worker's `train_state()`: a parameter updated whole gives its state as it is (the
     replicas hold equal copies); ZeRO shards give theirs piece by piece (`optim.shard_pieces`,
@@ -132,7 +184,7 @@ def assemble_optim_state(plan, per_device: list[dict], group_of) -> dict[str, di
     flats: dict[tuple[int, str], torch.Tensor] = {}
     scalars: dict[int, dict] = {}
     for rank, st in enumerate(per_device):
-        for key, state in st.get("optim", {}).items():
+        for key, state in (st or {}).get("optim", {}).items():
             if isinstance(key, str):
                 out.setdefault(key, dict(state))
             elif key[0] == "bucket":

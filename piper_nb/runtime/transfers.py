@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from piper_nb.ir.kinds import Op
+from piper_nb.ir.kinds import Op, Purpose
 from piper_nb.plan.streams import communicator
 from piper_nb.trace import Memory
 
@@ -31,6 +31,11 @@ class Transfers:
         if ins.kind == Op.RECV:   # received act:/grad: buffers, as the simulator counts them
             t = comm.recv(self.recv_specs[idx], ins.peer, ins.tag, key)
             return t, Memory.ACTIVATIONS, t.bufs, None
+        if ins.kind == Op.ALL_REDUCE and ins.purpose == Purpose.TP:   # one flat copy
+            table = self.values.grads if ins.grad else self.values.acts
+            t = comm.all_reduce(torch.cat([table[(v, ins.mb)].detach().reshape(-1)
+                                           for v in ins.values]), key)
+            return t, Memory.BUFFERS, t.bufs, None
         if ins.kind == Op.ALL_REDUCE:
             flat = (self.updater.norm_share() if ins.is_norm else self.count_share()
                     if ins.is_count else self._to_reduce(ins.bucket))
@@ -70,6 +75,17 @@ class Transfers:
                                    f"{t.device}, not on the device {self.device}")
             out.append(t)
         return out
+
+    def _summed(self, src, flat: torch.Tensor) -> None:
+        """A tensor-parallel all-reduce's WAIT: each value becomes the group's sum, written
+        over this device's share in place (the producing pass's stash holds that tensor:
+        one buffer either way; autograd saved none of them, a rowwise layer's output)."""
+        table = self.values.grads if src.grad else self.values.acts
+        at = 0
+        for v in src.values:
+            old = table[(v, src.mb)]
+            old.detach().copy_(flat[at:at + old.numel()].view(old.shape))
+            at += old.numel()
 
     def _to_reduce(self, b: int) -> torch.Tensor:
         """Bucket b's gradients as one flat buffer in the plan's reduction dtype."""

@@ -18,7 +18,7 @@ import os
 
 import torch
 
-from piper_nb.ir.kinds import P2P, PASSES, Held, Memory, Op
+from piper_nb.ir.kinds import P2P, PASSES, Held, Memory, Op, Purpose
 from piper_nb.ir.loss_outputs import COUNT, metric_name
 from piper_nb.optim import check_optimizer
 from piper_nb.plan.instr import parse_free
@@ -30,7 +30,7 @@ from piper_nb.runtime.comm import Comm, Pending
 from piper_nb.runtime.compute import ComputePasses
 from piper_nb.runtime.emulation import EmulatedStreams
 from piper_nb.runtime.exchange import TokenExchange
-from piper_nb.runtime.layout import bucket_layouts
+from piper_nb.runtime.layout import bucket_layouts, local_init
 from piper_nb.runtime.stores import ParamStore, ValueStore
 from piper_nb.runtime.streams import CudaStreams, HostStreams
 from piper_nb.runtime.syncbn import sync_batchnorms
@@ -62,8 +62,10 @@ class Worker(ComputePasses, Transfers):
         names = dict.fromkeys(p for r in regions for p in plan.regions[r].params)
         names.update(dict.fromkeys(p for i in self.instrs if i.kind == Op.U for p in i.params))
         self.layouts = bucket_layouts(plan)
-        self.init = bundle.init
-        self.store = ParamStore(list(names), bundle.init, self.layouts, rank, device,
+        # a tensor-parallel member other than the first reports no loss (its copy is equal)
+        self.tp_rank = plan.tp_rank(rank)
+        self.init = local_init(bundle.init, plan, rank)
+        self.store = ParamStore(list(names), self.init, self.layouts, rank, device,
                                 frozenset(plan.frozen))
         self.modules = {}
         for r in regions:
@@ -214,7 +216,7 @@ class Worker(ComputePasses, Transfers):
 
     def count_share(self) -> torch.Tensor:
         """What this device's loss forwards counted this step (float64), for `count:AR`."""
-        counts = self.ends.get(COUNT, [])
+        counts = self.ends.get(COUNT, []) if not self.tp_rank else []
         total = torch.zeros(1, dtype=torch.float64, device=self.device)
         return total + torch.stack([c.reshape(()) for c in counts]).double().sum() \
             if counts else total
@@ -223,12 +225,13 @@ class Worker(ComputePasses, Transfers):
         """Metric name -> (sum over this device's loss forwards, how many): the driver
         averages over every microbatch and replica."""
         return {metric_name(k): (float(torch.stack([t.reshape(()) for t in v]).double().sum()),
-                                 len(v)) for k, v in self.ends.items() if metric_name(k)}
+                                 len(v)) for k, v in self.ends.items()
+                if metric_name(k) and not self.tp_rank}
 
     def _step_loss(self) -> float:
         """This device's share of the step's loss: every microbatch's loss times the plan's
         loss scale, summed in float64 (one reduction per step, not one per forward)."""
-        if not self.losses:
+        if not self.losses or self.tp_rank:
             return 0.0
         total = torch.stack([t.reshape(()) for t in self.losses]).double().sum()
         return float(total) * self.plan.loss_scale
@@ -307,6 +310,8 @@ class Worker(ComputePasses, Transfers):
             self.updater.set_norm(results[0])
         elif src.is_count:   # the global-batch loss's count
             self.updater.set_count(results[0])
+        elif src.purpose == Purpose.TP:   # a tensor-parallel sum: partial outputs, gradients
+            self._summed(src, results[0])
         elif src.kind == Op.ALL_REDUCE:
             self.store.set_grads(src.bucket, results[0])
         elif src.kind == Op.REDUCE_SCATTER:

@@ -270,6 +270,11 @@ class Ledger:
             self.pending[i] = (_BUFFERS, NORM_BYTES)
             self.level[_BUFFERS] += NORM_BYTES
             return
+        if ins.purpose == Purpose.TP:   # one flat copy of the values it sums
+            nbytes = sum(self._vb(v, ins.mb) for v in ins.values)
+            self.pending[i] = (_BUFFERS, nbytes)
+            self.level[_BUFFERS] += nbytes
+            return
         if k == Op.SEND or (k in BUCKET_COLLECTIVES and b not in self.buckets):
             return
         if k == Op.RECV:

@@ -7,7 +7,8 @@ buffers, a mix of activations, sometimes a module called from two stages, someti
 dropout), some stages recomputed (`pn.recompute`: all microbatches or one), under one
 schedule builder (GPipe, 1F1B, interleaved 1F1B with 2 and 3 chunks,
 ZB1P, DualPipeV, full DualPipe, a random valid hand-written grid, or none), with data
-parallel replicas and ZeRO 0-3 on every stage (PP x DP, at most 4 devices), SGD with
+parallel replicas and ZeRO 0-3 on every stage (PP x DP, at most 4 devices), sometimes
+tensor parallelism of degree 2 over MLPs added to some stages (PP x DP x TP), SGD with
 momentum, AdamW or another element-wise torch.optim optimizer, sometimes with a no-decay
 group for biases, a warmup schedule and global gradient clipping, sometimes in bf16 (with
 SGD and no BatchNorm, compared at bf16 tolerance), for 2-3 steps. Fidelity draws: stages
@@ -76,11 +77,12 @@ class Case:
     bf16: bool = False            # precision="bf16", compared at bf16 tolerance
     lengths: tuple[int, ...] = ()  # per step: a batch of sequences of that length (() : none)
     global_loss: bool = False     # loss_mean="global" over targets partly masked out (NaN)
+    tp: int = 1                   # tensor-parallel degree over the stages' MLPs (spec.mlps)
     notes: list[str] = field(default_factory=list)
 
     @property
     def world(self) -> int:
-        return self.ranks * self.dp
+        return self.ranks * self.dp * self.tp
 
     @property
     def batch_size(self) -> int:
@@ -100,6 +102,7 @@ class Case:
         rc += ", bf16" if self.bf16 else ""
         rc += f", lengths {list(self.lengths)}" if self.lengths else ""
         rc += ", global loss over masked targets" if self.global_loss else ""
+        rc += f", TP {self.tp} over the MLPs of stages {list(s.mlps)}" if self.tp > 1 else ""
         return (f"seed {self.seed}: {self.schedule} x{self.ranks} ranks, DP {self.dp}, "
                 f"ZeRO {self.zero}{'' if self.reshard else ' (no reshard)'}, bucket "
                 f"{self.bucket_size}, {self.microbatches} microbatches of {self.dp * self.per_part}"
@@ -143,7 +146,21 @@ def draw(seed: int) -> Case:
     case.bf16 = (case.optimizer == "sgd" and not spec.norms and not spec.dropout
                  and rng.random() < 0.4)
     _draw_fidelity(rng, case)
+    _draw_tp(rng, case)
     return case
+
+
+def _draw_tp(rng: random.Random, case: Case) -> None:
+    """Tensor parallelism of degree 2 over MLPs added to some stages (each pipeline rank
+    and replica widened into a group of two devices, at most 4 devices in all); not with
+    BatchNorm, whose replicas' statistics sync over data-parallel groups only (drawn
+    last: earlier fields keep their draw)."""
+    if case.spec.norms or case.ranks * case.dp > 2 or rng.random() >= 0.7:
+        return
+    stages = case.spec.stages
+    mlps = tuple(sorted(rng.sample(range(stages), rng.randint(1, stages))))
+    case.spec = dataclasses.replace(case.spec, mlps=mlps)
+    case.tp = 2
 
 
 def _draw_fidelity(rng: random.Random, case: Case) -> None:
@@ -218,7 +235,16 @@ def _random_grid(rng: random.Random, stages: int, ranks: int, micro: int,
 
 def program(case: Case) -> list:
     """The case's directives: the schedule's (with `place`), every pipeline rank r turned
-    into the replica group [r, r + ranks, ...] and replicated with the case's ZeRO level."""
+    into the replica group [r, r + ranks, ...] and replicated with the case's ZeRO level;
+    under TP, each of those devices d leads the group [d, d + ranks x dp]."""
+    out = _program(case)
+    if case.tp > 1:
+        lead = case.ranks * case.dp
+        out.append(pn.tensor_parallel({}, [[d, d + lead] for d in range(lead)]))
+    return out
+
+
+def _program(case: Case) -> list:
     r, c = case.ranks, case.microbatches
     rc = [pn.recompute({"PP": s} if mb < 0 else {"PP": s, "MB": mb}) for s, mb in case.recompute]
     if case.schedule == "none":

@@ -56,6 +56,10 @@ def test_the_draw_covers_every_schedule_zero_level_and_feature():
     assert any(len(set(c.lengths)) > 1 and c.ranks > 1 for c in cases)
     assert any(c.global_loss and c.dp > 1 for c in cases)
     assert any(c.global_loss and c.schedule == "dualpipev" for c in cases)
+    # tensor parallelism over MLPs, with a pipeline, with data parallelism, under ZeRO
+    assert any(c.tp > 1 and c.ranks > 1 for c in cases)
+    assert any(c.tp > 1 and c.dp > 1 for c in cases)
+    assert any(c.tp > 1 and c.zero == 3 for c in cases)
 
 
 def test_a_case_replays_from_its_seed():

@@ -1,0 +1,342 @@
+"""Tensor parallelism on a captured model: each sharded region cut into *parts* between its
+collectives, and its linear layers' weights into per-device shards (Megatron's f and g,
+found in the graph of the model as the user has it).
+
+In a sharded region every op gets a status: *sharded* (it reads a colwise layer's output:
+each device computes its own share, attention on its own heads), *partial* (a rowwise
+layer's output: each device's share of a sum) or *replicated* (everything else: every
+device computes the same). Parts alternate replicated, sharded, replicated, ... : part
+`2k+1` runs from the colwise layers to the rowwise ones, and a partial value leaving it is
+all-reduced before a later part reads it (g: the forward all-reduce). A replicated value
+that requires a gradient and enters a sharded part goes through an alias of its own made
+in the part before, whose gradient, a per-device share, is all-reduced in the backward (f:
+the backward all-reduce); a replicated parameter read inside a sharded part (Qwen3's
+per-head norms) takes the same path. Each part is a region of the new capture, tagged
+`PART=k`, so the passes, the runtime and the simulator treat it as any other region; the
+collectives between parts are placed by the `tensor_parallel` directive's pass.
+
+The captured model's sharded parameters become views of device 0's shard (`local_shard`),
+so shapes, buckets and memory are computed for a device's share; `Capture.tp` records how
+each is cut, for the workers (which cut their own from the whole) and for gathering the
+trained weights back.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import operator
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+from torch import nn
+
+from piper_nb.capture.tp_parts import PART, Cut, Info, P, S, build_parts, levels, route_aliases
+from piper_nb.capture.tp_plan import Sharding, Style, style_of
+from piper_nb.capture.tp_shapes import localize
+from piper_nb.capture.untouched import untouched
+from piper_nb.errors import PlanError
+from piper_nb.ir.filters import matches, tags_text
+
+__all__ = ["PART", "TPRequest", "TPLayout", "shard_capture", "local_shard", "join_shards"]
+
+_LINEAR = torch.ops.aten.linear.default
+_ADD = torch.ops.aten.add.Tensor
+_HEADS = ("heads", "kv_heads", "num_heads", "n_heads", "num_attention_heads",
+          "num_key_value_heads", "n_head")
+
+
+@dataclass(frozen=True)
+class TPRequest:
+    """One `tensor_parallel` directive as the capture needs it."""
+
+    filter: Mapping
+    degree: int
+    plan: Mapping[str, str]
+    directive: int = -1
+
+
+@dataclass(frozen=True)
+class TPLayout:
+    """What sharding a capture changed: per sharded parameter (dim, degree, blocks); the
+    values all-reduced after a forward (partial sums) and those whose gradients are
+    all-reduced (the inputs of sharded parts); per part region its original region and
+    part number; per original region its degree."""
+
+    params: Mapping[str, tuple[int, int, int]]
+    partial: frozenset[str]
+    grad_sum: frozenset[str]
+    parts: Mapping[int, tuple[int, int]]
+    degree: Mapping[int, int]
+
+
+def local_shard(t: torch.Tensor, dim: int, degree: int, blocks: int, rank: int) -> torch.Tensor:
+    """Device `rank`'s shard of `t` cut `degree` ways along `dim` (each of `blocks` stacked
+    blocks cut alike): a view when there is one block."""
+    if blocks == 1:
+        n = t.shape[dim] // degree
+        return t.narrow(dim, rank * n, n)
+    return torch.cat([b.narrow(dim, rank * (b.shape[dim] // degree), b.shape[dim] // degree)
+                      for b in t.chunk(blocks, dim)], dim)
+
+
+def join_shards(shards: list[torch.Tensor], dim: int, blocks: int) -> torch.Tensor:
+    """The whole tensor from every device's shard, in device order (`local_shard`'s inverse)."""
+    if blocks == 1:
+        return torch.cat(shards, dim)
+    cut = [s.chunk(blocks, dim) for s in shards]
+    return torch.cat([torch.cat([c[b] for c in cut], dim) for b in range(blocks)], dim)
+
+
+def shard_capture(capture, requests: list[TPRequest], batch: dict):
+    """`capture` with the regions the requests select cut into parts and their linear layers
+    sharded; the capture itself when nothing is sharded."""
+    chosen = _choose(capture, requests)
+    if not chosen:
+        return capture
+    _check_heads(capture.model, chosen, capture.regions)
+    infos = _node_infos(capture, set(chosen), batch)
+    aliases = _canonical(capture.model)
+    regions, modules, parts, degree = [], [], {}, {}
+    params: dict[str, tuple[int, int, int]] = {}
+    partial, grad_sum = set(), set()
+    names = {v for r in capture.regions for v in (*r.inputs, *r.outputs)}
+    for info, gm in zip(capture.regions, capture.modules, strict=True):
+        req = chosen.get(info.index)
+        cut = _cut(gm, info, req, infos.get(info.index), names, aliases,
+                   capture.model) if req else None
+        if cut is None:
+            regions.append(dataclasses.replace(info, index=len(regions)))
+            modules.append(gm)
+            continue
+        degree[info.index] = req.degree
+        names |= {v for pinfo, _ in cut.parts for v in (*pinfo.inputs, *pinfo.outputs)}
+        params.update(cut.params)
+        partial |= cut.partial
+        grad_sum |= cut.grad_sum
+        for k, (pinfo, pgm) in enumerate(cut.parts):
+            parts[len(regions)] = (info.index, k)
+            regions.append(dataclasses.replace(pinfo, index=len(regions)))
+            modules.append(pgm)
+    local = {n: _local_param(capture.model.get_parameter(n), *params[n]) for n in params}
+    for gm in modules:
+        _bind_local(gm, local, aliases)
+    return _rebuilt(capture, regions, modules,
+                    TPLayout(params, frozenset(partial), frozenset(grad_sum), parts, degree),
+                    local)
+
+
+def _choose(capture, requests: list[TPRequest]) -> dict[int, TPRequest]:
+    chosen: dict[int, TPRequest] = {}
+    for req in requests:
+        hits = [r for r in capture.regions if matches(req.filter, dict(r.tags))]
+        if not hits:
+            raise PlanError(f"tensor_parallel: filter {dict(req.filter)} matches no region; "
+                            "regions are " + ", ".join(r.name for r in capture.regions),
+                            directive=req.directive, op="tensor_parallel")
+        for r in hits:
+            if r.index in chosen and chosen[r.index].degree != req.degree:
+                raise PlanError(f"tensor_parallel: region {r.name} is given two degrees, "
+                                f"{chosen[r.index].degree} and {req.degree}; give it one",
+                                directive=req.directive, op="tensor_parallel")
+            chosen[r.index] = req
+    return {r: q for r, q in chosen.items() if q.degree > 1}
+
+
+def _canonical(model: nn.Module) -> dict[str, str]:
+    first: dict[int, str] = {}
+    return {n: first.setdefault(id(p), n) for n, p in model.named_parameters(remove_duplicate=False)}
+
+
+def _node_infos(capture, wanted: set[int], batch: dict) -> dict[int, tuple[dict, list]]:
+    """Per chosen region: per node name what one run of the regions on the batch records
+    (`Info`), and the region's inputs in that run."""
+    vals = dict(batch)
+    out: dict[int, tuple[dict, list]] = {}
+    with untouched(capture.model):
+        for info, gm in zip(capture.regions, capture.modules, strict=True):
+            args = [vals[v].detach().requires_grad_(True)
+                    if v not in batch and vals[v].is_floating_point() else vals[v]
+                    for v in info.inputs]
+            if info.index in wanted:
+                seen: dict[str, Info] = {}
+                outs = _Recorder(gm, seen).run(*args)
+                out[info.index] = (seen, args)
+            else:
+                outs = gm(*args)
+            vals.update(zip(info.outputs, outs, strict=True))
+    return out
+
+
+class _Recorder(fx.Interpreter):
+    def __init__(self, gm, seen):
+        super().__init__(gm)
+        self.seen = seen
+
+    def run_node(self, n):
+        v = super().run_node(n)
+        t = isinstance(v, torch.Tensor)
+        self.seen[n.name] = Info(t, t and v.is_floating_point() and v.requires_grad,
+                                 tuple(v.shape) if t else None)
+        return v
+
+
+def _linears(gm: fx.GraphModule, plan: Mapping[str, str]) -> list[tuple[fx.Node, str, Sharding]]:
+    found = []
+    for n in gm.graph.nodes:
+        path = None
+        if n.op == "call_module" and isinstance(gm.get_submodule(str(n.target)), nn.Linear):
+            path = str(n.target)
+        elif n.op == "call_function" and n.target in (_LINEAR, F.linear):
+            w = n.args[1] if len(n.args) > 1 else None
+            if isinstance(w, fx.Node) and w.op == "get_attr" and str(w.target).endswith(".weight"):
+                path = str(w.target)[:-len(".weight")]
+        if path is not None:
+            sharding = style_of(plan, path.removeprefix("model."))
+            if sharding is not None and sharding.style != Style.REPLICATE:
+                found.append((n, path, sharding))
+    return found
+
+
+def _normalize(gm, n: fx.Node, path: str, style: Style, infos: dict) -> tuple[fx.Node, str, str]:
+    """Rewrite a sharded linear as `aten.linear(x, w[, b])` on parameters read by get_attr
+    (a rowwise one without its bias, added after: once, not once per device)."""
+    g = gm.graph
+    x = n.args[0]
+    if n.op == "call_module":
+        bias = f"{path}.bias" if gm.get_submodule(path).bias is not None else None
+    else:
+        b = n.args[2] if len(n.args) > 2 else n.kwargs.get("bias")
+        bias = str(b.target) if isinstance(b, fx.Node) else None
+    with g.inserting_before(n):
+        w = g.get_attr(f"{path}.weight")
+        bn = g.get_attr(bias) if bias else None
+        if style == Style.ROWWISE:
+            lin = g.call_function(_LINEAR, (x, w))
+            out = g.call_function(_ADD, (lin, bn)) if bn is not None else lin
+        else:
+            lin = out = g.call_function(_LINEAR, (x, w, bn) if bn is not None else (x, w))
+    for made in {lin, out}:
+        infos[made.name] = infos.get(n.name, Info(True, True))
+    n.replace_all_uses_with(out)
+    g.erase_node(n)
+    for dead in [a for a in g.nodes if a.op == "get_attr" and not a.users]:
+        g.erase_node(dead)
+    return lin, f"{path}.weight", bias
+
+
+def _cut(gm0, info, req: TPRequest, recorded: tuple, names: set, aliases: dict,
+         model: nn.Module) -> Cut | None:
+    found = _linears(gm0, req.plan)
+    if not found:
+        return None
+    infos, args = recorded
+    gm = fx.GraphModule(gm0, _copy_graph(gm0.graph))   # the capture's own stays as it was
+    found = [(m, p, s) for (n, p, s) in found for m in gm.graph.nodes if m.name == n.name]
+    col, row, params = set(), set(), {}
+    for n, path, sh in found:
+        lin, weight, bias = _normalize(gm, n, path, sh.style, infos)
+        params[aliases.get(weight.removeprefix("model."), weight.removeprefix("model."))] = \
+            _split(gm0.get_parameter(weight), sh, req.degree, path, info)
+        if sh.style == Style.COLWISE:
+            col.add(lin)
+            if bias:
+                params[aliases.get(bias.removeprefix("model."), bias.removeprefix("model."))] = \
+                    (0, req.degree, sh.blocks)
+        else:
+            row.add(lin)
+    status, level = levels(gm, col, row, info)
+    grad_sum = route_aliases(gm, status, level, infos, set(params))
+    local = {f"model.{n}": _local_param(model.get_parameter(n), *params[n]) for n in params}
+    before = set(gm.graph.nodes)
+    localize(gm, args, {k: i.shape for k, i in infos.items()},
+             {n.name for n in gm.graph.nodes if status.get(n) in (S, P)}, req.degree, local,
+             f"region {info.name}")
+    for n in gm.graph.nodes:   # what localize added (sizes divided, caches cut): its user's part
+        if n not in before:
+            user = next(iter(n.users))
+            status[n], level[n] = status[user], level[user]
+            infos[n.name] = Info(n.target is not operator.floordiv, False)
+    return build_parts(gm, info, status, level, infos, names, grad_sum, params, aliases)
+
+
+def _copy_graph(graph: fx.Graph) -> fx.Graph:
+    g = fx.Graph()
+    out = g.graph_copy(graph, {})
+    g.output(out)
+    return g
+
+
+def _split(w: torch.Tensor, sh: Sharding, degree: int, path: str, info) -> tuple:
+    dim = 0 if sh.style == Style.COLWISE else 1
+    size = w.shape[dim]
+    if size % (degree * sh.blocks):
+        what = "output" if dim == 0 else "input"
+        blocks = f" in {sh.blocks} blocks" if sh.blocks > 1 else ""
+        raise PlanError(f"tensor_parallel: {path.removeprefix('model.')} ({sh.style}) has "
+                        f"{size} {what} features{blocks}, which {degree} devices cannot divide "
+                        f"(region {info.name}); use a degree that divides {size // sh.blocks}")
+    return (dim, degree, sh.blocks)
+
+
+def _local_param(p: nn.Parameter, dim: int, degree: int, blocks: int) -> nn.Parameter:
+    return nn.Parameter(local_shard(p.detach(), dim, degree, blocks, 0), requires_grad=p.requires_grad)
+
+
+def _bind_local(gm: fx.GraphModule, local: dict, aliases: dict) -> None:
+    """Point a part's get_attr of each sharded parameter at device 0's shard (in the part's
+    own module tree, never the user's)."""
+    for n in gm.graph.nodes:
+        if n.op != "get_attr":
+            continue
+        name = str(n.target).removeprefix("model.")
+        name = aliases.get(name, name)
+        if name in local:
+            owner, _, leaf = str(n.target).rpartition(".")
+            setattr(gm.get_submodule(owner), leaf, local[name])
+
+
+def _check_heads(model: nn.Module, chosen: dict, regions) -> None:
+    """Attention heads, grouped KV heads and widths a degree cannot divide: PlanError."""
+    degrees = {q.degree for q in chosen.values()}
+    config = getattr(model, "config", None)
+    for d in sorted(degrees):
+        for attr in ("num_attention_heads", "num_key_value_heads"):
+            n = getattr(config, attr, None)
+            if isinstance(n, int) and n % d:
+                raise PlanError(f"tensor_parallel: the model's {attr}={n} cannot be divided "
+                                f"over {d} devices; use a degree that divides {n}")
+    for r in regions:
+        if r.index not in chosen:
+            continue
+        d = chosen[r.index].degree
+        paths = {p.rsplit(".", k)[0] for p in r.modules for k in range(p.count(".") + 1)}
+        for path in sorted(paths):
+            mod = model.get_submodule(path) if path else model
+            for attr in _HEADS:
+                n = getattr(mod, attr, None)
+                if isinstance(n, int) and not isinstance(n, bool) and n % d:
+                    raise PlanError(f"tensor_parallel: {path} has {attr}={n}, which {d} devices "
+                                    f"cannot divide (region {tags_text(r.tags)}); use a degree "
+                                    f"that divides {n}")
+
+
+def _rebuilt(capture, regions, modules, layout: TPLayout, local: dict):
+    producer: dict[str, int] = {v: -1 for v, p in capture.producer.items() if p < 0}
+    consumers: dict[str, list[int]] = {}
+    for r in regions:
+        for v in r.outputs:
+            producer[v] = r.index
+        for v in r.inputs:
+            consumers.setdefault(v, []).append(r.index)
+    tied = {}
+    for p in capture.tied:
+        holders = tuple(r.index for r in regions if p in r.params)
+        if len(holders) > 1:
+            tied[p] = holders
+    return dataclasses.replace(capture, regions=tuple(regions), modules=tuple(modules),
+                               producer=producer,
+                               consumers={v: tuple(cs) for v, cs in consumers.items()},
+                               tied=tied, tp=layout, tp_local=local)

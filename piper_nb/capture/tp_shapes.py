@@ -1,0 +1,161 @@
+"""Shapes inside a sharded part, made a device's own: the sizes a traced graph wrote down
+for the whole model (torch.export's `view(x, [B, 8, 4, 8])`, Hugging Face's `repeat_kv`
+expanding to `[B, kv_heads, n_rep, T, D]`) divided where they count heads or features.
+
+The part's ops run once with device 0's shards (`localize`). Before each op that takes a
+shape (view, reshape, expand), the dimension its input is sharded along is the one whose
+size there differs from the whole model's; the output's sharded dimension is where that
+dimension's leading factor lands (the same prefix of elements), and only that entry of
+the shape is divided: a constant rewritten, a traced size divided in the graph, `-1` left
+alone. An empty constant joined to a sharded tensor (an empty KV cache) is narrowed
+alike. A shape that cannot be made a device's own is a PlanError naming the op.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+
+import torch
+import torch.fx as fx
+
+from piper_nb.capture.region_code import call_op
+from piper_nb.errors import PlanError
+
+__all__ = ["localize"]
+
+_A = torch.ops.aten
+_SHAPE_OPS = {_A.view.default, _A.reshape.default, _A._unsafe_view.default, _A.expand.default,
+              torch.reshape}
+_SHAPE_METHODS = {"view", "reshape", "expand"}
+_CAT = {_A.cat.default, torch.cat}
+
+
+def localize(gm: fx.GraphModule, args: list, full: dict[str, tuple | None], sharded: set,
+             degree: int, local: dict, where: str) -> None:
+    """Rewrite the shapes of the ops in `sharded` (node names) in `gm`'s graph for one
+    device's share; `full` gives each node's whole-model shape, `local` the sharded
+    parameters (get_attr target -> device 0's shard), `args` the region's inputs."""
+    try:
+        _Localizer(gm, full, sharded, degree, local, where).run(*args)
+    except PlanError as err:   # without the note torch.fx's interpreter appends
+        raise PlanError(str(err).split("\n\nWhile executing")[0]) from None
+    gm.graph.lint()
+    gm.recompile()
+
+
+class _Localizer(fx.Interpreter):
+    def __init__(self, gm, full, sharded, degree, local, where):
+        super().__init__(gm)
+        self.full, self.sharded, self.degree = full, sharded, degree
+        self.local, self.where = local, where
+
+    def get_attr(self, target, args, kwargs):
+        return self.local.get(str(target)) if str(target) in self.local else \
+            super().get_attr(target, args, kwargs)
+
+    def run_node(self, n: fx.Node):
+        if n.name in self.sharded:
+            try:
+                self._fix(n)
+            except PlanError:
+                raise
+            except Exception as err:   # noqa: BLE001 - reported with the op that failed
+                self._fail(n, f"{type(err).__name__}: {err}")
+        try:
+            return super().run_node(n)
+        except Exception as err:   # noqa: BLE001
+            raise PlanError(f"tensor_parallel: {self.where}: {n.format_node()} fails on a "
+                            f"device's share ({type(err).__name__}: {err}); shard the layers "
+                            "around it otherwise, or keep them whole (replicate)") from None
+
+    def _fail(self, n: fx.Node, why: str):
+        raise PlanError(f"tensor_parallel: {self.where}: {n.format_node()} cannot be made a "
+                        f"device's share: {why}")
+
+    def _sharded_dim(self, x: fx.Node) -> int | None:
+        t, whole = self.env.get(x), self.full.get(x.name)
+        if not isinstance(t, torch.Tensor) or whole is None or tuple(t.shape) == tuple(whole):
+            return None
+        diff = [i for i, (a, b) in enumerate(zip(t.shape, whole, strict=False)) if a != b]
+        return diff[0] if len(diff) == 1 and len(t.shape) == len(whole) else None
+
+    def _fix(self, n: fx.Node) -> None:
+        target, at = _target(n)
+        if target in _CAT:
+            self._fix_cat(n, at)
+            return
+        method = n.op == "call_method" and target in _SHAPE_METHODS
+        if not (n.op == "call_function" and target in _SHAPE_OPS) and not method:
+            return
+        x = n.args[at]
+        d = self._sharded_dim(x)
+        out = self.full.get(n.name)
+        if d is None or out is None:
+            return
+        whole_in = tuple(self.full[x.name])
+        if target in (_A.expand.default,) or (method and target == "expand"):
+            j = d + len(out) - len(whole_in)
+        else:
+            prefix = math.prod(whole_in[:d])
+            ends = [k for k in range(len(out)) if math.prod(out[:k]) == prefix and out[k] > 1]
+            if not ends:
+                self._fail(n, f"its sharded dimension {d} of {list(whole_in)} does not start a "
+                           f"dimension of {list(out)}")
+            j = ends[0]
+        if out[j] % self.degree:
+            self._fail(n, f"dimension {j} of {list(out)} ({out[j]}: heads or features) is not "
+                       f"divisible by {self.degree} devices")
+        want = list(out)
+        want[j] = out[j] // self.degree
+        spread = method and not isinstance(n.args[1], (list, tuple))   # x.view(b, t, 4, 8)
+        shape = list(n.args[1:]) if spread else list(n.args[at + 1])
+        fixed = [self._entry(n, a, k, want, out) for k, a in enumerate(shape)]
+        if spread:
+            n.args = (x, *fixed)
+        else:
+            n.args = (*n.args[:at + 1], fixed, *n.args[at + 2:])
+
+    def _entry(self, n: fx.Node, a, k: int, want: list, out: tuple):
+        value = self.env[a] if isinstance(a, fx.Node) else a
+        if value == -1 or k >= len(want) or value == want[k]:
+            return a
+        if value != out[k]:
+            self._fail(n, f"entry {k} of its shape is {value}, neither the whole model's "
+                       f"{out[k]} nor a device's {want[k]}")
+        if isinstance(a, fx.Node):   # a traced size of the whole: divided in the graph
+            with n.graph.inserting_before(n):
+                div = n.graph.call_function(operator.floordiv, (a, self.degree))
+            self.env[div] = value // self.degree
+            return div
+        return want[k]
+
+    def _fix_cat(self, n: fx.Node, at: int) -> None:
+        parts = n.args[at]
+        dims = {self._sharded_dim(p) for p in parts if isinstance(p, fx.Node)} - {None}
+        if len(dims) != 1:
+            return
+        (d,) = dims
+        fixed = []
+        for p in parts:
+            t = self.env.get(p)
+            if (isinstance(t, torch.Tensor) and self._sharded_dim(p) is None
+                    and t.dim() > d and t.shape[d] == (self.full.get(p.name) or t.shape)[d]):
+                if t.numel():
+                    self._fail(n, f"it joins {p.name}, a whole tensor of {list(t.shape)}, to "
+                           "a device's share; only an empty one (a KV cache) can be cut")
+                with n.graph.inserting_before(n):
+                    p = n.graph.call_function(_A.narrow.default,
+                                              (p, d, 0, t.shape[d] // self.degree))
+                self.env[p] = t.narrow(d, 0, t.shape[d] // self.degree)
+            fixed.append(p)
+        n.args = (*n.args[:at], fixed, *n.args[at + 1:])
+
+
+def _target(n: fx.Node) -> tuple[object, int]:
+    """An op's target and where its arguments start: `call_op("aten.expand.default", x,
+    shape)` (`capture.region_code`) is `aten.expand.default(x, shape)`."""
+    if n.target is call_op and n.args and isinstance(n.args[0], str):
+        ns, op, overload = n.args[0].split(".")
+        return getattr(getattr(getattr(torch.ops, ns), op), overload), 1
+    return n.target, 0

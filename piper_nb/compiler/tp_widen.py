@@ -1,0 +1,114 @@
+"""Widen a lowered plan over its tensor-parallel groups: every member of a group runs the
+instructions of the group's first device, with its own peers and its own buckets.
+
+The passes place and schedule on the first device of each group (`tensor_parallel`'s
+rule); here member `k` of the group led by device `l` gets `l`'s list with every other
+device `d` it talks to replaced by member `k` of `d`'s group (so stage 0's member 1 sends to
+stage 1's member 1, and data-parallel replicas reduce among the members of one rank), each
+bucket by that rank's copy of it, and each tensor-parallel all-reduce over the group
+itself. Devices that exchange data must lead groups of one size. The lists are stamped out
+when first read (`StampedDevicePlan`), so a 512-device plan holds one per class.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from piper_nb.errors import PlanError
+from piper_nb.ir.kinds import Op, Purpose
+from piper_nb.plan.instr import Instr
+from piper_nb.plan.plan import DevicePlan, StampedDevicePlan
+
+__all__ = ["widen", "tp_rank_of"]
+
+
+def tp_rank_of(groups: dict[int, tuple[int, ...]]) -> dict[int, tuple[int, int]]:
+    """Device -> (its group's first device, its rank in the group), for grouped devices."""
+    return {m: (g[0], k) for g in groups.values() for k, m in enumerate(g)}
+
+
+class _Mapper:
+    def __init__(self, groups: dict[int, tuple[int, ...]], buckets, bmap):
+        self.groups, self.buckets, self.bmap = groups, buckets, bmap
+
+    def member(self, d: int, k: int, who: int) -> int:
+        g = self.groups.get(d)
+        if g is None:
+            if k == 0:
+                return d
+            raise PlanError(f"device {who} is in a tensor-parallel group and exchanges data with "
+                            f"device {d}, which leads none; give every stage the same "
+                            "tensor-parallel degree")
+        if k >= len(g):
+            raise PlanError(f"tensor-parallel groups {list(self.groups[who])} and {list(g)} differ "
+                            "in size, and data flows between them; give them one degree")
+        return g[k]
+
+    def instrs(self, leader: int, k: int, src: tuple[Instr, ...]) -> tuple[Instr, ...]:
+        group = self.groups[leader]
+        out = []
+        for ins in src:
+            if ins.kind in (Op.SEND, Op.RECV):
+                ins = dataclasses.replace(ins, peer=self.member(ins.peer, k, leader))
+            elif ins.is_issue and ins.purpose == Purpose.TP:
+                ins = dataclasses.replace(ins, group=group)
+            elif ins.is_issue:
+                ins = dataclasses.replace(
+                    ins, group=tuple(self.member(g, k, leader) for g in ins.group),
+                    bucket=self.bmap[k].get(ins.bucket, ins.bucket),
+                    owners=tuple(self.member(o, k, leader) for o in ins.owners))
+            elif ins.kind == Op.U and ins.buckets:
+                ins = dataclasses.replace(ins, buckets=tuple(self.bmap[k].get(b, b)
+                                                             for b in ins.buckets))
+            elif ins.kind == Op.FREE and any(key.startswith("param:") for key in ins.keys):
+                ins = dataclasses.replace(ins, keys=tuple(
+                    f"param:{self.bmap[k].get(int(key[6:]), int(key[6:]))}"
+                    if key.startswith("param:") else key for key in ins.keys))
+            out.append(ins)
+        return tuple(out)
+
+
+def widen(devices: tuple[DevicePlan, ...], groups: dict[int, tuple[int, ...]], buckets: tuple,
+          world: int) -> tuple[tuple[DevicePlan, ...], tuple]:
+    """(every device's plan, the buckets with one copy per rank of each grouped bucket)."""
+    if not groups:
+        return devices, buckets
+    degree = {len(g) for g in groups.values()}
+    out_buckets = list(buckets)
+    bmap: list[dict[int, int]] = [{} for _ in range(max(degree))]
+    for b in buckets:
+        sizes = {len(groups.get(d, (d,))) for d in b.group}
+        if sizes == {1}:
+            continue
+        if len(sizes) > 1 or any(d not in groups for d in b.group):
+            raise PlanError(f"bucket {b.index} is reduced over devices {list(b.group)}, whose "
+                            "tensor-parallel groups differ in size; give the replicas one degree")
+        for k in range(1, sizes.pop()):
+            copy = dataclasses.replace(b, index=len(out_buckets),
+                                       group=tuple(groups[d][k] for d in b.group))
+            bmap[k][b.index] = copy.index
+            out_buckets.append(copy)
+    mapper = _Mapper(groups, tuple(out_buckets), bmap)
+    plans = list(devices) + [DevicePlan(d, ()) for d in range(len(devices), world)]
+    for leader, g in groups.items():
+        src = devices[leader]
+        for k, m in enumerate(g):
+            if k and plans[m].instrs:
+                raise PlanError(f"device {m} is a member of the tensor-parallel group "
+                                f"{list(g)} but runs work of its own; place that work on "
+                                f"device {leader}, which the group follows")
+            plans[m] = StampedDevicePlan(m, (), _Stamp(mapper, leader, k, src))
+    return tuple(plans), tuple(out_buckets)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Stamp:
+    """Member `k`'s instructions, from its group's first device's (picklable)."""
+
+    mapper: _Mapper
+    leader: int
+    k: int
+    src: DevicePlan
+
+    def __call__(self, _device: int) -> tuple[Instr, ...]:
+        return self.mapper.instrs(self.leader, self.k, self.src.instrs)

@@ -1,0 +1,206 @@
+"""`tensor_parallel`: shard the matched regions' linear layers over a group of devices
+(Megatron's tensor parallelism), on the model as the user has it.
+
+The value `TensorParallel` (JSON `{"op": "tensor_parallel", "filter": {...}, "devices":
+[0, 1], "plan": {...}}`), its constructor `pn.tensor_parallel`, and its two passes. Where a
+region runs is said as without it (`place`, `replicate`): each of those devices must be the
+first of one of the directive's groups, and the group then runs everything that device
+runs, each member its share of the sharded layers and the rest whole. With one group and
+nothing placed, the matched regions go to its first device.
+
+The capture cuts each sharded region into parts between its collectives
+(`capture.tensor_parallel`); `insert_tp_collectives` puts the collectives between the
+parts' passes: after a sharded part's forward, the all-reduce of its partial sums; after
+its backward, the all-reduce of its inputs' gradient shares. The lowering then copies each
+group's first device's instructions to the other members (`compiler.tp_widen`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from piper_nb.capture.tp_plan import check_plan
+from piper_nb.directives.base import Context, Directive, Directives, call_code, check_devices
+from piper_nb.errors import PlanError
+from piper_nb.ir.dag import TrainingDAG
+from piper_nb.ir.filters import as_filter
+from piper_nb.ir.kinds import EdgeKind, Op, Purpose
+from piper_nb.ir.node import Edge, Node, node_id
+
+__all__ = ["TensorParallel", "tensor_parallel", "tp_groups", "place_tensor_parallel",
+           "insert_tp_collectives"]
+
+_PASSES = (Op.F, Op.B, Op.BI, Op.BW)
+
+
+@dataclass(frozen=True)
+class TensorParallel(Directive):
+    """Shard the linear layers of the matched regions over each device group."""
+
+    filter: Mapping[str, Any]
+    devices: tuple
+    plan: Mapping[str, str] | None = None
+    sequence_parallel: bool = False
+    op = "tensor_parallel"
+
+    def __post_init__(self):
+        object.__setattr__(self, "filter", as_filter(self.filter, where="tensor_parallel filter"))
+        groups = self.devices
+        nested = isinstance(groups, (list, tuple)) and groups and all(
+            isinstance(g, (list, tuple)) for g in groups)
+        groups = [check_devices(g, "tensor_parallel") for g in (groups if nested else [groups])]
+        sizes = {len(g) for g in groups}
+        if len(sizes) > 1:
+            raise PlanError(f"tensor_parallel: groups {[list(g) for g in groups]} differ in size; "
+                            "give every group the same number of devices")
+        seen = [d for g in groups for d in g]
+        if len(set(seen)) != len(seen):
+            raise PlanError(f"tensor_parallel: a device is in two groups of {[list(g) for g in groups]}")
+        object.__setattr__(self, "devices", tuple(groups) if nested else groups[0])
+        plan = check_plan(self.plan)
+        object.__setattr__(self, "plan", plan or None)
+        if not isinstance(self.sequence_parallel, bool):
+            raise PlanError("tensor_parallel: sequence_parallel is true or false")
+
+    @property
+    def groups(self) -> tuple[tuple[int, ...], ...]:
+        return self.devices if self.devices and isinstance(self.devices[0], tuple) \
+            else (self.devices,)
+
+    @property
+    def degree(self) -> int:
+        return len(self.groups[0])
+
+    @classmethod
+    def row(cls, stages: int, microbatches: int) -> dict[str, Any]:
+        return {"op": "tensor_parallel", "filter": {"PP": 0}, "devices": [0, 1]}
+
+    def code(self) -> str:
+        values = dict(vars(self))
+        values["devices"] = [list(g) for g in self.devices] if isinstance(
+            self.devices[0], tuple) else list(self.devices)
+        return call_code("pn.tensor_parallel", tensor_parallel, values)
+
+
+def tensor_parallel(filter: Mapping[str, Any], devices, plan: Mapping[str, str] | None = None,
+                    sequence_parallel: bool = False) -> TensorParallel:
+    """Shard the linear layers of the regions `filter` matches over `devices` (one group,
+    `[0, 1]`, or one per replica, `[[0, 1], [4, 5]]`): `plan` maps module patterns to
+    `colwise`, `rowwise` or `replicate` (`capture.tp_plan`); without one, the model's own
+    (Hugging Face's `base_model_tp_plan`, `pn.models`' `tp_plan`). Attention heads, grouped
+    KV heads and the MLP width are divided; what cannot be is a PlanError."""
+    return TensorParallel(filter, devices, plan, sequence_parallel)
+
+
+def tp_groups(directives) -> dict[int, tuple[int, ...]]:
+    """First device of every tensor-parallel group -> the group."""
+    out: dict[int, tuple[int, ...]] = {}
+    for _, d in directives:
+        if isinstance(d, TensorParallel):
+            for g in d.groups:
+                if out.get(g[0], g) != g:
+                    raise PlanError(f"tensor_parallel: device {g[0]} leads two groups, "
+                                    f"{list(out[g[0]])} and {list(g)}")
+                out[g[0]] = g
+    return out
+
+
+def place_tensor_parallel(dag: TrainingDAG, directives: Directives, ctx: Context) -> TrainingDAG:
+    """Passes of the matched regions not placed yet go to the first device of the group
+    (one group only: with several, `replicate` says which replica runs where)."""
+    if not directives:
+        return dag
+    nodes = []
+    for n in dag.nodes:
+        if not n.devices and n.op in _PASSES:
+            for _, d in directives:
+                if n.selected_by(d.filter) and len(d.groups) == 1:
+                    n = dataclasses.replace(n, devices=(d.groups[0][0],))
+                    break
+        nodes.append(n)
+    return dag.replace(nodes=nodes, step=f"{len(directives)} directives")
+
+
+def insert_tp_collectives(dag: TrainingDAG, directives: Directives, ctx: Context) -> TrainingDAG:
+    """The all-reduces between the parts of sharded regions, per microbatch; checks each
+    sharded pass runs on the first devices of groups of its degree."""
+    layout = getattr(ctx.capture, "tp", None)
+    if not directives or layout is None:
+        return dag
+    groups = tp_groups(directives)
+    members = {m: g for g in groups.values() for m in g[1:]}
+    for n in dag.nodes:
+        if n.op not in _PASSES:
+            continue
+        for dev in n.devices:
+            if dev in members:
+                raise PlanError(f"{n.id} is placed on device {dev}, a member of the "
+                                f"tensor-parallel group {list(members[dev])}; place it on the "
+                                f"group's first device, {members[dev][0]}, which the group "
+                                "follows", op="tensor_parallel")
+        orig = layout.parts.get(n.region, (None,))[0]
+        want = layout.degree.get(orig, 1) if orig is not None else 1
+        for dev in n.devices:
+            have = len(groups.get(dev, (dev,)))
+            if want > 1 and have != want:
+                idx = next(i for i, d in directives if d.degree == want)
+                raise PlanError(f"{n.id} is sharded {want} ways but runs on device {dev}, which "
+                                f"leads no tensor-parallel group of {want}; add device {dev} "
+                                f"to the directive's devices", directive=idx, op="tensor_parallel")
+    nodes, edges = list(dag.nodes), []
+    made: dict[tuple[str, bool], Node] = {}
+    for e in dag.edges:
+        a, b = dag[e.src], dag[e.dst]
+        summed = _summed(layout, a, b, e)
+        if e.kind != EdgeKind.DATA or not summed:
+            edges.append(e)
+            continue
+        grad = a.op != Op.F
+        key = (a.id, grad)
+        if key not in made:
+            tags = {k: v for k, v in a.tags if k != "PASS"}
+            ar = Node(node_id(Op.ALL_REDUCE, tags, "#tpB" if grad else "#tpF"), Op.ALL_REDUCE,
+                      a.tags, a.region, a.devices, "tp",
+                      (("grad", grad), ("purpose", str(Purpose.TP)), ("values", ())))
+            made[key] = ar
+            nodes.append(ar)
+            edges.append(Edge(a.id, ar.id, EdgeKind.DATA, ()))
+        ar = made[key]
+        rest = tuple(v for v in e.values if v not in summed)
+        edges.append(Edge(ar.id, b.id, EdgeKind.DATA, tuple(summed)))
+        if rest:
+            edges.append(Edge(e.src, e.dst, e.kind, rest, e.origin))
+    final = []
+    for n in nodes:
+        if n.op == Op.ALL_REDUCE and n.attr("purpose") == str(Purpose.TP):
+            vals = tuple(dict.fromkeys(v for e in edges if e.src == n.id for v in e.values))
+            n = n.with_attrs(values=vals)
+        final.append(n)
+    return dag.replace(nodes=final, edges=_fix_inputs(edges, made),
+                       meta={"tp_groups": tuple(sorted(groups.items()))},
+                       step=f"{len(made)} all-reduces")
+
+
+def _summed(layout, a: Node, b: Node, e: Edge) -> list[str]:
+    """The values on edge a -> b that an all-reduce sums: a sharded part's partial outputs
+    (forward), or its inputs' gradient shares (backward)."""
+    if a.region not in layout.parts or b.region not in layout.parts:
+        return []
+    if a.op == Op.F and b.op == Op.F:
+        return [v for v in e.values if v in layout.partial]
+    if a.op in (Op.B, Op.BI) and b.op in (Op.B, Op.BI, Op.BW):
+        return [v for v in e.values if v in layout.grad_sum]
+    return []
+
+
+def _fix_inputs(edges: list[Edge], made: dict) -> list[Edge]:
+    """The edge into each all-reduce carries the values it sums."""
+    carried: dict[str, tuple[str, ...]] = {}
+    for e in edges:
+        if e.src in {n.id for n in made.values()}:
+            carried[e.src] = tuple(dict.fromkeys((*carried.get(e.src, ()), *e.values)))
+    return [dataclasses.replace(e, values=carried[e.dst]) if e.dst in carried and not e.values
+            else e for e in edges]

@@ -1,0 +1,147 @@
+"""`pn.tensor_parallel` before anything runs: the parts and collectives it compiles to, the
+plan's text and JSON, the checks that read them, and a PlanError for every plan that
+cannot hold (a degree that cannot divide heads or features, no plan, a member device
+placed on its own, groups of different sizes, a colwise layer with no rowwise one)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from torch import nn
+
+import piper_nb as pn
+from piper_nb.compiler.checks import check_plan
+from piper_nb.ir.kinds import Op, Purpose
+from piper_nb.plan.plan import DevicePlan
+
+ONE = {"": {"PP": 0}}
+
+
+def llama(**kw):
+    cfg = dict(vocab=32, dim=32, layers=2, heads=4, kv_heads=2, hidden=64, seq=8) | kw
+    return pn.models.Llama(**cfg)
+
+
+def compile_tp(model, program, ann=ONE, **kw):
+    batch = model.example_batch(batch_size=4, seed=0)
+    return pn.compile(pn.annotate(model, ann), program, batch, **kw)
+
+
+def test_a_block_becomes_parts_with_an_all_reduce_each_way_between_them():
+    plan = compile_tp(llama(layers=1), [pn.tensor_parallel({}, [0, 1]), pn.split({}, num=2)])
+    # embed + norm | q k v attention o | residual + norm | gate up down | residual + head
+    assert [dict(r.tags)["PART"] for r in plan.regions] == [0, 1, 2, 3, 4]
+    text = plan[0].text()
+    assert text[:6] == ["r0:F0", "r1:F0", "r1:AR_F0", "r2:F0", "r3:F0", "r3:AR_F0"]
+    assert "r3:AR_B0" in text and "r1:AR_B0" in text
+    assert plan[1].text() == text          # the member runs the group's first device's list
+    tp = [i for i in plan[0].instrs if i.purpose == Purpose.TP]
+    assert {i.group for i in tp} == {(0, 1)} and {i.grad for i in tp} == {False, True}
+    dag = plan.dag
+    assert any(n.op == Op.ALL_REDUCE and n.attr("purpose") == Purpose.TP for n in dag.nodes)
+    assert "tensor-parallel collectives" in " ".join(dag.history)
+
+
+def test_weights_are_a_devices_share_and_the_plan_round_trips_through_json():
+    plan = compile_tp(llama(), [pn.tensor_parallel({}, [0, 1])])
+    assert plan.params["blocks.0.mlp.up.weight"][0] == (32, 32)     # 64 features over 2
+    assert plan.params["blocks.0.mlp.down.weight"][0] == (32, 32)
+    assert plan.params["blocks.0.norm1.weight"][0] == (32,)         # replicated
+    assert plan.tp_params["blocks.0.mlp.down.weight"] == (1, 2, 1)
+    back = pn.Plan.from_json(plan.to_json())
+    assert back.tp_groups == plan.tp_groups and back.tp_params == plan.tp_params
+    assert [dp.text() for dp in back.devices] == [dp.text() for dp in plan.devices]
+
+
+def test_the_models_own_plan_or_the_users():
+    mine = {"blocks.*.mlp.up": "colwise", "blocks.*.mlp.gate": "colwise",
+            "blocks.*.mlp.down": "rowwise"}
+    plan = compile_tp(llama(), [pn.tensor_parallel({}, [0, 1], plan=mine)])
+    assert {n.rsplit(".", 2)[-2] for n in plan.tp_params} == {"up", "gate", "down"}
+
+
+def test_the_dry_run_and_the_nccl_check_see_a_missing_all_reduce():
+    plan = compile_tp(llama(layers=1), [pn.tensor_parallel({}, [0, 1]), pn.split({}, num=2)])
+    check_plan(plan)
+    instrs = list(plan[1].instrs)
+    k = next(i for i, x in enumerate(instrs) if x.purpose == Purpose.TP)
+    wait = next(i for i, x in enumerate(instrs) if x.kind == Op.WAIT and x.target == k)
+    keep = [x for i, x in enumerate(instrs) if i not in (k, wait)]
+    remap = {old: new for new, old in enumerate(i for i in range(len(instrs)) if i not in (k, wait))}
+    keep = [dataclasses.replace(x, target=remap[x.target]) if x.kind == Op.WAIT else x
+            for x in keep]
+    broken = dataclasses.replace(plan, devices=(plan[0], DevicePlan(1, tuple(keep))))
+    with pytest.raises(pn.PlanError, match="AR_F0|deadlock|stuck|collective"):
+        check_plan(broken)
+
+
+def test_the_simulator_times_the_collectives_and_the_memory_model_divides_weights():
+    model = llama()
+    plan = compile_tp(model, [pn.tensor_parallel({}, [0, 1]), pn.split({}, num=2)])
+    trace = pn.simulate(plan, pn.CostModel.uniform(comm=0.5))
+    tp = [e for e in trace.events if e.kind == "ALL_REDUCE"]
+    assert tp and all(e.end - e.start == pytest.approx(0.5) for e in tp)
+    whole = compile_tp(model, [pn.place({}, [0]), pn.split({}, num=2)])
+    full = pn.simulate(whole, pn.CostModel.uniform())
+    def peak(t):
+        return max(s.params for s in t.memory if s.device == 0)
+    ratio = peak(trace) / peak(full)
+    assert 0.5 < ratio < 0.75   # the projections halve; embeddings, norms and head stay
+
+
+@pytest.mark.parametrize("kw, degree, match", [
+    (dict(kv_heads=2), 4, "kv_heads=2, which 4 devices cannot divide"),
+    (dict(kv_heads=4, hidden=66), 4, "66 output features, which 4 devices cannot divide"),
+])
+def test_a_degree_that_cannot_divide_names_the_module_and_the_sizes(kw, degree, match):
+    with pytest.raises(pn.PlanError, match=match):
+        compile_tp(llama(**kw), [pn.tensor_parallel({}, list(range(degree)))])
+
+
+def test_a_model_without_a_plan_is_told_how_to_give_one():
+    model = pn.models.MLP(dim=16, depth=2)
+    with pytest.raises(pn.PlanError, match="no tensor-parallel plan of its own; give one"):
+        compile_tp(model, [pn.tensor_parallel({}, [0, 1])], ann={"layers": {"PP": 0}})
+
+
+def test_a_member_device_is_not_placed_on_its_own():
+    model = llama()
+    program = [pn.place({"PP": 0}, [0]), pn.place({"PP": 1}, [1]),
+               pn.tensor_parallel({"PP": 0}, [0, 1]), pn.split({}, num=2)]
+    with pytest.raises(pn.PlanError, match="member of the tensor-parallel group"):
+        compile_tp(model, program, ann=pn.cut_stages(model, 2))
+
+
+def test_bad_arguments():
+    with pytest.raises(pn.PlanError, match="differ in size"):
+        pn.tensor_parallel({}, [[0, 1], [2, 3, 4]])
+    with pytest.raises(pn.PlanError, match="unknown style 'diagonal'"):
+        pn.tensor_parallel({}, [0, 1], plan={"layers.*.up": "diagonal"})
+    with pytest.raises(pn.PlanError, match="not supported yet"):
+        compile_tp(llama(), [pn.tensor_parallel({}, [0, 1], sequence_parallel=True)])
+
+
+class _ColwiseOnly(nn.Module):
+    """A colwise layer whose share reaches the loss with no rowwise layer after it."""
+
+    def __init__(self):
+        super().__init__()
+        self.up = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.up(x)
+
+    def example_batch(self, batch_size, seed):
+        g = torch.Generator().manual_seed(seed)
+        return torch.randn(batch_size, 8, generator=g), torch.randn(batch_size, 8, generator=g)
+
+    def loss_fn(self, out, y):
+        return ((out - y) ** 2).mean()
+
+
+def test_a_colwise_layer_with_no_rowwise_one_after_it():
+    with pytest.raises(pn.PlanError, match="without a rowwise layer"):
+        compile_tp(_ColwiseOnly(), [pn.tensor_parallel({}, [0, 1], plan={"up": "colwise"})],
+                   ann={"up": {"PP": 0}})

@@ -1,0 +1,211 @@
+"""Tensor parallelism trains exactly like one process: the composition table of the
+tensor-parallel issue (TP 2 and 4 alone, PP 2 x TP 2 under 1F1B and DualPipeV, TP 2 x DP 2
+under ZeRO 1, 2 and 3, PP 2 x TP 2 x DP 2 on 8 workers, TP with EP on a mixture of
+experts, with recompute, bf16, clipping and torch.optim parameter groups), then Llama,
+Qwen3, Mixtral and Qwen3-MoE from transformers on their own TP plans, each against
+`pn.reference_train` and a plain PyTorch loop written here. fp32, rtol 1e-5: a rowwise
+layer's all-reduce sums partial products in another order than one matmul does, which
+moves the last bit or two (atol 4e-5, as the other fidelity tests)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import piper_nb as pn
+from piper_nb.cluster.local import LocalCluster
+from piper_nb.strategies import moe_annotation
+
+pytestmark = pytest.mark.dist
+S = pn.schedules
+SGD = pn.optim.SGD(lr=0.1)
+RTOL, ATOL = 1e-5, 4e-5
+
+
+def llama(heads: int = 4, kv_heads: int = 2):
+    return pn.models.Llama(vocab=32, dim=32, layers=2, heads=heads, kv_heads=kv_heads,
+                           hidden=64, seq=8)
+
+
+def _same(result, ref, rtol=RTOL, atol=ATOL):
+    torch.testing.assert_close(torch.tensor(result.losses), torch.tensor(ref.losses),
+                               rtol=rtol, atol=atol)
+    got, want = result.state_dict(), ref.state_dict()
+    assert got.keys() >= {k for k in want if not k.endswith("num_batches_tracked")}
+    for k, v in want.items():
+        torch.testing.assert_close(got[k].float(), v.float(), rtol=rtol, atol=atol,
+                                   msg=lambda m, k=k: f"{k}: {m}")
+
+
+def _train(model, ann, program, cluster, opt=SGD, steps=3, **compile_kw):
+    batch = model.example_batch(batch_size=8, seed=0) if hasattr(model, "example_batch") \
+        else None
+    plan = pn.compile(pn.annotate(model, ann), program, batch, **compile_kw)
+    assert any(i.purpose == pn.Purpose.TP for dp in plan.devices for i in dp.instrs)
+    result = pn.train(plan, batch, steps, opt, cluster=cluster)
+    ref = pn.reference_train(model, batch, steps, plan.reference_microbatches, opt,
+                             **{k: v for k, v in compile_kw.items() if k == "loss_fn"})
+    return plan, result, ref
+
+
+ONE = {"": {"PP": 0}}
+
+
+def test_tp2_alone_shards_every_linear_and_trains_like_one_process(cluster2):
+    plan, result, ref = _train(llama(), ONE, [pn.tensor_parallel({}, [0, 1]),
+                                               pn.split({}, num=2)], cluster2)
+    _same(result, ref)
+    q = plan.params["blocks.0.attn.q.weight"][0]
+    assert q == (16, 32)                     # half the output features on each device
+    assert plan.params["blocks.0.attn.o.weight"][0] == (32, 16)   # half the inputs
+    assert plan.tp_groups == ((0, 1),)
+    # per block: the all-reduce after attention and after the MLP, each way
+    fwd = [i for i in plan[1].instrs if i.purpose == pn.Purpose.TP and not i.grad]
+    assert len(fwd) == 2 * 2 * 2 and all(i.group == (0, 1) for i in fwd)
+
+
+def test_tp4_alone_on_tinygpt_with_its_fused_qkv(cluster4):
+    model = pn.models.TinyGPT(vocab=32, dim=32, layers=2, heads=4, seq=8)
+    plan, result, ref = _train(model, ONE, [pn.tensor_parallel({}, [0, 1, 2, 3]),
+                                            pn.split({}, num=2)], cluster4)
+    _same(result, ref)
+    assert plan.tp_params["blocks.0.attn.qkv.weight"] == (0, 4, 3)
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "dualpipev"])
+def test_pp2_tp2(cluster4, schedule):
+    model = llama()
+    if schedule == "1f1b":
+        ann = pn.cut_stages(model, 2)
+        program = [pn.place({"PP": 0}, [0]), pn.place({"PP": 1}, [2]),
+                   pn.tensor_parallel({"PP": 0}, [0, 1]), pn.tensor_parallel({"PP": 1}, [2, 3]),
+                   *S.one_f_one_b(2, 4)]
+    else:   # DualPipeV: stages 0 and 3 on device 0, 1 and 2 on device 1
+        ann = pn.cut_stages(model, 4)
+        program = [pn.tensor_parallel({"PP": "*"}, [[0, 2], [1, 3]]),
+                   *S.dualpipev(2, 4, place=True)]
+    plan, result, ref = _train(model, ann, program, cluster4)
+    _same(result, ref)
+    sends = [i for i in plan[3].instrs if i.kind == pn.Op.SEND]
+    assert sends and {i.peer for i in sends} <= {1, 2}   # rank 1 talks to rank 1
+
+
+@pytest.mark.parametrize("zero", [1, 2, 3])
+def test_tp2_dp2_zero(cluster4, zero):
+    program = [pn.replicate({}, [0, 2], zero=zero), pn.tensor_parallel({}, [[0, 1], [2, 3]]),
+               pn.split({}, num=2)]
+    plan, result, ref = _train(llama(), ONE, program, cluster4)
+    _same(result, ref)
+    # each TP rank reduces its own shards: buckets over (0, 2) and over (1, 3)
+    assert {b.group for b in plan.buckets} == {(0, 2), (1, 3)}
+
+
+def test_pp2_tp2_dp2_on_eight_workers():
+    model = llama()
+    # Megatron's order over devices: TP innermost, then PP, then DP
+    program = [pn.place({"PP": 0}, [0, 4]), pn.place({"PP": 1}, [2, 6]),
+               pn.replicate({"PP": 0}, [0, 4], zero=1), pn.replicate({"PP": 1}, [2, 6], zero=1),
+               pn.tensor_parallel({"PP": 0}, [[0, 1], [4, 5]]),
+               pn.tensor_parallel({"PP": 1}, [[2, 3], [6, 7]]), *S.one_f_one_b(2, 2)]
+    with LocalCluster(8) as cluster:
+        plan, result, ref = _train(model, pn.cut_stages(model, 2), program, cluster)
+    _same(result, ref)
+    assert plan.world == 8
+
+
+def test_tp2_with_expert_parallel_moe(cluster4):
+    model = pn.models.TinyMoE(vocab=32, dim=32, layers=2, experts=2, top_k=1, heads=2, seq=8)
+    program = [pn.place({"PP": 0}, [0, 2]), pn.replicate({"PP": 0}, [0, 2]),
+               pn.shard({"PP": 0, "EP": "*"}, [0, 2]),
+               pn.tensor_parallel({"PP": 0}, [[0, 1], [2, 3]]), pn.split({}, num=2)]
+    plan, result, ref = _train(model, moe_annotation(2, 2, 1), program, cluster4)
+    _same(result, ref)
+    a2a = {i.group for dp in plan.devices for i in dp.instrs if i.kind == pn.Op.ALL_TO_ALL}
+    assert a2a == {(0, 2), (1, 3)}
+
+
+def test_tp2_with_recompute_clipping_and_parameter_groups(cluster2):
+    opt = torch.optim.AdamW
+    groups = [{"params": "*norm*", "weight_decay": 0.0}, {"params": "*", "lr": 1e-2}]
+    model = llama()
+    program = [pn.tensor_parallel({}, [0, 1]), pn.recompute({}), pn.split({}, num=2)]
+    batch = model.example_batch(batch_size=8, seed=0)
+    plan = pn.compile(pn.annotate(model, ONE), program, batch, clip_grad_norm=0.5)
+    result = pn.train(plan, batch, 3, opt, cluster=cluster2, param_groups=groups)
+    ref = pn.reference_train(model, batch, 3, 2, opt, clip_grad_norm=0.5, param_groups=groups)
+    _same(result, ref)
+    assert result.grad_norms and result.grad_norms == pytest.approx(ref.grad_norms, rel=1e-5)
+
+
+def test_tp2_bf16(cluster2):
+    model = llama()
+    batch = model.example_batch(batch_size=8, seed=0)
+    plan = pn.compile(pn.annotate(model, ONE), [pn.tensor_parallel({}, [0, 1]),
+                                                 pn.split({}, num=2)], batch, precision="bf16")
+    result = pn.train(plan, batch, 3, SGD, cluster=cluster2)
+    ref = pn.reference_train(model, batch, 3, 2, SGD, precision="bf16")
+    _same(result, ref, rtol=2e-2, atol=2e-2)
+
+
+def _plain_loop(model, batch, steps: int, microbatches: int, lr: float):
+    """SGD over `steps` repeats of `batch`, its equal slices accumulated, each loss / M."""
+    model = copy.deepcopy(model)
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    losses = []
+    for _ in range(steps):
+        opt.zero_grad()
+        total = 0.0
+        for k in range(microbatches):
+            part = {n: t.chunk(microbatches)[k] for n, t in batch.items()}
+            loss = model(**part)["loss"] / microbatches
+            loss.backward()
+            total += float(loss.detach())
+        opt.step()
+        losses.append(total)
+    return losses, model.state_dict()
+
+
+def _hf(transformers, family: str):
+    common = dict(vocab_size=32, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, pad_token_id=0, bos_token_id=1,
+                  eos_token_id=2)
+    moe = dict(num_experts_per_tok=2)
+    made = {"llama": lambda: transformers.LlamaForCausalLM(transformers.LlamaConfig(**common)),
+            "qwen3": lambda: transformers.Qwen3ForCausalLM(
+                transformers.Qwen3Config(**common, head_dim=8)),
+            "mixtral": lambda: transformers.MixtralForCausalLM(
+                transformers.MixtralConfig(**common, num_local_experts=4, **moe)),
+            "qwen3moe": lambda: transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(
+                **common, head_dim=8, num_experts=4, moe_intermediate_size=32,
+                decoder_sparse_step=1, mlp_only_layers=[], **moe))}
+    torch.manual_seed(0)
+    return made[family]()
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3", "mixtral", "qwen3moe"])
+@pytest.mark.parametrize("layout", ["tp2", "pp2-tp2"])
+def test_transformers_models_on_their_own_tp_plans(request, family, layout):
+    transformers = pytest.importorskip("transformers")
+    model = _hf(transformers, family)
+    ids = torch.randint(3, 32, (8, 8), generator=torch.Generator().manual_seed(0))
+    batch = {"input_ids": ids, "labels": ids}
+    if layout == "tp2":
+        ann, cluster = ONE, request.getfixturevalue("cluster2")
+        program = [pn.tensor_parallel({}, [0, 1]), pn.split({}, num=2)]
+    else:
+        ann, cluster = pn.cut_stages(model, 2), request.getfixturevalue("cluster4")
+        program = [pn.place({"PP": 0}, [0]), pn.place({"PP": 1}, [2]),
+                   pn.tensor_parallel({"PP": 0}, [0, 1]), pn.tensor_parallel({"PP": 1}, [2, 3]),
+                   *S.one_f_one_b(2, 2)]
+    plan = pn.compile(pn.annotate(model, ann), program, batch)
+    assert plan.tp_params   # the model's own plan sharded its projections
+    result = pn.train(plan, batch, 2, SGD, cluster=cluster)
+    _same(result, pn.reference_train(model, batch, 2, 2, SGD))
+    losses, state = _plain_loop(model, batch, 2, 2, 0.1)
+    torch.testing.assert_close(torch.tensor(result.losses), torch.tensor(losses),
+                               rtol=RTOL, atol=ATOL)
+    got = result.state_dict()
+    for k, v in state.items():
+        torch.testing.assert_close(got[k], v, rtol=RTOL, atol=ATOL, msg=lambda m, k=k: f"{k}: {m}")
