@@ -16,7 +16,11 @@ Corrections applied, all explicit below and in docs/analytic_model.md:
   them and extrapolates the step time linearly in layers: see `scaled_step` (default:
   all layers, about 3-4 min on CPU).
 
-Run: .venv/bin/python benchmarks/bench_published.py [--case megatron|torchtitan|all]
+Cases 3-5 plan torchtitan's tensor-parallel runs (70B FSDP 32 x TP 8 on 256 GPUs, 405B
+FSDP 8 x TP 8 x PP 8 on 512 under 1F1B and interleaved) and report throughput and memory
+ratios, with the seconds each plan takes to compile and simulate (`--case tp`).
+
+Run: .venv/bin/python benchmarks/bench_published.py [--case megatron|torchtitan|tp|all]
 """
 
 from __future__ import annotations
@@ -186,7 +190,85 @@ TORCHTITAN = {
 }
 
 
+# ---- cases 3-5: torchtitan's 2D and 3D runs, with tensor parallelism ------------------
+# benchmarks/llama3_h100_202412_torchtitan.md in pytorch/torchtitan (H100 96 GB HBM2e, 8 per
+# host on NVLink, 400 Gb/s RDMA per GPU, sequence 8192, full AC, torch.compile + Float8):
+# Table 4, Llama 3.1 70B, FSDP 32 x TP 8 on 256 GPUs, local batch 16: 829 tokens/s/GPU,
+# 71.9 GiB; Table 5, 405B, FSDP 8 x TP 8 x PP 8 on 512 GPUs, local batch 32: 1F1B 100
+# tokens/s/GPU and 82.5 GiB, interleaved 128 and 72.7 GiB. piper_nb has neither Float8 nor
+# sequence parallelism yet (both in the published runs), so these ratios say how far the
+# bf16, non-SP plan is from the published one, whatever they are. pn.models.Llama is
+# Llama 3's architecture (tests/models/test_llama.py), captured by torch.fx in seconds.
+TP_CASES = {
+    "70b-fsdp32-tp8": dict(name="Llama 3.1 70B, 256x H100, FSDP 32 x TP 8, local batch 16",
+                           layers=80, dims=dict(dim=8192, heads=64, kv_heads=8, hidden=28672),
+                           dp=32, tp=8, pp=1, local=16, micro=1, schedule=None,
+                           tokens_per_gpu_s=829.0, gib=71.9),
+    "405b-1f1b": dict(name="Llama 3.1 405B, 512x H100, FSDP 8 x TP 8 x PP 8, 1F1B",
+                      layers=126, dims=dict(dim=16384, heads=128, kv_heads=8, hidden=53248),
+                      dp=8, tp=8, pp=8, local=32, micro=32, schedule="1f1b",
+                      tokens_per_gpu_s=100.0, gib=82.5),
+    "405b-interleaved": dict(name="Llama 3.1 405B, 512x H100, FSDP 8 x TP 8 x PP 8, "
+                             "interleaved 1F1B (2 stages per rank)",
+                             layers=126, dims=dict(dim=16384, heads=128, kv_heads=8, hidden=53248),
+                             dp=8, tp=8, pp=8, local=32, micro=32, schedule="interleaved",
+                             tokens_per_gpu_s=128.0, gib=72.7),
+}
+
+
+def tp_program(c: dict, layers: int) -> tuple[dict, list]:
+    """(annotation, program): devices numbered TP innermost, then PP, then DP (torchtitan's
+    and Megatron's order); each stage replicated over its DP replicas with ZeRO-3 (FSDP),
+    each replica's device widened into its TP group; every stage recomputed (full AC)."""
+    dp, tp, pp = c["dp"], c["tp"], c["pp"]
+    lead = lambda r, k: (k * pp + r) * tp   # noqa: E731 - first device of rank r, replica k
+    stages = pp if c["schedule"] in (None, "1f1b") else 2 * pp
+    per = -(-layers // stages)
+    ann = {"embed": {"PP": 0}, "head": {"PP": stages - 1}} | {
+        f"blocks.{i}": {"PP": min(i // per, stages - 1)} for i in range(layers)}
+    program = []
+    for s in range(stages):
+        devs = [lead(s % pp, k) for k in range(dp)]
+        program += [pn.place({"PP": s}, devs), pn.replicate({"PP": s}, devs, zero=3)]
+    program.append(pn.tensor_parallel({"PP": "*"}, [[lead(r, k) + t for t in range(tp)]
+                                                    for k in range(dp) for r in range(pp)]))
+    if c["schedule"] is None:
+        program.append(pn.split({}, "MB", c["micro"]))
+    elif c["schedule"] == "1f1b":
+        program += pn.schedules.one_f_one_b(pp, c["micro"])
+    else:
+        program += pn.schedules.interleaved_1f1b(pp, c["micro"], chunks=2)
+    return ann, [*program, pn.recompute({})]
+
+
+def run_tp_case(key: str) -> dict:
+    c, seq = TP_CASES[key], 8192
+    t0 = time.perf_counter()
+    with torch.device("meta"):
+        model = pn.models.Llama(vocab=128256, layers=c["layers"], seq=seq, attention="flash",
+                                **c["dims"])
+    ids = torch.zeros(c["dp"] * c["local"], seq, dtype=torch.long, device="meta")
+    ann, program = tp_program(c, c["layers"])
+    t1 = time.perf_counter()
+    plan = pn.compile(pn.annotate(model, ann), program, (ids, ids), precision="bf16")
+    t2 = time.perf_counter()
+    trace = pn.simulate(plan, pn.CostModel.analytic(plan, "H100"),
+                        memory=pn.MemorySettings(param_bytes=2, grad_bytes=2, optim_bytes=12))
+    t3 = time.perf_counter()
+    gpus = c["dp"] * c["tp"] * c["pp"]
+    rate = c["dp"] * c["local"] * seq / trace.step_time / gpus
+    gib = max(trace.peak_memory.values()) / 2**30
+    return {"case": c["name"], "world": plan.world, "build_s": round(t1 - t0, 1),
+            "compile_s": round(t2 - t1, 1), "simulate_s": round(t3 - t2, 1),
+            "tokens/s/GPU": round(rate, 1), "measured tokens/s/GPU": c["tokens_per_gpu_s"],
+            "predicted/measured": round(rate / c["tokens_per_gpu_s"], 3),
+            "peak GiB": round(gib, 1), "measured GiB": c["gib"],
+            "peak predicted/measured": round(gib / c["gib"], 2)}
+
+
 def run_case(key: str, layers: int | None) -> dict:
+    if key in TP_CASES:
+        return run_tp_case(key)
     case = {"megatron": MEGATRON, "torchtitan": TORCHTITAN}[key]
     r = scaled_step(case, layers or case["layers"])
     out = {"case": case["name"], "source": case["source"], "gpu": case["gpu"],
@@ -219,11 +301,13 @@ def run_case(key: str, layers: int | None) -> dict:
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--case", default="all", choices=["all", "megatron", "torchtitan"])
+    ap.add_argument("--case", default="all",
+                    choices=["all", "megatron", "torchtitan", "tp", *TP_CASES])
     ap.add_argument("--layers", type=int, default=None,
                     help="model this many layers (and half as many) and extrapolate linearly")
     args = ap.parse_args()
-    keys = ["megatron", "torchtitan"] if args.case == "all" else [args.case]
+    keys = (["megatron", "torchtitan", *TP_CASES] if args.case == "all" else
+            list(TP_CASES) if args.case == "tp" else [args.case])
     results = []
     for k in keys:
         out = run_case(k, args.layers)
@@ -232,7 +316,7 @@ def main():
     print("| case | unit | measured | variant | predicted | predicted / measured |")
     print("|---|---|---|---|---|---|")
     for o in results:
-        for v, p in o["predicted"].items():
+        for v, p in o.get("predicted", {}).items():
             print(f"| {o['case']} | {o['unit']} | {o['measured']} | {v} | "
                   f"{p['throughput']} | {p['predicted/measured']} |")
 

@@ -82,6 +82,11 @@ class Flow:
                     seen.add((node.region, node.devices))
                     for k, dev in enumerate(node.devices):
                         self.position[(dev, node.region)] = k
+            lead = {m: g[0] for g in getattr(plan, "tp_groups", ()) for m in g[1:]}
+            if lead:   # a tensor-parallel member stands where its group's first device does
+                for (dev, r), k in list(self.position.items()):
+                    for m in (m for m, first in lead.items() if first == dev):
+                        self.position[(m, r)] = k
         self.region_units: list[dict] = [{} for _ in range(n)]   # region -> its units
         self.freed: dict[tuple[str, ...], tuple] = {}       # FREE keys -> gradient keys
 
@@ -236,8 +241,10 @@ class Flow:
 
     def issued(self, d: int, i: int, ins) -> None:
         """A reduction or exchange is issued: what it takes from this member, now (clipping's
-        all-reduce of the gradient norm moves no gradient: not followed)."""
-        if ins.is_scalar:
+        all-reduce of the gradient norm moves no gradient: not followed; nor, yet, the
+        tensor-parallel sums of a value's per-device shares, which the dry run and the NCCL
+        check match across the group)."""
+        if ins.is_scalar or ins.purpose == Purpose.TP:
             return
         seq = self.coll_next[d][ins.group]
         self.coll_next[d][ins.group] = seq + 1

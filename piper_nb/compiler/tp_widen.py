@@ -30,6 +30,14 @@ def tp_rank_of(groups: dict[int, tuple[int, ...]]) -> dict[int, tuple[int, int]]
 class _Mapper:
     def __init__(self, groups: dict[int, tuple[int, ...]], buckets, bmap):
         self.groups, self.buckets, self.bmap = groups, buckets, bmap
+        self._mapped: dict[tuple, tuple[int, ...]] = {}
+
+    def group(self, group: tuple[int, ...], k: int, who: int) -> tuple[int, ...]:
+        key = (group, k)
+        out = self._mapped.get(key)
+        if out is None:
+            out = self._mapped[key] = tuple(self.member(g, k, who) for g in group)
+        return out
 
     def member(self, d: int, k: int, who: int) -> int:
         g = self.groups.get(d)
@@ -54,9 +62,9 @@ class _Mapper:
                 ins = dataclasses.replace(ins, group=group)
             elif ins.is_issue:
                 ins = dataclasses.replace(
-                    ins, group=tuple(self.member(g, k, leader) for g in ins.group),
+                    ins, group=self.group(ins.group, k, leader),
                     bucket=self.bmap[k].get(ins.bucket, ins.bucket),
-                    owners=tuple(self.member(o, k, leader) for o in ins.owners))
+                    owners=self.group(ins.owners, k, leader))
             elif ins.kind == Op.U and ins.buckets:
                 ins = dataclasses.replace(ins, buckets=tuple(self.bmap[k].get(b, b)
                                                              for b in ins.buckets))
@@ -91,14 +99,33 @@ def widen(devices: tuple[DevicePlan, ...], groups: dict[int, tuple[int, ...]], b
     mapper = _Mapper(groups, tuple(out_buckets), bmap)
     plans = list(devices) + [DevicePlan(d, ()) for d in range(len(devices), world)]
     for leader, g in groups.items():
-        src = devices[leader]
         for k, m in enumerate(g):
             if k and plans[m].instrs:
                 raise PlanError(f"device {m} is a member of the tensor-parallel group "
                                 f"{list(g)} but runs work of its own; place that work on "
                                 f"device {leader}, which the group follows")
-            plans[m] = StampedDevicePlan(m, (), _Stamp(mapper, leader, k, src))
+    # every member is stamped from its group's first device or, when that one is a
+    # data-parallel replica, from the first device it was stamped from: the simulator and
+    # the checks then run one device per class (`Plan.stamps`); a member's list is its
+    # template's but for peers, groups and buckets, all of them a member's of the same rank
+    template = _templates(devices)
+    order = sorted(groups, key=lambda lead: (template.get(lead, lead) != lead, lead))
+    for leader in order:
+        t = template.get(leader, leader)
+        for k, m in enumerate(groups[leader]):
+            stamp = _Stamp(mapper, leader, k, devices[leader])
+            if m == t:
+                plans[m] = DevicePlan(m, stamp(m))
+            else:
+                plans[m] = StampedDevicePlan(m, plans[t].instrs, stamp)
     return tuple(plans), tuple(out_buckets)
+
+
+def _templates(devices) -> dict[int, int]:
+    """Device -> the device the lowering stamped its list from (`Plan.stamps`' rule)."""
+    made = {id(dp.instrs): dp.device for dp in devices if dp.stamp is None}
+    return {dp.device: made[id(dp.stamp[0])] for dp in devices
+            if dp.stamp is not None and id(dp.stamp[0]) in made}
 
 
 @dataclasses.dataclass(frozen=True)

@@ -152,6 +152,7 @@ def insert_tp_collectives(dag: TrainingDAG, directives: Directives, ctx: Context
                                 f"to the directive's devices", directive=idx, op="tensor_parallel")
     nodes, edges = list(dag.nodes), []
     made: dict[tuple[str, bool], Node] = {}
+    ar_ids: set[str] = set()
     for e in dag.edges:
         a, b = dag[e.src], dag[e.dst]
         summed = _summed(layout, a, b, e)
@@ -166,6 +167,7 @@ def insert_tp_collectives(dag: TrainingDAG, directives: Directives, ctx: Context
                       a.tags, a.region, a.devices, "tp",
                       (("grad", grad), ("purpose", str(Purpose.TP)), ("values", ())))
             made[key] = ar
+            ar_ids.add(ar.id)
             nodes.append(ar)
             edges.append(Edge(a.id, ar.id, EdgeKind.DATA, ()))
         ar = made[key]
@@ -173,13 +175,15 @@ def insert_tp_collectives(dag: TrainingDAG, directives: Directives, ctx: Context
         edges.append(Edge(ar.id, b.id, EdgeKind.DATA, tuple(summed)))
         if rest:
             edges.append(Edge(e.src, e.dst, e.kind, rest, e.origin))
-    final = []
-    for n in nodes:
-        if n.op == Op.ALL_REDUCE and n.attr("purpose") == str(Purpose.TP):
-            vals = tuple(dict.fromkeys(v for e in edges if e.src == n.id for v in e.values))
-            n = n.with_attrs(values=vals)
-        final.append(n)
-    return dag.replace(nodes=final, edges=_fix_inputs(edges, made),
+    out_values: dict[str, list[str]] = {}
+    for e in edges:
+        if e.src in ar_ids:
+            out_values.setdefault(e.src, []).extend(e.values)
+    final = [n.with_attrs(values=tuple(dict.fromkeys(out_values.get(n.id, ()))))
+             if n.id in ar_ids else n for n in nodes]
+    edges = [dataclasses.replace(e, values=tuple(dict.fromkeys(out_values[e.dst])))
+             if e.dst in ar_ids and not e.values else e for e in edges]
+    return dag.replace(nodes=final, edges=edges,
                        meta={"tp_groups": tuple(sorted(groups.items()))},
                        step=f"{len(made)} all-reduces")
 
@@ -194,13 +198,3 @@ def _summed(layout, a: Node, b: Node, e: Edge) -> list[str]:
     if a.op in (Op.B, Op.BI) and b.op in (Op.B, Op.BI, Op.BW):
         return [v for v in e.values if v in layout.grad_sum]
     return []
-
-
-def _fix_inputs(edges: list[Edge], made: dict) -> list[Edge]:
-    """The edge into each all-reduce carries the values it sums."""
-    carried: dict[str, tuple[str, ...]] = {}
-    for e in edges:
-        if e.src in {n.id for n in made.values()}:
-            carried[e.src] = tuple(dict.fromkeys((*carried.get(e.src, ()), *e.values)))
-    return [dataclasses.replace(e, values=carried[e.dst]) if e.dst in carried and not e.values
-            else e for e in edges]

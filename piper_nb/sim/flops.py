@@ -37,7 +37,10 @@ def region_flops(plan) -> dict[int, float]:
     out = {}
     for r in range(len(plan.regions)):
         module = plan.capture.modules[r]
-        device = next((p.device for p in module.parameters()), torch.device("cpu"))
+        # a region without parameters of its own (a residual add between tensor-parallel
+        # parts) runs where the model lives: on the meta device, shapes only
+        device = next((p.device for p in module.parameters()), None) or next(
+            (p.device for p in plan.capture.model.parameters()), torch.device("cpu"))
         args = [a.to(device) for a in region_inputs(plan, r, device=device)]   # meta: on meta
         with untouched(plan.capture.model), flop_counter() as counter, \
                 torch.no_grad():

@@ -115,10 +115,22 @@ def replica_runs(plan, cost, settings=None) -> list[bool] | None:
     copies: dict[int, list[int]] = {}
     for d, t in stamps.items():
         copies.setdefault(t, []).append(d)
-    for group in {b.group for b in plan.buckets}:   # holds a replica iff its template
+    groups = {b.group for b in plan.buckets}
+    lead = {m: (g[0], k) for g in getattr(plan, "tp_groups", ()) for k, m in enumerate(g)}
+
+    def tp_copy(group) -> bool:
+        """Rank k's copy of a bucket of the groups' first devices (`tp_widen`): it mirrors
+        that bucket, rank for rank, on devices the simulation stands for."""
+        firsts = tuple(lead.get(d, (None, 0))[0] for d in group)
+        return None not in firsts and firsts in groups and len({lead[d][1] for d in group}) == 1
+    for group in groups:   # holds a replica iff its template
         held = set(group)
+        if all(rep[d] != d for d in group) and tp_copy(group):
+            continue   # a tensor-parallel rank's copy of a bucket: no member runs
+        same_rank = (lambda d, c: lead.get(c, (0, 0))[1] == lead.get(d, (0, 0))[1])
         if any(rep[d] not in held for d in group) or \
-                any(not held.issuperset(copies.get(d, ())) for d in group if rep[d] == d):
+                any(not held.issuperset(c for c in copies.get(d, ()) if same_rank(d, c))
+                    for d in group if rep[d] == d):
             return None
     if not _mirrors(dag, rep, cost):
         return None

@@ -4,7 +4,8 @@ A row's fields come from the table `FIELDS`: each `Field` names the JSON key it 
 makes its widget, reads the widget value from a row and writes a value back as
 `(fields to set, keys to drop)`. The table is the whole difference between a place, a
 replicate (ZeRO level), a shard, a split, an order (slots, one per line), a recompute
-(its filter) and a schedule row (builder, ranks, microbatches, chunks, place stages);
+(its filter), a schedule row (builder, ranks, microbatches, chunks, place stages) and a
+tensor-parallel row (its filter and device groups, `0, 1 | 2, 3`);
 rows of an unknown op are edited as raw JSON. Writes go through the panel's `on_edit` with `state.update_row`.
 """
 
@@ -22,8 +23,10 @@ from piper_nb.directives.schedule import schedule_key
 from piper_nb.ui.fields import (
     devices_text,
     filter_text,
+    groups_text,
     parse_devices,
     parse_filter,
+    parse_groups,
     parse_slots,
     slots_text,
 )
@@ -113,6 +116,9 @@ PLACE = Field("place", lambda: W.Checkbox(description="place stages", indent=Fal
                                           layout=W.Layout(width="110px")),
               lambda r: bool(r.get("place")),
               lambda v, r: ({"place": True}, ()) if v else ({}, ("place",)))
+GROUPS = Field("devices", _text("groups 0,1 | 2,3", "130px"),
+               lambda r: groups_text(r.get("devices")),
+               lambda v, r: ({"devices": parse_groups(v)}, ()))
 RAW = Field("*", lambda: W.Textarea(continuous_update=False, rows=2, layout=W.Layout(width="300px")),
             lambda r: json.dumps(r), lambda v, r: _raw_write(v, r))
 
@@ -127,7 +133,8 @@ def _raw_write(value: str, row: dict) -> tuple[dict, tuple[str, ...]]:
 
 FIELDS = {"place": (FILTER, DEVICES, STREAM), "shard": (FILTER, DEVICES, STREAM),
           "replicate": (FILTER, DEVICES, ZERO), "split": (FILTER, DIM, NUM), "order": (SLOTS,),
-          "schedule": (NAME, RANKS, MICRO, CHUNKS, PLACE), "recompute": (FILTER,)}
+          "schedule": (NAME, RANKS, MICRO, CHUNKS, PLACE), "recompute": (FILTER,),
+          "tensor_parallel": (FILTER, GROUPS)}
 
 
 class DirectiveRow:

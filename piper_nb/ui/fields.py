@@ -99,6 +99,22 @@ def parse_devices(text: str) -> list[int] | str:
     return text
 
 
+def groups_text(devices: Any) -> str:
+    """Tensor-parallel groups as `0, 1 | 4, 5` (one group: `0, 1`)."""
+    if isinstance(devices, (list, tuple)) and devices and all(
+            isinstance(g, (list, tuple)) for g in devices):
+        return " | ".join(devices_text(g) for g in devices)
+    return devices_text(devices)
+
+
+def parse_groups(text: str) -> list | str:
+    """`0, 1 | 4, 5` -> [[0, 1], [4, 5]]; `0, 1` -> [0, 1]; malformed text as is."""
+    parts = [parse_devices(p) for p in text.split("|")]
+    if any(isinstance(p, str) for p in parts):
+        return text
+    return parts[0] if len(parts) == 1 else parts
+
+
 def slots_text(filters: Any) -> str:
     """An order's slots, one per line."""
     if not isinstance(filters, (list, tuple)):
