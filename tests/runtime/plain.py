@@ -1,7 +1,9 @@
-"""What the fidelity tests compare with: a result against a plain PyTorch loop's losses and
-state dict, and the tiny Llama they train (random weights, ids inside its vocabulary)."""
+"""What the fidelity tests compare with: a plain PyTorch loop, a result against its losses
+and state dict, and the tiny Llama they train (random weights, ids inside its vocabulary)."""
 
 from __future__ import annotations
+
+import copy
 
 import torch
 
@@ -27,3 +29,30 @@ def tiny_llama(transformers):
                                       eos_token_id=2)
     torch.manual_seed(0)
     return transformers.LlamaForCausalLM(config)
+
+
+def chunks(batch, n: int) -> list:
+    if isinstance(batch, dict):
+        parts = {k: t.chunk(n) for k, t in batch.items()}
+        return [{k: parts[k][i] for k in batch} for i in range(n)]
+    return list(zip(batch[0].chunk(n), batch[1].chunk(n), strict=True))
+
+
+def plain_loop(model, batches, microbatches: int, lr: float, loss_fn=None):
+    """SGD over each batch, `microbatches` equal slices accumulated, each loss / M: the
+    loop a user writes (a dict batch: `model(**batch)["loss"]`). The model's modes are left
+    as the user set them."""
+    model = copy.deepcopy(model)
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    losses = []
+    for batch in batches:
+        opt.zero_grad()
+        total = 0.0
+        for mb in chunks(batch, microbatches):
+            out = model(**mb)["loss"] if isinstance(mb, dict) else loss_fn(model(mb[0]), mb[1])
+            loss = out / microbatches
+            loss.backward()
+            total += float(loss.detach())
+        opt.step()
+        losses.append(total)
+    return losses, model.state_dict()

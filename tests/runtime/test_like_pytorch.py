@@ -16,38 +16,11 @@ from torch import nn
 import piper_nb as pn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from plain import assert_like  # noqa: E402
+from plain import assert_like, chunks, plain_loop  # noqa: E402
 
 pytestmark = pytest.mark.dist
 S = pn.schedules
 RTOL, ATOL = 1e-5, 4e-5
-
-
-def _chunks(batch, n: int) -> list:
-    if isinstance(batch, dict):
-        parts = {k: t.chunk(n) for k, t in batch.items()}
-        return [{k: parts[k][i] for k in batch} for i in range(n)]
-    return list(zip(batch[0].chunk(n), batch[1].chunk(n), strict=True))
-
-
-def plain_loop(model, batches, microbatches: int, lr: float, loss_fn=None):
-    """SGD over each batch, `microbatches` equal slices accumulated, each loss / M: the
-    loop a user writes (a dict batch: `model(**batch)["loss"]`). The model's modes are left
-    as the user set them."""
-    model = copy.deepcopy(model)
-    opt = torch.optim.SGD(model.parameters(), lr=lr)
-    losses = []
-    for batch in batches:
-        opt.zero_grad()
-        total = 0.0
-        for mb in _chunks(batch, microbatches):
-            out = model(**mb)["loss"] if isinstance(mb, dict) else loss_fn(model(mb[0]), mb[1])
-            loss = out / microbatches
-            loss.backward()
-            total += float(loss.detach())
-        opt.step()
-        losses.append(total)
-    return losses, model.state_dict()
 
 
 def programs(two: bool):
@@ -250,7 +223,7 @@ def test_the_optimizer_state_comes_back_whole(request, name):
                             lr=1e-2, weight_decay=0.1)
     for _ in range(2):
         opt.zero_grad()
-        for xs, ys in _chunks(batch, plan.microbatches):
+        for xs, ys in chunks(batch, plan.microbatches):
             (model.loss_fn(plain(xs), ys) / plan.microbatches).backward()
         opt.step()
     got = result.optimizer_state_dict()

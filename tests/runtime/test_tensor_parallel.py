@@ -9,7 +9,8 @@ moves the last bit or two (atol 4e-5, as the other fidelity tests)."""
 
 from __future__ import annotations
 
-import copy
+import os
+import sys
 
 import pytest
 import torch
@@ -17,6 +18,9 @@ import torch
 import piper_nb as pn
 from piper_nb.cluster.local import LocalCluster
 from piper_nb.strategies import moe_annotation
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from plain import plain_loop  # noqa: E402
 
 pytestmark = pytest.mark.dist
 S = pn.schedules
@@ -149,24 +153,6 @@ def test_tp2_bf16(cluster2):
     _same(result, ref, rtol=2e-2, atol=2e-2)
 
 
-def _plain_loop(model, batch, steps: int, microbatches: int, lr: float):
-    """SGD over `steps` repeats of `batch`, its equal slices accumulated, each loss / M."""
-    model = copy.deepcopy(model)
-    opt = torch.optim.SGD(model.parameters(), lr=lr)
-    losses = []
-    for _ in range(steps):
-        opt.zero_grad()
-        total = 0.0
-        for k in range(microbatches):
-            part = {n: t.chunk(microbatches)[k] for n, t in batch.items()}
-            loss = model(**part)["loss"] / microbatches
-            loss.backward()
-            total += float(loss.detach())
-        opt.step()
-        losses.append(total)
-    return losses, model.state_dict()
-
-
 def _hf(transformers, family: str):
     common = dict(vocab_size=32, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, pad_token_id=0, bos_token_id=1,
@@ -203,7 +189,7 @@ def test_transformers_models_on_their_own_tp_plans(request, family, layout):
     assert plan.tp_params   # the model's own plan sharded its projections
     result = pn.train(plan, batch, 2, SGD, cluster=cluster)
     _same(result, pn.reference_train(model, batch, 2, 2, SGD))
-    losses, state = _plain_loop(model, batch, 2, 2, 0.1)
+    losses, state = plain_loop(model, [batch] * 2, 2, 0.1)
     torch.testing.assert_close(torch.tensor(result.losses), torch.tensor(losses),
                                rtol=RTOL, atol=ATOL)
     got = result.state_dict()
