@@ -28,8 +28,8 @@ def tp_rank_of(groups: dict[int, tuple[int, ...]]) -> dict[int, tuple[int, int]]
 
 
 class _Mapper:
-    def __init__(self, groups: dict[int, tuple[int, ...]], buckets, bmap):
-        self.groups, self.buckets, self.bmap = groups, buckets, bmap
+    def __init__(self, groups: dict[int, tuple[int, ...]], bmap):
+        self.groups, self.bmap = groups, bmap
         self._mapped: dict[tuple, tuple[int, ...]] = {}
 
     def group(self, group: tuple[int, ...], k: int, who: int) -> tuple[int, ...]:
@@ -96,7 +96,7 @@ def widen(devices: tuple[DevicePlan, ...], groups: dict[int, tuple[int, ...]], b
                                        group=tuple(groups[d][k] for d in b.group))
             bmap[k][b.index] = copy.index
             out_buckets.append(copy)
-    mapper = _Mapper(groups, tuple(out_buckets), bmap)
+    mapper = _Mapper(groups, bmap)
     plans = list(devices) + [DevicePlan(d, ()) for d in range(len(devices), world)]
     for leader, g in groups.items():
         for k, m in enumerate(g):
