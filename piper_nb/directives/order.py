@@ -18,6 +18,7 @@ that stay within their stage (a mixture of experts' combine after its experts) a
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -128,7 +129,9 @@ def _order_edges(dag: TrainingDAG, directive, index: int, first_overlap: int):
         for f in group:
             selected = dag.select(f, COMPUTE)
             named = _named(dag, selected, f)
-            dropped.update(n.id for n in selected if n not in named)
+            if named is not selected:
+                keep = {n.id for n in named}
+                dropped.update(n.id for n in selected if n.id not in keep)
             hit = [n.id for n in named]
             if not hit and directive.schedule:
                 raise PlanError(f"{directive.schedule}: its slot {i} ({_action(f)}) matches no "
@@ -150,8 +153,7 @@ def _order_edges(dag: TrainingDAG, directive, index: int, first_overlap: int):
                 patched[nid] = dag[nid].with_attrs(overlap=overlap)
             overlap += 1
     for i in range(len(slots) - 1):
-        pairs = [(a, b) for a in slots[i] for b in slots[i + 1]
-                 if _share(dag[a].devices, dag[b].devices)]
+        pairs = _pairs(dag, slots[i], slots[i + 1])
         if not pairs:
             a, b = slots[i][0], slots[i + 1][0]
             if directive.schedule:
@@ -167,6 +169,45 @@ def _order_edges(dag: TrainingDAG, directive, index: int, first_overlap: int):
                 "one device's work: write one order per device", directive=index, op="order")
         edges += [Edge(a, b, EdgeKind.TEMPORAL, origin=index) for a, b in pairs]
     return edges, patched, overlap, dropped, slots
+
+
+def _pairs(dag: TrainingDAG, first: list[str], then: list[str]) -> list[tuple[str, str]]:
+    """The temporal edges that run slot `first` before slot `then`: every pair on shared
+    devices, or, where both slots run on one device list, only from the passes of `first`
+    that reach no other of its passes to those of `then` that no other of its passes reaches
+    (the same order, one step of a stage's parts ordered by tens of edges, not thousands)."""
+    devs = dag[first[0]].devices
+    if all(dag[n].devices == devs for n in (*first, *then)):
+        return [(a, b) for a in _ends(dag, first, devs, True)
+                for b in _ends(dag, then, devs, False)]
+    return [(a, b) for a in first for b in then if _share(dag[a].devices, dag[b].devices)]
+
+
+def _ends(dag: TrainingDAG, ids: list[str], devs: tuple[int, ...], last: bool) -> list[str]:
+    """The passes of one slot that reach (`last`), or are reached from, no other of its
+    passes through nodes of the slot's devices and microbatch (a path on other devices
+    would not order this device's work)."""
+    slot = set(ids)
+    mb = dag[ids[0]].mb
+    out = []
+    for start in ids:
+        todo, seen, hit = deque([start]), {start}, False   # breadth first: the near hit
+        while todo and not hit:
+            nid = todo.popleft()
+            for e in (dag.out_edges(nid) if last else dag.in_edges(nid)):
+                nxt = e.dst if last else e.src
+                if nxt in seen:
+                    continue
+                if nxt in slot:
+                    hit = True
+                    break
+                n = dag[nxt]
+                if n.devices == devs and n.mb == mb:
+                    seen.add(nxt)
+                    todo.append(nxt)
+        if not hit:
+            out.append(start)
+    return out
 
 
 def _named(dag: TrainingDAG, nodes: list[Node], filt) -> list[Node]:

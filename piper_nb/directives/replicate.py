@@ -175,15 +175,37 @@ def replica_configs(dag: TrainingDAG, replicates: list[tuple[int, object]]) -> d
     return configs
 
 
+def _by_region(dag: TrainingDAG) -> dict[int, list[Node]]:
+    """Region -> its nodes, in DAG order (cached on the DAG)."""
+    cache = dag._idx()
+    if "by_region" not in cache:
+        out: dict[int, list[Node]] = {}
+        for n in dag.nodes:
+            out.setdefault(n.region, []).append(n)
+        cache["by_region"] = out
+    return cache["by_region"]
+
+
 def _last_backward(dag: TrainingDAG, region: int) -> list[Node]:
-    return [n for n in dag.nodes if n.region == region and n.op in (Op.B, Op.BW)]
+    return [n for n in _by_region(dag).get(region, ()) if n.op in (Op.B, Op.BW)]
+
+
+def _passes(dag: TrainingDAG, regions) -> list[Node]:
+    """The compute passes of these regions, in DAG order."""
+    found = [n for r in dict.fromkeys(regions) for n in _by_region(dag).get(r, ())
+             if n.op in (Op.F, Op.B, Op.BI, Op.BW)]
+    if len(set(regions)) > 1:
+        pos = {n.id: i for i, n in enumerate(dag.nodes)}
+        found.sort(key=lambda n: pos[n.id])
+    return found
 
 
 def _spread(dag: TrainingDAG, regions, devs: tuple[int, ...]) -> bool:
     """Whether the devices holding these regions' parameters are more than the group one
     pass runs on: a weight tied across stages, or a stage held twice (DualPipe)."""
-    return any(set(n.devices) != set(devs) for n in dag.nodes
-               if n.region in regions and n.op == Op.F)
+    group = set(devs)
+    return any(n.op == Op.F and n.devices != devs and set(n.devices) != group
+               for r in regions for n in _by_region(dag).get(r, ()))
 
 
 def _buckets(dag, region_params, param_bytes, configs) -> list[Bucket]:
@@ -285,19 +307,17 @@ def insert_grad_sync(dag: TrainingDAG, replicates: Directives, ctx: Context) -> 
                 gathers.setdefault(b.group, []).append(g.id)
         if b.zero == 3 and not b.reshard:
             # one gather per device and step: pulled before the first pass, freed after the last
-            passes = [n for n in dag.nodes if n.region in b.regions
-                      and n.op in (Op.F, Op.B, Op.BI, Op.BW)]
+            passes = _passes(dag, b.regions)
             g = coll(Op.ALL_GATHER, b, base, ".step", b.gather_stream, Purpose.PARAM)
             nodes[-1] = g.with_attrs(before=passes[0].id, consumers=tuple(p.id for p in passes))
             edges += [Edge(g.id, p.id) for p in passes]
         elif b.zero == 3:
-            for n in dag.nodes:
-                if n.region in b.regions and n.op in (Op.F, Op.B, Op.BI, Op.BW):
-                    tags = {**base, "MB": n.mb} if n.mb is not None else base
-                    g = coll(Op.ALL_GATHER, b, tags, f".{n.op.value}{n.region}", b.gather_stream,
-                             Purpose.PARAM)
-                    nodes[-1] = g.with_attrs(before=n.id)
-                    edges.append(Edge(g.id, n.id))
+            for n in _passes(dag, b.regions):
+                tags = {**base, "MB": n.mb} if n.mb is not None else base
+                g = coll(Op.ALL_GATHER, b, tags, f".{n.op.value}{n.region}", b.gather_stream,
+                         Purpose.PARAM)
+                nodes[-1] = g.with_attrs(before=n.id)
+                edges.append(Edge(g.id, n.id))
     for group, ids in gathers.items():   # then its gathers, in bucket order, after them
         chain = [last_of[group], *ids] if group in last_of else ids
         edges += [Edge(a, b, EdgeKind.TEMPORAL) for a, b in zip(chain, chain[1:], strict=False)]

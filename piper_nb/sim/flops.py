@@ -35,15 +35,15 @@ def region_flops(plan) -> dict[int, float]:
     from piper_nb.capture.annotate import flop_counter
     from piper_nb.capture.untouched import untouched
     out = {}
-    for r in range(len(plan.regions)):
-        module = plan.capture.modules[r]
-        # a region without parameters of its own (a residual add between tensor-parallel
-        # parts) runs where the model lives: on the meta device, shapes only
-        device = next((p.device for p in module.parameters()), None) or next(
-            (p.device for p in plan.capture.model.parameters()), torch.device("cpu"))
-        args = [a.to(device) for a in region_inputs(plan, r, device=device)]   # meta: on meta
-        with untouched(plan.capture.model), flop_counter() as counter, \
-                torch.no_grad():
-            module(*args)
-        out[r] = float(counter.get_total_flops())
+    home = next((p.device for p in plan.capture.model.parameters()), torch.device("cpu"))
+    with untouched(plan.capture.model), torch.no_grad():
+        for r in range(len(plan.regions)):
+            module = plan.capture.modules[r]
+            # a region without parameters of its own (a residual add between tensor-parallel
+            # parts) runs where the model lives: on the meta device, shapes only
+            device = next((p.device for p in module.parameters()), None) or home
+            args = [a.to(device) for a in region_inputs(plan, r, device=device)]  # meta: meta
+            with flop_counter() as counter:
+                module(*args)
+            out[r] = float(counter.get_total_flops())
     return out
