@@ -73,6 +73,12 @@ class Flow:
         self.passes = [(tuple((v, self.expect[v]) for v in r.outputs if v in self.expect),
                         tuple(v for v in r.inputs if v in self.expect), 1 << r.index)
                        for r in plan.regions]
+        # a sharded part's contribution to an input whose gradient the tensor-parallel group
+        # sums is one device's share: bit `shift + region` until that all-reduce's WAIT
+        # makes it the region's bit
+        tp = getattr(getattr(plan, "capture", None), "tp", None)
+        self.shared = tp.grad_sum if tp is not None else frozenset()
+        self.shift = len(plan.regions)
         self.units = Units(plan, self._widths(plan), frozenset(plan.frozen))
         self.position: dict[tuple[int, int], int] = {}   # (device, region) -> replica
         if self.template:
@@ -163,6 +169,14 @@ class Flow:
         mb, grads = ins.mb, self.grads[d]
         for v, want in waits:
             got = grads.get((v, mb), 0)
+            if got >> self.shift:
+                raise self._fail(
+                    d, ins, f"runs on this device's share of the gradient of {v}@{mb} from "
+                    f"{self._readers(got >> self.shift, mb)}: the tensor-parallel all-reduce "
+                    "of those shares has not completed",
+                    "issue and wait for the group's all-reduce of the gradient ("
+                    + ", ".join(f"r{r}:AR_B{mb}" for r in set_bits(got >> self.shift))
+                    + ") before this backward")
             if got != want:
                 raise self._fail(
                     d, ins, f"runs before the gradient of {v}@{mb} is complete: it lacks the "
@@ -173,9 +187,10 @@ class Flow:
         for v in feeds:
             key = (v, mb)
             old = grads.get(key, 0)
-            if old & bit:
-                raise self._twice(d, ins, key, bit)
-            grads[key] = old | bit
+            mine = bit << self.shift if v in self.shared else bit
+            if old & mine:
+                raise self._twice(d, ins, key, mine)
+            grads[key] = old | mine
         if ins.kind == Op.B:
             self.weights(d, ins)
 
@@ -241,15 +256,17 @@ class Flow:
 
     def issued(self, d: int, i: int, ins) -> None:
         """A reduction or exchange is issued: what it takes from this member, now (clipping's
-        all-reduce of the gradient norm moves no gradient: not followed; nor, yet, the
-        tensor-parallel sums of a value's per-device shares, which the dry run and the NCCL
-        check match across the group)."""
-        if ins.is_scalar or ins.purpose == Purpose.TP:
+        all-reduce of the gradient norm moves no gradient: not followed; a tensor-parallel
+        sum of activations neither: activations are not followed)."""
+        if ins.is_scalar:
             return
         seq = self.coll_next[d][ins.group]
         self.coll_next[d][ins.group] = seq + 1
         self.coll_seq[(d, i)] = seq
-        if ins.kind == Op.ALL_REDUCE:
+        if ins.purpose == Purpose.TP:        # the group's sum of per-device shares
+            grads = self.grads[d]
+            payload = {v: grads.get((v, ins.mb), 0) for v in ins.values} if ins.grad else None
+        elif ins.kind == Op.ALL_REDUCE:
             payload = self.pgrads[d].get(ins.bucket, 0)
         elif ins.kind == Op.REDUCE_SCATTER:   # the runtime takes the gradients at issue
             payload = self.pgrads[d].pop(ins.bucket, 0)
@@ -268,6 +285,10 @@ class Flow:
         if src.kind == Op.ALL_TO_ALL:
             self._exchanged(d, src, key)
             return
+        if src.purpose == Purpose.TP:
+            if src.grad:
+                self._shares_summed(d, src, key)
+            return
         total = self.total.get(key)
         if total is None:
             total = 0
@@ -281,6 +302,32 @@ class Flow:
         else:
             self._add(d, src, self.shards[d], src.bucket, total)
 
+    def _shares_summed(self, d: int, src, key) -> None:
+        """A tensor-parallel all-reduce of gradients, at its WAIT (the runtime writes the
+        group's sum over what each member held at issue): a share every member held becomes
+        its region's whole contribution; one some member lacked stays a share; a whole
+        contribution summed over the group would count `degree` times."""
+        members, mb, low = self._members(src, key), src.mb, (1 << self.shift) - 1
+        for v in src.values:
+            masks = [p.get(v, 0) for p in members.values()]
+            whole = 0
+            for m in masks:
+                whole |= m & low
+            if whole:
+                raise self._fail(d, src, f"sums the gradient of {v}@{mb} over the "
+                                 f"tensor-parallel group {list(src.group)}, but it holds the "
+                                 f"whole contribution of {self._readers(whole, mb)}, which the "
+                                 f"sum would count {len(src.group)} times",
+                                 "sum only the shares of sharded parts: a value a sharded part "
+                                 "reads goes through an alias of its own (capture.tensor_parallel)")
+            every = -1
+            for m in masks:
+                every &= m
+            some = 0
+            for m in masks:
+                some |= m
+            self.grads[d][(v, mb)] = (every >> self.shift) | (some & ~every)
+
     def _members(self, src, key) -> dict:
         """Each member's payload of collective `key`; a stamped member's is its template's
         (a parameter mask moved to the member's replica index)."""
@@ -293,8 +340,11 @@ class Flow:
                 out[m] = got[m]
             else:
                 t = self.template[m]
-                out[m] = (got[t] if src.kind == Op.ALL_TO_ALL
-                          else self._relabel(src.bucket, got[t], t, m))
+                if src.purpose == Purpose.TP:   # the members' shares mirror each other
+                    out[m] = got.get(t, next(iter(got.values())))
+                else:
+                    out[m] = (got[t] if src.kind == Op.ALL_TO_ALL
+                              else self._relabel(src.bucket, got[t], t, m))
         return out
 
     def _relabel(self, u, mask: int, t: int, m: int) -> int:

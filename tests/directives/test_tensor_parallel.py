@@ -62,18 +62,34 @@ def test_the_models_own_plan_or_the_users():
     assert {n.rsplit(".", 2)[-2] for n in plan.tp_params} == {"up", "gate", "down"}
 
 
+def _without(dp: DevicePlan, k: int) -> DevicePlan:
+    """A device's list without instruction k and its WAIT."""
+    instrs = list(dp.instrs)
+    wait = next(i for i, x in enumerate(instrs) if x.kind == Op.WAIT and x.target == k)
+    kept = [i for i in range(len(instrs)) if i not in (k, wait)]
+    remap = {old: new for new, old in enumerate(kept)}
+    return DevicePlan(dp.device, tuple(
+        dataclasses.replace(instrs[i], target=remap[instrs[i].target])
+        if instrs[i].kind == Op.WAIT else instrs[i] for i in kept))
+
+
 def test_the_dry_run_and_the_nccl_check_see_a_missing_all_reduce():
     plan = compile_tp(llama(layers=1), [pn.tensor_parallel({}, [0, 1]), pn.split({}, num=2)])
     check_plan(plan)
-    instrs = list(plan[1].instrs)
-    k = next(i for i, x in enumerate(instrs) if x.purpose == Purpose.TP)
-    wait = next(i for i, x in enumerate(instrs) if x.kind == Op.WAIT and x.target == k)
-    keep = [x for i, x in enumerate(instrs) if i not in (k, wait)]
-    remap = {old: new for new, old in enumerate(i for i in range(len(instrs)) if i not in (k, wait))}
-    keep = [dataclasses.replace(x, target=remap[x.target]) if x.kind == Op.WAIT else x
-            for x in keep]
-    broken = dataclasses.replace(plan, devices=(plan[0], DevicePlan(1, tuple(keep))))
+    k = next(i for i, x in enumerate(plan[1].instrs) if x.purpose == Purpose.TP)
+    broken = dataclasses.replace(plan, devices=(plan[0], _without(plan[1], k)))
     with pytest.raises(pn.PlanError, match="AR_F0|deadlock|stuck|collective"):
+        check_plan(broken)
+
+
+def test_the_gradient_check_sees_a_gradient_share_never_summed():
+    # the backward all-reduce dropped on every member alike: the group still agrees, so
+    # only the gradient-flow check can tell the next backward would read one share
+    plan = compile_tp(llama(layers=1), [pn.tensor_parallel({}, [0, 1]), pn.split({}, num=2)])
+    k = next(i for i, x in enumerate(plan[0].instrs) if x.purpose == Purpose.TP and x.grad)
+    broken = dataclasses.replace(plan, devices=tuple(_without(dp, k) for dp in plan.devices))
+    with pytest.raises(pn.PlanError, match="share of the gradient of .* all-reduce of those "
+                       "shares has not completed"):
         check_plan(broken)
 
 
