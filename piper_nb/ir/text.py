@@ -89,7 +89,7 @@ from piper_nb.ir.filters import tags_text
 from piper_nb.ir.kinds import LETTER, P2P, SHORT, EdgeKind, Op, Purpose
 from piper_nb.ir.node import Edge, Node
 
-__all__ = ["dag_lines", "parse_dag_lines", "dag_meta_json", "instr_text", "wait_text",
+__all__ = ["dag_lines", "parse_dag_lines", "dag_meta_json", "instr_text", "wait_text", "TP_LABEL",
            "region_legend", "bucket_legend"]
 
 _FEEDS = re.compile(r"#b\d+\.(F|B|BI|BW)\d+$")     # a ZeRO-3 gather's node: the pass it feeds
@@ -127,6 +127,9 @@ def instr_text(ins: Any) -> str:
     if k == Op.FREE:
         return "free(" + ",".join(ins.keys) + ")"
     return k
+
+
+TP_LABEL = re.compile(r"r\d+:(?:AR|RS|AG)_[FB]\d*$")   # r1:AR_F0: a tensor-parallel collective
 
 
 def wait_text(target: Any) -> str:

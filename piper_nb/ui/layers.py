@@ -1,6 +1,7 @@
 """The Designer's Layers panel: the module tree with a tag editor per module.
 
-Each module is a row: a fold toggle, its name, class and parameter count, boxes for its
+Each module is a row: a fold toggle, its name, class and parameter count (and how the
+model's own tensor-parallel plan shards it: `· TP colwise`), boxes for its
 own PP and EP indices and for other tags (`TP=1, X=2`), and the tags it ends up with
 (inherited ones included). Children rows are built when their parent is first unfolded,
 so big models stay cheap. A toolbar cuts the model into N even stages by parameters or
@@ -17,6 +18,7 @@ import ipywidgets as W
 from torch import nn
 
 from piper_nb.capture.annotate import pipeline_units
+from piper_nb.capture.tp_plan import model_tp_plan, style_of
 from piper_nb.ui.fields import parse_index, parse_tag_parts, tags_text
 from piper_nb.ui.state import DesignerState, cut, effective_tags, set_tags
 from piper_nb.ui.widgets import set_class
@@ -57,8 +59,9 @@ class LayerRow:
         self.name = W.HTML(
             f"<div style='margin-left:{depth * 12}px; white-space:nowrap; overflow:hidden; "
             f"text-overflow:ellipsis' title='{html.escape(path)}: {type(mod).__name__}, "
-            f"{params:,} parameters'><b>{html.escape(name)}</b> <span class='pn-muted'>"
-            f"{type(mod).__name__} {_count(params)}</span></div>", layout=W.Layout(width=_NAME))
+            f"{params:,} parameters{panel.tp_note(path)}'><b>{html.escape(name)}</b> "
+            f"<span class='pn-muted'>{type(mod).__name__} {_count(params)}"
+            f"{panel.tp_badge(path)}</span></div>", layout=W.Layout(width=_NAME))
         self.pp = W.Text(placeholder="PP", layout=_BOX, continuous_update=False)
         self.ep = W.Text(placeholder="EP", layout=_BOX, continuous_update=False)
         self.other = W.Text(placeholder="tag=index", layout=W.Layout(width=_OTHER),
@@ -97,6 +100,11 @@ class LayerRow:
                                 else "<span class='pn-muted'>no tags</span>")
 
 
+def _style(plan: dict, path: str) -> str:
+    sharding = style_of(plan, path) if plan else None
+    return str(sharding.style) if sharding is not None else ""
+
+
 class LayersPanel:
     """The module tree plus the cut toolbar; `widget` is what the Designer shows."""
 
@@ -108,6 +116,7 @@ class LayersPanel:
             parent = path.rsplit(".", 1)[0] if "." in path else ""
             self.kids.setdefault(parent, []).append(path)
         self.rows: dict[str, LayerRow] = {}
+        self.tp_plan = model_tp_plan(self.model)   # what pn.tensor_parallel shards how
         most = max(len(self.kids.get("", [])) * 8, len(pipeline_units(self.model)), 2)
         self.cut_n = W.BoundedIntText(value=2, min=1, max=most,
                                       description="stages", layout=W.Layout(width="140px"))
@@ -141,6 +150,16 @@ class LayersPanel:
         finally:
             self.syncing = was
         return boxes
+
+    def tp_badge(self, path: str) -> str:
+        """` · TP colwise`: how the model's own tensor-parallel plan shards this module."""
+        style = _style(self.tp_plan, path)
+        return f" · TP {style}" if style else ""
+
+    def tp_note(self, path: str) -> str:
+        style = _style(self.tp_plan, path)
+        return (f"; pn.tensor_parallel shards it {style} (the model's own plan)"
+                if style else "")
 
     def fold(self, row: LayerRow) -> None:
         """Unfold (building the children the first time) or fold `row`."""

@@ -2,7 +2,8 @@
 and Trace -> Chrome trace JSON.
 
 Walk-then-draw (micrograd's `draw_dot`): `timeline_data` walks the trace into rows,
-bars (grouped by kind, so the legend is the pass / op kind) and memory curves;
+bars (grouped by kind, so the legend is the pass / op kind; a tensor-parallel collective,
+`r1:AR_F0`, is its own kind, "TP ALL_REDUCE") and memory curves;
 `draw_timeline` only renders them. Overlapped F&B slots (two compute events with the same
 span) are drawn as two half-height bars sharing the slot.
 
@@ -27,6 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from piper_nb.ir.kinds import Op
+from piper_nb.ir.text import TP_LABEL
 from piper_nb.trace import MEMORY_KINDS
 from piper_nb.viz.replicas import DeviceGroup, bar_marks, group_replicas
 from piper_nb.viz.units import bytes_scale, time_scale, time_text
@@ -37,6 +39,9 @@ __all__ = ["COLORS", "TimelineData", "timeline_data", "draw_timeline", "timeline
 COLORS = {Op.F: "#4C78A8", Op.B: "#F58518", Op.BI: "#E45756", Op.BW: "#72B7B2", Op.U: "#54A24B",
           Op.SEND: "#B279A2", Op.RECV: "#FF9DA6", Op.ALL_REDUCE: "#9D755D",
           Op.ALL_GATHER: "#8CD17D", Op.REDUCE_SCATTER: "#EECA3B", Op.ALL_TO_ALL: "#79706E"}
+TP = "TP "   # a tensor-parallel collective's legend entry: "TP ALL_REDUCE"
+COLORS |= {TP + k: c for k, c in (("ALL_REDUCE", "#D37295"), ("REDUCE_SCATTER", "#FABFD2"),
+                                   ("ALL_GATHER", "#B07AA1"))}
 MAX_DEVICES = 64       # rows of devices (or groups of replicas) drawn unless devices= says
 EXPAND_BARS = 6000     # a figure carries its every-device view up to this many bars
 
@@ -92,7 +97,8 @@ def _bars(trace, label: dict[int, str]) -> dict[str, list]:
         k = seen[span] if n > 1 else 0
         if n > 1:
             seen[span] += 1
-        bars[e.kind].append({"row": f"{label[e.device]} {e.stream}", "start": e.start,
+        kind = TP + e.kind if TP_LABEL.match(e.label) else e.kind
+        bars[kind].append({"row": f"{label[e.device]} {e.stream}", "start": e.start,
                              "duration": e.end - e.start, "label": e.label or e.kind,
                              "node": e.node, "mb": e.mb, "text": marks.text(e),
                              "words": marks.words(e),

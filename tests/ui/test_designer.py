@@ -188,6 +188,10 @@ def test_layer_tags_and_cut(designer):
     assert designer.problems and designer.problems[0].stage in ("compile", "directive")
     designer.layers.fold(designer.layers.rows["blocks.2"])     # unfold: children rows appear
     assert "PP=2" in designer.layers.rows["blocks.2.attn"].effective.value
+    designer.layers.fold(designer.layers.rows["blocks.2.attn"])
+    qkv = designer.layers.rows["blocks.2.attn.qkv"].name.value    # the model's own TP plan
+    assert "TP colwise" in qkv and "shards it colwise" in qkv
+    assert "TP " not in designer.layers.rows["blocks.2.ln1"].name.value
 
 
 def test_eager_views_draw_every_tab(gpt):

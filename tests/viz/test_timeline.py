@@ -35,6 +35,17 @@ def test_one_row_per_device_and_stream_and_a_memory_subplot():
     assert "%{customdata[0]}" in bars[0].hovertemplate        # the instruction's text
 
 
+def test_tensor_parallel_collectives_have_a_legend_entry_of_their_own():
+    model = pn.models.TinyGPT(layers=2)
+    plan = pn.compile(pn.annotate(model, {"": {"PP": 0}}),
+                      [pn.tensor_parallel({}, [0, 1]), pn.split({}, num=2)],
+                      model.example_batch(batch_size=4, seed=0))
+    data = timeline_data(simulate(plan, CostModel.uniform(comm=0.5)))
+    assert {b["label"] for b in data.bars["TP ALL_REDUCE"]} >= {"r1:AR_F0", "r1:AR_B1"}
+    assert all(b["row"].endswith(" tp") for b in data.bars["TP ALL_REDUCE"])
+    assert "ALL_REDUCE" not in data.bars      # nor among the data-parallel ones
+
+
 def test_overlapped_f_and_b_share_their_slot_as_half_bars():
     trace = trace_of(pn.schedules.dualpipev, 2, 4, 8)
     data = timeline_data(trace)
