@@ -101,6 +101,7 @@ def shard_capture(capture, requests: list[TPRequest], batch: dict):
     aliases = _canonical(capture.model)
     regions, modules, parts, degree = [], [], {}, {}
     params: dict[str, tuple[int, int, int]] = {}
+    local: dict[str, nn.Parameter] = {}   # device 0's shard of each sharded parameter
     partial, grad_sum = set(), set()
     names = {v for r in capture.regions for v in (*r.inputs, *r.outputs)}
     for info, gm in zip(capture.regions, capture.modules, strict=True):
@@ -114,13 +115,13 @@ def shard_capture(capture, requests: list[TPRequest], batch: dict):
         degree[info.index] = req.degree
         names |= {v for pinfo, _ in cut.parts for v in (*pinfo.inputs, *pinfo.outputs)}
         params.update(cut.params)
+        local.update(cut.local)
         partial |= cut.partial
         grad_sum |= cut.grad_sum
         for k, (pinfo, pgm) in enumerate(cut.parts):
             parts[len(regions)] = (info.index, k)
             regions.append(dataclasses.replace(pinfo, index=len(regions)))
             modules.append(pgm)
-    local = {n: _local_param(capture.model.get_parameter(n), *params[n]) for n in params}
     for gm in modules:
         _bind_local(gm, local, aliases)
     return _rebuilt(capture, regions, modules,
@@ -249,17 +250,19 @@ def _cut(gm0, info, req: TPRequest, recorded: tuple, names: set, aliases: dict,
             row.add(lin)
     status, level = levels(gm, col, row, info)
     grad_sum = route_aliases(gm, status, level, infos, set(params))
-    local = {f"model.{n}": _local_param(model.get_parameter(n), *params[n]) for n in params}
+    local = {n: _local_param(model.get_parameter(n), *params[n]) for n in params}
     before = set(gm.graph.nodes)
     localize(gm, args, {k: i.shape for k, i in infos.items()},
-             {n.name for n in gm.graph.nodes if status.get(n) in (S, P)}, req.degree, local,
-             f"region {info.name}")
+             {n.name for n in gm.graph.nodes if status.get(n) in (S, P)}, req.degree,
+             {f"model.{n}": p for n, p in local.items()}, f"region {info.name}")
     for n in gm.graph.nodes:   # what localize added (sizes divided, caches cut): its user's part
         if n not in before:
             user = next(iter(n.users))
             status[n], level[n] = status[user], level[user]
             infos[n.name] = Info(n.target is not operator.floordiv, False)
-    return build_parts(gm, info, status, level, infos, names, grad_sum, params, aliases)
+    return dataclasses.replace(
+        build_parts(gm, info, status, level, infos, names, grad_sum, params, aliases),
+        local=local)
 
 
 def _copy_graph(graph: fx.Graph) -> fx.Graph:

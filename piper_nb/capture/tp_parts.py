@@ -38,10 +38,15 @@ class Info:
 
 @dataclass
 class Cut:
+    """One sharded region cut into parts: (info, module) per part, each sharded
+    parameter's (dim, degree, blocks), the partial and gradient-summed values, and
+    device 0's shard of each sharded parameter."""
+
     parts: list
     params: dict
     partial: set
     grad_sum: set
+    local: dict = dataclasses.field(default_factory=dict)
 
 
 def levels(gm, col: set, row: set, info) -> tuple[dict, dict]:

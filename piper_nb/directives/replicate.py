@@ -295,10 +295,13 @@ def insert_grad_sync(dag: TrainingDAG, replicates: Directives, ctx: Context) -> 
                     edges.append(Edge(last_of[b.group], c.id, EdgeKind.TEMPORAL))
                 last_of[b.group] = c.id
         else:
-            for mb in sorted({p.mb for p in producers}, key=lambda m: -1 if m is None else m):
+            by_mb: dict = {}
+            for p in producers:
+                by_mb.setdefault(p.mb, []).append(p)
+            for mb in sorted(by_mb, key=lambda m: -1 if m is None else m):
                 tags = {**base, "MB": mb} if mb is not None else base
                 c = coll(Op.REDUCE_SCATTER, b, tags, "", b.reduce_stream, Purpose.GRAD)
-                edges += [Edge(p.id, c.id) for p in producers if p.mb == mb]
+                edges += [Edge(p.id, c.id) for p in by_mb[mb]]
                 edges += [Edge(c.id, u_of[r].id) for r in b.regions]
         if b.zero in (1, 2):
             g = coll(Op.ALL_GATHER, b, base, "", b.gather_stream, Purpose.PARAM)

@@ -36,6 +36,7 @@ def region_flops(plan) -> dict[int, float]:
     from piper_nb.capture.untouched import untouched
     out = {}
     home = next((p.device for p in plan.capture.model.parameters()), torch.device("cpu"))
+    seen: dict = {}
     with untouched(plan.capture.model), torch.no_grad():
         for r in range(len(plan.regions)):
             module = plan.capture.modules[r]
@@ -43,7 +44,61 @@ def region_flops(plan) -> dict[int, float]:
             # parts) runs where the model lives: on the meta device, shapes only
             device = next((p.device for p in module.parameters()), None) or home
             args = [a.to(device) for a in region_inputs(plan, r, device=device)]  # meta: meta
-            with flop_counter() as counter:
-                module(*args)
-            out[r] = float(counter.get_total_flops())
+            key = _signature(module, args)
+            if key not in seen:   # a model's repeated layers: counted once
+                with flop_counter() as counter:
+                    module(*args)
+                seen[key] = float(counter.get_total_flops())
+            out[r] = seen[key]
     return out
+
+
+def _signature(module, args) -> tuple | None:
+    """What a region's FLOPs depend on: its graph's ops with their constant arguments, the
+    classes, settings and parameter shapes of the modules it calls, and its inputs' shapes
+    and dtypes. Two regions with one signature (a model's repeated layers) count alike;
+    None (never equal) for a module that is no graph."""
+    graph = getattr(module, "graph", None)
+    if graph is None:
+        return None
+    index = {n: i for i, n in enumerate(graph.nodes)}
+
+    def const(a):
+        if isinstance(a, torch.fx.Node):
+            return ("node", index[a])
+        if isinstance(a, (list, tuple)):
+            return tuple(const(x) for x in a)
+        if isinstance(a, dict):
+            return tuple((k, const(v)) for k, v in a.items())
+        if isinstance(a, torch.Tensor):
+            return ("tensor", tuple(a.shape), str(a.dtype))
+        return repr(a)
+
+    ops = []
+    for n in graph.nodes:
+        if n.op == "get_attr":
+            t = _attr(module, str(n.target))
+            what = (tuple(t.shape), str(t.dtype)) if isinstance(t, torch.Tensor) else repr(t)
+        elif n.op == "call_module":
+            sub = module.get_submodule(str(n.target))
+            what = tuple((type(m).__qualname__, repr(m), _settings(m),
+                          tuple((k, tuple(p.shape), str(p.dtype))
+                                for k, p in m.named_parameters(recurse=False)))
+                         for _, m in sub.named_modules())
+        elif n.op in ("call_function", "call_method"):
+            what = n.target   # the op itself: a closure made per layer never matches another
+        else:
+            what = None
+        ops.append((n.op, what, const(n.args), const(n.kwargs)))
+    return (tuple(ops), tuple((tuple(a.shape), str(a.dtype)) for a in args))
+
+
+def _attr(module, target: str):
+    for part in target.split("."):
+        module = getattr(module, part)
+    return module
+
+
+def _settings(m) -> tuple:
+    return tuple(sorted((k, v) for k, v in vars(m).items()
+                        if not k.startswith("_") and isinstance(v, (int, float, bool, str))))
