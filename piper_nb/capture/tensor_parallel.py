@@ -1,6 +1,7 @@
 """Tensor parallelism on a captured model: each sharded region cut into *parts* between its
-collectives, and its linear layers' weights into per-device shards (Megatron's f and g,
-found in the graph of the model as the user has it).
+collectives, and its linear layers' (and `vocab` embeddings', `capture.tp_vocab`) weights
+into per-device shards (Megatron's f and g, found in the graph of the model as the user
+has it).
 
 In a sharded region every op gets a status: *sharded* (it reads a colwise layer's output:
 each device computes its own share, attention on its own heads), *partial* (a rowwise
@@ -33,9 +34,20 @@ import torch.fx as fx
 import torch.nn.functional as F
 from torch import nn
 
-from piper_nb.capture.tp_parts import PART, Cut, Info, P, S, build_parts, levels, route_aliases
+from piper_nb.capture.tp_parts import (
+    PART,
+    Cut,
+    Info,
+    P,
+    S,
+    build_parts,
+    close_partials,
+    levels,
+    route_aliases,
+)
 from piper_nb.capture.tp_plan import Sharding, Style, style_of
 from piper_nb.capture.tp_shapes import localize
+from piper_nb.capture.tp_vocab import EMBEDDING, vocab_embedding
 from piper_nb.capture.untouched import untouched
 from piper_nb.errors import PlanError
 from piper_nb.ir.filters import matches, tags_text
@@ -185,20 +197,38 @@ class _Recorder(fx.Interpreter):
 
 
 def _linears(gm: fx.GraphModule, plan: Mapping[str, str]) -> list[tuple[fx.Node, str, Sharding]]:
+    """The linear layers and embeddings the plan shards: (node, module path, sharding)."""
     found = []
     for n in gm.graph.nodes:
-        path = None
-        if n.op == "call_module" and isinstance(gm.get_submodule(str(n.target)), nn.Linear):
-            path = str(n.target)
-        elif n.op == "call_function" and n.target in (_LINEAR, F.linear):
-            w = n.args[1] if len(n.args) > 1 else None
-            if isinstance(w, fx.Node) and w.op == "get_attr" and str(w.target).endswith(".weight"):
-                path = str(w.target)[:-len(".weight")]
-        if path is not None:
-            sharding = style_of(plan, path.removeprefix("model."))
-            if sharding is not None and sharding.style != Style.REPLICATE:
-                found.append((n, path, sharding))
+        path, embedding = _layer(gm, n)
+        if path is None:
+            continue
+        sharding = style_of(plan, path.removeprefix("model."))
+        if sharding is None or sharding.style == Style.REPLICATE:
+            continue
+        if embedding != (sharding.style == Style.VOCAB):
+            what = "an embedding" if embedding else "a linear layer"
+            styles = "vocab or replicate" if embedding else "colwise, rowwise or replicate"
+            raise PlanError(f"tensor_parallel: {path.removeprefix('model.')} is {what}, which "
+                            f"takes {styles}, not {sharding.style}")
+        found.append((n, path, sharding))
     return found
+
+
+def _layer(gm: fx.GraphModule, n: fx.Node) -> tuple[str | None, bool]:
+    """(module path, is an embedding) of a linear layer or embedding op, else (None, False)."""
+    if n.op == "call_module":
+        mod = gm.get_submodule(str(n.target))
+        if isinstance(mod, (nn.Linear, nn.Embedding)):
+            return str(n.target), isinstance(mod, nn.Embedding)
+        return None, False
+    if n.op != "call_function" or n.target not in (_LINEAR, F.linear, EMBEDDING, F.embedding):
+        return None, False
+    embedding = n.target in (EMBEDDING, F.embedding)
+    w = n.args[0 if n.target == EMBEDDING else 1] if len(n.args) > 1 else None
+    if isinstance(w, fx.Node) and w.op == "get_attr" and str(w.target).endswith(".weight"):
+        return str(w.target)[:-len(".weight")], embedding
+    return None, False
 
 
 def _normalize(gm, n: fx.Node, path: str, style: Style, infos: dict) -> tuple[fx.Node, str, str]:
@@ -238,6 +268,13 @@ def _cut(gm0, info, req: TPRequest, recorded: tuple, names: set, aliases: dict,
     found = [(m, p, s) for (n, p, s) in found for m in gm.graph.nodes if m.name == n.name]
     col, row, params = set(), set(), {}
     for n, path, sh in found:
+        if sh.style == Style.VOCAB:
+            look, out, weight = vocab_embedding(gm, n, path, gm0, req.degree, infos)
+            params[aliases.get(weight.removeprefix("model."), weight.removeprefix("model."))] = \
+                _split(gm0.get_parameter(weight), sh, req.degree, path, info)
+            col.add(look)
+            row.add(out)
+            continue
         lin, weight, bias = _normalize(gm, n, path, sh.style, infos)
         params[aliases.get(weight.removeprefix("model."), weight.removeprefix("model."))] = \
             _split(gm0.get_parameter(weight), sh, req.degree, path, info)
@@ -248,7 +285,9 @@ def _cut(gm0, info, req: TPRequest, recorded: tuple, names: set, aliases: dict,
                     (0, req.degree, sh.blocks)
         else:
             row.add(lin)
+    _check_tied(params, aliases, req.plan, info)
     status, level = levels(gm, col, row, info)
+    close_partials(gm, status, level, infos)
     grad_sum = route_aliases(gm, status, level, infos, set(params))
     local = {n: _local_param(model.get_parameter(n), *params[n]) for n in params}
     before = set(gm.graph.nodes)
@@ -272,8 +311,22 @@ def _copy_graph(graph: fx.Graph) -> fx.Graph:
     return g
 
 
+def _check_tied(params: dict, aliases: dict, plan: Mapping[str, str], info) -> None:
+    """A sharded weight tied to a module the plan does not shard alike: PlanError."""
+    for alias, p in aliases.items():
+        if p in params and alias != p:
+            mine, other = (style_of(plan, n.rsplit(".", 1)[0]) for n in (p, alias))
+            if mine != other:
+                def said(sh):
+                    return str(sh.style) if sh else "kept whole"
+                raise PlanError(
+                    f"tensor_parallel: {p} ({said(mine)}) is tied to {alias} ({said(other)}) "
+                    f"in region {info.name}; shard both alike, or untie them (a "
+                    "vocabulary-parallel LM head is not there yet: keep a tied embedding whole)")
+
+
 def _split(w: torch.Tensor, sh: Sharding, degree: int, path: str, info) -> tuple:
-    dim = 0 if sh.style == Style.COLWISE else 1
+    dim = 0 if sh.style in (Style.COLWISE, Style.VOCAB) else 1
     size = w.shape[dim]
     if size % (degree * sh.blocks):
         what = "output" if dim == 0 else "input"

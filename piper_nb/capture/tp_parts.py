@@ -2,6 +2,7 @@
 `capture.tensor_parallel`, whose docstring says what the statuses and parts are).
 
 `levels` gives every op its status (replicated, sharded, partial) and part number;
+`close_partials` sums a partial value the region returns before it leaves;
 `route_aliases` gives each replicated value that needs a gradient inside a sharded part
 an alias of its own in the part before (its gradient is then all-reduced); `build_parts`
 cuts the graph into one GraphModule and `RegionInfo` per part, named values crossing
@@ -20,7 +21,8 @@ from piper_nb.capture.region_code import region_module
 from piper_nb.errors import PlanError
 from piper_nb.ir.filters import freeze_tags
 
-__all__ = ["PART", "R", "S", "P", "Info", "Cut", "levels", "route_aliases", "build_parts"]
+__all__ = ["PART", "R", "S", "P", "Info", "Cut", "levels", "close_partials", "route_aliases",
+           "build_parts"]
 
 PART = "PART"
 R, S, P = "replicated", "sharded", "partial"
@@ -93,6 +95,22 @@ def levels(gm, col: set, row: set, info) -> tuple[dict, dict]:
         users = [level[u] for u in n.users if u in level]
         status[n], level[n] = R, min(users, default=0)
     return status, level
+
+
+def close_partials(gm, status: dict, level: dict, infos: dict) -> None:
+    """A partial value the region returns (it ends at a rowwise layer, or a vocab
+    embedding is a stage of its own) goes out through an alias in a replicated part after
+    its sharded one, so the all-reduce completes it before anything outside reads it."""
+    g = gm.graph
+    out = next(n for n in g.nodes if n.op == "output")
+    for a in list(dict.fromkeys(out.all_input_nodes)):
+        if status.get(a) != P:
+            continue
+        with g.inserting_before(out):
+            al = g.call_function(_ALIAS, (a,))
+        status[al], level[al] = R, level[a] + 1
+        infos[al.name] = infos.get(a.name, Info(True, True))
+        out.replace_input_with(a, al)
 
 
 def _fail(n: fx.Node, info, why: str):

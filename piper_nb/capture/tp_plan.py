@@ -12,12 +12,15 @@ component), so the base model's plan (`layers.*.mlp.up_proj`) matches the full p
   so every device holds its share of each.
 - `rowwise`: the input features are cut (the weight's columns); the device's partial
   outputs are summed by an all-reduce, and the bias is added once, after it.
+- `vocab`: an embedding's vocabulary is cut (the weight's rows): each device looks up the
+  tokens in its range, zeros for the others, and the devices' lookups are summed by an
+  all-reduce (Megatron's vocabulary-parallel embedding).
 - `replicate`: the weights are kept whole on every device.
 
 Hugging Face's other spellings read as one of these: `colwise_rep`, `local_colwise` and
-`packed_colwise` as `colwise`, `local_rowwise` and `rowwise_rep` as `rowwise`, and the
-vocabulary styles (`embedding_rowwise`, `colwise_gather_output`, `vocab`) keep the embedding
-and the LM head whole for now (`replicate`), which trains the same and holds them unsharded.
+`packed_colwise` as `colwise`, `local_rowwise` and `rowwise_rep` as `rowwise`,
+`embedding_rowwise` as `vocab`; the LM head's `colwise_gather_output` keeps it whole for
+now (`replicate`), which trains the same and holds it unsharded.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ __all__ = ["Style", "Sharding", "parse_style", "model_tp_plan", "style_of", "che
 class Style(StrEnum):
     COLWISE = "colwise"
     ROWWISE = "rowwise"
+    VOCAB = "vocab"
     REPLICATE = "replicate"
 
     def __str__(self) -> str:
@@ -53,8 +57,8 @@ class Sharding:
 
 _ALIASES = {"colwise_rep": Style.COLWISE, "local_colwise": Style.COLWISE,
             "packed_colwise": Style.COLWISE, "local_rowwise": Style.ROWWISE,
-            "rowwise_rep": Style.ROWWISE, "embedding_rowwise": Style.REPLICATE,
-            "colwise_gather_output": Style.REPLICATE, "vocab": Style.REPLICATE,
+            "rowwise_rep": Style.ROWWISE, "embedding_rowwise": Style.VOCAB,
+            "colwise_gather_output": Style.REPLICATE,
             "local_replicate": Style.REPLICATE, "replicated_with_grad_allreduce": Style.REPLICATE,
             "sequence_parallel": Style.REPLICATE, "isolated": Style.REPLICATE,
             "local": Style.REPLICATE, "gather": Style.REPLICATE,
@@ -72,7 +76,7 @@ def parse_style(text: str, where: str = "tensor_parallel") -> Sharding:
         style = Style(name)
     except ValueError:
         raise PlanError(f"{where}: unknown style {text!r}; use colwise, colwise:<blocks>, "
-                        "rowwise or replicate") from None
+                        "rowwise, vocab or replicate") from None
     if not blocks:
         return Sharding(style)
     if style != Style.COLWISE or not blocks.isdigit() or int(blocks) < 1:

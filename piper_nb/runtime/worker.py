@@ -18,6 +18,7 @@ import os
 
 import torch
 
+from piper_nb.capture.tp_vocab import TP_RANK
 from piper_nb.ir.kinds import P2P, PASSES, Held, Memory, Op, Purpose
 from piper_nb.ir.loss_outputs import COUNT, metric_name
 from piper_nb.optim import check_optimizer
@@ -70,6 +71,9 @@ class Worker(ComputePasses, Transfers):
         self.modules = {}
         for r in regions:
             mod = to_device(bundle.modules[r], device)
+            rank_of = getattr(mod, TP_RANK, None)   # a vocabulary-parallel part's own range
+            if isinstance(rank_of, torch.Tensor):
+                rank_of.fill_(self.tp_rank)
             bind_params(mod, self.store.params, bundle.aliases)
             self.modules[r] = mod   # each module in the mode the user left it (eval, train)
         self.buffers = Buffers(plan, self.modules, self.instrs)

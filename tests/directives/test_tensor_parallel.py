@@ -30,7 +30,9 @@ def compile_tp(model, program, ann=ONE, **kw):
 
 
 def test_a_block_becomes_parts_with_an_all_reduce_each_way_between_them():
-    plan = compile_tp(llama(layers=1), [pn.tensor_parallel({}, [0, 1]), pn.split({}, num=2)])
+    blocks = {k: v for k, v in pn.models.Llama.tp_plan.items() if k != "embed"}
+    plan = compile_tp(llama(layers=1), [pn.tensor_parallel({}, [0, 1], plan=blocks),
+                                        pn.split({}, num=2)])
     # embed + norm | q k v attention o | residual + norm | gate up down | residual + head
     assert [dict(r.tags)["PART"] for r in plan.regions] == [0, 1, 2, 3, 4]
     text = plan[0].text()
@@ -104,7 +106,7 @@ def test_the_simulator_times_the_collectives_and_the_memory_model_divides_weight
     def peak(t):
         return max(s.params for s in t.memory if s.device == 0)
     ratio = peak(trace) / peak(full)
-    assert 0.5 < ratio < 0.75   # the projections halve; embeddings, norms and head stay
+    assert 0.5 < ratio < 0.75   # the projections and the embedding halve; norms, head stay
 
 
 @pytest.mark.parametrize("kw, degree, match", [
@@ -114,6 +116,37 @@ def test_the_simulator_times_the_collectives_and_the_memory_model_divides_weight
 def test_a_degree_that_cannot_divide_names_the_module_and_the_sizes(kw, degree, match):
     with pytest.raises(pn.PlanError, match=match):
         compile_tp(llama(**kw), [pn.tensor_parallel({}, list(range(degree)))])
+
+
+def test_a_vocab_parallel_embedding_is_a_sharded_part_summed_by_an_all_reduce():
+    model = llama(layers=1)
+    plan = compile_tp(model, [pn.tensor_parallel({}, [0, 1])])   # the model's own plan
+    assert plan.params["embed.weight"][0] == (16, 32)
+    # ids and the range mask | the lookup | norm | attention | norm | MLP | head
+    assert [dict(r.tags)["PART"] for r in plan.regions] == list(range(7))
+    assert plan[0].text()[:3] == ["r0:F", "r1:F", "r1:AR_F"]
+
+
+def test_a_partial_sum_the_region_returns_is_summed_before_it_is_sent():
+    model = llama()   # four stages: the embedding is one of its own, returning a partial sum
+    plan = compile_tp(model, [pn.place({"PP": s}, [2 * (s % 2)]) for s in range(4)]
+                      + [pn.tensor_parallel({"PP": "*"}, [[0, 1], [2, 3]])],
+                      ann=pn.cut_stages(model, 4))
+    assert [r.name for r in plan.regions][:3] == ["PP=0,PART=0", "PP=0,PART=1", "PP=0,PART=2"]
+    text = plan[0].text()
+    assert text.index("r1:AR_F") < text.index("r2:F") < text.index("r2:SEND_F>2")
+
+
+@pytest.mark.parametrize("model, plan, match", [
+    (llama(vocab=33), {"embed": "vocab"}, "embed \\(vocab\\) has 33 rows, which 2 devices"),
+    (pn.models.TinyGPT(vocab=32, dim=32, layers=1, heads=4, seq=8), {"tok": "vocab"},
+     "tok.weight \\(vocab\\) is tied to head.proj.weight \\(kept whole\\)"),
+    (llama(), {"embed": "colwise"}, "embed is an embedding, which takes vocab or replicate"),
+    (llama(), {"blocks.*.mlp.up": "vocab"}, "is a linear layer, which takes colwise"),
+])
+def test_what_a_vocab_parallel_embedding_cannot_be(model, plan, match):
+    with pytest.raises(pn.PlanError, match=match):
+        compile_tp(model, [pn.tensor_parallel({}, [0, 1], plan=plan)])
 
 
 def test_a_model_without_a_plan_is_told_how_to_give_one():

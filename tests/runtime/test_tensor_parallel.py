@@ -1,7 +1,8 @@
 """Tensor parallelism trains exactly like one process: the composition table of the
 tensor-parallel issue (TP 2 and 4 alone, PP 2 x TP 2 under 1F1B and DualPipeV, TP 2 x DP 2
 under ZeRO 1, 2 and 3, PP 2 x TP 2 x DP 2 on 8 workers, TP with EP on a mixture of
-experts, with recompute, bf16, clipping and torch.optim parameter groups), then Llama,
+experts, with recompute, bf16, clipping and torch.optim parameter groups, a vocabulary-
+parallel embedding, with and without a padding row), then Llama,
 Qwen3, Mixtral and Qwen3-MoE from transformers on their own TP plans, each against
 `pn.reference_train` and a plain PyTorch loop written here. fp32, rtol 1e-5: a rowwise
 layer's all-reduce sums partial products in another order than one matmul does, which
@@ -16,6 +17,7 @@ import pytest
 import torch
 
 import piper_nb as pn
+from piper_nb.capture.tp_plan import model_tp_plan
 from piper_nb.cluster.local import LocalCluster
 from piper_nb.strategies import moe_annotation
 
@@ -65,9 +67,10 @@ def test_tp2_alone_shards_every_linear_and_trains_like_one_process(cluster2):
     assert q == (16, 32)                     # half the output features on each device
     assert plan.params["blocks.0.attn.o.weight"][0] == (32, 16)   # half the inputs
     assert plan.tp_groups == ((0, 1),)
-    # per block: the all-reduce after attention and after the MLP, each way
+    # per microbatch: the embedding's all-reduce, then per block the one after attention
+    # and the one after the MLP
     fwd = [i for i in plan[1].instrs if i.purpose == pn.Purpose.TP and not i.grad]
-    assert len(fwd) == 2 * 2 * 2 and all(i.group == (0, 1) for i in fwd)
+    assert len(fwd) == 2 * (1 + 2 * 2) and all(i.group == (0, 1) for i in fwd)
 
 
 def test_tp4_alone_on_tinygpt_with_its_fused_qkv(cluster4):
@@ -151,6 +154,42 @@ def test_tp2_bf16(cluster2):
     result = pn.train(plan, batch, 3, SGD, cluster=cluster2)
     ref = pn.reference_train(model, batch, 3, 2, SGD, precision="bf16")
     _same(result, ref, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("layout", ["tp2", "pp2-tp2"])
+def test_vocab_parallel_embedding(request, layout):
+    model = llama()   # pn.models.Llama's own plan shards its embedding's vocabulary
+    if layout == "tp2":
+        ann, cluster = ONE, request.getfixturevalue("cluster2")
+        program = [pn.tensor_parallel({}, [0, 1]), pn.split({}, num=2)]
+    else:
+        ann, cluster = pn.cut_stages(model, 2), request.getfixturevalue("cluster4")
+        program = [pn.place({"PP": 0}, [0]), pn.place({"PP": 1}, [2]),
+                   pn.tensor_parallel({"PP": "*"}, [[0, 1], [2, 3]]), *S.one_f_one_b(2, 4)]
+    plan, result, ref = _train(model, ann, program, cluster)
+    _same(result, ref)
+    assert plan.params["embed.weight"][0] == (16, 32)    # half the vocabulary's rows
+    assert plan.tp_params["embed.weight"] == (0, 2, 1)
+
+
+def test_vocab_parallel_embedding_keeps_the_padding_row_out_of_training(cluster2):
+    transformers = pytest.importorskip("transformers")
+    model = _hf(transformers, "llama")
+    assert model.model.embed_tokens.padding_idx == 0
+    ids = torch.randint(0, 32, (8, 8), generator=torch.Generator().manual_seed(1))
+    ids[:, :2] = 0   # padding tokens: they look up row 0, which gets no gradient
+    batch = {"input_ids": ids, "labels": ids}
+    plan_map = {**model_tp_plan(model), "model.embed_tokens": "embedding_rowwise"}
+    plan = pn.compile(pn.annotate(model, ONE), [pn.tensor_parallel({}, [0, 1], plan=plan_map),
+                                                pn.split({}, num=2)], batch)
+    assert plan.tp_params["model.embed_tokens.weight"] == (0, 2, 1)
+    result = pn.train(plan, batch, 2, SGD, cluster=cluster2)
+    _same(result, pn.reference_train(model, batch, 2, 2, SGD))
+    losses, state = plain_loop(model, [batch] * 2, 2, 0.1)
+    torch.testing.assert_close(torch.tensor(result.losses), torch.tensor(losses),
+                               rtol=RTOL, atol=ATOL)
+    torch.testing.assert_close(result.state_dict()["model.embed_tokens.weight"],
+                               state["model.embed_tokens.weight"], rtol=RTOL, atol=ATOL)
 
 
 def _hf(transformers, family: str):
