@@ -47,7 +47,7 @@ from piper_nb.capture.tp_parts import (
 )
 from piper_nb.capture.tp_plan import Sharding, Style, style_of
 from piper_nb.capture.tp_shapes import localize
-from piper_nb.capture.tp_vocab import EMBEDDING, vocab_embedding
+from piper_nb.capture.tp_vocab import EMBEDDING, gathered_output, vocab_embedding
 from piper_nb.capture.untouched import untouched
 from piper_nb.errors import PlanError
 from piper_nb.ir.filters import matches, tags_text
@@ -280,6 +280,8 @@ def _cut(gm0, info, req: TPRequest, recorded: tuple, names: set, aliases: dict,
             _split(gm0.get_parameter(weight), sh, req.degree, path, info)
         if sh.style == Style.COLWISE:
             col.add(lin)
+            if sh.gather:
+                row.add(gathered_output(gm, lin, req.degree, infos))
             if bias:
                 params[aliases.get(bias.removeprefix("model."), bias.removeprefix("model."))] = \
                     (0, req.degree, sh.blocks)
@@ -288,7 +290,9 @@ def _cut(gm0, info, req: TPRequest, recorded: tuple, names: set, aliases: dict,
     _check_tied(params, aliases, req.plan, info)
     status, level = levels(gm, col, row, info)
     close_partials(gm, status, level, infos)
-    grad_sum = route_aliases(gm, status, level, infos, set(params))
+    # a sharded weight by any of its names (a tied LM head's is the embedding's)
+    sharded = set(params) | {n for n, p in aliases.items() if p in params}
+    grad_sum = route_aliases(gm, status, level, infos, sharded)
     local = {n: _local_param(model.get_parameter(n), *params[n]) for n in params}
     before = set(gm.graph.nodes)
     localize(gm, args, {k: i.shape for k, i in infos.items()},
@@ -313,16 +317,23 @@ def _copy_graph(graph: fx.Graph) -> fx.Graph:
 
 def _check_tied(params: dict, aliases: dict, plan: Mapping[str, str], info) -> None:
     """A sharded weight tied to a module the plan does not shard alike: PlanError."""
+    def cut(sh):   # the weight's dimension and blocks a style cuts, None for whole
+        if sh is None or sh.style == Style.REPLICATE:
+            return None
+        return (1 if sh.style == Style.ROWWISE else 0, sh.blocks)
+
+    def said(sh):
+        return "kept whole" if sh is None else "colwise_gather_output" if sh.gather \
+            else str(sh.style)
+
     for alias, p in aliases.items():
         if p in params and alias != p:
             mine, other = (style_of(plan, n.rsplit(".", 1)[0]) for n in (p, alias))
-            if mine != other:
-                def said(sh):
-                    return str(sh.style) if sh else "kept whole"
+            if cut(mine) != cut(other):
                 raise PlanError(
                     f"tensor_parallel: {p} ({said(mine)}) is tied to {alias} ({said(other)}) "
-                    f"in region {info.name}; shard both alike, or untie them (a "
-                    "vocabulary-parallel LM head is not there yet: keep a tied embedding whole)")
+                    f"in region {info.name}; cut both alike (a tied embedding and LM head: "
+                    "vocab and colwise_gather_output), or untie them")
 
 
 def _split(w: torch.Tensor, sh: Sharding, degree: int, path: str, info) -> tuple:

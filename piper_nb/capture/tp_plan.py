@@ -19,8 +19,9 @@ component), so the base model's plan (`layers.*.mlp.up_proj`) matches the full p
 
 Hugging Face's other spellings read as one of these: `colwise_rep`, `local_colwise` and
 `packed_colwise` as `colwise`, `local_rowwise` and `rowwise_rep` as `rowwise`,
-`embedding_rowwise` as `vocab`; the LM head's `colwise_gather_output` keeps it whole for
-now (`replicate`), which trains the same and holds it unsharded.
+`embedding_rowwise` as `vocab`, and the LM head's `colwise_gather_output` as `colwise`
+with its output gathered (each device's share of the logits written into its columns of
+zeros and all-reduced: whole logits on every device, for the loss as the model wrote it).
 """
 
 from __future__ import annotations
@@ -49,16 +50,17 @@ class Style(StrEnum):
 
 @dataclass(frozen=True)
 class Sharding:
-    """How one linear layer is cut: its style and, for `colwise:n`, the stacked blocks."""
+    """How one linear layer is cut: its style, for `colwise:n` the stacked blocks, and for
+    Hugging Face's `colwise_gather_output` (an LM head) whether its output is gathered."""
 
     style: Style
     blocks: int = 1
+    gather: bool = False
 
 
 _ALIASES = {"colwise_rep": Style.COLWISE, "local_colwise": Style.COLWISE,
             "packed_colwise": Style.COLWISE, "local_rowwise": Style.ROWWISE,
             "rowwise_rep": Style.ROWWISE, "embedding_rowwise": Style.VOCAB,
-            "colwise_gather_output": Style.REPLICATE,
             "local_replicate": Style.REPLICATE, "replicated_with_grad_allreduce": Style.REPLICATE,
             "sequence_parallel": Style.REPLICATE, "isolated": Style.REPLICATE,
             "local": Style.REPLICATE, "gather": Style.REPLICATE,
@@ -70,6 +72,8 @@ def parse_style(text: str, where: str = "tensor_parallel") -> Sharding:
     if not isinstance(text, str):
         raise PlanError(f"{where}: a style is a string such as 'colwise', got {text!r}")
     name, _, blocks = text.partition(":")
+    if name == "colwise_gather_output":
+        return Sharding(Style.COLWISE, gather=True)
     if name in _ALIASES:
         return Sharding(_ALIASES[name])
     try:

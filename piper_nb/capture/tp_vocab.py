@@ -1,5 +1,6 @@
 """The vocabulary-parallel embedding (the `vocab` style of `capture.tp_plan`): an
-embedding rewritten, in a sharded region's graph, as one device's share of it.
+embedding rewritten, in a sharded region's graph, as one device's share of it; and the
+gathered output of a colwise LM head (`colwise_gather_output`).
 
 Each device holds `vocab / degree` rows of the weight (rows `rank * share` onward, cut by
 `tensor_parallel.local_shard` like any sharded weight). It looks up the tokens in its range
@@ -8,6 +9,11 @@ forward all-reduce after the part completes: every token's row comes from the on
 that holds it, plus zeros, exactly. The rank is a buffer of the part (`TP_RANK`, 0 in the
 capture), which each worker sets to its own (`runtime.worker`). A padding index keeps its
 row's value and gets no gradient, as in `nn.Embedding`.
+
+A gathered colwise output is each device's share of the columns placed at its own offset
+in zeros (multiplied by 1 there and by 0 elsewhere, which is exact), so the same
+all-reduce makes the whole output on every device; its backward is each device's
+columns of the whole gradient.
 """
 
 from __future__ import annotations
@@ -19,7 +25,7 @@ import torch.nn.functional as F
 from piper_nb.capture.tp_parts import Info
 from piper_nb.errors import PlanError
 
-__all__ = ["TP_RANK", "EMBEDDING", "vocab_embedding"]
+__all__ = ["TP_RANK", "EMBEDDING", "vocab_embedding", "gathered_output"]
 
 TP_RANK = "_pn_tp_rank"   # a part's own tensor-parallel rank, set by each worker
 EMBEDDING = torch.ops.aten.embedding.default
@@ -88,4 +94,28 @@ def _between(a: fx.Node, b: fx.Node) -> list[fx.Node]:
         if m.op != "get_attr":
             out.append(m)
         m = m.next
+    return out
+
+
+def gathered_output(gm, lin: fx.Node, degree: int, infos: dict) -> fx.Node:
+    """After colwise layer `lin` (a device's share of the columns), its share placed in the
+    whole width (see the module docstring): -> the node whose all-reduce is the whole
+    output, which the cut treats as a rowwise layer's."""
+    g, A = gm.graph, torch.ops.aten
+    if not hasattr(gm, TP_RANK):
+        gm.register_buffer(TP_RANK, torch.tensor(0))
+    users = list(lin.users)
+    with g.inserting_before(lin.next):   # in the order made
+        rank = g.get_attr(TP_RANK)
+        marks = [g.call_function(A.eq.Scalar, (rank, j)) for j in range(degree)]
+        pieces = [g.call_function(A.mul.Tensor, (lin, m)) for m in marks]
+        whole = g.call_function(A.cat.default, (pieces, -1))
+        out = g.call_function(A.alias.default, (whole,))
+    for u in users:
+        u.replace_input_with(lin, out)
+    share = infos.get(lin.name, Info(True, True))
+    for m in (*pieces, whole, out):
+        infos[m.name] = Info(True, share.grad)
+    for m in marks:
+        infos[m.name] = Info(True, False)
     return out

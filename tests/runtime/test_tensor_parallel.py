@@ -2,7 +2,7 @@
 tensor-parallel issue (TP 2 and 4 alone, PP 2 x TP 2 under 1F1B and DualPipeV, TP 2 x DP 2
 under ZeRO 1, 2 and 3, PP 2 x TP 2 x DP 2 on 8 workers, TP with EP on a mixture of
 experts, with recompute, bf16, clipping and torch.optim parameter groups, a vocabulary-
-parallel embedding, with and without a padding row), then Llama,
+parallel embedding, with and without a padding row, tied to a gathered LM head), then Llama,
 Qwen3, Mixtral and Qwen3-MoE from transformers on their own TP plans, each against
 `pn.reference_train` and a plain PyTorch loop written here. fp32, rtol 1e-5: a rowwise
 layer's all-reduce sums partial products in another order than one matmul does, which
@@ -192,6 +192,15 @@ def test_vocab_parallel_embedding_keeps_the_padding_row_out_of_training(cluster2
                                state["model.embed_tokens.weight"], rtol=RTOL, atol=ATOL)
 
 
+def test_a_tied_embedding_and_lm_head_cut_by_vocabulary(cluster2):
+    model = pn.models.TinyGPT(vocab=32, dim=32, layers=2, heads=4, seq=8)   # tied weights
+    plan_map = {**model.tp_plan, "tok": "vocab", "head.proj": "colwise_gather_output"}
+    plan, result, ref = _train(model, ONE, [pn.tensor_parallel({}, [0, 1], plan=plan_map),
+                                            pn.split({}, num=2)], cluster2)
+    _same(result, ref)
+    assert plan.tp_params["embed.tok.weight"] == (0, 2, 1)   # one weight, one cut
+
+
 def _hf(transformers, family: str):
     common = dict(vocab_size=32, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, pad_token_id=0, bos_token_id=1,
@@ -225,7 +234,8 @@ def test_transformers_models_on_their_own_tp_plans(request, family, layout):
                    pn.tensor_parallel({"PP": 0}, [0, 1]), pn.tensor_parallel({"PP": 1}, [2, 3]),
                    *S.one_f_one_b(2, 2)]
     plan = pn.compile(pn.annotate(model, ann), program, batch)
-    assert plan.tp_params   # the model's own plan sharded its projections
+    # the model's own plan sharded its projections, and its LM head (colwise_gather_output)
+    assert "lm_head.weight" in plan.tp_params and len(plan.tp_params) > 1
     result = pn.train(plan, batch, 2, SGD, cluster=cluster)
     _same(result, pn.reference_train(model, batch, 2, 2, SGD))
     losses, state = plain_loop(model, [batch] * 2, 2, 0.1)
