@@ -34,6 +34,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 from torch import nn
 
+from piper_nb.capture.tp_checks import check_heads, check_readers, check_tied
 from piper_nb.capture.tp_parts import (
     PART,
     Cut,
@@ -50,15 +51,12 @@ from piper_nb.capture.tp_shapes import localize
 from piper_nb.capture.tp_vocab import EMBEDDING, gathered_output, vocab_embedding
 from piper_nb.capture.untouched import untouched
 from piper_nb.errors import PlanError
-from piper_nb.ir.filters import matches, tags_text
+from piper_nb.ir.filters import matches
 
 __all__ = ["PART", "TPRequest", "TPLayout", "shard_capture", "local_shard", "join_shards"]
 
 _LINEAR = torch.ops.aten.linear.default
 _ADD = torch.ops.aten.add.Tensor
-_HEADS = ("heads", "kv_heads", "num_heads", "n_heads", "num_attention_heads",
-          "num_key_value_heads", "n_head")
-
 
 @dataclass(frozen=True)
 class TPRequest:
@@ -108,7 +106,7 @@ def shard_capture(capture, requests: list[TPRequest], batch: dict):
     chosen = _choose(capture, requests)
     if not chosen:
         return capture
-    _check_heads(capture.model, chosen, capture.regions)
+    check_heads(capture.model, chosen, capture.regions)
     infos = _node_infos(capture, set(chosen), batch)
     aliases = _canonical(capture.model)
     regions, modules, parts, degree = [], [], {}, {}
@@ -116,10 +114,12 @@ def shard_capture(capture, requests: list[TPRequest], batch: dict):
     local: dict[str, nn.Parameter] = {}   # device 0's shard of each sharded parameter
     partial, grad_sum = set(), set()
     names = {v for r in capture.regions for v in (*r.inputs, *r.outputs)}
+    cut_of: dict[int, dict] = {}   # region -> the parameters its cut shards
     for info, gm in zip(capture.regions, capture.modules, strict=True):
         req = chosen.get(info.index)
         cut = _cut(gm, info, req, infos.get(info.index), names, aliases,
                    capture.model) if req else None
+        cut_of[info.index] = cut.params if cut is not None else {}
         if cut is None:
             regions.append(dataclasses.replace(info, index=len(regions)))
             modules.append(gm)
@@ -134,6 +134,7 @@ def shard_capture(capture, requests: list[TPRequest], batch: dict):
             parts[len(regions)] = (info.index, k)
             regions.append(dataclasses.replace(pinfo, index=len(regions)))
             modules.append(pgm)
+    check_readers(capture.regions, cut_of, params, aliases)
     for gm in modules:
         _bind_local(gm, local, aliases)
     return _rebuilt(capture, regions, modules,
@@ -287,7 +288,7 @@ def _cut(gm0, info, req: TPRequest, recorded: tuple, names: set, aliases: dict,
                     (0, req.degree, sh.blocks)
         else:
             row.add(lin)
-    _check_tied(params, aliases, req.plan, info)
+    check_tied(params, aliases, req.plan, info)
     status, level = levels(gm, col, row, info)
     close_partials(gm, status, level, infos)
     # a sharded weight by any of its names (a tied LM head's is the embedding's)
@@ -313,27 +314,6 @@ def _copy_graph(graph: fx.Graph) -> fx.Graph:
     out = g.graph_copy(graph, {})
     g.output(out)
     return g
-
-
-def _check_tied(params: dict, aliases: dict, plan: Mapping[str, str], info) -> None:
-    """A sharded weight tied to a module the plan does not shard alike: PlanError."""
-    def cut(sh):   # the weight's dimension and blocks a style cuts, None for whole
-        if sh is None or sh.style == Style.REPLICATE:
-            return None
-        return (1 if sh.style == Style.ROWWISE else 0, sh.blocks)
-
-    def said(sh):
-        return "kept whole" if sh is None else "colwise_gather_output" if sh.gather \
-            else str(sh.style)
-
-    for alias, p in aliases.items():
-        if p in params and alias != p:
-            mine, other = (style_of(plan, n.rsplit(".", 1)[0]) for n in (p, alias))
-            if cut(mine) != cut(other):
-                raise PlanError(
-                    f"tensor_parallel: {p} ({said(mine)}) is tied to {alias} ({said(other)}) "
-                    f"in region {info.name}; cut both alike (a tied embedding and LM head: "
-                    "vocab and colwise_gather_output), or untie them")
 
 
 def _split(w: torch.Tensor, sh: Sharding, degree: int, path: str, info) -> tuple:
@@ -363,31 +343,6 @@ def _bind_local(gm: fx.GraphModule, local: dict, aliases: dict) -> None:
         if name in local:
             owner, _, leaf = str(n.target).rpartition(".")
             setattr(gm.get_submodule(owner), leaf, local[name])
-
-
-def _check_heads(model: nn.Module, chosen: dict, regions) -> None:
-    """Attention heads, grouped KV heads and widths a degree cannot divide: PlanError."""
-    degrees = {q.degree for q in chosen.values()}
-    config = getattr(model, "config", None)
-    for d in sorted(degrees):
-        for attr in ("num_attention_heads", "num_key_value_heads"):
-            n = getattr(config, attr, None)
-            if isinstance(n, int) and n % d:
-                raise PlanError(f"tensor_parallel: the model's {attr}={n} cannot be divided "
-                                f"over {d} devices; use a degree that divides {n}")
-    for r in regions:
-        if r.index not in chosen:
-            continue
-        d = chosen[r.index].degree
-        paths = {p.rsplit(".", k)[0] for p in r.modules for k in range(p.count(".") + 1)}
-        for path in sorted(paths):
-            mod = model.get_submodule(path) if path else model
-            for attr in _HEADS:
-                n = getattr(mod, attr, None)
-                if isinstance(n, int) and not isinstance(n, bool) and n % d:
-                    raise PlanError(f"tensor_parallel: {path} has {attr}={n}, which {d} devices "
-                                    f"cannot divide (region {tags_text(r.tags)}); use a degree "
-                                    f"that divides {n}")
 
 
 def _rebuilt(capture, regions, modules, layout: TPLayout, local: dict):

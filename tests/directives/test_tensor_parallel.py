@@ -149,6 +149,16 @@ def test_what_a_vocab_parallel_embedding_cannot_be(model, plan, match):
         compile_tp(model, [pn.tensor_parallel({}, [0, 1], plan=plan)])
 
 
+def test_a_tied_head_in_a_stage_no_filter_matches_is_told():
+    model = pn.models.TinyGPT(vocab=32, dim=32, layers=2, heads=4, seq=8)   # tied weights
+    plan = {"tok": "vocab", "head.proj": "colwise_gather_output"}
+    with pytest.raises(pn.PlanError, match="region PP=1 reads embed.tok.weight whole, which "
+                       "region PP=0 shards"):
+        compile_tp(model, [pn.place({"PP": 0}, [0]), pn.place({"PP": 1}, [2]),
+                           pn.tensor_parallel({"PP": 0}, [0, 1], plan=plan)],
+                   ann=pn.cut_stages(model, 2))
+
+
 def test_a_model_without_a_plan_is_told_how_to_give_one():
     model = pn.models.MLP(dim=16, depth=2)
     with pytest.raises(pn.PlanError, match="no tensor-parallel plan of its own; give one"):
