@@ -44,8 +44,10 @@ def region_flops(plan) -> dict[int, float]:
             # parts) runs where the model lives: on the meta device, shapes only
             device = next((p.device for p in module.parameters()), None) or home
             args = [a.to(device) for a in region_inputs(plan, r, device=device)]  # meta: meta
-            key = _signature(module, args)
-            if key not in seen:   # a model's repeated layers: counted once
+            # on the meta device FLOPs follow from shapes: a model's repeated layers are
+            # counted once (with values, routing to experts can differ layer by layer)
+            key = _signature(module, args) if torch.device(device).type == "meta" else None
+            if key is None or key not in seen:
                 with flop_counter() as counter:
                     module(*args)
                 seen[key] = float(counter.get_total_flops())
