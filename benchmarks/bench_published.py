@@ -231,7 +231,8 @@ def tp_program(c: dict, layers: int) -> tuple[dict, list]:
         devs = [lead(s % pp, k) for k in range(dp)]
         program += [pn.place({"PP": s}, devs), pn.replicate({"PP": s}, devs, zero=3)]
     program.append(pn.tensor_parallel({"PP": "*"}, [[lead(r, k) + t for t in range(tp)]
-                                                    for k in range(dp) for r in range(pp)]))
+                                                    for k in range(dp) for r in range(pp)],
+                                      plan={**pn.models.Llama.tp_plan, "embed": "vocab"}))
     if c["schedule"] is None:
         program.append(pn.split({}, "MB", c["micro"]))
     elif c["schedule"] == "1f1b":

@@ -133,9 +133,9 @@ class Llama(LanguageModel):
     `example_batch` (RoPE has no table); `attention` is "sdpa" or "flash" (see
     `GQAttention`)."""
 
-    # how `pn.tensor_parallel` shards it when given no plan: Hugging Face Llama's own, and
-    # the embedding's vocabulary as Megatron and torchtitan do (the head stays whole)
-    tp_plan = {"embed": "vocab", "blocks.*.attn.q": "colwise", "blocks.*.attn.k": "colwise",
+    # how `pn.tensor_parallel` shards it when given no plan (Hugging Face Llama's own; add
+    # "embed": "vocab" to cut the embedding's vocabulary as Megatron and torchtitan do)
+    tp_plan = {"blocks.*.attn.q": "colwise", "blocks.*.attn.k": "colwise",
                "blocks.*.attn.v": "colwise", "blocks.*.attn.o": "rowwise",
                "blocks.*.mlp.gate": "colwise", "blocks.*.mlp.up": "colwise",
                "blocks.*.mlp.down": "rowwise"}

@@ -67,10 +67,9 @@ def test_tp2_alone_shards_every_linear_and_trains_like_one_process(cluster2):
     assert q == (16, 32)                     # half the output features on each device
     assert plan.params["blocks.0.attn.o.weight"][0] == (32, 16)   # half the inputs
     assert plan.tp_groups == ((0, 1),)
-    # per microbatch: the embedding's all-reduce, then per block the one after attention
-    # and the one after the MLP
+    # per block: the all-reduce after attention and after the MLP, each way
     fwd = [i for i in plan[1].instrs if i.purpose == pn.Purpose.TP and not i.grad]
-    assert len(fwd) == 2 * (1 + 2 * 2) and all(i.group == (0, 1) for i in fwd)
+    assert len(fwd) == 2 * 2 * 2 and all(i.group == (0, 1) for i in fwd)
 
 
 def test_tp4_alone_on_tinygpt_with_its_fused_qkv(cluster4):
@@ -158,14 +157,16 @@ def test_tp2_bf16(cluster2):
 
 @pytest.mark.parametrize("layout", ["tp2", "pp2-tp2"])
 def test_vocab_parallel_embedding(request, layout):
-    model = llama()   # pn.models.Llama's own plan shards its embedding's vocabulary
+    model = llama()
+    vocab = {**model.tp_plan, "embed": "vocab"}
     if layout == "tp2":
         ann, cluster = ONE, request.getfixturevalue("cluster2")
-        program = [pn.tensor_parallel({}, [0, 1]), pn.split({}, num=2)]
+        program = [pn.tensor_parallel({}, [0, 1], plan=vocab), pn.split({}, num=2)]
     else:
         ann, cluster = pn.cut_stages(model, 2), request.getfixturevalue("cluster4")
         program = [pn.place({"PP": 0}, [0]), pn.place({"PP": 1}, [2]),
-                   pn.tensor_parallel({"PP": "*"}, [[0, 1], [2, 3]]), *S.one_f_one_b(2, 4)]
+                   pn.tensor_parallel({"PP": "*"}, [[0, 1], [2, 3]], plan=vocab),
+                   *S.one_f_one_b(2, 4)]
     plan, result, ref = _train(model, ann, program, cluster)
     _same(result, ref)
     assert plan.params["embed.weight"][0] == (16, 32)    # half the vocabulary's rows
