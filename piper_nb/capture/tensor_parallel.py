@@ -317,7 +317,7 @@ def _copy_graph(graph: fx.Graph) -> fx.Graph:
 
 
 def _split(w: torch.Tensor, sh: Sharding, degree: int, path: str, info) -> tuple:
-    dim = 0 if sh.style in (Style.COLWISE, Style.VOCAB) else 1
+    dim = sh.dim
     size = w.shape[dim]
     if size % (degree * sh.blocks):
         what = "output" if dim == 0 else "input"

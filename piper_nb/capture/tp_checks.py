@@ -10,7 +10,7 @@ from collections.abc import Mapping
 
 from torch import nn
 
-from piper_nb.capture.tp_plan import Style, style_of
+from piper_nb.capture.tp_plan import style_of
 from piper_nb.errors import PlanError
 from piper_nb.ir.filters import tags_text
 
@@ -38,9 +38,7 @@ def check_readers(regions, cut_of: dict, params: dict, aliases: dict) -> None:
 def check_tied(params: dict, aliases: dict, plan: Mapping[str, str], info) -> None:
     """A sharded weight tied to a module the plan does not shard alike: PlanError."""
     def cut(sh):   # the weight's dimension and blocks a style cuts, None for whole
-        if sh is None or sh.style == Style.REPLICATE:
-            return None
-        return (1 if sh.style == Style.ROWWISE else 0, sh.blocks)
+        return None if sh is None or sh.dim is None else (sh.dim, sh.blocks)
 
     def said(sh):
         return "kept whole" if sh is None else "colwise_gather_output" if sh.gather \

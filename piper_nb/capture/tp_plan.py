@@ -57,6 +57,12 @@ class Sharding:
     blocks: int = 1
     gather: bool = False
 
+    @property
+    def dim(self) -> int | None:
+        """The weight's dimension it cuts (0: output features or vocabulary rows, 1: input
+        features), None for a weight kept whole."""
+        return None if self.style == Style.REPLICATE else 1 if self.style == Style.ROWWISE else 0
+
 
 _ALIASES = {"colwise_rep": Style.COLWISE, "local_colwise": Style.COLWISE,
             "packed_colwise": Style.COLWISE, "local_rowwise": Style.ROWWISE,

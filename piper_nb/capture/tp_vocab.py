@@ -58,13 +58,11 @@ def vocab_embedding(gm, n: fx.Node, path: str, gm0, degree: int, infos: dict):
         raise PlanError(f"tensor_parallel: {name} (vocab) has {vocab} rows, which {degree} "
                         f"devices cannot divide; pad the vocabulary to a multiple of {degree} "
                         "or replicate it")
-    if not hasattr(gm, TP_RANK):
-        gm.register_buffer(TP_RANK, torch.tensor(0))
     share, g, A = vocab // degree, gm.graph, torch.ops.aten
     first = n.prev   # the new nodes go between it and n
     with g.inserting_before(n):
         w = g.get_attr(f"{path}.weight")
-        rank = g.get_attr(TP_RANK)
+        rank = _rank(gm)
         local = g.call_function(A.sub.Tensor, (ids, g.call_function(A.mul.Tensor, (rank, share))))
         outside = g.call_function(A.logical_or.default, (
             g.call_function(A.lt.Scalar, (local, 0)), g.call_function(A.ge.Scalar, (local, share))))
@@ -87,6 +85,13 @@ def vocab_embedding(gm, n: fx.Node, path: str, gm0, degree: int, infos: dict):
     return look, out, f"{path}.weight"
 
 
+def _rank(gm) -> fx.Node:
+    """A get_attr of the part's rank buffer (made, as 0, on first use), at the insert point."""
+    if not hasattr(gm, TP_RANK):
+        gm.register_buffer(TP_RANK, torch.tensor(0))
+    return gm.graph.get_attr(TP_RANK)
+
+
 def _between(a: fx.Node, b: fx.Node) -> list[fx.Node]:
     """The nodes strictly between `a` and `b`, get_attr aside."""
     out, m = [], a.next
@@ -102,11 +107,9 @@ def gathered_output(gm, lin: fx.Node, degree: int, infos: dict) -> fx.Node:
     whole width (see the module docstring): -> the node whose all-reduce is the whole
     output, which the cut treats as a rowwise layer's."""
     g, A = gm.graph, torch.ops.aten
-    if not hasattr(gm, TP_RANK):
-        gm.register_buffer(TP_RANK, torch.tensor(0))
     users = list(lin.users)
     with g.inserting_before(lin.next):   # in the order made
-        rank = g.get_attr(TP_RANK)
+        rank = _rank(gm)
         marks = [g.call_function(A.eq.Scalar, (rank, j)) for j in range(degree)]
         pieces = [g.call_function(A.mul.Tensor, (lin, m)) for m in marks]
         whole = g.call_function(A.cat.default, (pieces, -1))

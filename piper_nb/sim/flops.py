@@ -50,8 +50,11 @@ def region_flops(plan) -> dict[int, float]:
             if key is None or key not in seen:
                 with flop_counter() as counter:
                     module(*args)
-                seen[key] = float(counter.get_total_flops())
-            out[r] = seen[key]
+                out[r] = float(counter.get_total_flops())
+                if key is not None:
+                    seen[key] = out[r]
+            else:
+                out[r] = seen[key]
     return out
 
 

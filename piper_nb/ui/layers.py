@@ -54,14 +54,17 @@ class LayerRow:
         mod = panel.model.get_submodule(path)
         params = sum(p.numel() for p in mod.parameters())
         name = path.rsplit(".", 1)[-1]
+        style = panel.tp_style(path)   # how the model's own tensor-parallel plan shards it
+        badge = f" · TP {style}" if style else ""
+        note = f"; pn.tensor_parallel shards it {style} (the model's own plan)" if style else ""
         self.toggle = W.Button(description="▸" if has_children else "",
                                disabled=not has_children, layout=W.Layout(width="30px", padding="0px"))
         self.name = W.HTML(
             f"<div style='margin-left:{depth * 12}px; white-space:nowrap; overflow:hidden; "
             f"text-overflow:ellipsis' title='{html.escape(path)}: {type(mod).__name__}, "
-            f"{params:,} parameters{panel.tp_note(path)}'><b>{html.escape(name)}</b> "
+            f"{params:,} parameters{note}'><b>{html.escape(name)}</b> "
             f"<span class='pn-muted'>{type(mod).__name__} {_count(params)}"
-            f"{panel.tp_badge(path)}</span></div>", layout=W.Layout(width=_NAME))
+            f"{badge}</span></div>", layout=W.Layout(width=_NAME))
         self.pp = W.Text(placeholder="PP", layout=_BOX, continuous_update=False)
         self.ep = W.Text(placeholder="EP", layout=_BOX, continuous_update=False)
         self.other = W.Text(placeholder="tag=index", layout=W.Layout(width=_OTHER),
@@ -98,11 +101,6 @@ class LayerRow:
         eff = effective_tags(state, self.path)
         self.effective.value = (f"<code>{html.escape(tags_text(eff))}</code>" if eff
                                 else "<span class='pn-muted'>no tags</span>")
-
-
-def _style(plan: dict, path: str) -> str:
-    sharding = style_of(plan, path) if plan else None
-    return str(sharding.style) if sharding is not None else ""
 
 
 class LayersPanel:
@@ -151,15 +149,10 @@ class LayersPanel:
             self.syncing = was
         return boxes
 
-    def tp_badge(self, path: str) -> str:
-        """` · TP colwise`: how the model's own tensor-parallel plan shards this module."""
-        style = _style(self.tp_plan, path)
-        return f" · TP {style}" if style else ""
-
-    def tp_note(self, path: str) -> str:
-        style = _style(self.tp_plan, path)
-        return (f"; pn.tensor_parallel shards it {style} (the model's own plan)"
-                if style else "")
+    def tp_style(self, path: str) -> str:
+        """How the model's own tensor-parallel plan shards module `path` ("" if not)."""
+        sharding = style_of(self.tp_plan, path) if self.tp_plan else None
+        return str(sharding.style) if sharding is not None else ""
 
     def fold(self, row: LayerRow) -> None:
         """Unfold (building the children the first time) or fold `row`."""
