@@ -35,6 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from piper_nb.capture.tp_checks import check_heads, check_readers, check_tied
+from piper_nb.capture.tp_loss import feeds_only_loss, loss_readers, parallel_cross_entropy
 from piper_nb.capture.tp_parts import (
     PART,
     Cut,
@@ -207,11 +208,9 @@ def _linears(gm: fx.GraphModule, plan: Mapping[str, str]) -> list[tuple[fx.Node,
         sharding = style_of(plan, path.removeprefix("model."))
         if sharding is None or sharding.style == Style.REPLICATE:
             continue
-        if embedding != (sharding.style == Style.VOCAB):
-            what = "an embedding" if embedding else "a linear layer"
-            styles = "vocab or replicate" if embedding else "colwise, rowwise or replicate"
-            raise PlanError(f"tensor_parallel: {path.removeprefix('model.')} is {what}, which "
-                            f"takes {styles}, not {sharding.style}")
+        if embedding and sharding.style != Style.VOCAB:
+            raise PlanError(f"tensor_parallel: {path.removeprefix('model.')} is an embedding, "
+                            f"which takes vocab or replicate, not {sharding.style}")
         found.append((n, path, sharding))
     return found
 
@@ -269,7 +268,7 @@ def _cut(gm0, info, req: TPRequest, recorded: tuple, names: set, aliases: dict,
     found = [(m, p, s) for (n, p, s) in found for m in gm.graph.nodes if m.name == n.name]
     col, row, params = set(), set(), {}
     for n, path, sh in found:
-        if sh.style == Style.VOCAB:
+        if _layer(gm, n)[1]:   # an embedding (vocab)
             look, out, weight = vocab_embedding(gm, n, path, gm0, req.degree, infos)
             params[aliases.get(weight.removeprefix("model."), weight.removeprefix("model."))] = \
                 _split(gm0.get_parameter(weight), sh, req.degree, path, info)
@@ -279,15 +278,22 @@ def _cut(gm0, info, req: TPRequest, recorded: tuple, names: set, aliases: dict,
         lin, weight, bias = _normalize(gm, n, path, sh.style, infos)
         params[aliases.get(weight.removeprefix("model."), weight.removeprefix("model."))] = \
             _split(gm0.get_parameter(weight), sh, req.degree, path, info)
-        if sh.style == Style.COLWISE:
+        if sh.style in (Style.COLWISE, Style.VOCAB):   # vocab: an LM head, for its loss
             col.add(lin)
-            if sh.gather:
+            if sh.style == Style.VOCAB and not feeds_only_loss(gm, lin, infos):
+                raise PlanError(f"tensor_parallel: {path.removeprefix('model.')} (vocab) is a "
+                                "linear layer whose output reaches more than a cross-entropy's "
+                                "logits; a vocab-parallel LM head needs its logits used only "
+                                "by the loss: use colwise_gather_output to gather them")
+            if sh.gather and not feeds_only_loss(gm, lin, infos):   # else: a vocab-parallel loss
                 row.add(gathered_output(gm, lin, req.degree, infos))
             if bias:
                 params[aliases.get(bias.removeprefix("model."), bias.removeprefix("model."))] = \
                     (0, req.degree, sh.blocks)
         else:
             row.add(lin)
+    for ce in loss_readers(gm, col, row):
+        row.add(parallel_cross_entropy(gm, ce, req.degree, infos, f"region {info.name}"))
     check_tied(params, aliases, req.plan, info)
     status, level = levels(gm, col, row, info)
     close_partials(gm, status, level, infos)

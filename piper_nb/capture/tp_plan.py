@@ -14,14 +14,17 @@ component), so the base model's plan (`layers.*.mlp.up_proj`) matches the full p
   outputs are summed by an all-reduce, and the bias is added once, after it.
 - `vocab`: an embedding's vocabulary is cut (the weight's rows): each device looks up the
   tokens in its range, zeros for the others, and the devices' lookups are summed by an
-  all-reduce (Megatron's vocabulary-parallel embedding).
+  all-reduce (Megatron's vocabulary-parallel embedding). On a linear layer, an LM head
+  whose logits only a cross-entropy reads: cut as `colwise`, with the vocabulary-parallel
+  loss (`capture.tp_loss`), which any colwise head read only by the loss gets.
 - `replicate`: the weights are kept whole on every device.
 
 Hugging Face's other spellings read as one of these: `colwise_rep`, `local_colwise` and
 `packed_colwise` as `colwise`, `local_rowwise` and `rowwise_rep` as `rowwise`,
 `embedding_rowwise` as `vocab`, and the LM head's `colwise_gather_output` as `colwise`
-with its output gathered (each device's share of the logits written into its columns of
-zeros and all-reduced: whole logits on every device, for the loss as the model wrote it).
+with its output gathered where more than the loss reads it (each device's share of the
+logits written into its columns of zeros and all-reduced: whole logits on every device);
+read only by a cross-entropy, it gets the vocabulary-parallel loss instead.
 """
 
 from __future__ import annotations

@@ -20,6 +20,7 @@ import torch
 import torch.fx as fx
 
 from piper_nb.capture.region_code import call_op
+from piper_nb.capture.tp_reductions import reduced_dims
 from piper_nb.errors import PlanError
 
 __all__ = ["localize"]
@@ -56,6 +57,7 @@ class _Localizer(fx.Interpreter):
 
     def run_node(self, n: fx.Node):
         if n.name in self.sharded:
+            self._check_reduction(n)
             try:
                 self._fix(n)
             except PlanError:
@@ -72,6 +74,19 @@ class _Localizer(fx.Interpreter):
     def _fail(self, n: fx.Node, why: str):
         raise PlanError(f"tensor_parallel: {self.where}: {n.format_node()} cannot be made a "
                         f"device's share: {why}")
+
+    def _check_reduction(self, n: fx.Node) -> None:
+        """A reduction over the dimension the input is cut along: PlanError."""
+        target, at = _target(n) if n.op == "call_function" else (n.target, 0)
+        x = n.args[at] if len(n.args) > at else None
+        d = self._sharded_dim(x) if isinstance(x, fx.Node) else None
+        if d is None or d not in reduced_dims(self.module, n, len(self.full[x.name]), target, at):
+            return
+        raise PlanError(f"tensor_parallel: {self.where}: {n.format_node()} reduces over "
+                        f"dimension {d} of {list(self.full[x.name])}, which each device holds "
+                        "only a share of (a colwise layer's output features): its result "
+                        "would differ per device; put the rowwise layer before it, or keep "
+                        "the layer feeding it whole (replicate)")
 
     def _sharded_dim(self, x: fx.Node) -> int | None:
         t, whole = self.env.get(x), self.full.get(x.name)

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from piper_nb.capture.tp_parts import Info
 from piper_nb.errors import PlanError
 
-__all__ = ["TP_RANK", "EMBEDDING", "vocab_embedding", "gathered_output"]
+__all__ = ["TP_RANK", "EMBEDDING", "vocab_embedding", "gathered_output", "tp_rank", "between"]
 
 TP_RANK = "_pn_tp_rank"   # a part's own tensor-parallel rank, set by each worker
 EMBEDDING = torch.ops.aten.embedding.default
@@ -62,7 +62,7 @@ def vocab_embedding(gm, n: fx.Node, path: str, gm0, degree: int, infos: dict):
     first = n.prev   # the new nodes go between it and n
     with g.inserting_before(n):
         w = g.get_attr(f"{path}.weight")
-        rank = _rank(gm)
+        rank = tp_rank(gm)
         local = g.call_function(A.sub.Tensor, (ids, g.call_function(A.mul.Tensor, (rank, share))))
         outside = g.call_function(A.logical_or.default, (
             g.call_function(A.lt.Scalar, (local, 0)), g.call_function(A.ge.Scalar, (local, share))))
@@ -77,7 +77,7 @@ def vocab_embedding(gm, n: fx.Node, path: str, gm0, degree: int, infos: dict):
         out = g.call_function(A.masked_fill.Scalar, (
             got, g.call_function(A.unsqueeze.default, (outside, -1)), 0.0))
     whole, lookups = infos.get(n.name, Info(True, True)), {look, got, out}
-    for m in _between(first, n):
+    for m in between(first, n):
         infos[m.name] = whole if m in lookups or m.target == A.detach.default \
             else Info(True, False)
     n.replace_all_uses_with(out)
@@ -85,14 +85,14 @@ def vocab_embedding(gm, n: fx.Node, path: str, gm0, degree: int, infos: dict):
     return look, out, f"{path}.weight"
 
 
-def _rank(gm) -> fx.Node:
+def tp_rank(gm) -> fx.Node:
     """A get_attr of the part's rank buffer (made, as 0, on first use), at the insert point."""
     if not hasattr(gm, TP_RANK):
         gm.register_buffer(TP_RANK, torch.tensor(0))
     return gm.graph.get_attr(TP_RANK)
 
 
-def _between(a: fx.Node, b: fx.Node) -> list[fx.Node]:
+def between(a: fx.Node, b: fx.Node) -> list[fx.Node]:
     """The nodes strictly between `a` and `b`, get_attr aside."""
     out, m = [], a.next
     while m is not b:
@@ -109,7 +109,7 @@ def gathered_output(gm, lin: fx.Node, degree: int, infos: dict) -> fx.Node:
     g, A = gm.graph, torch.ops.aten
     users = list(lin.users)
     with g.inserting_before(lin.next):   # in the order made
-        rank = _rank(gm)
+        rank = tp_rank(gm)
         marks = [g.call_function(A.eq.Scalar, (rank, j)) for j in range(degree)]
         pieces = [g.call_function(A.mul.Tensor, (lin, m)) for m in marks]
         whole = g.call_function(A.cat.default, (pieces, -1))

@@ -89,9 +89,9 @@ def tensor_parallel(filter: Mapping[str, Any], devices, plan: Mapping[str, str] 
                     sequence_parallel: bool = False) -> TensorParallel:
     """Shard the linear layers of the regions `filter` matches over `devices` (one group,
     `[0, 1]`, or one per replica, `[[0, 1], [4, 5]]`): `plan` maps module patterns to
-    `colwise`, `rowwise`, `vocab` (an embedding), `colwise_gather_output` (an LM head) or
-    `replicate` (`capture.tp_plan`);
-    without one, the model's own
+    `colwise`, `rowwise`, `vocab` (an embedding, or an LM head whose logits only the loss
+    reads: a vocabulary-parallel cross-entropy), `colwise_gather_output` (an LM head) or
+    `replicate` (`capture.tp_plan`); without one, the model's own
     (Hugging Face's `base_model_tp_plan`, `pn.models`' `tp_plan`). Attention heads, grouped
     KV heads and the MLP width are divided; what cannot be is a PlanError."""
     return TensorParallel(filter, devices, plan, sequence_parallel)

@@ -144,11 +144,65 @@ def test_a_partial_sum_the_region_returns_is_summed_before_it_is_sent():
     (pn.models.TinyGPT(vocab=32, dim=32, layers=1, heads=4, seq=8), {"tok": "vocab"},
      "tok.weight \\(vocab\\) is tied to head.proj.weight \\(kept whole\\)"),
     (llama(), {"embed": "colwise"}, "embed is an embedding, which takes vocab or replicate"),
-    (llama(), {"blocks.*.mlp.up": "vocab"}, "is a linear layer, which takes colwise"),
+    (llama(), {"blocks.*.mlp.up": "vocab"}, "blocks.0.mlp.up \\(vocab\\) is a linear layer "
+     "whose output reaches more than a cross-entropy's logits"),
 ])
 def test_what_a_vocab_parallel_embedding_cannot_be(model, plan, match):
     with pytest.raises(pn.PlanError, match=match):
         compile_tp(model, [pn.tensor_parallel({}, [0, 1], plan=plan)])
+
+
+def test_an_lm_head_read_only_by_its_loss_gets_a_vocab_parallel_cross_entropy():
+    model = llama(layers=1)
+    plan = compile_tp(model, [pn.tensor_parallel({}, [0, 1],
+                                                 plan={**model.tp_plan, "head.proj": "vocab"})])
+    assert plan.params["head.proj.weight"][0] == (16, 32)   # half the vocabulary
+    # ... | MLP | norm | the head on its classes | the loss from 2 log-sum-exps and a logit
+    *_, head, loss = plan.regions
+    assert "head.proj.weight" in head.params and loss.has_loss and not loss.params
+    reduced = [plan.values[v] for i in plan[0].instrs if i.region == head.index
+               and i.purpose == pn.Purpose.TP and not i.grad for v in i.values]
+    assert [v.shape for v in reduced] == [(32, 3)]
+
+
+def _weighted(logits, targets):
+    return nn.functional.cross_entropy(logits.reshape(-1, 32), targets.reshape(-1),
+                                       weight=torch.ones(32))
+
+
+def test_a_vocab_parallel_cross_entropy_takes_no_class_weights():
+    model = llama(layers=1)
+    with pytest.raises(pn.PlanError, match="a vocabulary-parallel cross-entropy does not take "
+                       "class weights; gather the logits"):
+        compile_tp(model, [pn.tensor_parallel({}, [0, 1],
+                                              plan={**model.tp_plan, "head.proj": "colwise"})],
+                   loss_fn=_weighted)
+
+
+class _NormedMLP(nn.Module):
+    """up -> a norm (or softmax) over up's features -> down: a device holds only a share of
+    the features the norm reduces over."""
+
+    def __init__(self, reduce):
+        super().__init__()
+        self.up, self.down, self.reduce = nn.Linear(16, 32), nn.Linear(32, 16), reduce
+
+    def forward(self, x):
+        return self.down(self.reduce(self.up(x)))
+
+
+@pytest.mark.parametrize("reduce, op", [
+    (nn.LayerNorm(32), "model.reduce"), (lambda h: h.softmax(-1), "softmax"),
+    (lambda h: h - h.mean(dim=-1, keepdim=True), "mean"),
+])
+def test_a_reduction_over_a_devices_share_of_the_features_is_refused(reduce, op):
+    model = _NormedMLP(reduce)
+    batch = (torch.randn(4, 16), torch.randn(4, 16))
+    program = [pn.tensor_parallel({}, [0, 1], plan={"up": "colwise", "down": "rowwise"})]
+    with pytest.raises(pn.PlanError, match=f"{op}.* reduces over dimension 1 of \\[4, 32\\], "
+                       "which each device holds only a share of"):
+        pn.compile(pn.annotate(model, {"": {"PP": 0}}), program, batch,
+                   loss_fn=nn.functional.mse_loss)
 
 
 def test_a_tied_head_in_a_stage_no_filter_matches_is_told():

@@ -52,7 +52,7 @@ def _train(model, ann, program, cluster, opt=SGD, steps=3, **compile_kw):
     assert any(i.purpose == pn.Purpose.TP for dp in plan.devices for i in dp.instrs)
     result = pn.train(plan, batch, steps, opt, cluster=cluster)
     ref = pn.reference_train(model, batch, steps, plan.reference_microbatches, opt,
-                             **{k: v for k, v in compile_kw.items() if k == "loss_fn"})
+                             **{k: v for k, v in compile_kw.items() if k in ("loss_fn", "loss_mean")})
     return plan, result, ref
 
 
@@ -202,6 +202,44 @@ def test_a_tied_embedding_and_lm_head_cut_by_vocabulary(cluster2):
     assert plan.tp_params["embed.tok.weight"] == (0, 2, 1)   # one weight, one cut
 
 
+def _head_reduce(plan, weight="head.proj.weight") -> set[tuple]:
+    """The shapes the LM head's part all-reduces forward."""
+    head = {r.index for r in plan.regions if weight in r.params}
+    return {plan.values[v].shape for dp in plan.devices for i in dp.instrs
+            if i.purpose == pn.Purpose.TP and not i.grad and i.region in head
+            for v in i.values}
+
+
+def _smoothed(logits, targets):
+    return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)),
+                                             targets.reshape(-1), label_smoothing=0.1,
+                                             ignore_index=3)
+
+
+def _summed(logits, targets):   # loss_mean="global": the token sum and the count
+    flat = targets.reshape(-1)
+    return (torch.nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)), flat,
+                                              reduction="sum"), (flat != -100).sum())
+
+
+@pytest.mark.parametrize("style, loss_fn, loss_mean", [
+    ("vocab", None, "microbatch"),
+    ("colwise", _smoothed, "microbatch"),      # label smoothing, an ignored class
+    ("colwise_gather_output", _summed, "global"),  # only the loss reads them: not gathered
+])
+def test_a_vocab_parallel_loss_never_gathers_the_logits(cluster2, style, loss_fn, loss_mean):
+    model = llama()
+    plan_map = {**model.tp_plan, "head.proj": style}
+    kw = {"loss_fn": loss_fn} if loss_fn else {}
+    plan, result, ref = _train(model, ONE, [pn.tensor_parallel({}, [0, 1], plan=plan_map),
+                                            pn.split({}, num=2)], cluster2,
+                               loss_mean=loss_mean, **kw)
+    _same(result, ref)
+    assert plan.tp_params["head.proj.weight"] == (0, 2, 1)
+    # per token 2 log-sum-exps and the target's logit (and its logits' sum when smoothing)
+    assert _head_reduce(plan) == {(4 * 8, 3 + (loss_fn is _smoothed))}
+
+
 def _hf(transformers, family: str):
     common = dict(vocab_size=32, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, pad_token_id=0, bos_token_id=1,
@@ -235,8 +273,10 @@ def test_transformers_models_on_their_own_tp_plans(request, family, layout):
                    pn.tensor_parallel({"PP": 0}, [0, 1]), pn.tensor_parallel({"PP": 1}, [2, 3]),
                    *S.one_f_one_b(2, 2)]
     plan = pn.compile(pn.annotate(model, ann), program, batch)
-    # the model's own plan sharded its projections, and its LM head (colwise_gather_output)
+    # the model's own plan sharded its projections, and its LM head (colwise_gather_output),
+    # whose logits only the loss reads: never gathered
     assert "lm_head.weight" in plan.tp_params and len(plan.tp_params) > 1
+    assert _head_reduce(plan, "lm_head.weight") == {(4 * 8, 3)}   # a vocab-parallel loss
     result = pn.train(plan, batch, 2, SGD, cluster=cluster)
     _same(result, pn.reference_train(model, batch, 2, 2, SGD))
     losses, state = plain_loop(model, [batch] * 2, 2, 0.1)
