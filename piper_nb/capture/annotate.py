@@ -200,18 +200,37 @@ def _grouped_mm_flops(a_shape, b_shape, *args, out_shape=None, **kwargs) -> int:
     return 2 * rows * a_shape[-1] * b_shape[-1]
 
 
-# grouped matmuls torch's FlopCounterMode has no formula for: (namespace, op name)
-_GROUPED_MMS = (("aten", "_grouped_mm"), ("transformers", "grouped_mm_fallback"))
+def _cpu_attention_flops(q_shape, k_shape, v_shape, *args, out_shape=None, **kwargs) -> int:
+    """Scaled dot-product attention on the CPU's flash kernel: torch's own count for SDPA
+    (which the meta device's math path matches)."""
+    from torch.utils.flop_counter import sdpa_flop_count
+    return sdpa_flop_count(q_shape, k_shape, v_shape)
+
+
+def _cpu_attention_backward_flops(grad_shape, q_shape, k_shape, v_shape, *args,
+                                  out_shape=None, **kwargs) -> int:
+    from torch.utils.flop_counter import sdpa_backward_flop_count
+    return sdpa_backward_flop_count(grad_shape, q_shape, k_shape, v_shape)
+
+
+# ops torch's FlopCounterMode has no formula for: (namespace, op name) -> formula. Grouped
+# matmuls (Hugging Face's experts, eager and exported), and SDPA's CPU kernel, which it
+# counted as 0 FLOPs: a CPU model's attention was free to the analytic cost model
+_UNCOUNTED = {("aten", "_grouped_mm"): _grouped_mm_flops,
+              ("transformers", "grouped_mm_fallback"): _grouped_mm_flops,
+              ("aten", "_scaled_dot_product_flash_attention_for_cpu"): _cpu_attention_flops,
+              ("aten", "_scaled_dot_product_flash_attention_for_cpu_backward"):
+                  _cpu_attention_backward_flops}
 
 
 def flop_counter():
-    """`FlopCounterMode` that also counts grouped matmuls: `aten._grouped_mm`, and the
-    custom op Hugging Face's experts run when exported (when registered)."""
+    """`FlopCounterMode` that also counts what torch's has no formula for (`_UNCOUNTED`):
+    grouped matmuls, and attention on the CPU."""
     from torch.utils.flop_counter import FlopCounterMode
     custom = {}
-    for namespace, name in _GROUPED_MMS:
+    for (namespace, name), formula in _UNCOUNTED.items():
         try:
-            custom[getattr(getattr(torch.ops, namespace), name)] = _grouped_mm_flops
+            custom[getattr(getattr(torch.ops, namespace), name)] = formula
         except (AttributeError, RuntimeError):
             pass
     return FlopCounterMode(display=False, custom_mapping=custom)

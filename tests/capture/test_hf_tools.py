@@ -120,6 +120,18 @@ def test_grouped_matmuls_of_stacked_experts_are_counted():
     assert ours.get_total_flops() == plain.get_total_flops() + LAYERS * want
 
 
+def test_attention_on_the_cpu_is_counted_as_on_the_meta_device():
+    """torch counts SDPA's CPU kernel as 0 FLOPs; ours counts it as SDPA (4 b h t t d)."""
+    b, h, t, d = 2, 4, 16, 8
+    counts = []
+    for device in ("cpu", "meta"):
+        q = torch.randn(b, h, t, d, device=device)
+        with torch.no_grad(), flop_counter() as counter:
+            torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True)
+        counts.append(counter.get_total_flops())
+    assert counts == [4 * b * h * t * t * d] * 2
+
+
 # ---- simulate and the memory model ----------------------------------------------------------
 def test_region_flops_count_every_layer(family):
     name, model, plan = family
