@@ -232,7 +232,7 @@ def tp_program(c: dict, layers: int) -> tuple[dict, list]:
         program += [pn.place({"PP": s}, devs), pn.replicate({"PP": s}, devs, zero=3)]
     program.append(pn.tensor_parallel({"PP": "*"}, [[lead(r, k) + t for t in range(tp)]
                                                     for k in range(dp) for r in range(pp)],
-                                      plan={**pn.models.Llama.tp_plan, "embed": "vocab"}))
+                                      plan=pn.models.Llama.tp_plan))
     if c["schedule"] is None:
         program.append(pn.split({}, "MB", c["micro"]))
     elif c["schedule"] == "1f1b":

@@ -133,12 +133,13 @@ class Llama(LanguageModel):
     `example_batch` (RoPE has no table); `attention` is "sdpa" or "flash" (see
     `GQAttention`)."""
 
-    # how `pn.tensor_parallel` shards it when given no plan (Hugging Face Llama's own; add
-    # "embed": "vocab" to cut the embedding's vocabulary as Megatron and torchtitan do)
-    tp_plan = {"blocks.*.attn.q": "colwise", "blocks.*.attn.k": "colwise",
+    # how `pn.tensor_parallel` shards it when given no plan (torchtitan's Llama plan): the
+    # embedding and the head cut by vocabulary, the head's logits never gathered when only a
+    # cross-entropy reads them (a vocabulary-parallel loss; gathered otherwise)
+    tp_plan = {"embed": "vocab", "blocks.*.attn.q": "colwise", "blocks.*.attn.k": "colwise",
                "blocks.*.attn.v": "colwise", "blocks.*.attn.o": "rowwise",
                "blocks.*.mlp.gate": "colwise", "blocks.*.mlp.up": "colwise",
-               "blocks.*.mlp.down": "rowwise"}
+               "blocks.*.mlp.down": "rowwise", "head.proj": "colwise_gather_output"}
 
     def __init__(self, vocab: int = 64, dim: int = 32, layers: int = 4, heads: int = 4,
                  kv_heads: int = 2, hidden: int = 64, seq: int = 16, attention: str = "sdpa",

@@ -43,7 +43,9 @@ def region_flops(plan) -> dict[int, float]:
             # a region without parameters of its own (a residual add between tensor-parallel
             # parts) runs where the model lives: on the meta device, shapes only
             device = next((p.device for p in module.parameters()), None) or home
-            args = [a.to(device) for a in region_inputs(plan, r, device=device)]  # meta: meta
+            # detached: FLOPs need no gradient, and FlopCounterMode's module tracker trips
+            # over an output aliasing an input that needs one (a part that only sums)
+            args = [a.to(device).detach() for a in region_inputs(plan, r, device=device)]
             # on the meta device FLOPs follow from shapes: a model's repeated layers are
             # counted once (with values, routing to experts can differ layer by layer)
             key = _signature(module, args) if torch.device(device).type == "meta" else None

@@ -30,7 +30,7 @@ def compile_tp(model, program, ann=ONE, **kw):
 
 
 def test_a_block_becomes_parts_with_an_all_reduce_each_way_between_them():
-    blocks = {k: v for k, v in pn.models.Llama.tp_plan.items() if k != "embed"}
+    blocks = {k: v for k, v in pn.models.Llama.tp_plan.items() if k.startswith("blocks")}
     plan = compile_tp(llama(layers=1), [pn.tensor_parallel({}, [0, 1], plan=blocks),
                                         pn.split({}, num=2)])
     # embed + norm | q k v attention o | residual + norm | gate up down | residual + head
@@ -120,19 +120,19 @@ def test_a_degree_that_cannot_divide_names_the_module_and_the_sizes(kw, degree, 
 
 def test_a_vocab_parallel_embedding_is_a_sharded_part_summed_by_an_all_reduce():
     model = llama(layers=1)
-    plan = compile_tp(model, [pn.tensor_parallel({}, [0, 1],
-                                                 plan={**model.tp_plan, "embed": "vocab"})])
+    plan = compile_tp(model, [pn.tensor_parallel({}, [0, 1])])   # the model's own plan
     assert plan.params["embed.weight"][0] == (16, 32)
-    # ids and the range mask | the lookup | norm | attention | norm | MLP | head
-    assert [dict(r.tags)["PART"] for r in plan.regions] == list(range(7))
+    assert plan.params["head.proj.weight"][0] == (16, 32)
+    # ids and the range mask | the lookup | norm | attention | norm | MLP | norm | the
+    # head and each device's share of its loss | the loss
+    assert [dict(r.tags)["PART"] for r in plan.regions] == list(range(9))
     assert plan[0].text()[:3] == ["r0:F", "r1:F", "r1:AR_F"]
 
 
 def test_a_partial_sum_the_region_returns_is_summed_before_it_is_sent():
     model = llama()   # four stages: the embedding is one of its own, returning a partial sum
     plan = compile_tp(model, [pn.place({"PP": s}, [2 * (s % 2)]) for s in range(4)]
-                      + [pn.tensor_parallel({"PP": "*"}, [[0, 1], [2, 3]],
-                                            plan={**model.tp_plan, "embed": "vocab"})],
+                      + [pn.tensor_parallel({"PP": "*"}, [[0, 1], [2, 3]])],
                       ann=pn.cut_stages(model, 4))
     assert [r.name for r in plan.regions][:3] == ["PP=0,PART=0", "PP=0,PART=1", "PP=0,PART=2"]
     text = plan[0].text()

@@ -67,9 +67,12 @@ def test_tp2_alone_shards_every_linear_and_trains_like_one_process(cluster2):
     assert q == (16, 32)                     # half the output features on each device
     assert plan.params["blocks.0.attn.o.weight"][0] == (32, 16)   # half the inputs
     assert plan.tp_groups == ((0, 1),)
-    # per block: the all-reduce after attention and after the MLP, each way
+    assert plan.params["embed.weight"][0] == plan.params["head.proj.weight"][0] == (16, 32)
+    # per microbatch: the lookup's all-reduce, one after attention and one after the MLP
+    # per block, and the loss's per-token numbers (never the logits)
     fwd = [i for i in plan[1].instrs if i.purpose == pn.Purpose.TP and not i.grad]
-    assert len(fwd) == 2 * 2 * 2 and all(i.group == (0, 1) for i in fwd)
+    assert len(fwd) == 2 * (1 + 2 * 2 + 1) and all(i.group == (0, 1) for i in fwd)
+    assert _head_reduce(plan, "head.proj.weight") == {(32, 3)}
 
 
 def test_tp4_alone_on_tinygpt_with_its_fused_qkv(cluster4):
@@ -158,7 +161,7 @@ def test_tp2_bf16(cluster2):
 @pytest.mark.parametrize("layout", ["tp2", "pp2-tp2"])
 def test_vocab_parallel_embedding(request, layout):
     model = llama()
-    vocab = {**model.tp_plan, "embed": "vocab"}
+    vocab = {**model.tp_plan, "head.proj": "replicate"}   # the embedding alone
     if layout == "tp2":
         ann, cluster = ONE, request.getfixturevalue("cluster2")
         program = [pn.tensor_parallel({}, [0, 1], plan=vocab), pn.split({}, num=2)]

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import piper_nb as pn
+from piper_nb.sim.flops import region_flops
 
 transformers = pytest.importorskip("transformers")
 
@@ -40,6 +41,28 @@ def test_a_meta_model_plans_like_the_real_one():
         assert a.step_time == pytest.approx(b.step_time)
     analytic = pn.CostModel.analytic(meta, "H100")
     assert analytic.passes == pytest.approx(pn.CostModel.analytic(real, "H100").passes)
+
+
+def test_a_tensor_parallel_meta_plan_costs_like_the_real_one():
+    """Parts that only sum (a vocabulary-parallel embedding as a stage of its own returns
+    its lookup through an alias after the all-reduce) are counted on meta too."""
+    plans = []
+    for device in ("meta", "cpu"):
+        with torch.device(device):
+            model = pn.models.Llama(vocab=64, dim=32, layers=2, heads=4, kv_heads=2, hidden=64)
+        ids = torch.zeros(4, 16, dtype=torch.long, device=device)
+        program = [pn.place({"PP": 0}, [0]), pn.place({"PP": 1}, [2]),
+                   pn.tensor_parallel({"PP": "*"}, [[0, 1], [2, 3]]),
+                   *pn.schedules.one_f_one_b(2, 2)]
+        ann = {"embed": {"PP": 0}, "blocks": {"PP": 1}, "head": {"PP": 1}}
+        plans.append(pn.compile(pn.annotate(model, ann), program, (ids, ids)))
+    meta, real = plans
+    assert meta.params["embed.weight"][0] == (32, 32)
+    stage0 = [r.index for r in meta.regions if dict(r.tags)["PP"] == 0]
+    assert len(stage0) == 3   # the range mask | the lookup | its sum, aliased out
+    # every part alike, attention included (SDPA's CPU kernel was counted as 0 FLOPs)
+    assert region_flops(meta) == region_flops(real)
+    assert pn.simulate(meta, pn.CostModel.analytic(meta, "H100")).step_time > 0
 
 
 def test_profiling_and_training_a_meta_model_are_refused_with_the_way_out():
