@@ -47,6 +47,8 @@ class GraphSpec:
     eval_stages: tuple[int, ...] = ()            # stages in eval mode (BatchNorm on running stats)
     eval_dropout: bool = False                   # the dropout module in eval mode (off)
     mlps: tuple[int, ...] = ()                   # stages adding an MLP x + down(tanh(up(x)))
+    classes: int = 0                             # > 0: a classifier `head` and cross-entropy
+    smoothing: float = 0.0                       # the cross-entropy's label smoothing
     seed: int = 0
 
     def __post_init__(self):
@@ -70,6 +72,9 @@ class GraphSpec:
                 raise ValueError(f"GraphSpec: {name} {bad} are not stages 0..{n - 1}")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"GraphSpec: dropout must be in [0, 1), got {self.dropout}")
+        if self.classes < 0 or not 0.0 <= self.smoothing < 1.0:
+            raise ValueError(f"GraphSpec: classes ({self.classes}) must be >= 0 and smoothing "
+                             f"({self.smoothing}) in [0, 1)")
 
     @classmethod
     def draw(cls, rng: random.Random, stages: int, *, norms: bool = True,
@@ -135,7 +140,8 @@ class _Stage(nn.Module):
 
 
 class StageGraph(nn.Module):
-    """The model a GraphSpec describes; regression on a fixed random teacher (MSE)."""
+    """The model a GraphSpec describes; regression on a fixed random teacher (MSE), or with
+    `classes` its classification (a head, cross-entropy)."""
 
     def __init__(self, spec: GraphSpec):
         super().__init__()
@@ -146,6 +152,7 @@ class StageGraph(nn.Module):
                 _Stage(spec.dim, i in spec.norms, i in spec.scales, i in spec.mlps)
                 for i in range(spec.stages))
             self.shared = nn.Linear(spec.dim, spec.dim) if spec.shared else None
+            self.head = nn.Linear(spec.dim, spec.classes) if spec.classes else None
         for a, b in spec.ties:
             self.stages[b].lin.weight = self.stages[a].lin.weight
         for i in spec.frozen:
@@ -174,22 +181,31 @@ class StageGraph(nn.Module):
             if spec.shared and i in spec.shared:
                 h = h + torch.tanh(self.shared(h))
             outs.append(h)
-        return h
+        return self.head(h) if self.head is not None else h
 
     def loss_fn(self, output: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        return F.mse_loss(output, targets)
+        """MSE on the teacher's outputs; with `classes`, cross-entropy on its classes."""
+        if self.head is None:
+            return F.mse_loss(output, targets)
+        return F.cross_entropy(output.reshape(-1, output.shape[-1]), targets.reshape(-1),
+                               label_smoothing=self.spec.smoothing)
 
     @property
     def tp_plan(self) -> dict[str, str]:
-        """How `pn.tensor_parallel` shards it: each MLP's `up` by output, `down` by input."""
-        return {k: v for i in self.spec.mlps
+        """How `pn.tensor_parallel` shards it: each MLP's `up` by output, `down` by input;
+        the classifier head by class (its loss then vocabulary-parallel)."""
+        plan = {k: v for i in self.spec.mlps
                 for k, v in ((f"stages.{i}.up", "colwise"), (f"stages.{i}.down", "rowwise"))}
+        return plan | ({"head": "colwise_gather_output"} if self.head is not None else {})
 
     def annotation(self) -> dict[str, dict[str, int]]:
-        """Stage i is `PP: i`; `shared` belongs to the first stage that calls it."""
+        """Stage i is `PP: i`; `shared` belongs to the first stage that calls it, the
+        classifier head to the last."""
         out = {f"stages.{i}": {"PP": i} for i in range(self.spec.stages)}
         if self.spec.shared:
             out["shared"] = {"PP": self.spec.shared[0]}
+        if self.head is not None:
+            out["head"] = {"PP": self.spec.stages - 1}
         return out
 
     def example_batch(self, batch_size: int, seed: int = 0, length: int | None = None
@@ -201,7 +217,10 @@ class StageGraph(nn.Module):
                                                                     self.spec.dim)
         x = torch.randn(*shape, generator=g)
         w = torch.randn(self.spec.dim, self.spec.dim, generator=g) / self.spec.dim ** 0.5
-        return x, torch.tanh(x @ w)
+        y = torch.tanh(x @ w)
+        if self.spec.classes:   # the teacher's class: the largest of `classes` projections
+            y = (y @ torch.randn(self.spec.dim, self.spec.classes, generator=g)).argmax(-1)
+        return x, y
 
 
 _ACT_FN = {"tanh": torch.tanh, "relu": torch.relu, "gelu": F.gelu, "sigmoid": torch.sigmoid,

@@ -8,7 +8,8 @@ dropout), some stages recomputed (`pn.recompute`: all microbatches or one), unde
 schedule builder (GPipe, 1F1B, interleaved 1F1B with 2 and 3 chunks,
 ZB1P, DualPipeV, full DualPipe, a random valid hand-written grid, or none), with data
 parallel replicas and ZeRO 0-3 on every stage (PP x DP, at most 4 devices), sometimes
-tensor parallelism of degree 2 over MLPs added to some stages (PP x DP x TP), SGD with
+tensor parallelism of degree 2 over MLPs added to some stages (PP x DP x TP), sometimes
+with a classifier head cut by class and its vocabulary-parallel cross-entropy, SGD with
 momentum, AdamW or another element-wise torch.optim optimizer, sometimes with a no-decay
 group for biases, a warmup schedule and global gradient clipping, sometimes in bf16 (with
 SGD and no BatchNorm, compared at bf16 tolerance), for 2-3 steps. Fidelity draws: stages
@@ -103,6 +104,8 @@ class Case:
         rc += f", lengths {list(self.lengths)}" if self.lengths else ""
         rc += ", global loss over masked targets" if self.global_loss else ""
         rc += f", TP {self.tp} over the MLPs of stages {list(s.mlps)}" if self.tp > 1 else ""
+        rc += (f", a head of {s.classes} classes (label smoothing {s.smoothing})"
+               if s.classes else "")
         return (f"seed {self.seed}: {self.schedule} x{self.ranks} ranks, DP {self.dp}, "
                 f"ZeRO {self.zero}{'' if self.reshard else ' (no reshard)'}, bucket "
                 f"{self.bucket_size}, {self.microbatches} microbatches of {self.dp * self.per_part}"
@@ -161,6 +164,11 @@ def _draw_tp(rng: random.Random, case: Case) -> None:
     mlps = tuple(sorted(rng.sample(range(stages), rng.randint(1, stages))))
     case.spec = dataclasses.replace(case.spec, mlps=mlps)
     case.tp = 2
+    # a classifier head cut by class, whose cross-entropy is then vocabulary-parallel (the
+    # logits never gathered); not with the global loss, whose form is the masked MSE
+    if not case.global_loss and rng.random() < 0.5:
+        case.spec = dataclasses.replace(case.spec, classes=rng.choice([4, 6]),
+                                        smoothing=rng.choice([0.0, 0.1]))
 
 
 def _draw_fidelity(rng: random.Random, case: Case) -> None:

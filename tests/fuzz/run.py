@@ -61,7 +61,8 @@ def main() -> int:
                                       ("eval", case.spec.eval_stages or case.spec.eval_dropout),
                                       ("lengths", len(set(case.lengths)) > 1),
                                       ("global-loss", case.global_loss),
-                                      ("tp2", case.tp > 1)]
+                                      ("tp2", case.tp > 1),
+                                      ("vocab-parallel-loss", case.spec.classes)]
                        if v)
             print(f"[{status} {time.perf_counter() - start:5.2f}s] {case.line()}"
                   + ("" if status == "ok" else f"\n{what}"), flush=True)

@@ -14,8 +14,11 @@ import sys
 
 import pytest
 
+import piper_nb as pn
+from piper_nb.models import StageGraph
+
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from cases import check, draw  # noqa: E402
+from cases import check, draw, program  # noqa: E402
 
 pytestmark = [pytest.mark.dist, pytest.mark.usefixtures("one_thread")]
 
@@ -60,6 +63,22 @@ def test_the_draw_covers_every_schedule_zero_level_and_feature():
     assert any(c.tp > 1 and c.ranks > 1 for c in cases)
     assert any(c.tp > 1 and c.dp > 1 for c in cases)
     assert any(c.tp > 1 and c.zero == 3 for c in cases)
+    # and a classifier head cut by class: its cross-entropy vocabulary-parallel
+    assert any(c.spec.classes and c.ranks > 1 for c in cases)
+    assert any(c.spec.classes and c.spec.smoothing for c in cases)
+
+
+def test_a_drawn_classifier_head_sends_per_token_numbers_not_its_logits():
+    case = next(draw(s) for s in range(FAST) if draw(s).spec.classes)
+    model = StageGraph(case.spec)
+    plan = pn.compile(pn.annotate(model, model.annotation()), program(case),
+                      model.example_batch(case.batch_size, seed=case.seed))
+    head = {r.index for r in plan.regions if "head.weight" in r.params}
+    sums = {plan.values[v].shape for dp in plan.devices for i in dp.instrs
+            if i.purpose == pn.Purpose.TP and not i.grad and i.region in head for v in i.values}
+    tokens = case.batch_size // case.microbatches // case.dp   # one microbatch's samples
+    # per token: each device's log-sum-exp, the target's logit (and the logits' sum)
+    assert sums == {(tokens, case.tp + 1 + (case.spec.smoothing > 0))}, sums
 
 
 def test_a_case_replays_from_its_seed():
