@@ -279,9 +279,12 @@ def check_optimizer(optimizer, where: str = "train", *, param_groups=None,
                     lr_scheduler=None) -> OptimizerSpec:
     """The optimizer, its parameter groups and scheduler as one `OptimizerSpec`, checked by
     building them once here (a PlanError before any worker starts, not at the first update)."""
-    if isinstance(optimizer, OptimizerSpec):
+    groups = None
+    if isinstance(optimizer, OptimizerSpec):   # what is given replaces only its own part
         if param_groups is None and lr_scheduler is None:
             return optimizer
+        groups = optimizer.groups if param_groups is None else None
+        lr_scheduler = optimizer.scheduler if lr_scheduler is None else lr_scheduler
         optimizer = optimizer.factory
     if isinstance(optimizer, type) and issubclass(optimizer, (SGD, AdamW)):
         raise PlanError(f"{where}: optimizer=pn.optim.{optimizer.__name__} is the class; pass "
@@ -298,7 +301,8 @@ def check_optimizer(optimizer, where: str = "train", *, param_groups=None,
     if lr_scheduler is not None and not callable(lr_scheduler):
         raise PlanError(f"{where}: lr_scheduler must build a scheduler from the optimizer, e.g. "
                         "lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, fn)")
-    spec = OptimizerSpec(optimizer, _groups(param_groups, where), lr_scheduler)
+    spec = OptimizerSpec(optimizer, _groups(param_groups, where) if groups is None else groups,
+                         lr_scheduler)
     try:
         opt, sched = spec.build()
     except Exception as err:   # the user's factory: say which part failed and how

@@ -75,6 +75,18 @@ def test_param_groups_match_names_or_module_paths_first_match_wins():
     assert spec.state_bytes((3, 5)) == 15 * 8 + 4         # exp_avg, exp_avg_sq, step
 
 
+def test_a_spec_given_groups_or_a_scheduler_keeps_what_it_had():
+    def warmup(opt):
+        return torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 3))
+    no_decay = [{"params": "*.bias", "weight_decay": 0.0}]
+    grouped = optim.check_optimizer(torch.optim.AdamW, param_groups=no_decay)
+    both = optim.check_optimizer(grouped, lr_scheduler=warmup)
+    assert both.groups == grouped.groups and both.scheduler is warmup
+    again = optim.check_optimizer(both, param_groups=[{"params": "*norm*", "lr": 1e-4}])
+    assert again.scheduler is warmup and again.group_of("a.bias") == 1   # groups replaced
+    assert again.group_of("norm.weight") == 0 and again.factory is torch.optim.AdamW
+
+
 def test_optimizer_configs_are_checked():
     with pytest.raises(pn.PlanError, match="sets 'weight_dcay', which AdamW does not have"):
         optim.check_optimizer(torch.optim.AdamW, param_groups=[{"params": "*.bias",
