@@ -104,7 +104,9 @@ def _check_tags(where: str, tags: Any) -> dict[str, int]:
 
 
 def annotate(model: nn.Module, mapping: Mapping[str, Mapping[str, int]] | None = None) -> Spec:
-    """Tag the modules of `model`; patterns match dotted module paths (fnmatch syntax)."""
+    """Tag the modules of `model`; patterns match dotted module paths (fnmatch syntax).
+    A model with no tags at all (no mapping, no `pn.region` in its code) is one region,
+    `PP=0`: plain data parallelism is `pn.replicate({}, devices)`."""
     if not isinstance(model, nn.Module):
         raise PlanError(f"annotate expects an nn.Module, got {type(model).__name__}")
     mapping = dict(mapping or {})

@@ -166,14 +166,16 @@ def capture_regions(spec, loss_fn: Callable, example: dict | None = None,
 
 def _own_tags(spec, gm: fx.GraphModule, nodes: list[fx.Node],
               module_path: Callable[[fx.Node], str]) -> dict[fx.Node, dict]:
-    """Own tags of each op (module annotations + pn.region scopes); untagged params fail."""
+    """Own tags of each op (module annotations + pn.region scopes); untagged params fail. A
+    model with neither is one region, `PP=0` (plain data parallelism needs no tags)."""
     own: dict[fx.Node, dict] = {}
     untagged: set[str] = set()
+    whole = not spec.module_tags and not any(n.meta.get("pn_tags") for n in nodes)
     for n in nodes:
         if n.op in ("placeholder", "output", "get_attr"):
             continue
         path = module_path(n)
-        tags = {**spec.tags_of(path), **n.meta.get("pn_tags", {})}
+        tags = {"PP": 0} if whole else {**spec.tags_of(path), **n.meta.get("pn_tags", {})}
         if tags:
             own[n] = tags
         elif n.op == "call_module" and any(True for _ in gm.get_submodule(str(n.target))

@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterable
 
 import torch
 
-from piper_nb.capture.annotate import Spec
+from piper_nb.capture.annotate import Spec, annotate
 from piper_nb.capture.batch import batch_size, named_batch, samples, slice_batch
 from piper_nb.capture.loss import check_loss_mean
 from piper_nb.capture.tensor_parallel import TPRequest, shard_capture
@@ -67,11 +67,12 @@ def build_global_dag(capture, directives: list[tuple[int, Directive]], values: d
     return run_pipeline(tuple(directives), Context(capture, values, frozen))
 
 
-def compile(spec: Spec, program: Program | Iterable, batch, *, loss_fn: Callable | None = None,
-            world: int | None = None, check: bool = True, capture: str = "auto",
-            clip_grad_norm: float | None = None, precision: str = "fp32",
+def compile(spec: Spec | torch.nn.Module, program: Program | Iterable, batch, *,
+            loss_fn: Callable | None = None, world: int | None = None, check: bool = True,
+            capture: str = "auto", clip_grad_norm: float | None = None, precision: str = "fp32",
             reduce_dtype: str | None = None, loss_mean: str = "microbatch") -> Plan:
     """Compile `program` for `spec` on `batch` into a checked Plan (raises PlanError).
+    `spec` is `pn.annotate(model, {...})`, or a model alone: one region (`pn.annotate`).
 
     `capture` picks the front end that cuts the model into regions: "fx" (symbolic
     tracing), "export" (`torch.export`, non-strict, on `batch`: any model whose forward
@@ -108,8 +109,11 @@ def _gc_paused():
 
 
 def _compile(spec, program, batch, loss_fn, world, check, method, mixed, loss_mean) -> Plan:
+    if isinstance(spec, torch.nn.Module):   # no tags: the whole model is one region
+        spec = annotate(spec)
     if not isinstance(spec, Spec):
-        raise PlanError("compile takes the Spec returned by pn.annotate(model, {...})")
+        raise PlanError("compile takes a model, or the Spec returned by "
+                        f"pn.annotate(model, {{...}}); got a {type(spec).__name__}")
     user = named_batch(batch, "pn.compile")
     named = cast_batch(user, mixed[0])
     spec = cast_spec(spec, mixed[0])

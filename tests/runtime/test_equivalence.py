@@ -6,6 +6,7 @@ stages, each for 3 steps with SGD-momentum and AdamW, compared with `pn.referenc
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import pytest
@@ -13,6 +14,9 @@ import pytest
 import piper_nb as pn
 from piper_nb import optim
 from piper_nb.train import reference_train, train
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from plain import assert_like, plain_loop  # noqa: E402
 
 pytestmark = pytest.mark.dist
 
@@ -54,6 +58,19 @@ def test_data_parallel_zero_2_ranks(cluster2, same, opt, zero):
     kinds = {i.kind for dp in plan.devices for i in dp.instrs}
     assert ("ALL_REDUCE" in kinds) == (zero == 0)
     assert ("REDUCE_SCATTER" in kinds) == (zero > 0)
+
+
+@pytest.mark.parametrize("zero", [0, 1, 2, 3])
+def test_pure_data_parallelism_needs_no_tags(cluster2, zero):
+    """A model as it is, one directive: one region (`PP=0`) replicated over two devices,
+    trained like the loop a user writes."""
+    model, batch = _mlp()
+    plan = pn.compile(model, [pn.replicate({}, [0, 1], zero=zero)], batch)
+    assert [r.name for r in plan.regions] == ["PP=0"] and plan.world == 2
+    result = train(plan, batch, STEPS, optim.SGD(0.1), cluster=cluster2)
+    want_losses, want_state = plain_loop(model, [batch] * STEPS, plan.reference_microbatches,
+                                         lr=0.1, loss_fn=model.loss_fn)
+    assert_like(result, want_losses, want_state)
 
 
 @pytest.mark.parametrize("opt", sorted(OPTIMIZERS))
