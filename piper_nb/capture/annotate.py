@@ -297,12 +297,15 @@ def cut_stages(model: nn.Module, n: int, *, by: str = "params", tag: str = "PP",
                example=None) -> dict[str, dict[str, int]]:
     """An annotation mapping that cuts `model` into `n` contiguous stages of even cost.
 
-    The units are `pipeline_units(model)` that own parameters; the others (rotary tables,
-    dropout, activations) stay untagged and run with the stage of their input, since their
-    place among the children need not be their place in `forward`. `by="flops"` runs the
-    model once on `example` (see `_example_call`)."""
+    The units are `pipeline_units(model)` that own parameters, in the order the forward
+    first calls them (OPT declares its final norm before its layers); the others (rotary
+    tables, dropout, activations) stay untagged and run with the stage of their input.
+    The order comes from one run of the model on `example`, its `example_batch` or its
+    `dummy_inputs` (see `_example_call`; a meta-device model runs on meta tensors), else
+    the definition order. `by="flops"` counts each unit's FLOPs in a run too."""
     units = pipeline_units(model)
     units = [u for u in units if _owns_params(model, u)] or units
+    units = _execution_order(model, units, example)
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
         raise PlanError(f"cut_stages: n must be a positive int, got {n!r}")
     if n > len(units):
@@ -310,6 +313,31 @@ def cut_stages(model: nn.Module, n: int, *, by: str = "params", tag: str = "PP",
                         f"{n} stages; use at most {len(units)}")
     parts = _linear_partition(_unit_costs(model, units, by, example), n)
     return {u: {tag: s} for u, s in zip(units, parts, strict=True)}
+
+
+def _execution_order(model: nn.Module, units: list[str], example) -> list[str]:
+    """`units` in the order one forward first calls them (units it never calls last, in
+    definition order); the definition order when the model cannot run on its example."""
+    try:
+        args, kwargs = _example_call(model, example)
+    except PlanError:
+        return units
+    home = next((p.device for p in model.parameters()), torch.device("cpu"))
+    move = lambda v: v.to(home) if isinstance(v, torch.Tensor) else v   # noqa: E731
+    args, kwargs = tuple(map(move, args)), {k: move(v) for k, v in kwargs.items()}
+    order: dict[str, None] = {}
+    hooks = [model.get_submodule(u).register_forward_pre_hook(
+        lambda _m, _a, u=u: order.setdefault(u)) for u in units]
+    from piper_nb.capture.untouched import untouched
+    try:
+        with untouched(model), torch.no_grad():
+            model(*args, **kwargs)
+    except Exception:   # noqa: BLE001 - any failure of the user's forward: keep their order
+        return units
+    finally:
+        for h in hooks:
+            h.remove()
+    return [*order, *(u for u in units if u not in order)]
 
 
 def _owns_params(model: nn.Module, unit: str) -> bool:

@@ -92,6 +92,35 @@ def test_cut_stages_halves_the_layers(family, by):
     assert [four[u] for u in LAYER_UNITS] == [0, 1, 2, 3]
 
 
+def opt():
+    """OPT declares `decoder.final_layer_norm` before `decoder.layers` (dropout off: the
+    reference draws other masks)."""
+    return transformers.OPTForCausalLM(transformers.OPTConfig(
+        vocab_size=VOCAB, hidden_size=16, word_embed_proj_dim=16, num_hidden_layers=LAYERS,
+        ffn_dim=32, num_attention_heads=2, max_position_embeddings=64, dropout=0.0,
+        pad_token_id=1, bos_token_id=2, eos_token_id=2))
+
+
+@pytest.mark.dist
+def test_cut_stages_follows_the_forward_not_the_definition(cluster2):
+    torch.manual_seed(0)
+    model = opt()
+    units = pipeline_units(model)
+    assert units.index("model.decoder.final_layer_norm") < units.index("model.decoder.layers.0")
+    cut = pp_of(pn.cut_stages(model, 2))
+    assert cut["model.decoder.final_layer_norm"] == cut["lm_head"] == 1   # after the layers
+    assert [cut[f"model.decoder.layers.{i}"] for i in range(LAYERS)] == [0, 0, 1, 1]
+    ids = batch()[0]
+    data = {"input_ids": ids, "labels": ids}
+    plan = pn.compile(pn.annotate(model, pn.cut_stages(model, 2)),
+                      pn.schedules.one_f_one_b(2, 4, place=True), data)
+    assert [r.name for r in plan.regions] == ["PP=0", "PP=1"]
+    result = pn.train(plan, data, 2, pn.optim.SGD(0.1), cluster=cluster2)
+    ref = pn.reference_train(model, data, 2, plan.reference_microbatches, pn.optim.SGD(0.1))
+    torch.testing.assert_close(torch.tensor(result.losses), torch.tensor(ref.losses),
+                               rtol=1e-5, atol=4e-5)
+
+
 def test_cut_stages_plan_captures_even_stages(family):
     name, model, plan = family
     assert plan.capture.method == "export"
