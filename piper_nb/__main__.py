@@ -1,11 +1,15 @@
 """Command line: `python -m piper_nb run STRATEGY.json --model tiny_gpt --devices 4 ...`.
 
 Builds a small example model (or the user's own: `--model package.module:function`), cuts it
-into as many pipeline stages as the strategy's largest `PP` tag + 1 (`pn.cut_stages`),
+into as many pipeline stages as the strategy's largest `PP` tag + 1 (`pn.cut_stages`; or
+`--stages N`, or `--annotations FILE`, a `pn.annotate` mapping in JSON), prints the cut,
 compiles the strategy (Piper's JSON directive list), trains it on local workers next to the
 single-process reference, prints a per-step table of both losses, and writes the measured
 timeline as a plotly HTML page (one bar per event, one row per device and stream) plus the
-trace and the plan as text into `--out`.
+trace and the plan (with the cut) as text into `--out`.
+
+Workers start by importing the main module: a user's script that runs this (`main([...])`)
+needs `if __name__ == "__main__":`, as every torch.multiprocessing program does.
 """
 
 from __future__ import annotations
@@ -18,16 +22,17 @@ import os
 import sys
 from pathlib import Path
 
-__all__ = ["main", "build_model", "load_user_model", "stage_count"]
+__all__ = ["main", "build_model", "load_user_model", "stage_count", "cut_text"]
 
 MODELS = ("tiny_gpt", "mlp", "tiny_moe")
 DEFAULT_BATCH_SIZE = 16
 
-MODEL_HELP = (f"a built-in model ({', '.join(MODELS)}; default tiny_gpt) or your own, "
+MODEL_HELP = (f"a built-in model ({', '.join(MODELS)}) or your own, "
               "'package.module:function': the module is imported with the current directory on "
               "sys.path and the function is called with no arguments; it returns (model, batch) "
               "or (model, batch, loss_fn), where batch is an (inputs, targets) pair of tensors and "
-              "loss_fn(output, targets) defaults to model.loss_fn")
+              "loss_fn(output, targets) defaults to model.loss_fn, or a dict of tensors (a Hugging "
+              "Face batch: with labels, the model's own loss)")
 
 
 def build_model(name: str, tied: bool = False):
@@ -87,11 +92,14 @@ def load_user_model(target: str):
     if not isinstance(model, nn.Module):
         raise SystemExit(f"--model {target!r}: {attr}() must return {_EXPECTED} with a "
                          f"torch.nn.Module first, got {type(model).__name__}")
-    if not (isinstance(batch, (tuple, list)) and len(batch) == 2
-            and all(isinstance(t, torch.Tensor) for t in batch)):
+    named = isinstance(batch, dict) and batch and all(
+        isinstance(k, str) and isinstance(t, torch.Tensor) for k, t in batch.items())
+    if not named and not (isinstance(batch, (tuple, list)) and len(batch) == 2
+                          and all(isinstance(t, torch.Tensor) for t in batch)):
         raise SystemExit(f"--model {target!r}: {attr}() must return {_EXPECTED} with batch an "
-                         f"(inputs, targets) pair of tensors, got {_describe(batch)}")
-    if loss_fn is None and not callable(getattr(model, "loss_fn", None)):
+                         "(inputs, targets) pair of tensors or a dict of tensors, got "
+                         f"{_describe(batch)}")
+    if not named and loss_fn is None and not callable(getattr(model, "loss_fn", None)):
         raise SystemExit(f"--model {target!r}: {type(model).__name__} has no loss_fn method; "
                          f"return (model, batch, loss_fn) with loss_fn(output, targets) -> scalar")
     if loss_fn is not None and not callable(loss_fn):
@@ -101,6 +109,8 @@ def load_user_model(target: str):
 
 
 def _describe(batch) -> str:
+    if isinstance(batch, dict):
+        return "a dict of (" + ", ".join(f"{k}: {type(v).__name__}" for k, v in batch.items()) + ")"
     if isinstance(batch, (tuple, list)):
         return f"a {len(batch)}-{type(batch).__name__} of ({', '.join(type(t).__name__ for t in batch)})"
     return type(batch).__name__
@@ -118,6 +128,33 @@ def stage_count(program) -> int:
     return top + 1
 
 
+def _cut(args, model, program, batch) -> dict:
+    """The annotation mapping: `--annotations FILE`, or `pn.cut_stages` into `--stages` (by
+    default the strategy's own count of stages), in the order the forward runs."""
+    import piper_nb as pn
+    if args.annotations:
+        try:
+            cut = json.loads(Path(args.annotations).read_text())
+        except json.JSONDecodeError as err:
+            raise SystemExit(f"--annotations {args.annotations}: not JSON ({err})") from None
+        if not isinstance(cut, dict) or not all(isinstance(t, dict) for t in cut.values()):
+            raise SystemExit(f"--annotations {args.annotations}: expected a mapping from module "
+                             'patterns to tags, e.g. {"layers.[0-1]": {"PP": 0}, ...}')
+        return cut
+    stages = args.stages or stage_count(program)
+    example = dict(batch) if isinstance(batch, dict) else batch
+    return pn.cut_stages(model, stages, example=example)
+
+
+def cut_text(cut: dict) -> str:
+    """One line per tag combination: the tags, then the module patterns that carry them."""
+    by: dict[str, list[str]] = {}
+    for pattern, tags in cut.items():
+        key = ",".join(f"{k}={v}" for k, v in tags.items()) or "(no tags)"
+        by.setdefault(key, []).append(pattern or "(the whole model)")
+    return "\n".join(f"  {k}: {', '.join(v)}" for k, v in by.items())
+
+
 def _run(args) -> int:
     import torch
 
@@ -132,9 +169,10 @@ def _run(args) -> int:
     else:
         model, loss_fn = build_model(args.model, args.tied), None
         batch = model.example_batch(batch_size=args.batch_size or DEFAULT_BATCH_SIZE, seed=0)
-    spec = pn.annotate(model, pn.cut_stages(model, stage_count(program)))
-    plan = pn.compile(spec, program, batch, world=args.devices, loss_fn=loss_fn,
-                      loss_mean=args.loss_mean)
+    cut = _cut(args, model, program, batch)
+    print("the cut:\n" + cut_text(cut))
+    plan = pn.compile(pn.annotate(model, cut), program, batch, world=args.devices,
+                      loss_fn=loss_fn, loss_mean=args.loss_mean)
     opt = optim.AdamW(args.lr) if args.optimizer == "adamw" else optim.SGD(args.lr, momentum=0.9)
     with LocalCluster(args.devices) as cluster:
         result = train(plan, batch, args.steps, opt, cluster=cluster)
@@ -148,7 +186,8 @@ def _run(args) -> int:
     out.mkdir(parents=True, exist_ok=True)
     result.trace.figure().write_html(out / "timeline.html")
     (out / "trace.json").write_text(result.trace.to_json())
-    (out / "plan.txt").write_text(plan.grid(waits=True) + "\n")
+    (out / "plan.txt").write_text(plan.grid(waits=True) + "\n\n# the cut (a pn.annotate mapping)\n"
+                                  + json.dumps(cut, indent=1) + "\n")
     (out / "losses.json").write_text(json.dumps({"losses": result.losses,
                                                  "reference": ref.losses,
                                                  "step_times": result.step_times}))
@@ -160,22 +199,36 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m piper_nb",
                                      description="Compile and run a piper_nb strategy.")
     sub = parser.add_subparsers(dest="command", required=True)
-    run = sub.add_parser("run", help="train a strategy on local workers")
+    run = sub.add_parser("run", help="train a strategy on local workers",
+                         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     run.add_argument("strategy", help="JSON list of directives (Piper's format)")
     run.add_argument("--model", default="tiny_gpt", metavar="NAME|MODULE:FUNCTION", help=MODEL_HELP)
     run.add_argument("--tied", action="store_true", help="tie the embeddings (built-in GPT models)")
-    run.add_argument("--devices", type=int, default=2)
-    run.add_argument("--steps", type=int, default=5)
-    run.add_argument("--batch-size", type=int, default=None,
-                     help=f"batch of a built-in model (default {DEFAULT_BATCH_SIZE}); "
-                          "a user function returns its own batch")
-    run.add_argument("--optimizer", choices=("sgd", "adamw"), default="adamw")
-    run.add_argument("--lr", type=float, default=1e-3)
+    cut = run.add_mutually_exclusive_group()
+    cut.add_argument("--stages", type=int, default=argparse.SUPPRESS,
+                     help="cut the model into this many stages (pn.cut_stages, in the order its "
+                          "forward runs); by default as many as the strategy's PP tags")
+    cut.add_argument("--annotations", metavar="FILE", default=argparse.SUPPRESS,
+                     help="a pn.annotate mapping in JSON instead of a cut, e.g. "
+                          '{"layers.[0-1]": {"PP": 0}, "layers.[2-3]": {"PP": 1}}')
+    run.add_argument("--devices", type=int, default=2, help="local worker processes")
+    run.add_argument("--steps", type=int, default=5, help="training steps")
+    run.add_argument("--batch-size", type=int, default=argparse.SUPPRESS,
+                     help=f"batch of a built-in model (default: {DEFAULT_BATCH_SIZE}); a user "
+                          "function returns its own batch")
+    run.add_argument("--optimizer", choices=("sgd", "adamw"), default="adamw",
+                     help="SGD with momentum 0.9, or AdamW")
+    run.add_argument("--lr", type=float, default=1e-3, help="learning rate")
     run.add_argument("--loss-mean", choices=("microbatch", "global"), default="microbatch",
-                     help="what a step minimises: the mean of the microbatches' mean losses "
-                          "(default), or the loss over the whole batch (token mean)")
-    run.add_argument("--out", default="piper_nb_out")
+                     help="what a step minimises: the mean of the microbatches' mean losses, "
+                          "or the loss over the whole batch (token mean)")
+    run.add_argument("--out", default="piper_nb_out",
+                     help="folder for timeline.html, trace.json, plan.txt and losses.json")
     args = parser.parse_args(argv)
+    for name in ("stages", "annotations", "batch_size"):   # given, or None
+        setattr(args, name, getattr(args, name, None))
+    if args.stages is not None and args.stages < 1:
+        run.error(f"--stages {args.stages}: give a positive number of stages")
     if ":" in args.model:
         for flag, given in (("--batch-size", args.batch_size is not None), ("--tied", args.tied)):
             if given:

@@ -78,6 +78,20 @@ def no_loss():
     return m, (torch.zeros(8, 8), torch.zeros(8, 8))
 
 
+def hf_llama():
+    """A Hugging Face model with a dict batch and no loss_fn: its own loss from the labels
+    (token ids, pad/bos/eos among them, inside the tiny vocabulary)."""
+    import torch
+    import transformers
+    config = transformers.LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32,
+                                      num_hidden_layers=2, num_attention_heads=2,
+                                      num_key_value_heads=1, pad_token_id=0, bos_token_id=1,
+                                      eos_token_id=2)
+    torch.manual_seed(0)
+    ids = torch.randint(0, 32, (8, 8), generator=torch.Generator().manual_seed(0))
+    return transformers.LlamaForCausalLM(config), {"input_ids": ids, "labels": ids}
+
+
 def needs_args(size):
     return build()
 
@@ -142,7 +156,7 @@ def test_load_user_model_imports_from_the_working_directory(user_module):
     ("{mod}:not_callable", "is not callable (int); name a function returning (model, batch) or (model, "),
     ("{mod}:needs_args", "must be callable with no arguments"),
     ("{mod}:wrong_count", "must return (model, batch) or (model, batch, loss_fn), got MLP"),
-    ("{mod}:wrong_batch", "batch an (inputs, targets) pair of tensors, got a 3-list"),
+    ("{mod}:wrong_batch", "batch an (inputs, targets) pair of tensors or a dict of tensors, got a 3-list"),
     ("{mod}:no_loss", "has no loss_fn method; return (model, batch, loss_fn)"),
     ("{mod}:", "expected package.module:function"),
 ])
@@ -151,6 +165,42 @@ def test_cli_user_model_errors_name_what_was_expected(user_module, tmp_path, tar
                              target.format(mod=user_module), "--out", str(tmp_path / "o")])
     assert expected in message
     assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.dist
+def test_cli_runs_a_dict_batch_with_the_models_own_loss_and_prints_the_cut(
+        user_module, tmp_path, capsys):
+    pytest.importorskip("transformers")
+    out = tmp_path / "run"
+    code = main(["run", str(EXAMPLES / "pp2_1f1b.json"), "--model", f"{user_module}:hf_llama",
+                 "--stages", "2", "--devices", "2", "--steps", "2", "--optimizer", "sgd",
+                 "--lr", "0.1", "--out", str(out)])
+    text = capsys.readouterr().out
+    assert code == 0, text
+    assert "the cut:\n  PP=0: model.embed_tokens, model.layers.0\n" in text
+    assert "  PP=1: model.layers.1, model.norm, lm_head\n" in text
+    rows = [line.split() for line in text.splitlines() if line.strip()[:1].isdigit()]
+    assert [r[0] for r in rows] == ["1", "2"] and all(float(r[3]) < 1e-5 for r in rows)
+    plan = (out / "plan.txt").read_text()
+    assert plan.startswith("dev0") and '"lm_head": {\n  "PP": 1' in plan
+
+
+@pytest.mark.dist
+def test_cli_takes_an_annotation_file(tmp_path, capsys):
+    tags = tmp_path / "tags.json"
+    tags.write_text('{"layers.0": {"PP": 0}, "layers.[1-3]": {"PP": 1}}')   # uneven, on purpose
+    code = main(["run", str(EXAMPLES / "pp2_1f1b.json"), "--model", "mlp", "--annotations",
+                 str(tags), "--steps", "1", "--batch-size", "8", "--out", str(tmp_path / "o")])
+    text = capsys.readouterr().out
+    assert code == 0, text
+    assert "  PP=0: layers.0\n  PP=1: layers.[1-3]\n" in text
+    tags.write_text('["layers.0"]')
+    message = _exit_message(["run", str(EXAMPLES / "pp2_1f1b.json"), "--model", "mlp",
+                             "--annotations", str(tags), "--out", str(tmp_path / "o")])
+    assert "expected a mapping from module patterns to tags" in message
+    with pytest.raises(SystemExit):
+        main(["run", str(EXAMPLES / "pp2_1f1b.json"), "--stages", "2", "--annotations", str(tags)])
+    assert "not allowed with argument" in capsys.readouterr().err
 
 
 def test_cli_rejects_builtin_only_flags_and_unknown_names(user_module, tmp_path, capsys):
@@ -172,3 +222,4 @@ def test_cli_help_documents_user_models(capsys):
     text = " ".join(capsys.readouterr().out.split())
     assert "package.module:function" in text and "(model, batch, loss_fn)" in text
     assert "defaults to model.loss_fn" in text
+    assert "(default: tiny_gpt)" in text and "(default: 2)" in text and "(default: 16)" in text
