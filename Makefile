@@ -20,7 +20,7 @@ $(SYSDEPS): | $(BIN)/python
 $(STAMP): pyproject.toml | $(BIN)/python
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q "torch==2.13.0"
-	$(BIN)/pip install -q -e ".[test]"
+	$(BIN)/pip install -q -e ".[all,test]"
 	@touch $@
 
 test: $(STAMP) $(SYSDEPS)

@@ -5,7 +5,7 @@ Tag regions of a model (`annotate`), write a program of directives (`place`, `re
 checked per-device plans, `simulate` them, and `train` on real torch.distributed workers.
 """
 
-from piper_nb import models, optim, profile, schedules
+from piper_nb import extras, models, optim, profile, schedules
 from piper_nb.capture import annotate, cut_stages, expert_slices, pipeline_units, region
 from piper_nb.cluster import IPyParallelCluster, LocalCluster
 from piper_nb.compiler.compile import compile
@@ -38,7 +38,7 @@ __all__ = ["annotate", "cut_stages", "expert_slices", "region", "compile", "Plan
            "RuntimeFailure", "WorkerLost", "TrainingDAG", "Node", "Edge", "Op", "Purpose", "validate",
            "models", "schedules", "CostModel", "HostModel", "HardwareSpec", "MemorySettings",
            "Trace", "simulate", "train", "reference_train", "LocalCluster", "IPyParallelCluster",
-           "optim", "Result", "StepMetrics", "Designer", "profile",
+           "optim", "Result", "StepMetrics", "Designer", "profile", "extras",
            # the memory model's accounting, for tutorials that check it against the ZeRO paper
            "device_model_states", "zero_model_states", "MIXED_PRECISION_ADAM",
            "pipeline_units"]
@@ -47,6 +47,9 @@ __all__ = ["annotate", "cut_stages", "expert_slices", "region", "compile", "Plan
 def __getattr__(name: str):
     # the notebook UI loads ipywidgets and plotly: only when asked for
     if name == "Designer":
+        from piper_nb.extras import require
+        for module in ("ipywidgets", "anywidget", "plotly"):
+            require(module, "pn.Designer")
         from piper_nb.ui import Designer
         return Designer
     raise AttributeError(f"module 'piper_nb' has no attribute {name!r}")

@@ -58,12 +58,9 @@ class TensorBoardLog:
     `train/tokens_per_s` and `train/step_time` per step, in `log_dir`."""
 
     def __init__(self, log_dir: str | os.PathLike):
-        try:
-            from torch.utils.tensorboard import SummaryWriter
-        except ImportError as err:   # tensorboard is a dependency; a broken install says so
-            from piper_nb.errors import PlanError
-            raise PlanError(f"log_dir needs the tensorboard package ({err}); pip install "
-                            "tensorboard") from None
+        from piper_nb.extras import require
+        require("tensorboard", "pn.train(log_dir=...)")
+        from torch.utils.tensorboard import SummaryWriter
         self.writer = SummaryWriter(log_dir=os.fspath(log_dir))
 
     def write(self, m: StepMetrics) -> None:

@@ -13,7 +13,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "piper_nb"
 
 # part -> floor; a part may import parts on lower floors only (leaves: anyone may)
 FLOORS = {
-    "errors": 0, "host": 0, "trace": 0, "optim": 0, "models": 0, "metrics": 0,
+    "errors": 0, "host": 0, "trace": 0, "optim": 0, "models": 0, "metrics": 0, "extras": 0,
     "ir": 1,
     "capture": 2,
     "directives": 3,

@@ -34,6 +34,7 @@ from piper_nb.cluster.engine_roster import Roster, engine_error
 from piper_nb.cluster.failure import worker_failure
 from piper_nb.cluster.protocol import ClusterCommands
 from piper_nb.errors import RuntimeFailure, WorkerLost
+from piper_nb.extras import require
 from piper_nb.runtime.process import serve
 
 __all__ = ["IPyParallelCluster"]
@@ -70,7 +71,7 @@ class IPyParallelCluster(ClusterCommands):
         self._ipp = None                       # the ipyparallel.Cluster when we started it
         client = _client
         if client is None:
-            import ipyparallel as ipp
+            ipp = require("ipyparallel", "IPyParallelCluster")
             opts = {"engine_launcher_class": "local", "log_level": logging.ERROR, "delay": 0,
                     **cluster_options}
             self._ipp = ipp.Cluster(n=n, controller_ip=ip, **opts)
@@ -94,7 +95,7 @@ class IPyParallelCluster(ClusterCommands):
         """Attach to a running `ipcluster` (any launcher) by its client connection file
         (`url_file`) or by `profile` (or `profile_dir`) and `cluster_id`; use `n` engines
         (waiting up to `wait` s for them), default all that are registered."""
-        import ipyparallel as ipp
+        ipp = require("ipyparallel", "IPyParallelCluster.connect")
         if url_file:   # ipyparallel takes the file as its first argument (url_file= is ignored)
             client = ipp.Client(str(url_file), timeout=wait)
         else:

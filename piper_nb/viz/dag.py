@@ -127,7 +127,8 @@ def dag_view(dag, collapse=None, max_nodes: int = 150) -> DagView:
 
 
 def draw_dag(view: DagView, rankdir: str = "LR", name: str = "dag", size: str = "14,9"):
-    import graphviz
+    from piper_nb.extras import require
+    graphviz = require("graphviz", "drawing the DAG")
     g = graphviz.Digraph(name, graph_attr={"rankdir": rankdir, "fontsize": "10",
                                            "compound": "true", "size": size},
                          node_attr={"fontsize": "9", "style": "filled", "fontname": "Helvetica"},

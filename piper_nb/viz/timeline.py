@@ -120,7 +120,8 @@ def _memory(trace, label: dict[int, str]) -> dict[str, tuple]:
 def draw_timeline(data: TimelineData, memory: bool = True, expanded: TimelineData | None = None):
     """Render `data` (walk-then-draw); with `expanded` (the same trace, every device), the
     figure carries both and two buttons switch between them."""
-    from plotly.subplots import make_subplots
+    from piper_nb.extras import require
+    make_subplots = require("plotly.subplots", "the timeline figure").make_subplots
     with_mem = memory and bool(data.memory)
     fig = make_subplots(rows=2 if with_mem else 1, cols=1, shared_xaxes=True,
                         row_heights=[0.72, 0.28] if with_mem else [1.0], vertical_spacing=0.06)
