@@ -141,9 +141,7 @@ def _cut(args, model, program, batch) -> dict:
             raise SystemExit(f"--annotations {args.annotations}: expected a mapping from module "
                              'patterns to tags, e.g. {"layers.[0-1]": {"PP": 0}, ...}')
         return cut
-    stages = args.stages or stage_count(program)
-    example = dict(batch) if isinstance(batch, dict) else batch
-    return pn.cut_stages(model, stages, example=example)
+    return pn.cut_stages(model, args.stages or stage_count(program), example=batch)
 
 
 def cut_text(cut: dict) -> str:

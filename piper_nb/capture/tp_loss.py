@@ -26,7 +26,7 @@ from torch.nn import _reduction
 
 from piper_nb.capture.tp_parts import Info
 from piper_nb.capture.tp_reductions import ON_SHARE
-from piper_nb.capture.tp_vocab import between, tp_rank
+from piper_nb.capture.tp_vocab import between, own_range, tp_rank
 from piper_nb.errors import PlanError
 
 __all__ = ["CROSS_ENTROPY", "loss_readers", "feeds_only_loss", "parallel_cross_entropy"]
@@ -128,10 +128,7 @@ def parallel_cross_entropy(gm, n: fx.Node, degree: int, infos: dict, where: str)
         rank = tp_rank(gm)
         lse = g.call_function(_A.logsumexp.default, (x, [c]))
         lse.meta[ON_SHARE] = True   # over this device's classes, on purpose
-        local = g.call_function(_A.sub.Tensor, (target, g.call_function(_A.mul.Tensor, (rank, share))))
-        outside = g.call_function(_A.logical_or.default, (
-            g.call_function(_A.lt.Scalar, (local, 0)), g.call_function(_A.ge.Scalar, (local, share))))
-        safe = g.call_function(_A.masked_fill.Scalar, (local, outside, 0))
+        safe, outside = own_range(g, target, rank, share)
         picked = g.call_function(_A.squeeze.dim, (g.call_function(
             _A.gather.default, (x, c, g.call_function(_A.unsqueeze.default, (safe, c)))), c))
         picked = g.call_function(_A.masked_fill.Scalar, (picked, outside, 0.0))

@@ -25,7 +25,8 @@ import torch.nn.functional as F
 from piper_nb.capture.tp_parts import Info
 from piper_nb.errors import PlanError
 
-__all__ = ["TP_RANK", "EMBEDDING", "vocab_embedding", "gathered_output", "tp_rank", "between"]
+__all__ = ["TP_RANK", "EMBEDDING", "vocab_embedding", "gathered_output", "tp_rank", "own_range",
+           "between"]
 
 TP_RANK = "_pn_tp_rank"   # a part's own tensor-parallel rank, set by each worker
 EMBEDDING = torch.ops.aten.embedding.default
@@ -62,11 +63,7 @@ def vocab_embedding(gm, n: fx.Node, path: str, gm0, degree: int, infos: dict):
     first = n.prev   # the new nodes go between it and n
     with g.inserting_before(n):
         w = g.get_attr(f"{path}.weight")
-        rank = tp_rank(gm)
-        local = g.call_function(A.sub.Tensor, (ids, g.call_function(A.mul.Tensor, (rank, share))))
-        outside = g.call_function(A.logical_or.default, (
-            g.call_function(A.lt.Scalar, (local, 0)), g.call_function(A.ge.Scalar, (local, share))))
-        safe = g.call_function(A.masked_fill.Scalar, (local, outside, 0))
+        safe, outside = own_range(g, ids, tp_rank(gm), share)
         look = g.call_function(F.embedding, (safe, w))
         got = look
         if pad is not None:   # the padding row's value, without its gradient
@@ -90,6 +87,16 @@ def tp_rank(gm) -> fx.Node:
     if not hasattr(gm, TP_RANK):
         gm.register_buffer(TP_RANK, torch.tensor(0))
     return gm.graph.get_attr(TP_RANK)
+
+
+def own_range(g: fx.Graph, ids: fx.Node, rank: fx.Node, share: int) -> tuple[fx.Node, fx.Node]:
+    """(ids made this device's own: `ids - rank * share`, 0 outside its range; where they
+    are outside), made at the insert point: the rows of a vocabulary cut `share` per device."""
+    A = torch.ops.aten
+    local = g.call_function(A.sub.Tensor, (ids, g.call_function(A.mul.Tensor, (rank, share))))
+    outside = g.call_function(A.logical_or.default, (
+        g.call_function(A.lt.Scalar, (local, 0)), g.call_function(A.ge.Scalar, (local, share))))
+    return g.call_function(A.masked_fill.Scalar, (local, outside, 0)), outside
 
 
 def between(a: fx.Node, b: fx.Node) -> list[fx.Node]:
