@@ -14,7 +14,9 @@ become the node's tags; a symbolic batch size is read off the inputs rather than
 targets, so the first stage needs no targets. The batch dimension is dynamic, so one
 capture serves every microbatch size. Values computed from the batch, buffers and
 constants alone (attention masks, rotary tables, position ids) are recomputed in each
-region that reads them instead of being sent between stages (`rematerialize`).
+region that reads them instead of being sent between stages (`rematerialize`), for any
+family (Llama's causal masks, Mistral's and Gemma2's sliding windows built in the root
+`forward`); a cache `forward` builds and drops leaves no op behind (`_observable`).
 
 Ops registered by libraries at import time (`torch.ops.transformers.*`) must be importable
 where the regions are unpickled: `custom_op_modules` names the modules to import first.
@@ -127,7 +129,28 @@ def _clean(g: fx.Graph) -> None:
             n.meta["pn_tags"] = {k: v for k, v in custom.items()
                                  if not k.startswith("_") and type(v) is int}
     _sizes_from_inputs(g)
-    g.eliminate_dead_code()
+    g.eliminate_dead_code(is_impure_node=_observable)
+
+
+def _observable(n: fx.Node) -> bool:
+    """Impure for dead-code elimination, except an in-place op whose every written
+    argument is a fresh tensor nothing else reads: a cache `forward` builds and drops (a
+    sliding-window `DynamicCache`'s `lift_fresh_copy(...).detach_()`) leaves no trace."""
+    t = n.target
+    if not (n.is_impure() and isinstance(t, torch._ops.OpOverload)
+            and torch.Tag.nondeterministic_seeded not in t.tags):
+        return n.is_impure()
+    written = [a for spec, a in zip(t._schema.arguments, n.args, strict=False)
+               if spec.alias_info is not None and spec.alias_info.is_write]
+    return not written or not all(_fresh(a) and set(a.users) == {n} for a in written)
+
+
+def _fresh(a) -> bool:
+    """A node whose value is a new tensor (an op returning no alias of its inputs)."""
+    t = getattr(a, "target", None)
+    return (isinstance(a, fx.Node) and a.op == "call_function"
+            and isinstance(t, torch._ops.OpOverload)
+            and all(r.alias_info is None for r in t._schema.returns))
 
 
 def _sizes_from_inputs(g: fx.Graph) -> None:

@@ -12,6 +12,7 @@ Used by `capture.split`.
 from __future__ import annotations
 
 import heapq
+import re
 
 import torch.fx as fx
 
@@ -137,8 +138,10 @@ def assign_regions(nodes: list[fx.Node], own: dict[fx.Node, dict],
             if not users and out in n.users and loss in region_of:
                 users = {region_of[loss]}   # a count or metric from the targets alone
             if not users:
-                raise PlanError(f"operation {n.name} ({n.target}) belongs to no region; "
-                                "tag the module that computes it")
+                raise PlanError(f"operation {n.name} ({n.target}){_where(n)} belongs to no "
+                                "region: it reads no tagged value and no region or loss reads "
+                                "it; tag the module that computes it, or move it out of "
+                                "forward (a buffer update belongs in a hook or the loop)")
             region_of[n] = r = graph.latest(users, last=False)
             for u in users:
                 graph.depend(u, {r})
@@ -153,6 +156,25 @@ def assign_regions(nodes: list[fx.Node], own: dict[fx.Node, dict],
             tags = freeze_tags({**dict(tags), SEG: seg})
         tags_of_region[number[r]] = tags
     return {n: number[r] for n, r in region_of.items()}, tags_of_region
+
+
+def _where(n: fx.Node) -> str:
+    """' in <module path> forward at file:line (code)', from the node's recorded stack."""
+    stack = n.meta.get("nn_module_stack") or {}
+    path, kind = list(stack.values())[-1][:2] if stack else ("", "")
+    path = path.removeprefix("model").removeprefix(".")   # export's root holds the model
+    kind = getattr(kind, "__name__", str(kind)).rsplit(".", 1)[-1].strip("'>")
+    scope = f" in {path or 'the root'} forward ({kind})"
+    lines = (n.meta.get("stack_trace") or "").strip().splitlines()
+    for i in range(len(lines) - 1, -1, -1):
+        m = _FRAME.match(lines[i])
+        if m and "/torch/" not in m["file"] and "/piper_nb/" not in m["file"]:
+            code = lines[i + 1].strip() if i + 1 < len(lines) else ""
+            return f"{scope} at {m['file']}:{m['line']} ({code})"
+    return scope if stack else ""
+
+
+_FRAME = re.compile(r'\s*File "(?P<file>[^"]+)", line (?P<line>\d+), in (?P<fn>\S+)')
 
 
 def _follow_users(nodes: list[fx.Node], weights: set[fx.Node], region_of: dict[fx.Node, int],

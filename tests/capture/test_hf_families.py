@@ -138,3 +138,41 @@ def test_dropout_runs_repeat_exactly_given_the_seed(cluster2, one_thread):
             for s in (7, 7, 8)]
     assert runs[0] == runs[1]
     assert runs[0] != runs[2]
+
+
+def mistral():
+    return transformers.MistralForCausalLM(transformers.MistralConfig(sliding_window=4, **_COMMON))
+
+
+def gemma2():
+    return transformers.Gemma2ForCausalLM(transformers.Gemma2Config(
+        sliding_window=4, head_dim=8, **_COMMON))
+
+
+@pytest.mark.parametrize("strategy", ["pp2_1f1b", "pp2_dp2_zero3"])
+@pytest.mark.parametrize("make", [mistral, gemma2])
+def test_sliding_window_masks_of_the_root_forward_are_recomputed_per_stage(
+        make, strategy, cluster2, cluster4, one_thread):
+    """Mistral and Gemma2 build their sliding-window masks (and a cache they drop) in the
+    root `forward`, outside every module: annotated by module path, each stage recomputes
+    the masks from the batch and trains like one process; the window of 4 in sequences of 8
+    changes the loss, so a stage that lost it would show."""
+    torch.manual_seed(0)
+    model = make()
+    ref = pn.reference_train(model, batch(), steps=STEPS, microbatches=4, optimizer=OPTIMIZER)
+    model.config.sliding_window = SEQ
+    wide = pn.reference_train(model, batch(), steps=1, microbatches=4, optimizer=OPTIMIZER)
+    model.config.sliding_window = 4
+    assert abs(wide.losses[0] - ref.losses[0]) > 1e-4
+    plan = pn.compile(pn.annotate(model, stages("llama", 2)), STRATEGIES[strategy][1](), batch())
+    last = plan.capture.regions[-1]
+    sent = [v for v in last.inputs if v not in plan.capture.batch and "sym_size" not in v]
+    assert len(sent) == 1, f"stage 1 is sent {sent}, not only the hidden states"
+    got = pn.train(plan, batch(), steps=STEPS, optimizer=OPTIMIZER,
+                   cluster=cluster4 if plan.world == 4 else cluster2)
+    torch.testing.assert_close(torch.tensor(got.losses), torch.tensor(ref.losses),
+                               rtol=1e-5, atol=1e-6)
+    mine, theirs = got.state_dict(), ref.state_dict()
+    for k in theirs:
+        torch.testing.assert_close(mine[k], theirs[k], rtol=1e-5, atol=1e-6,
+                                   msg=lambda m, k=k: f"{k}: {m}")

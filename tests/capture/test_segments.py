@@ -171,3 +171,29 @@ def test_pack_size_round_trips_and_survives_zero_filled_inputs(value):
     if t.dtype in (torch.uint8, torch.int8):  # shape-encoded: the profiler's zeros decode too
         assert unpack_size(torch.zeros(t.shape, dtype=t.dtype)) == value
         assert t.untyped_storage().nbytes() <= 1
+
+
+class _Counting(nn.Module):
+    """A root forward that bumps a buffer no region reads, and builds and drops a cache."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+        self.register_buffer("calls", torch.zeros(()))
+
+    def forward(self, x):
+        self.calls.add_(1)
+        torch.zeros(3).clone().detach_()   # a dropped cache: no trace left
+        return self.b(torch.relu(self.a(x)))
+
+
+def test_an_op_of_the_root_forward_no_region_reads_names_its_line():
+    spec = pn.annotate(_Counting(), {"a": {"PP": 0}, "b": {"PP": 1}})
+    with pytest.raises(pn.PlanError) as err:
+        pn.compile(spec, [pn.place({"PP": 0}, [0]), pn.place({"PP": 1}, [1])],
+                   (torch.randn(4, 4), torch.randn(4, 4)), loss_fn=nn.functional.mse_loss,
+                   capture="export")
+    msg = str(err.value)
+    assert "add_" in msg and "the root forward (_Counting)" in msg, msg
+    assert "test_segments.py" in msg and "self.calls.add_(1)" in msg, msg
+    assert "detach_" not in msg
