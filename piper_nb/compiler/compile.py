@@ -29,6 +29,7 @@ from piper_nb.compiler.lower import lower
 from piper_nb.compiler.passes import run_pipeline
 from piper_nb.compiler.precision import cast_batch, cast_spec, check_precision
 from piper_nb.compiler.shapes import propagate
+from piper_nb.compiler.stage_order import check_stage_order
 from piper_nb.compiler.token_rows import token_rows
 from piper_nb.compiler.tp_widen import widen
 from piper_nb.directives.base import Context
@@ -151,6 +152,8 @@ def _plan(capture, directives, named: dict, world: int | None, check: bool,
           mixed: tuple[str, str | None] = ("fp32", None), sampled: tuple = (),
           spec: Spec | None = None) -> Plan:
     """Lower and check the directives for the captured model on the named batch."""
+    if check:
+        check_stage_order(capture)
     bsz = batch_size(named)
     micro = _microbatches(directives, bsz)
     capture = _sharded(capture, directives, named)

@@ -121,6 +121,19 @@ def test_cut_stages_follows_the_forward_not_the_definition(cluster2):
                                rtol=1e-5, atol=4e-5)
 
 
+def test_opt_cut_in_definition_order_is_refused_naming_the_cut():
+    model = opt()
+    units = pipeline_units(model)
+    tags = {u: {"PP": int(i >= len(units) // 2)} for i, u in enumerate(units)}
+    ids = batch()[0]
+    with pytest.raises(pn.PlanError) as e:
+        pn.compile(pn.annotate(model, tags), pn.schedules.one_f_one_b(2, 4, place=True),
+                   {"input_ids": ids, "labels": ids})
+    assert ("model.decoder.final_layer_norm (PP 0) first runs after model.decoder.layers.1, "
+            "model.decoder.layers.2, model.decoder.layers.3 (PP 1)") in str(e.value)
+    assert "the order 0, 1, 0, 1" in str(e.value)
+
+
 def test_cut_stages_plan_captures_even_stages(family):
     name, model, plan = family
     assert plan.capture.method == "export"
