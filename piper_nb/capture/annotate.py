@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from piper_nb.capture.experts import check_slices, expert_count, split_slice
+from piper_nb.capture.pipe_split import normalize_split_spec
 from piper_nb.errors import PlanError
 
 __all__ = ["Spec", "annotate", "cut_stages", "pipeline_units", "derived"]
@@ -36,6 +37,7 @@ class Spec:
     module_tags: Mapping[str, Mapping[str, int]]
     annotations: Mapping[str, Mapping[str, int]] = field(default_factory=dict)
     expert_slices: Mapping[str, tuple] = field(default_factory=dict)  # module -> (lo, hi, tags)
+    split_spec: Mapping[str, str] = field(default_factory=dict)   # module -> beginning | end
 
     def __post_init__(self):
         for name in ("module_tags", "annotations"):
@@ -43,6 +45,7 @@ class Spec:
                                        for k, v in getattr(self, name).items()})
             object.__setattr__(self, name, frozen)
         object.__setattr__(self, "expert_slices", MappingProxyType(dict(self.expert_slices)))
+        object.__setattr__(self, "split_spec", MappingProxyType(dict(self.split_spec)))
 
     def tags_of(self, path: str) -> dict[str, int]:
         """Effective tags of module `path`: its ancestors' tags, extended by its own."""
@@ -103,12 +106,19 @@ def _check_tags(where: str, tags: Any) -> dict[str, int]:
     return dict(tags)
 
 
-def annotate(model: nn.Module, mapping: Mapping[str, Mapping[str, int]] | None = None) -> Spec:
+def annotate(model: nn.Module, mapping: Mapping[str, Mapping[str, int]] | None = None, *,
+             split_spec: Mapping | None = None) -> Spec:
     """Tag the modules of `model`; patterns match dotted module paths (fnmatch syntax).
-    A model with no tags at all (no mapping, no `pn.region` in its code) is one region,
-    `PP=0`: plain data parallelism is `pn.replicate({}, devices)`."""
+    A model with no tags at all (no mapping, no `pn.region` or `pipe_split()` in its code)
+    is one region, `PP=0`: plain data parallelism is `pn.replicate({}, devices)`.
+
+    `split_spec` is torch.distributed.pipelining's: `{"layers.4": SplitPoint.BEGINNING}`
+    starts a new stage where `layers.4` is called (`.END`: after it returns), as
+    `pipe_split()` calls in `forward` do (`capture.pipe_split`); the stages are then the
+    `PP` tags, so the mapping may not also set `PP`."""
     if not isinstance(model, nn.Module):
         raise PlanError(f"annotate expects an nn.Module, got {type(model).__name__}")
+    points = normalize_split_spec(model, split_spec)
     mapping = dict(mapping or {})
     paths = [p for p, _ in model.named_modules() if p]
     module_tags: dict[str, dict[str, int]] = {}
@@ -128,7 +138,11 @@ def annotate(model: nn.Module, mapping: Mapping[str, Mapping[str, int]] | None =
                 slices.setdefault(p, []).append((cut[1], cut[2], tags))
     expert = {p: check_slices(p, expert_count(model.get_submodule(p)), s)
               for p, s in slices.items()}
-    return Spec(model=model, module_tags=module_tags, annotations=mapping, expert_slices=expert)
+    if points and any("PP" in t for t in module_tags.values()):
+        raise PlanError("annotate: split_spec cuts the stages and the mapping sets PP too; "
+                        "mark the stages one way (split_spec, or PP tags)")
+    return Spec(model=model, module_tags=module_tags, annotations=mapping, expert_slices=expert,
+                split_spec=points)
 
 
 def _hits(model: nn.Module, paths: list[str], pattern: str) -> list[str]:

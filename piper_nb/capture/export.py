@@ -33,6 +33,7 @@ from torch import nn
 from torch.nn.utils import parametrize
 
 from piper_nb.capture.functions import seen_functions
+from piper_nb.capture.pipe_split import number_stages
 from piper_nb.capture.region import tracing_scope
 from piper_nb.errors import PlanError
 
@@ -128,6 +129,7 @@ def _clean(g: fx.Graph) -> None:
         if custom:
             n.meta["pn_tags"] = {k: v for k, v in custom.items()
                                  if not k.startswith("_") and type(v) is int}
+    number_stages(g, g.owning_module)          # pipe_split() points -> PP tags
     _sizes_from_inputs(g)
     g.eliminate_dead_code(is_impure_node=_observable)
 

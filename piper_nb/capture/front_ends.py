@@ -23,6 +23,7 @@ from piper_nb.capture.batch import PAIR
 from piper_nb.capture.export import export_graph, export_module_path, export_size_nodes
 from piper_nb.capture.functions import keeping_functions
 from piper_nb.capture.loss import compute_loss
+from piper_nb.capture.pipe_split import has_split_point, marking_splits, number_stages
 from piper_nb.capture.region import current_region_tags, tracing_scope
 from piper_nb.errors import PlanError
 
@@ -73,7 +74,7 @@ class _Tracer(fx.Tracer):
     the region holds no parametrized module (those pickle only through a state_dict)."""
 
     def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
-        if parametrize.is_parametrized(m):
+        if parametrize.is_parametrized(m) or has_split_point(m):
             return False
         return super().is_leaf_module(m, qualname)
 
@@ -94,9 +95,10 @@ def _module_path(node: fx.Node) -> str:
 def _trace(root: nn.Module, name: str) -> tuple[fx.GraphModule, dict[str, type]]:
     """The traced graph and the custom autograd Functions kept in it (`capture.functions`)."""
     tracer = _Tracer()
-    with tracing_scope(), keeping_functions(tracer) as functions:
+    with tracing_scope(), keeping_functions(tracer) as functions, marking_splits(tracer):
         try:
             graph = tracer.trace(root)
+            number_stages(graph, root)
         except PlanError:   # the model's own words (a loss of the wrong form)
             raise
         except Exception as err:  # fx raises many kinds; the user needs the reason

@@ -35,6 +35,7 @@ from piper_nb.capture.batch import PAIR, samples
 from piper_nb.capture.experts import cut_pieces, sliced_forwards
 from piper_nb.capture.export import custom_op_modules, rematerialize
 from piper_nb.capture.front_ends import FrontEnd, front_end
+from piper_nb.capture.pipe_split import split_points
 from piper_nb.capture.region_code import region_module
 from piper_nb.capture.segments import assign_regions
 from piper_nb.errors import PlanError
@@ -131,7 +132,7 @@ def capture_regions(spec, loss_fn: Callable, example: dict | None = None,
         raise PlanError(f"{type(model).__name__} is on the meta device: expert slices route "
                         "tokens by value, which needs real weights; build the model on the "
                         "CPU, or plan it without [lo:hi] slices")
-    with sliced_forwards(model, slices):
+    with sliced_forwards(model, slices), split_points(model, getattr(spec, "split_spec", {})):
         front = front_end(model, loss_fn, example, "export" if slices else method, names,
                           loss_mean)
     gm = front.gm
@@ -171,6 +172,11 @@ def _own_tags(spec, gm: fx.GraphModule, nodes: list[fx.Node],
     own: dict[fx.Node, dict] = {}
     untagged: set[str] = set()
     whole = not spec.module_tags and not any(n.meta.get("pn_tags") for n in nodes)
+    cut = next((p for p, t in spec.module_tags.items() if "PP" in t), None)
+    if cut is not None and any("pn_split" in n.meta for n in nodes):
+        raise PlanError(f"{type(spec.model).__name__} calls pipe_split() in forward and the "
+                        f"annotation gives {cut or 'the root'} a PP tag too: mark the stages one "
+                        "way (pipe_split(), or PP tags)")
     for n in nodes:
         if n.op in ("placeholder", "output", "get_attr"):
             continue
