@@ -2,7 +2,8 @@
 
 Builds a small example model (or the user's own: `--model package.module:function`), cuts it
 into as many pipeline stages as the strategy's largest `PP` tag + 1 (`pn.cut_stages`; or
-`--stages N`, or `--annotations FILE`, a `pn.annotate` mapping in JSON), prints the cut,
+`--stages N`, or `--annotations FILE`, a `pn.annotate` mapping in JSON; a model whose
+forward calls `pipe_split()` keeps its own cut), prints the cut,
 compiles the strategy (Piper's JSON directive list), trains it on local workers next to the
 single-process reference, prints a per-step table of both losses, and writes the measured
 timeline as a plotly HTML page (one bar per event, one row per device and stream) plus the
@@ -130,8 +131,10 @@ def stage_count(program) -> int:
 
 def _cut(args, model, program, batch) -> dict:
     """The annotation mapping: `--annotations FILE`, or `pn.cut_stages` into `--stages` (by
-    default the strategy's own count of stages), in the order the forward runs."""
+    default the strategy's own count of stages), in the order the forward runs; none for a
+    model whose forward calls `pipe_split()` (its own cut)."""
     import piper_nb as pn
+    from piper_nb.capture.annotate import split_count
     if args.annotations:
         try:
             cut = json.loads(Path(args.annotations).read_text())
@@ -141,6 +144,13 @@ def _cut(args, model, program, batch) -> dict:
             raise SystemExit(f"--annotations {args.annotations}: expected a mapping from module "
                              'patterns to tags, e.g. {"layers.[0-1]": {"PP": 0}, ...}')
         return cut
+    splits = split_count(model, batch)
+    if splits:
+        if args.stages and args.stages != splits + 1:
+            calls = f"{splits} pipe_split() call{'s' if splits > 1 else ''}"
+            raise SystemExit(f"--stages {args.stages}: the model's forward makes {calls}, so "
+                             f"it has {splits + 1} stages; drop --stages")
+        return {}
     return pn.cut_stages(model, args.stages or stage_count(program), example=batch)
 
 
@@ -168,7 +178,7 @@ def _run(args) -> int:
         model, loss_fn = build_model(args.model, args.tied), None
         batch = model.example_batch(batch_size=args.batch_size or DEFAULT_BATCH_SIZE, seed=0)
     cut = _cut(args, model, program, batch)
-    print("the cut:\n" + cut_text(cut))
+    print("the cut:\n" + (cut_text(cut) or "  the model's own pipe_split() calls"))
     plan = pn.compile(pn.annotate(model, cut), program, batch, world=args.devices,
                       loss_fn=loss_fn, loss_mean=args.loss_mean)
     opt = optim.AdamW(args.lr) if args.optimizer == "adamw" else optim.SGD(args.lr, momentum=0.9)

@@ -329,6 +329,23 @@ def cut_stages(model: nn.Module, n: int, *, by: str = "params", tag: str = "PP",
     return {u: {tag: s} for u, s in zip(units, parts, strict=True)}
 
 
+def split_count(model: nn.Module, example) -> int:
+    """How many `pipe_split()` calls one forward on `example` makes (0 when torch's
+    pipelining is not imported, or the model cannot run on it)."""
+    import sys
+    if "torch.distributed.pipelining" not in sys.modules:
+        return 0
+    from piper_nb.capture.pipe_split import counting_splits
+    from piper_nb.capture.untouched import untouched
+    try:
+        args, kwargs = _example_call(model, example)
+        with untouched(model), torch.no_grad(), counting_splits() as count:
+            model(*args, **kwargs)
+    except Exception:   # noqa: BLE001 - a forward that cannot run here makes no claim
+        return 0
+    return count.calls
+
+
 def _execution_order(model: nn.Module, units: list[str], example) -> list[str]:
     """`units` in the order one forward first calls them (units it never calls last, in
     definition order); the definition order when the model cannot run on its example."""

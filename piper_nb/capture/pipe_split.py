@@ -25,8 +25,8 @@ from torch.overrides import TorchFunctionMode
 
 from piper_nb.errors import PlanError
 
-__all__ = ["POINTS", "has_split_point", "marking_splits", "normalize_split_spec", "number_stages",
-           "split_points"]
+__all__ = ["POINTS", "counting_splits", "has_split_point", "marking_splits",
+           "normalize_split_spec", "number_stages", "split_points"]
 
 POINTS = ("beginning", "end")
 _MARK = "_pn_split_point"       # set on a module a split_spec names, for one capture
@@ -121,6 +121,25 @@ def marking_splits(tracer: fx.Tracer) -> Iterator[None]:
         return
     with _Marks(tracer):
         yield
+
+
+class _Count(TorchFunctionMode):
+    def __init__(self):
+        super().__init__()
+        self.calls = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if _is_split(func):
+            self.calls += 1
+            return None
+        return func(*args, **(kwargs or {}))
+
+
+@contextlib.contextmanager
+def counting_splits() -> Iterator[_Count]:
+    """Count the `pipe_split()` calls of an eager run (`.calls`)."""
+    with _Count() as count:
+        yield count
 
 
 def number_stages(graph: fx.Graph, root: nn.Module) -> int:

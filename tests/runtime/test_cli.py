@@ -92,6 +92,26 @@ def hf_llama():
     return transformers.LlamaForCausalLM(config), {"input_ids": ids, "labels": ids}
 
 
+def piped():
+    """A model written for torch.distributed.pipelining: pipe_split() in its forward."""
+    import torch
+    from torch.distributed.pipelining import pipe_split
+
+    class Piped(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)
+
+        def forward(self, x):
+            x = torch.tanh(self.a(x))
+            pipe_split()
+            return self.b(x)
+
+    torch.manual_seed(0)
+    x = torch.randn(8, 8, generator=torch.Generator().manual_seed(0))
+    return Piped(), (x, x.flip(0)), lambda out, y: ((out - y) ** 2).mean()
+
+
 def needs_args(size):
     return build()
 
@@ -183,6 +203,22 @@ def test_cli_runs_a_dict_batch_with_the_models_own_loss_and_prints_the_cut(
     assert [r[0] for r in rows] == ["1", "2"] and all(float(r[3]) < 1e-5 for r in rows)
     plan = (out / "plan.txt").read_text()
     assert plan.startswith("dev0") and '"lm_head": {\n  "PP": 1' in plan
+
+
+@pytest.mark.dist
+def test_cli_keeps_the_models_own_pipe_split_cut(user_module, tmp_path, capsys):
+    out = tmp_path / "run"
+    code = main(["run", str(EXAMPLES / "pp2_1f1b.json"), "--model", f"{user_module}:piped",
+                 "--devices", "2", "--steps", "2", "--optimizer", "sgd", "--lr", "0.1",
+                 "--out", str(out)])
+    text = capsys.readouterr().out
+    assert code == 0, text
+    assert "the cut:\n  the model's own pipe_split() calls\n" in text
+    rows = [line.split() for line in text.splitlines() if line.strip()[:1].isdigit()]
+    assert [r[0] for r in rows] == ["1", "2"] and all(float(r[3]) < 1e-5 for r in rows)
+    message = _exit_message(["run", str(EXAMPLES / "pp2_1f1b.json"), "--model",
+                             f"{user_module}:piped", "--stages", "3", "--out", str(out)])
+    assert "makes 1 pipe_split() call, so it has 2 stages" in message
 
 
 @pytest.mark.dist
