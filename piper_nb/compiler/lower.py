@@ -6,7 +6,9 @@ ZeRO-3 gathers are *pulled*: issued one compute step before the pass that needs 
 the transfer overlaps the previous pass (a gather kept for the whole step is issued at the
 start, so every member of its group issues it at one point). Every issue gets a WAIT right
 before its first consumer (sends: at the end of the step, as PyTorch's pipelining does:
-waiting for a send earlier can deadlock deep DualPipe schedules), and FREE instructions
+waiting for a send earlier can deadlock deep DualPipe schedules; a ZeRO-2/3 microbatch's
+gradient reduce-scatter before the bucket's next one is issued, as FSDP2 does, so the
+unsharded gradients of one microbatch at a time wait to be reduced), and FREE instructions
 release each buffer after its last reader. Last, every device posts its receives from a
 peer in the order that peer sends (`p2p.in_send_order`), as NCCL needs.
 """
@@ -268,8 +270,15 @@ def _emit(dag, d, seq, pulled_of, partner, tags, owned, regions) -> tuple[Instr,
         for p in pulled_of.get(computes[0].id, ()):
             issue(p)
     ci = 0
+    reducing: dict[int, list[str]] = {}   # bucket -> its microbatches' reduce-scatters
     for n in seq:
         if n.op not in COMPUTE:
+            if _per_microbatch_reduce(n):
+                # ZeRO-2/3 under microbatches, as FSDP2: the previous reduce-scatter of the
+                # bucket is waited for before the next is issued, so one is in flight
+                for prior in reducing.get(n.attr("bucket"), ()):
+                    wait(prior)
+                reducing.setdefault(n.attr("bucket"), []).append(n.id)
             issue(n)
             continue
         ci += 1
@@ -285,6 +294,12 @@ def _emit(dag, d, seq, pulled_of, partner, tags, owned, regions) -> tuple[Instr,
     for nid in sorted(set(issued) - waited, key=issued.get):
         wait(nid)
     return _add_frees(out, regions, dag)
+
+
+def _per_microbatch_reduce(n: Node) -> bool:
+    """A ZeRO-2/3 gradient reduce-scatter of one microbatch (not the step's one reduction)."""
+    return (n.op == Op.REDUCE_SCATTER and n.attr("zero") in (2, 3) and n.attr("purpose") ==
+            Purpose.GRAD and dict(n.tags).get("MB") is not None)
 
 
 def _grad_values(dag) -> frozenset[str]:
