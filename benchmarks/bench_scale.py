@@ -3,6 +3,9 @@
 The headline case is a GPT-like model of 64 layers built on the meta device (no weights
 allocated), one stage per layer: PP 64 x DP 256 with ZeRO-1, 1F1B over 128 microbatches,
 in bf16 (`precision="bf16"`), simulated with `pn.CostModel.analytic(plan, "H100")`.
+`--cost uniform` simulates it with the Designer's default costs instead
+(`pn.CostModel.uniform()`: passes of 1 and 2 units, messages that take no time), and
+`--model mlp` plans `pn.models.MLP(dim=2048, depth=64)` (one linear per stage) instead.
 Prints seconds per phase (compile without checks, the static checks, the analytic cost
 model, the simulation) and the process's peak RSS (`resource.getrusage`). Each size runs
 in its own process, so each row's peak is its own.
@@ -11,6 +14,7 @@ in its own process, so each row's peak is its own.
     .venv/bin/python benchmarks/bench_scale.py --pp 8 --dp 32 --micro 32
     .venv/bin/python benchmarks/bench_scale.py --sweep           # 8x32, 16x64, 32x128, 64x256
     .venv/bin/python benchmarks/bench_scale.py --pp 8 --dp 32 --profile out.prof
+    .venv/bin/python benchmarks/bench_scale.py --model mlp --cost uniform
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ import torch
 import piper_nb as pn
 from piper_nb.compiler.checks import check_plan
 from piper_nb.compiler.compile import _gc_paused
+from piper_nb.sim.replicas import CompactTrace
 
 __all__ = ["build", "run"]
 
@@ -36,28 +41,37 @@ def _rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024   # Linux: KiB
 
 
-def build(pp: int, dp: int, micro: int, zero: int = 1, layers: int = 64):
-    """(spec, program, batch) of the GPT-like meta model cut into `pp` stages."""
+def build(pp: int, dp: int, micro: int, zero: int = 1, layers: int = 64, model: str = "gpt"):
+    """(spec, program, batch) of the GPT-like (or MLP) meta model cut into `pp` stages."""
     if layers % pp:
         raise SystemExit(f"--pp {pp} must divide the {layers} layers")
-    with torch.device("meta"):
-        model = pn.models.TinyGPT(vocab=32000, dim=2048, layers=layers, heads=16, seq=1024,
-                                  tie_embeddings=False)
     per = layers // pp
-    tags = {"embed": {"PP": 0}, "head": {"PP": pp - 1}}
-    tags |= {f"blocks.{i}": {"PP": i // per} for i in range(layers)}
-    spec = pn.annotate(model, tags)
+    if model == "mlp":
+        with torch.device("meta"):
+            net = pn.models.MLP(dim=2048, depth=layers)
+        spec = pn.annotate(net, {f"layers.{i}": {"PP": i // per} for i in range(layers)})
+        x = torch.zeros(micro * dp, 2048, device="meta")
+        batch = (x, x)
+    else:
+        with torch.device("meta"):
+            net = pn.models.TinyGPT(vocab=32000, dim=2048, layers=layers, heads=16, seq=1024,
+                                    tie_embeddings=False)
+        tags = {"embed": {"PP": 0}, "head": {"PP": pp - 1}}
+        tags |= {f"blocks.{i}": {"PP": i // per} for i in range(layers)}
+        spec = pn.annotate(net, tags)
+        ids = torch.zeros(micro * dp, 1024, dtype=torch.long, device="meta")
+        batch = (ids, ids)
     program = [*pn.schedules.one_f_one_b(ranks=pp, microbatches=micro, place=False)]
     for s in range(pp):
         devices = [s + pp * k for k in range(dp)]
         program += [pn.place({"PP": s}, devices=devices),
                     pn.replicate({"PP": s}, devices=devices, zero=zero)]
-    ids = torch.zeros(micro * dp, 1024, dtype=torch.long, device="meta")
-    return spec, program, (ids, ids)
+    return spec, program, batch
 
 
-def run(pp: int, dp: int, micro: int, zero: int = 1) -> dict:
-    spec, program, batch = build(pp, dp, micro, zero)
+def run(pp: int, dp: int, micro: int, zero: int = 1, cost: str = "analytic",
+        model: str = "gpt") -> dict:
+    spec, program, batch = build(pp, dp, micro, zero, model=model)
     gc.collect()
     base = _rss_mb()
     cpu0 = sum(resource.getrusage(resource.RUSAGE_SELF)[:2])
@@ -67,14 +81,15 @@ def run(pp: int, dp: int, micro: int, zero: int = 1) -> dict:
     with _gc_paused():   # as pn.compile runs its checks
         check_plan(plan)
     t2 = time.perf_counter()
-    cost = pn.CostModel.analytic(plan, "H100")
+    costs = pn.CostModel.uniform() if cost == "uniform" else pn.CostModel.analytic(plan, "H100")
     t3 = time.perf_counter()
-    trace = pn.simulate(plan, cost)
+    trace = pn.simulate(plan, costs)
     t4 = time.perf_counter()
     step, peak = trace.step_time, max(trace.peak_memory.values())
     t5 = time.perf_counter()
     cpu = resource.getrusage(resource.RUSAGE_SELF)
     return {"devices": plan.world, "pp": pp, "dp": dp, "micro": micro, "zero": zero,
+            "cost": cost, "model": model, "compact": isinstance(trace, CompactTrace),
             "cpu_s": cpu.ru_utime + cpu.ru_stime - cpu0,
             "compile_s": t1 - t0, "check_s": t2 - t1, "cost_s": t3 - t2,
             "simulate_s": t4 - t3, "answers_s": t5 - t4, "total_s": t5 - t0,
@@ -96,6 +111,10 @@ def main() -> None:
     ap.add_argument("--dp", type=int, default=256)
     ap.add_argument("--micro", type=int, default=128)
     ap.add_argument("--zero", type=int, default=1)
+    ap.add_argument("--cost", choices=("analytic", "uniform"), default="analytic",
+                    help="analytic H100 costs, or the uniform model (messages take no time)")
+    ap.add_argument("--model", choices=("gpt", "mlp"), default="gpt",
+                    help="the GPT-like model of 64 blocks, or an MLP of 64 linears")
     ap.add_argument("--sweep", action="store_true", help="8x32, 16x64, 32x128, 64x256")
     ap.add_argument("--profile", metavar="FILE", help="write cProfile stats of one run")
     ap.add_argument("--json", action="store_true", help="print one JSON row (used by --sweep)")
@@ -108,16 +127,17 @@ def main() -> None:
     for pp, dp, micro in sizes:
         if a.sweep:   # one process per row: its own peak RSS
             out = subprocess.run([sys.executable, __file__, "--pp", str(pp), "--dp", str(dp),
-                                  "--micro", str(micro), "--zero", str(a.zero), "--json"],
+                                  "--micro", str(micro), "--zero", str(a.zero), "--json",
+                                  "--cost", a.cost, "--model", a.model],
                                  check=True, capture_output=True, text=True).stdout
             r = json.loads(out.strip().splitlines()[-1])
         elif a.profile:
             import cProfile
             prof = cProfile.Profile(time.process_time)   # CPU time: others share the cores
-            r = prof.runcall(run, pp, dp, micro, a.zero)
+            r = prof.runcall(run, pp, dp, micro, a.zero, a.cost, a.model)
             prof.dump_stats(a.profile)
         else:
-            r = run(pp, dp, micro, a.zero)
+            r = run(pp, dp, micro, a.zero, a.cost, a.model)
         if a.json:
             print(json.dumps(r))
         else:

@@ -12,10 +12,14 @@ templates only and `CompactTrace` stands for the rest. Symmetric means (`replica
 - a message between replicas costs what the templates' costs (`CostModel.link_time` of the
   two pairs); passes cost what their region and kind say, and a collective's group is
   one node's device list, the same on every member, the template being one of them;
-- bucket groups hold a replica exactly when they hold its template, no routed rows (expert
-  plans size buffers per device), no host model (per-device overheads, shared cores) and
-  no per-communicator allowance (it counts each device's own peers);
-- every message takes some time (positive latency, or `comm` > 0).
+- bucket groups hold a replica exactly when they hold its template, and a replica's ZeRO
+  shards keep the optimizer state its template's do (it is counted per piece: a shard is
+  cut where the parameter group changes, and the last one is short by its padding);
+  no routed rows (expert plans size buffers per device), no host model (per-device
+  overheads, shared cores) and no per-communicator allowance (it counts each device's own
+  peers);
+- every message takes some time (positive latency, or `comm` > 0), or none does (`comm`
+  = 0, the uniform model's default).
 
 Why then the templates alone give the full simulation's times, event for event: the
 simulator pops matched ops from a heap keyed by (ready time, the smallest (template,
@@ -30,7 +34,17 @@ mirror its template's; a collective needs its simulated members only, and its st
 times on replicas equal those on the template, a member. So dropping the replicas changes
 no template's times, nor, then, the memory ledger's samples (a function of the
 instructions and their times). The key is the same on both paths, so the full simulation
-orders ties as the fast one does. `tests/sim/test_scale.py` compares both paths.
+orders ties as the fast one does.
+
+When no message takes time the order of ties is moot instead. Every op then starts when
+it is ready: ops pop in the order of their ready times (a device resumed by an op popped
+at r has its pointer at r or later, so what it posts next is ready no sooner), so a
+stream's last op ended by the time the next is ready, and it ends when it starts. A
+device's times are then a function of its own instructions and the ends of the ops it
+waits for, whatever the order the heap pops them in; the templates' ops are matched with
+templates only (or are one collective, ready when its simulated members' posts are, as
+every member posts at its template's time), so the templates alone give the same times.
+`tests/sim/test_scale.py` compares both paths.
 
 The Trace stands for the replicas (`CompactTrace`): its events and samples are the
 templates', expanded to every device only when `events` or `memory` is read.
@@ -42,7 +56,9 @@ from types import SimpleNamespace
 
 from piper_nb.ir.kinds import COMM, COMPUTE, Op
 from piper_nb.sim.analysis import over_capacity, peak_memory, step_window
+from piper_nb.sim.memory_settings import DEFAULT_SETTINGS
 from piper_nb.sim.trace import Event, MemorySample, Trace
+from piper_nb.sim.update_state import shard_states
 
 __all__ = ["replica_runs", "CompactTrace"]
 
@@ -68,6 +84,11 @@ def _pairs(dag) -> set[tuple[tuple[int, ...], tuple[int, ...]]]:
     return out
 
 
+def _free_messages(cost) -> bool:
+    """Whether no message takes time: each then starts when it is ready."""
+    return cost.comm == 0
+
+
 def _crossing(cost):
     """How a message's cost depends on its pair of devices: `CostModel.link_time` of a
     point-to-point message reads them only to tell whether they sit on two nodes, and not
@@ -77,6 +98,20 @@ def _crossing(cost):
         return None
     size = cost.node_size
     return lambda a, b: a // size != b // size
+
+
+def _same_shards(plan, rep: list[int], settings) -> bool:
+    """Whether every replica's ZeRO shards keep the optimizer state its template's do,
+    bucket by bucket in order (`update_state.shard_states`: per piece, the pieces cut where
+    the parameter group changes, the last shard short by its padding)."""
+    settings = settings if settings is not None else DEFAULT_SETTINGS
+    kept: dict[int, list] = {}   # device -> per bucket it holds, its pieces' state bytes
+    for b in plan.buckets:
+        if b.zero == 0:
+            continue
+        for k, d in enumerate(b.group):
+            kept.setdefault(d, []).append([n for _, n in shard_states(plan, b, k, settings)])
+    return all(kept.get(d) == kept.get(t) for d, t in enumerate(rep) if t != d)
 
 
 def _mirrors(dag, rep: list[int], cost) -> bool:
@@ -106,7 +141,7 @@ def replica_runs(plan, cost, settings=None) -> list[bool] | None:
             or (settings is not None and settings.per_communicator)):
         return None
     stamps = plan.stamps()
-    if not stamps or not _positive_messages(cost):
+    if not stamps or not (_positive_messages(cost) or _free_messages(cost)):
         return None
     dag = plan.dag
     if any(n.op == Op.ALL_TO_ALL for n in dag.nodes):
@@ -132,7 +167,7 @@ def replica_runs(plan, cost, settings=None) -> list[bool] | None:
                 any(not held.issuperset(c for c in copies.get(d, ()) if same_rank(d, c))
                     for d in group if rep[d] == d):
             return None
-    if not _mirrors(dag, rep, cost):
+    if not _mirrors(dag, rep, cost) or not _same_shards(plan, rep, settings):
         return None
     return [d not in stamps for d in range(plan.world)]
 

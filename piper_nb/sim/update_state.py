@@ -14,19 +14,32 @@ from piper_nb.ir.kinds import Op
 from piper_nb.optim import shard_pieces
 from piper_nb.sim.memory_settings import MemorySettings
 
-__all__ = ["update_states"]
+__all__ = ["update_states", "shard_states"]
+
+
+def _state_fn(plan, settings: MemorySettings):
+    """(shape, dtype, group) -> bytes of state one updated tensor keeps."""
+    if plan.precision == "fp32":
+        return settings.optim_state
+    return lambda shape, dtype, g: (settings.optim_state(shape, "float32", g)
+                                    + 4 * math.prod(shape))
+
+
+def shard_states(plan, bucket, position: int, settings: MemorySettings
+                 ) -> list[tuple[str, float]]:
+    """(first name, bytes of state) per piece of shard `position` of `bucket`."""
+    state = _state_fn(plan, settings)
+    sizes = [(n, math.prod(plan.params[n][0])) for n in bucket.params]
+    shard = -(-sum(k for _, k in sizes) // len(bucket.group))
+    dtype = plan.params[bucket.params[0]][1]
+    return [(name, state((hi - lo,), dtype, g))
+            for name, lo, hi, g in shard_pieces(sizes, shard, position, settings.group_of)]
 
 
 def update_states(plan, instrs, d: int, buckets: dict, settings: MemorySettings
                   ) -> dict[int, dict]:
     """U index -> {key: bytes of state}, for device `d` holding `buckets` (index -> Bucket)."""
-    mixed = plan.precision != "fp32"
-
-    def state(shape, dtype: str, g: int) -> float:
-        if not mixed:
-            return settings.optim_state(shape, dtype, g)
-        return settings.optim_state(shape, "float32", g) + 4 * math.prod(shape)
-
+    state = _state_fn(plan, settings)
     out: dict[int, dict] = {}
     for i, ins in enumerate(instrs):
         if ins.kind != Op.U:
@@ -37,11 +50,7 @@ def update_states(plan, instrs, d: int, buckets: dict, settings: MemorySettings
             if b not in buckets:
                 continue
             bk = buckets[b]
-            sizes = [(n, math.prod(plan.params[n][0])) for n in bk.params]
-            shard = -(-sum(k for _, k in sizes) // len(bk.group))
-            dtype = plan.params[bk.params[0]][1]
-            for name, lo, hi, g in shard_pieces(sizes, shard, bk.group.index(d),
-                                                settings.group_of):
-                st[("bucket", b, name)] = state((hi - lo,), dtype, g)
+            for name, nbytes in shard_states(plan, bk, bk.group.index(d), settings):
+                st[("bucket", b, name)] = nbytes
         out[i] = st
     return out

@@ -12,7 +12,9 @@ import pytest
 import piper_nb as pn
 from piper_nb.compiler.checks import check_plan
 from piper_nb.errors import PlanError
+from piper_nb.optim import check_optimizer
 from piper_nb.plan.plan import DevicePlan, Plan, StampedDevicePlan
+from piper_nb.sim import MemorySettings
 from piper_nb.sim.cost import CostModel
 from piper_nb.sim.replicas import CompactTrace, replica_runs
 
@@ -88,10 +90,46 @@ def test_asymmetric_links_fall_back_to_every_device():
     cost = CostModel(**NODES)
     assert plan.stamps() and replica_runs(plan, cost) is None
     simulate_both(plan, cost, compact=False)
-    # messages that take no time leave ties the key cannot order: every device again
+
+
+@pytest.mark.parametrize("schedule, pp, zero", [
+    (pn.schedules.one_f_one_b, 4, 1), (pn.schedules.zero_bubble, 4, 3),
+    (pn.schedules.gpipe, 3, 2)])
+def test_messages_that_take_no_time_simulate_one_replica_per_class(schedule, pp, zero):
+    # the Designer's default costs: every op starts when ready, whatever order ties pop in
+    plan = compile_pp_dp(pp, 3, micro=2 * pp, zero=zero, schedule=schedule)
     uniform = CostModel.uniform(F=1, B=2, W=1, comm=0.0)
-    assert replica_runs(plan, uniform) is None
-    simulate_both(plan, uniform, compact=False)
+    assert sum(replica_runs(plan, uniform)) == pp
+    simulate_both(plan, uniform)
+
+
+def test_some_free_and_some_timed_messages_fall_back_to_every_device():
+    # zero latency: an empty message is free, a full one is not; neither argument holds
+    plan = compile_pp_dp(2, 2, micro=2)
+    mixed = CostModel(latency=0.0, bandwidth=1e3, passes=NODES["passes"])
+    assert replica_runs(plan, mixed) is None
+    simulate_both(plan, mixed, compact=False)
+
+
+def test_replicas_whose_shards_keep_other_state_fall_back():
+    # 72 parameters per stage over 5 replicas: shards of 15, the last of 12 (padding), so
+    # the last replica keeps less of Adam's state than its template
+    plan = compile_pp_dp(2, 5, micro=2)
+    cost, adam = CostModel.analytic(plan, "H100"), MemorySettings(optimizer=pn.optim.AdamW(1e-3))
+    assert replica_runs(plan, cost, adam) is None
+    fast, full = pn.simulate(plan, cost, memory=adam), pn.simulate(unstamped(plan), cost,
+                                                                    memory=adam)
+    assert type(fast) is pn.Trace
+    same_answers(fast, full)
+    assert full.peak_memory[8] < full.peak_memory[0]   # stage 0: the short shard, its template
+    # SGD keeps no state: the replicas are alike again
+    assert sum(replica_runs(plan, cost)) == 2
+    simulate_both(plan, cost)
+    # parameter groups cut one shard where another is whole
+    even = compile_pp_dp(2, 4, micro=2)
+    spec = check_optimizer(pn.optim.AdamW(1e-3), param_groups=[{"params": "*.bias"}])
+    assert replica_runs(even, cost, MemorySettings(optimizer=pn.optim.AdamW(1e-3))) is not None
+    assert replica_runs(even, cost, MemorySettings(optimizer=spec)) is None
 
 
 def test_replicas_whose_peers_are_crossed_fall_back():
