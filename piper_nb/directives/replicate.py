@@ -20,6 +20,16 @@ further). Per bucket:
   one ALL_GATHER before the region's first pass (freed after its last) and one
   REDUCE_SCATTER after its last backward.
 
+`grad_sync` says when ZeRO-2/3 gradients are reduced: "microbatch" (the default) reduce-
+scatters each microbatch's gradients after its backward, so full gradients of one
+microbatch at a time are held (the lowering waits for a reduction before the next);
+"step" (zero 3) accumulates full gradients over the step's microbatches and reduce-
+scatters them once after the last backward, as FSDP2 does with
+`set_requires_gradient_sync(False)` until the last microbatch (torchtitan's pipeline
+recipe): one reduction per step instead of one per microbatch, for a region's full
+gradients held from its first backward to the end of the step. `reshard=False` implies
+"step" unless told otherwise.
+
 A bucket spread over more devices than one pass runs on (a weight tied across stages, a
 stage held twice by full DualPipe) is gathered once per step under ZeRO-3 and reduced once
 per step under ZeRO-2: its devices run their microbatches' backwards in different orders
@@ -27,7 +37,8 @@ per step under ZeRO-2: its devices run their microbatches' backwards in differen
 over all of them would not line up.
 
 JSON: Piper's `{"op": "replicate", "filter", "devices", "shard_grads", "shard_params"}`
-plus our `zero`, `bucket_size`, `reduce_stream`, `gather_stream` and `reshard`.
+plus our `zero`, `bucket_size`, `reduce_stream`, `gather_stream`, `reshard` and
+`grad_sync`.
 """
 
 from __future__ import annotations
@@ -65,7 +76,10 @@ class Replicate(Directive):
     `reshard=False` (zero 3 only) keeps a region's parameters gathered from its first pass
     to its last in the step and reduce-scatters gradients once after the last backward
     (FSDP's no-reshard + no-sync accumulation): fewer collectives, full parameters and
-    gradients held within the step.
+    gradients held within the step. `grad_sync` ("microbatch" or "step", zero 3; None:
+    "step" without resharding, else "microbatch") says whether gradients are
+    reduce-scattered after every microbatch's backward or accumulated in full and reduced
+    once after the last (see the module docstring for the trade-off).
     """
 
     filter: Mapping[str, Any]
@@ -75,6 +89,7 @@ class Replicate(Directive):
     reduce_stream: str | None = None
     gather_stream: str | None = None
     reshard: bool = True
+    grad_sync: str | None = None
     op = "replicate"
     json_extra = frozenset({"shard_grads", "shard_params"})
 
@@ -92,6 +107,16 @@ class Replicate(Directive):
         if not self.reshard and self.zero != 3:
             raise PlanError("replicate: reshard=false only applies to zero=3 (parameters are "
                             "sharded between uses only there); drop it or use zero=3")
+        if self.grad_sync not in (None, "microbatch", "step"):
+            raise PlanError(f"replicate: grad_sync is 'microbatch' or 'step', got "
+                            f"{self.grad_sync!r}")
+        if self.grad_sync == "step" and self.zero == 2:
+            raise PlanError("replicate: zero=2 with grad_sync='step' holds full gradients "
+                            "until one reduce-scatter per step, which is zero=1; use zero=1, "
+                            "or zero=3 to shard the parameters too")
+        if self.grad_sync is not None and self.zero < 2:
+            raise PlanError(f"replicate: grad_sync applies to zero=2 and zero=3 (zero={self.zero}"
+                            " reduces gradients once per step); drop it or raise zero")
         object.__setattr__(self, "reduce_stream", check_stream(self.reduce_stream, "replicate"))
         object.__setattr__(self, "gather_stream", check_stream(self.gather_stream, "replicate"))
 
@@ -107,6 +132,8 @@ class Replicate(Directive):
                 out[key] = getattr(self, key)
         if not self.reshard:
             out["reshard"] = False
+        if self.grad_sync is not None:
+            out["grad_sync"] = self.grad_sync
         return out
 
     @classmethod
@@ -130,10 +157,12 @@ class Replicate(Directive):
 
 def replicate(filter: Mapping[str, Any], devices: Sequence[int], zero: int = 0,
               bucket_size: float | None = None, reduce_stream: str | None = None,
-              gather_stream: str | None = None, reshard: bool = True) -> Replicate:
+              gather_stream: str | None = None, reshard: bool = True,
+              grad_sync: str | None = None) -> Replicate:
     """Replicas of the regions `filter` matches on `devices`, gradients summed over them,
     with ZeRO level `zero` (see `Replicate`)."""
-    return Replicate(filter, devices, zero, bucket_size, reduce_stream, gather_stream, reshard)
+    return Replicate(filter, devices, zero, bucket_size, reduce_stream, gather_stream, reshard,
+                     grad_sync)
 
 
 @dataclass(frozen=True)
@@ -145,6 +174,7 @@ class ReplicaConfig:
     gather_stream: str
     directive: int
     reshard: bool = True
+    grad_sync: str = "microbatch"
 
 
 @dataclass(frozen=True)
@@ -159,6 +189,7 @@ class Bucket:
     reduce_stream: str = "dp"
     gather_stream: str = "dp"
     reshard: bool = True      # zero 3: False keeps parameters gathered across the step's passes
+    grad_sync: str = "microbatch"   # zero 2/3: "step" reduces full gradients once per step
 
 
 def replica_configs(dag: TrainingDAG, replicates: list[tuple[int, object]]) -> dict[int, ReplicaConfig]:
@@ -170,8 +201,9 @@ def replica_configs(dag: TrainingDAG, replicates: list[tuple[int, object]]) -> d
             raise PlanError(f"replicate filter {dict(d.filter)} matches no region",
                             directive=idx, op="replicate")
         for r in regions:
+            sync = d.grad_sync or ("step" if d.zero < 2 or not d.reshard else "microbatch")
             configs[r] = ReplicaConfig(d.devices, d.zero, d.bucket_size, d.reduce_stream or "dp",
-                                       d.gather_stream or "dp", idx, d.reshard)
+                                       d.gather_stream or "dp", idx, d.reshard, sync)
     return configs
 
 
@@ -235,18 +267,22 @@ def _buckets(dag, region_params, param_bytes, configs) -> list[Bucket]:
         # it; under ZeRO-3 it is gathered once per step, not before every pass (the stages'
         # passes would otherwise have to meet at every gather)
         reshard = (cfg.reshard if cfg else True) and not (zero == 3 and _spread(dag, rs, devs))
+        # spread over stages or copies, ZeRO-2/3 reduce once per step: the members run their
+        # microbatches' backwards in different orders
+        sync = ("step" if zero < 2 or _spread(dag, rs, devs) else
+                cfg.grad_sync if cfg else "microbatch")
         chunk: list[str] = []
         size = 0
         for p in params:
             if chunk and limit is not None and size + param_bytes[p] > limit:
                 out.append(Bucket(len(out), tuple(chunk), devs, zero, rs,
-                                  cfg.reduce_stream, cfg.gather_stream, reshard))
+                                  cfg.reduce_stream, cfg.gather_stream, reshard, sync))
                 chunk, size = [], 0
             chunk.append(p)
             size += param_bytes[p]
         out.append(Bucket(len(out), tuple(chunk), devs, zero, rs,
                           cfg.reduce_stream if cfg else "dp", cfg.gather_stream if cfg else "dp",
-                          reshard))
+                          reshard, sync))
     return out
 
 
@@ -278,11 +314,7 @@ def insert_grad_sync(dag: TrainingDAG, replicates: Directives, ctx: Context) -> 
     for b in buckets:
         base = dict(regions[b.regions[0]].tags)
         producers = [n for r in b.regions for n in _last_backward(dag, r)]
-        # spread over stages or copies, ZeRO-2 reduces once per step: the members run their
-        # microbatches' backwards in different orders
-        once = (b.zero in (0, 1) or (b.zero == 3 and not b.reshard)
-                or (b.zero == 2 and _spread(dag, b.regions, b.group)))
-        if once:
+        if b.grad_sync == "step":
             op = Op.ALL_REDUCE if b.zero == 0 else Op.REDUCE_SCATTER
             c = coll(op, b, base, "", b.reduce_stream, Purpose.GRAD)
             edges += [Edge(p.id, c.id) for p in producers]

@@ -82,6 +82,26 @@ def test_zero3_without_reshard_gathers_once_and_reduces_once(mlp):
         pn.replicate({}, [0, 1], zero=2, reshard=False)
 
 
+def test_zero3_gradients_reduce_once_per_step_or_after_each_microbatch(mlp):
+    model, batch = mlp
+    step = pn.compile(stages(model, 1), [pn.replicate({}, [0, 1], zero=3, grad_sync="step"),
+                                         pn.split({}, "MB", 2)], batch)
+    # gathers pulled a pass ahead as always; one reduction, after the last backward
+    assert step[0].text() == ["b0:AG@F0", "b0:AG@B0", "r0:F0", "b0:AG@F1", "r0:B0", "b0:AG@B1",
+                              "r0:F1", "r0:B1", "b0:RS", "r0:U"]
+    held = pn.compile(stages(model, 1), [
+        pn.replicate({}, [0, 1], zero=3, reshard=False, grad_sync="microbatch"),
+        pn.split({}, "MB", 2)], batch)
+    assert held[0].text() == ["b0:AG", "r0:F0", "r0:B0", "b0:RS0", "r0:F1", "r0:B1", "b0:RS1",
+                              "r0:U"]
+    with pytest.raises(pn.PlanError, match="which is zero=1"):
+        pn.replicate({}, [0, 1], zero=2, grad_sync="step")
+    with pytest.raises(pn.PlanError, match="applies to zero=2 and zero=3"):
+        pn.replicate({}, [0, 1], zero=1, grad_sync="microbatch")
+    with pytest.raises(pn.PlanError, match="'microbatch' or 'step'"):
+        pn.replicate({}, [0, 1], zero=3, grad_sync="never")
+
+
 def test_print_plan_names_what_the_prefixes_stand_for(mlp):
     model, batch = mlp
     plan = pn.compile(stages(model, 2), [pn.replicate({}, [0, 1], zero=3),

@@ -79,6 +79,7 @@ class Case:
     lengths: tuple[int, ...] = ()  # per step: a batch of sequences of that length (() : none)
     global_loss: bool = False     # loss_mean="global" over targets partly masked out (NaN)
     tp: int = 1                   # tensor-parallel degree over the stages' MLPs (spec.mlps)
+    grad_sync: str | None = None  # ZeRO-3: gradients reduced per "microbatch" or per "step"
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -104,6 +105,7 @@ class Case:
         rc += f", lengths {list(self.lengths)}" if self.lengths else ""
         rc += ", global loss over masked targets" if self.global_loss else ""
         rc += f", TP {self.tp} over the MLPs of stages {list(s.mlps)}" if self.tp > 1 else ""
+        rc += f", gradients reduced per {self.grad_sync}" if self.grad_sync else ""
         rc += (f", a head of {s.classes} classes (label smoothing {s.smoothing})"
                if s.classes else "")
         return (f"seed {self.seed}: {self.schedule} x{self.ranks} ranks, DP {self.dp}, "
@@ -131,6 +133,9 @@ def draw(seed: int) -> Case:
                 microbatches=micro, per_part=4 if spec.norms else rng.choice([1, 2]),
                 optimizer="sgd" if spec.norms else rng.choice(["sgd", "adamw"]),
                 steps=rng.choice([2, 3]), spec=spec)
+    if zero == 3 and dp > 1:   # its own stream of draws: the other draws stay as they were
+        odd = random.Random(f"{seed}:grad_sync").random() < 0.6
+        case.grad_sync = ("step" if case.reshard else "microbatch") if odd else None
     if schedule == "grid":
         case.grid = _random_grid(rng, stages, ranks, micro, in_order=bool(spec.norms))
     free = [s for s in range(stages) if s not in spec.norms]   # BatchNorm: refused
@@ -283,7 +288,8 @@ def _program(case: Case) -> list:
 
 def _replicate(filt: dict, devs: list[int], case: Case):
     return pn.replicate(filt, devs, zero=case.zero, bucket_size=case.bucket_size,
-                        reshard=case.reshard or case.zero != 3)
+                        reshard=case.reshard or case.zero != 3,
+                        grad_sync=case.grad_sync if case.zero == 3 else None)
 
 
 TORCH_OPTIMIZERS = {   # element-wise torch.optim optimizers, as users pass them

@@ -132,6 +132,17 @@ def _tied(zero: int):
     return model, pn.cut_stages(model, 2), program
 
 
+def _pp2_dp2_zero3(reshard: bool, grad_sync: str):
+    """ZeRO-3 under 1F1B: full gradients held over the step and reduced once, or a gather
+    held over the step with one reduction per microbatch."""
+    model = pn.models.TinyGPT(vocab=64, dim=32, layers=2, heads=2, seq=16, tie_embeddings=False)
+    program = [pn.place({"PP": 0}, [0, 2]), pn.place({"PP": 1}, [1, 3]),
+               *(pn.replicate({"PP": s}, [s, s + 2], zero=3, reshard=reshard,
+                              grad_sync=grad_sync) for s in (0, 1)),
+               *pn.schedules.one_f_one_b(2, 4)]
+    return model, pn.cut_stages(model, 2), program
+
+
 def _dualpipe_zero(zero: int):
     model = pn.models.TinyGPT(vocab=64, dim=32, layers=2, heads=2, seq=16, tie_embeddings=True)
     program = [*pn.schedules.dualpipe(2, 4, place=True),
@@ -163,7 +174,9 @@ def _recompute(kind: str):
 MORE = {**{f"tied-zero{z}-pp2-dp2": lambda z=z: _tied(z) for z in (1, 2, 3)},
         **{f"dualpipe-copies-zero{z}": lambda z=z: _dualpipe_zero(z) for z in (2, 3)},
         **{f"recompute-{k}": lambda k=k: _recompute(k) for k in ("zb1p", "zero3", "1f1b")},
-        "frozen-zero3": _frozen_zero3}
+        "frozen-zero3": _frozen_zero3,
+        "pp2-dp2-zero3-step-sync": lambda: _pp2_dp2_zero3(True, "step"),
+        "pp2-dp2-zero3-noreshard-microbatch-sync": lambda: _pp2_dp2_zero3(False, "microbatch")}
 
 
 @pytest.mark.parametrize("name", sorted(MORE))
