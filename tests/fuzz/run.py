@@ -62,7 +62,8 @@ def main() -> int:
                                       ("lengths", len(set(case.lengths)) > 1),
                                       ("global-loss", case.global_loss),
                                       ("tp2", case.tp > 1),
-                                      ("vocab-parallel-loss", case.spec.classes)]
+                                      ("vocab-parallel-loss", case.spec.classes),
+                                      (f"grad-sync-{case.grad_sync}", case.grad_sync)]
                        if v)
             print(f"[{status} {time.perf_counter() - start:5.2f}s] {case.line()}"
                   + ("" if status == "ok" else f"\n{what}"), flush=True)
