@@ -136,7 +136,7 @@ def loss_figure(losses: list[float], reference: list[float] | None = None,
 
 def comparison_figure(predicted, measured) -> go.Figure:
     """Predicted (left) and measured (right) timelines side by side, one legend by kind."""
-    from piper_nb.viz.timeline import COLORS, timeline_data
+    from piper_nb.viz.timeline import COLORS, bar_span, span_hover, timeline_data
     if predicted is None or measured is None:
         return placeholder_figure("predicted and measured timelines appear after a launch")
     sides = [timeline_data(predicted), timeline_data(measured)]
@@ -153,9 +153,8 @@ def comparison_figure(predicted, measured) -> go.Figure:
                 x=[b["duration"] * scale for b in bars], base=[b["start"] * scale for b in bars],
                 width=[b["width"] for b in bars], offset=[b["offset"] for b in bars],
                 text=[b["text"] for b in bars], textposition="inside", textangle=0,
-                customdata=[[b["label"]] for b in bars],
-                hovertemplate=("%{customdata[0]}: start %{base:.4g} " + tname + ", takes "
-                               "%{x:.4g} " + tname + "<extra></extra>")),
+                customdata=[[b["label"], *bar_span(b, scale)] for b in bars],
+                hovertemplate="%{customdata[0]}: " + span_hover(1, tname) + "<extra></extra>"),
                 row=1, col=col)
             shown.add(kind)
         fig.update_yaxes(type="category", categoryorder="array",

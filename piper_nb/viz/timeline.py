@@ -34,7 +34,7 @@ from piper_nb.viz.replicas import DeviceGroup, bar_marks, group_replicas
 from piper_nb.viz.units import bytes_scale, time_scale, time_text
 
 __all__ = ["COLORS", "TimelineData", "timeline_data", "draw_timeline", "timeline_figure",
-           "to_chrome_trace", "stream_order"]
+           "to_chrome_trace", "stream_order", "span_hover", "bar_span"]
 
 COLORS = {Op.F: "#4C78A8", Op.B: "#F58518", Op.BI: "#E45756", Op.BW: "#72B7B2", Op.U: "#54A24B",
           Op.SEND: "#B279A2", Op.RECV: "#FF9DA6", Op.ALL_REDUCE: "#9D755D",
@@ -156,6 +156,19 @@ def _height(rows: int, with_mem: bool, halves: bool = False) -> int:
     return 180 + (40 if halves else 26) * rows + (200 if with_mem else 0)
 
 
+def span_hover(i: int, unit: str) -> str:
+    """Hover text of a bar whose customdata[i:i + 3] is `_span`'s [start, end, duration]
+    (a horizontal bar's own %{x} is where it ends, not how long it takes)."""
+    return (f"start %{{customdata[{i}]:.4g}}, end %{{customdata[{i + 1}]:.4g}}, "
+            f"takes %{{customdata[{i + 2}]:.4g}} {unit}")
+
+
+def bar_span(bar: dict, factor: float) -> list[float]:
+    """[start, end, duration] of `bar` in the shown unit (`factor` per unit of the trace)."""
+    start, duration = bar["start"] * factor, bar["duration"] * factor
+    return [start, start + duration, duration]
+
+
 def _add(fig, data: TimelineData, with_mem: bool, factor: float, div: float, bname: str,
          visible: bool) -> int:
     """Add `data`'s bars (and memory curves) to `fig`; returns how many traces."""
@@ -169,10 +182,10 @@ def _add(fig, data: TimelineData, with_mem: bool, factor: float, div: float, bna
             base=[b["start"] * factor for b in bars], width=[b["width"] for b in bars],
             offset=[b["offset"] for b in bars], text=[b["text"] for b in bars],
             textposition="inside", insidetextanchor="middle", textangle=0,
-            customdata=[[b["label"], b["words"], b["node"]] for b in bars],
+            customdata=[[b["label"], b["words"], b["node"], *bar_span(b, factor)] for b in bars],
             hovertemplate=("<b>%{customdata[0]}</b> (" + kind + ")<br>%{customdata[1]}<br>"
-                           "node %{customdata[2]}<br>start %{base:.4g} " + tname +
-                           ", takes %{x:.4g} " + tname + "<extra></extra>")), row=1, col=1)
+                           "node %{customdata[2]}<br>" + span_hover(3, tname) +
+                           "<extra></extra>")), row=1, col=1)
         n += 1
     if not with_mem:
         return n

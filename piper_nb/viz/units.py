@@ -13,6 +13,13 @@ __all__ = ["bytes_scale", "bytes_text", "time_scale", "time_text"]
 _BYTES = ((2**30, "GiB"), (2**20, "MiB"), (2**10, "KiB"))
 
 
+def _digits(value: float, digits: int) -> str:
+    """`value` to `digits` significant digits, whole numbers beyond them ("1010", never
+    "1.01e+03")."""
+    text = f"{value:.{digits}g}"
+    return f"{value:.0f}" if "e+" in text else text
+
+
 def bytes_scale(largest: float) -> tuple[float, str]:
     """(divisor, unit name) for drawing byte counts whose largest is `largest`."""
     return next(((div, name) for div, name in _BYTES if largest >= div), (1, "B"))
@@ -21,7 +28,7 @@ def bytes_scale(largest: float) -> tuple[float, str]:
 def bytes_text(n: float) -> str:
     """`n` bytes as a short string in its own unit: "17.9 GiB", "512 B"."""
     div, name = bytes_scale(n)
-    return f"{n / div:.3g} {name}" if div > 1 else f"{n:.0f} B"
+    return f"{_digits(n / div, 3)} {name}" if div > 1 else f"{n:.0f} B"
 
 
 def time_scale(span: float, unit: str) -> tuple[float, str]:
@@ -37,6 +44,7 @@ def time_scale(span: float, unit: str) -> tuple[float, str]:
 def time_text(value: float, unit: str) -> str:
     """A time as English: "20.3 s", "12.5 ms", "1 unit", "15 units"."""
     if unit == "unit":
-        return f"{value:.4g} unit" + ("" if value == 1 else "s")
+        return f"{_digits(value, 4)} unit" + ("" if value == 1 else "s")
     factor, name = time_scale(value, unit)
-    return f"{value * factor:.3g} {name}" if unit == "s" else f"{value:.4g} {name}"
+    return (f"{_digits(value * factor, 3)} {name}" if unit == "s"
+            else f"{_digits(value, 4)} {name}")

@@ -7,6 +7,7 @@ import pytest
 
 import piper_nb as pn
 from piper_nb.sim import CostModel, simulate
+from piper_nb.ui.render import comparison_figure
 from piper_nb.viz.replicas import group_label
 from piper_nb.viz.timeline import timeline_data, timeline_figure
 from piper_nb.viz.units import bytes_scale, bytes_text, time_text
@@ -33,6 +34,21 @@ def test_one_row_per_device_and_stream_and_a_memory_subplot():
     assert {t.yaxis for t in fig.data if isinstance(t, go.Scatter)} == {"y2"}
     assert all(c[1].startswith("microbatch") for c in bars[0].customdata)
     assert "%{customdata[0]}" in bars[0].hovertemplate        # the instruction's text
+
+
+def test_the_hover_gives_start_end_and_duration_not_the_end_as_the_duration():
+    trace = trace_of(pn.schedules.one_f_one_b, 2, 2, 4)
+    late = max((e for e in trace.events if e.kind == "B"), key=lambda e: e.start)
+    fig = trace.figure()
+    bars = next(t for t in fig.data if isinstance(t, go.Bar) and t.name == "B")
+    assert "start %{customdata[3]:.4g}, end %{customdata[4]:.4g}, takes " \
+           "%{customdata[5]:.4g}" in bars.hovertemplate and "%{x" not in bars.hovertemplate
+    hit = [c for c in bars.customdata if c[0] == late.label and c[3] == late.start]
+    assert len(hit) == 1 and list(hit[0][3:]) == [late.start, late.end, late.end - late.start]
+    assert late.end - late.start == 2 and late.start > 2   # a B of 2 units, late in the step
+    side = comparison_figure(trace, trace)   # the Run tab's predicted / measured pair
+    assert all("takes %{customdata[3]:.4g}" in t.hovertemplate for t in side.data
+               if isinstance(t, go.Bar))
 
 
 def test_tensor_parallel_collectives_have_a_legend_entry_of_their_own():
@@ -128,3 +144,7 @@ def test_units_read_as_english_and_the_legend_clears_the_axis_titles():
     assert time_text(0.0123, "s") == "12.3 ms" and time_text(20.3, "s") == "20.3 s"
     assert time_text(1, "unit") == "1 unit" and bytes_text(3 * 2**30) == "3 GiB"
     assert bytes_scale(5 * 2**20) == (2**20, "MiB") and bytes_scale(100) == (1, "B")
+    # never in exponent notation: the Designer's headline once read "1.01e+03 KiB"
+    assert bytes_text(1034000) == "1010 KiB" and bytes_text(2**20 - 100) == "1024 KiB"
+    assert time_text(0.9997, "s") == "1000 ms" and time_text(12345, "unit") == "12345 units"
+    assert time_text(1234.5, "s") == "1234 s" and bytes_text(1.5 * 2**30) == "1.5 GiB"
