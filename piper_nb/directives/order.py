@@ -121,6 +121,22 @@ def _share(a: tuple[int, ...], b: tuple[int, ...]) -> bool:
     return bool(a) and (a is b or a == b or not set(a).isdisjoint(b))
 
 
+def _sizes(dag: TrainingDAG, directive) -> str:
+    """What a schedule runs against what the model has, and the fix, in numbers."""
+    def count(values) -> int:
+        found = [v for v in values if isinstance(v, int)]
+        return max(found) + 1 if found else 1
+    wants = [dict(f) for g in directive.groups for f in g]
+    stages, micro = count(f.get("PP") for f in wants), count(f.get("MB") for f in wants)
+    have_pp = count(dict(r.tags).get("PP") for r in dag.regions())
+    have_mb = count(n.mb for n in dag.nodes)
+    fixes = ([f"cut the model into {stages} stages (pn.cut_stages(model, {stages}))"]
+             if stages != have_pp else [])
+    fixes += [f"split the batch into {micro} microbatches"] if micro != have_mb else []
+    return (f"the schedule runs {stages} stages x {micro} microbatches, the model has "
+            f"{have_pp} x {have_mb}: " + (" and ".join(fixes) or "check the cut's stage tags"))
+
+
 def _order_edges(dag: TrainingDAG, directive, index: int, first_overlap: int):
     slots: list[list[str]] = []
     dropped: set[str] = set()
@@ -135,9 +151,8 @@ def _order_edges(dag: TrainingDAG, directive, index: int, first_overlap: int):
             hit = [n.id for n in named]
             if not hit and directive.schedule:
                 raise PlanError(f"{directive.schedule}: its slot {i} ({_action(f)}) matches no "
-                                "pass of this model; cut the model into the stages the "
-                                "schedule runs (pn.cut_stages) and split it into as many "
-                                "microbatches", directive=index, op="order")
+                                f"pass of this model; {_sizes(dag, directive)}",
+                                directive=index, op="order")
             if not hit:
                 raise PlanError(f"order slot {i}: filter {dict(f)} matches no pass; check the "
                                 "stage, microbatch and PASS (F, B, BI, BW)", directive=index,

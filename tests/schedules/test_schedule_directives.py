@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+import piper_nb as pn
 from piper_nb.compiler.compile import expand
 from piper_nb.directives.spec import Order, Place, Program, Split
 from piper_nb.errors import PlanError
@@ -185,3 +186,13 @@ def test_legitimate_small_cases_are_accepted():
     dualpipev(1, 2)
     dualpipev(2, 5)          # DualPipeV takes odd chunk counts
     dualpipe(2, 4)
+
+
+def test_a_schedule_for_more_stages_than_the_cut_says_both_counts_and_the_fix():
+    model = pn.models.MLP(dim=8, depth=4)
+    spec = pn.annotate(model, pn.cut_stages(model, 2))
+    program = [pn.place({"PP": 0}, [0]), pn.place({"PP": 1}, [1]), *dualpipev(2, 4)]
+    with pytest.raises(PlanError, match=r"directive #3 \(order\): the DualPipeV schedule .*"
+                       r"runs 4 stages x 4 microbatches, the model has 2 x 4: cut the model "
+                       r"into 4 stages \(pn.cut_stages\(model, 4\)\)$"):
+        pn.compile(spec, program, model.example_batch(batch_size=8, seed=0))
