@@ -39,7 +39,10 @@ def python_code(state: DesignerState, model: str = "model", batch: str = "batch"
     out = ["import piper_nb as pn", "",
            f"spec = pn.annotate({model}, {{", *ann, "})",
            "program = pn.Program([", *_program_lines(state), "])",
-           f"plan = pn.compile(spec, program, {batch})",
+           *(["# loss_fn: the loss given to pn.Designer(..., loss_fn=)"]
+             if state.loss_fn is not None else []),
+           f"plan = pn.compile(spec, program, {batch}"
+           + (", loss_fn=loss_fn)" if state.loss_fn is not None else ")"),
            f"trace = pn.simulate(plan, {COST_CODE.get(state.cost, COST_CODE['uniform'])})",
            "trace.figure()"]
     return "\n".join(out) + "\n"

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from piper_nb.capture.annotate import annotate
+from piper_nb.capture.loss import resolve_loss
 from piper_nb.compiler.compile import compile as compile_plan
 from piper_nb.compiler.compile import expand
 from piper_nb.directives.spec import Program, directive_from_json
@@ -135,8 +136,11 @@ def compile_state(state: DesignerState, cache: dict | None = None) -> tuple[Any,
         return None, [Problem("the program is empty: add directives or pick a schedule",
                               stage="directive")]
     try:
+        if state.loss_fn is None:   # the Designer's own words: it takes loss_fn= too
+            resolve_loss(state.model, None, "pn.Designer(model, batch, loss_fn=...)")
         with one_thread():
-            return compile_plan(_spec(state, cache), Program(state.rows), state.batch), []
+            return compile_plan(_spec(state, cache), Program(state.rows), state.batch,
+                                loss_fn=state.loss_fn), []
     except PlanError as err:
         return None, [_from_error(err, "compile")]
     except Exception as err:  # a bug below us: show it as a problem, not a traceback

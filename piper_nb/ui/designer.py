@@ -47,11 +47,14 @@ def default_design(model, batch_size: int | None = None, stages: int = 2,
 
 class Designer:
     """The notebook app. Display it (last expression of a cell); `state`, `outcome`
-    (`plan`, `trace`, `problems`), `refresh()` and `launch()` are the Python face."""
+    (`plan`, `trace`, `problems`), `refresh()` and `launch()` are the Python face.
+    `loss_fn=(output, targets) -> loss` is the loss, as `pn.compile` takes it (None: the
+    model's own)."""
 
     def __init__(self, model, batch, cluster=None, *, program: Iterable | str | None = None,
                  annotations: Mapping[str, Mapping[str, int]] | None = None,
-                 debounce: float | None = 0.15, cost: str = "uniform", lazy_views: bool = True):
+                 debounce: float | None = 0.15, cost: str = "uniform", lazy_views: bool = True,
+                 loss_fn=None):
         named = named_batch(batch, "pn.Designer")      # (inputs, targets) or a dict of tensors
         ann, rows = default_design(model, batch_size(named))
         if annotations is not None:
@@ -62,7 +65,7 @@ class Designer:
             rows = [d.to_json() for d in prog]
         batch = dict(named) if isinstance(batch, Mapping) else tuple(batch)
         self.state = DesignerState(model=model, batch=batch, annotations=ann,
-                                   rows=tuple(rows), cost=cost)
+                                   rows=tuple(rows), cost=cost, loss_fn=loss_fn)
         self.cluster, self._own_cluster = cluster, None
         self.debounce = debounce
         self.outcome = Outcome()
@@ -182,7 +185,8 @@ class Designer:
     def _run_args(self) -> tuple:
         if self._pending is not None:
             self.refresh()
-        return self.outcome.plan, self.outcome.trace, self.state.model, self.state.batch
+        return (self.outcome.plan, self.outcome.trace, self.state.model, self.state.batch,
+                self.state.loss_fn)
 
     def _cluster_for(self, world: int):
         if self.cluster is not None:

@@ -80,13 +80,13 @@ class LaunchPanel:
         if self.running:
             self.status.value = "<span class='pn-bad'>a launch is already running</span>"
             return
-        plan, trace, model, batch = self.get_run()
+        plan, trace, model, batch, loss_fn = self.get_run()
         if plan is None:
             self.status.value = "<span class='pn-bad'>the program does not compile; fix the " \
                                 "Problems first</span>"
             return
         steps, lr = self.steps.value, self.lr.value
-        self.thread = threading.Thread(target=self._run, args=(plan, trace, model, batch, steps, lr),
+        self.thread = threading.Thread(target=self._run, args=(plan, trace, model, batch, steps, lr, loss_fn),
                                        name="piper_nb-launch", daemon=True)
         self.button.disabled = True
         self.thread.start()
@@ -102,7 +102,7 @@ class LaunchPanel:
             self.loss.data[2].x, self.loss.data[2].y = list(range(1, len(lrs) + 1)), list(lrs)
             self.loss.layout.xaxis.range = [0.5, steps + 0.5]
 
-    def _run(self, plan, trace, model, batch, steps: int, lr: float) -> None:
+    def _run(self, plan, trace, model, batch, steps: int, lr: float, loss_fn=None) -> None:
         from piper_nb.optim import SGD
         from piper_nb.train import reference_train, train
         from piper_nb.train.loop import step_loss
@@ -114,7 +114,7 @@ class LaunchPanel:
         try:
             self.status.value = "<span class='pn-muted'>reference run ...</span>"
             self.reference = reference_train(model, batch, steps, plan.reference_microbatches,
-                                             SGD(lr=lr), loss_mean=plan.loss_mean)
+                                             SGD(lr=lr), loss_fn, loss_mean=plan.loss_mean)
             ref = list(self.reference.losses)
             self._set_losses([], ref, steps)
             self.status.value = (f"<span class='pn-muted'>starting {plan.world} workers ...</span>")

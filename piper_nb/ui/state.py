@@ -42,6 +42,7 @@ class DesignerState:
     rows: tuple[Mapping[str, Any], ...] = ()
     cost: str = "uniform"                        # "uniform" | "analytic" | "profiled"
     collapse: str = "auto"                       # DAG drawing: "auto" | "none" | "MB"
+    loss_fn: Any = None                          # (output, targets) -> loss; None: the model's
 
     def replace(self, **changes: Any) -> DesignerState:
         return dataclasses.replace(self, **changes)

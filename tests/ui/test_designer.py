@@ -237,3 +237,46 @@ def test_launch_trains_and_matches_the_reference(gpt):
         assert halves == {"x", "x2"} and bars(run.timelines) > 0     # predicted | measured
     finally:
         d.close()
+
+
+def test_a_model_without_a_loss_is_designed_with_loss_fn():
+    torch = pytest.importorskip("torch")
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+    batch = (torch.randn(8, 4), torch.randn(8, 2))
+    bare = Designer(model, batch, debounce=None)
+    try:
+        assert bare.outcome.plan is None
+        assert "pass loss_fn=(output, targets) -> loss to pn.Designer(model, batch, " \
+               "loss_fn=...)" in bare.outcome.problems[0].message
+    finally:
+        bare.close()
+
+    def mse(out, y):
+        return torch.nn.functional.mse_loss(out, y)
+    d = Designer(model, batch, debounce=None, loss_fn=mse)
+    try:
+        assert d.outcome.plan is not None and not d.outcome.problems
+        assert "pn.compile(spec, program, batch, loss_fn=loss_fn)" in \
+            d.directives.python.value
+        d.launch(steps=2, wait=True)
+        run = d.launcher
+        assert run.error is None, run.status.value
+        # the reference and a plain loop, both with the same loss
+        plain = [p.detach().clone() for p in model.parameters()]
+        losses = []
+        for _ in range(2):
+            out = model(batch[0])
+            loss = mse(out, batch[1])
+            losses.append(loss.item())
+            grads = torch.autograd.grad(loss, list(model.parameters()))
+            with torch.no_grad():
+                for p, g in zip(model.parameters(), grads, strict=True):
+                    p -= run.lr.value * g
+        with torch.no_grad():
+            for p, q in zip(model.parameters(), plain, strict=True):
+                p.copy_(q)
+        assert run.result.losses == pytest.approx(run.reference.losses, rel=1e-5, abs=4e-5)
+        assert run.result.losses == pytest.approx(losses, rel=1e-5, abs=4e-5)
+    finally:
+        d.close()
