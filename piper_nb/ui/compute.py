@@ -71,8 +71,20 @@ class Outcome:
     seconds: dict[str, float] = field(default_factory=dict)
 
 
-def _from_error(err: PlanError, stage: str) -> Problem:
-    return Problem(err.reason, row=err.directive, op=err.op, stage=stage)
+def _from_error(err: PlanError, stage: str, rows=()) -> Problem:
+    """The error as a problem of the row the user wrote: a schedule row, not the order or
+    split it expands to."""
+    row = err.directive
+    if row is not None and 0 <= row < len(rows) and isinstance(rows[row], dict):
+        return Problem(err.reason, row=row, op=_row_name(rows[row]), stage=stage)
+    return Problem(err.reason, row=row, op=err.op, stage=stage)
+
+
+def _row_name(row: dict) -> str | None:
+    """A row as its editor shows it: its op, and a schedule's name."""
+    if row.get("op") == "schedule" and row.get("name"):
+        return f"schedule {row['name']}"
+    return row.get("op")
 
 
 def _internal(err: Exception, stage: str) -> Problem:
@@ -115,7 +127,7 @@ def layer_problems(state: DesignerState) -> list[Problem]:
 def row_problems(state: DesignerState) -> list[Problem]:
     out = []
     for i, row in enumerate(state.rows):
-        op = row.get("op") if isinstance(row, dict) else None
+        op = _row_name(row) if isinstance(row, dict) else None
         try:
             expand([directive_from_json(row)])   # a schedule is checked by expanding it
         except PlanError as err:
@@ -142,7 +154,7 @@ def compile_state(state: DesignerState, cache: dict | None = None) -> tuple[Any,
             return compile_plan(_spec(state, cache), Program(state.rows), state.batch,
                                 loss_fn=state.loss_fn), []
     except PlanError as err:
-        return None, [_from_error(err, "compile")]
+        return None, [_from_error(err, "compile", state.rows)]
     except Exception as err:  # a bug below us: show it as a problem, not a traceback
         return None, [_internal(err, "compile")]
 

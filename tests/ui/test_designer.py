@@ -102,6 +102,7 @@ def test_whole_program_error_points_at_the_schedule_row(designer):
     designer.microbatches.value = 3                    # does not divide the batch of 8
     (problem,) = designer.problems
     assert problem.row == 2 and "divide" in problem.message
+    assert problem.where == "directive #2 (schedule 1f1b)"   # the row, not its order
     assert "pn-row-error" in designer.directives.rows[2].box._dom_classes
 
 
