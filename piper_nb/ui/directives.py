@@ -71,12 +71,14 @@ class DirectivesPanel:
         self.json = W.Textarea(rows=14, layout=W.Layout(width="100%"),
                                placeholder='[{"op": "place", "filter": {"PP": 0}, "devices": [0]}]')
         self.export_button = W.Button(description="Export", icon="download",
-                                      tooltip="write the program into the box")
+                                      tooltip="write the program into the box (it follows "
+                                              "edits until you type into it)")
         self.import_button = W.Button(description="Import", icon="upload",
                                       tooltip="replace the program by the box's JSON")
         self.expand = W.Checkbox(value=False, description="expand schedules (for Piper)",
                                  indent=False)
         self.json_status = W.HTML()
+        self._exported: str | None = None   # the box's text as last written by export()
         self.export_button.on_click(lambda _: self.export())
         self.import_button.on_click(lambda _: self.import_())
         self.json_widget = W.VBox([W.HBox([self.export_button, self.import_button, self.expand]),
@@ -120,6 +122,8 @@ class DirectivesPanel:
             msgs = by_row.get(r.index)
             r.show_problem("; ".join(msgs) if msgs else None)
         self.python.value = python_code(state)
+        if self.json.value == self._exported:   # live, until the user types into the box
+            self.export()
 
     def microbatch_widget(self):
         """The first row's microbatch box (a schedule's or an MB split's), or None."""
@@ -131,8 +135,9 @@ class DirectivesPanel:
 
     # ---- JSON -----------------------------------------------------------------------
     def export(self) -> None:
+        """Write the program into the JSON box (it then follows every edit until typed in)."""
         try:
-            self.json.value = program_json(self.state, expand=self.expand.value)
+            self.json.value = self._exported = program_json(self.state, expand=self.expand.value)
             n = len(self.state.rows)
             self.json_status.value = f"<span class='pn-muted'>exported {n} directives</span>"
         except PlanError as err:
@@ -146,6 +151,7 @@ class DirectivesPanel:
         except PlanError as err:
             self.json_status.value = f"<span class='pn-bad'>not imported: {html.escape(str(err))}</span>"
             return
+        self._exported = text   # imported: the box follows the program again
         self.on_edit(lambda s: import_json(s, text))
         self.json_status.value = (f"<span class='pn-good'>imported {len(self.state.rows)} "
                                   "directives</span>")

@@ -171,6 +171,17 @@ def test_json_export_import_round_trip(designer):
     assert {r["op"] for r in json.loads(designer.directives.json.value)} == {"place", "split", "order"}
 
 
+def test_json_view_follows_edits_until_typed_into(designer):
+    designer.microbatches.value = 8
+    assert json.loads(designer.directives.json.value)[2]["microbatches"] == 8
+    designer.directives.json.value = "[]  // mine"
+    designer.microbatches.value = 2
+    assert designer.directives.json.value == "[]  // mine"    # what the user typed stays
+    designer.directives.export_button.click()
+    designer.microbatches.value = 4
+    assert json.loads(designer.directives.json.value)[2]["microbatches"] == 4
+
+
 def test_python_view_follows_edits(designer):
     designer.microbatches.value = 8
     assert "one_f_one_b(ranks=2, microbatches=8)" in designer.directives.python.value
