@@ -49,12 +49,13 @@ class Designer:
     """The notebook app. Display it (last expression of a cell); `state`, `outcome`
     (`plan`, `trace`, `problems`), `refresh()` and `launch()` are the Python face.
     `loss_fn=(output, targets) -> loss` is the loss, as `pn.compile` takes it (None: the
-    model's own)."""
+    model's own); `optimizer=` what a launch trains with, as `pn.train` takes it (None: SGD
+    at the Run tab's rate); `result` is the last launch's `pn.Result`."""
 
     def __init__(self, model, batch, cluster=None, *, program: Iterable | str | None = None,
                  annotations: Mapping[str, Mapping[str, int]] | None = None,
                  debounce: float | None = 0.15, cost: str = "uniform", lazy_views: bool = True,
-                 loss_fn=None):
+                 loss_fn=None, optimizer=None):
         named = named_batch(batch, "pn.Designer")      # (inputs, targets) or a dict of tensors
         ann, rows = default_design(model, batch_size(named))
         if annotations is not None:
@@ -76,7 +77,10 @@ class Designer:
         self._pending: Any = None
         self.layers = LayersPanel(self.state, self.edit)
         self.directives = DirectivesPanel(self.state, self.edit)
-        self.launcher = LaunchPanel(self._run_args, self._cluster_for)
+        if optimizer is not None:   # a bad one is a PlanError now, not at the first launch
+            from piper_nb.optim import check_optimizer
+            check_optimizer(optimizer, "pn.Designer")
+        self.launcher = LaunchPanel(self._run_args, self._cluster_for, optimizer)
         self.views = ViewsPanel(self._option, self.launcher.widget, lazy=lazy_views)
         self.views.cost.value = cost
         self.message = W.HTML()
@@ -182,6 +186,11 @@ class Designer:
         return list(self.outcome.problems)
 
     # ---- launching ----------------------------------------------------------------------
+    @property
+    def result(self):
+        """The last launch's `pn.Result` (None before one finishes)."""
+        return self.launcher.result
+
     def _run_args(self) -> tuple:
         if self._pending is not None:
             self.refresh()

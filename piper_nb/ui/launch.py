@@ -12,6 +12,7 @@ folded away under "details".
 
 from __future__ import annotations
 
+import functools
 import html
 import threading
 from collections.abc import Callable
@@ -50,8 +51,10 @@ class StepReporter:
 class LaunchPanel:
     """`widget`: launch controls, progress, loss curve and the two timelines."""
 
-    def __init__(self, get_run: Callable[[], tuple], get_cluster: Callable[[int], object]):
+    def __init__(self, get_run: Callable[[], tuple], get_cluster: Callable[[int], object],
+                 optimizer=None):
         self.get_run, self.get_cluster = get_run, get_cluster
+        self.optimizer = optimizer   # as pn.train takes it; None: SGD at the lr box's rate
         self.steps = W.BoundedIntText(value=3, min=1, max=10_000, description="steps",
                                       layout=W.Layout(width="130px"))
         self.lr = W.BoundedFloatText(value=0.1, min=0.0, max=10.0, step=0.01, description="lr",
@@ -60,8 +63,14 @@ class LaunchPanel:
         self.button.on_click(lambda _: self.launch())
         self.progress = W.IntProgress(value=0, min=0, max=3, description="steps 0/3",
                                       style={"description_width": "initial"})
-        self.status = W.HTML("<span class='pn-muted'>Runs the current plan on the cluster "
-                             "(local worker processes unless the Designer was given one).</span>")
+        self.status = W.HTML(f"<span class='pn-muted'>Trains the current plan with "
+                             f"{html.escape(self.optimizer_text())} on the cluster (local "
+                             "worker processes unless the Designer was given one), and "
+                             "pn.reference_train beside it; <code>designer.result</code> is the "
+                             "last run's <code>pn.Result</code>.</span>")
+        if optimizer is not None:
+            self.lr.disabled = True
+            self.lr.tooltip = "the optimizer given to pn.Designer sets its own rate"
         self.loss = go.FigureWidget(loss_figure([], []))
         self.timelines = go.FigureWidget(comparison_figure(None, None))
         self.widget = W.VBox([W.HBox([self.steps, self.lr, self.button, self.progress]),
@@ -70,6 +79,20 @@ class LaunchPanel:
         self.result = None
         self.reference = None
         self.error: Exception | None = None
+
+    def optimizer_text(self) -> str:
+        """The optimizer a launch uses, as the user would write it."""
+        opt = self.optimizer
+        if opt is None:
+            return "SGD at the rate in the lr box"
+        if isinstance(opt, functools.partial):
+            args = [repr(a) for a in opt.args] + [f"{k}={v!r}" for k, v in opt.keywords.items()]
+            return f"{opt.func.__name__}({', '.join(args)})"
+        return f"{opt.__name__}()" if isinstance(opt, type) else repr(opt)
+
+    def optimizer_for(self, lr: float):
+        from piper_nb.optim import SGD
+        return SGD(lr=lr) if self.optimizer is None else self.optimizer
 
     @property
     def running(self) -> bool:
@@ -103,7 +126,6 @@ class LaunchPanel:
             self.loss.layout.xaxis.range = [0.5, steps + 0.5]
 
     def _run(self, plan, trace, model, batch, steps: int, lr: float, loss_fn=None) -> None:
-        from piper_nb.optim import SGD
         from piper_nb.train import reference_train, train
         from piper_nb.train.loop import step_loss
         self.result = self.reference = self.error = None
@@ -114,7 +136,8 @@ class LaunchPanel:
         try:
             self.status.value = "<span class='pn-muted'>reference run ...</span>"
             self.reference = reference_train(model, batch, steps, plan.reference_microbatches,
-                                             SGD(lr=lr), loss_fn, loss_mean=plan.loss_mean)
+                                             self.optimizer_for(lr), loss_fn,
+                                             loss_mean=plan.loss_mean)
             ref = list(self.reference.losses)
             self._set_losses([], ref, steps)
             self.status.value = (f"<span class='pn-muted'>starting {plan.world} workers ...</span>")
@@ -128,13 +151,14 @@ class LaunchPanel:
                 self.status.value = f"<span class='pn-muted'>step {len(losses)}: loss {losses[-1]:.6g}</span>"
                 self._set_losses(losses, ref, steps, lrs)
 
-            self.result = train(plan, batch, steps, SGD(lr=lr), cluster=StepReporter(cluster, on_step))
+            self.result = train(plan, batch, steps, self.optimizer_for(lr),
+                                cluster=StepReporter(cluster, on_step))
             replace_figure(self.timelines, comparison_figure(trace, self.result.trace))
             diff = max(abs(a - b) for a, b in zip(self.result.losses, ref, strict=True))
             self.status.value = (
                 f"<span class='pn-good'>done</span>: final loss {self.result.losses[-1]:.6g} "
                 f"(reference {ref[-1]:.6g}, largest difference {diff:.2g}); measured step "
-                f"{self.result.step_times[-1] * 1000:.1f} ms")
+                f"{self.result.step_times[-1] * 1000:.1f} ms; {html.escape(self.optimizer_text())}")
         except (PlanError, RuntimeFailure) as err:
             self.error = err
             first, _, rest = str(err).partition("\n")

@@ -292,3 +292,27 @@ def test_a_model_without_a_loss_is_designed_with_loss_fn():
         assert run.result.losses == pytest.approx(losses, rel=1e-5, abs=4e-5)
     finally:
         d.close()
+
+
+def test_launch_trains_with_the_optimizer_given_and_names_it(gpt):
+    import functools
+
+    import torch
+    adam = functools.partial(torch.optim.Adam, lr=1e-2)
+    d = Designer(*gpt, debounce=None, optimizer=adam)
+    try:
+        assert "Adam(lr=0.01)" in d.launcher.status.value and d.launcher.lr.disabled
+        assert "designer.result" in d.launcher.status.value
+        d.launch(steps=2, wait=True)
+        run = d.launcher
+        assert run.error is None, run.status.value
+        assert d.result is run.result and "Adam(lr=0.01)" in run.status.value
+        ref = pn.reference_train(gpt[0], gpt[1], 2, d.plan.reference_microbatches, adam)
+        assert d.result.losses == pytest.approx(ref.losses, rel=1e-5, abs=4e-5)
+        sgd = pn.reference_train(gpt[0], gpt[1], 2, d.plan.reference_microbatches,
+                                 pn.optim.SGD(lr=0.1))
+        assert d.result.losses[1] != pytest.approx(sgd.losses[1], rel=1e-5, abs=4e-5)
+    finally:
+        d.close()
+    with pytest.raises(pn.PlanError):
+        Designer(*gpt, debounce=None, optimizer="adam")
