@@ -131,7 +131,20 @@ def new_row(op: str, state: DesignerState) -> dict[str, Any]:
     """A sensible fresh row of kind `op` for this state (each directive's `row`)."""
     if op not in REGISTRY:
         raise PlanError(f"unknown op {op!r}; the ops are {', '.join(OPS)}")
-    return REGISTRY[op].row(stage_count(state), max(microbatches(state) or 4, 1))
+    row = REGISTRY[op].row(stage_count(state), max(microbatches(state) or 4, 1))
+    placed = _placed(state, row.get("filter"))
+    if op == "replicate" and placed:   # the replicas are the devices the stage is placed on
+        row["devices"] = placed
+    return row
+
+
+def _placed(state: DesignerState, filt) -> list[int] | None:
+    """The devices the first place row with this filter names, else None."""
+    for r in state.rows:
+        if (isinstance(r, Mapping) and r.get("op") == "place" and r.get("filter") == filt
+                and isinstance(r.get("devices"), list) and r["devices"]):
+            return list(r["devices"])
+    return None
 
 
 def add_row(state: DesignerState, row: Mapping[str, Any], at: int | None = None) -> DesignerState:

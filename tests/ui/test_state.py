@@ -54,6 +54,15 @@ def test_field_text_forms_round_trip():
     assert fields.parse_tag_parts("TP=1, X") == {"TP": 1, "X": ""}
 
 
+def test_a_new_replicate_row_replicates_where_its_stage_is_placed(state):
+    assert new_row("replicate", state)["devices"] == [0]      # the default design's place
+    wide = state.replace(rows=({"op": "place", "filter": {"PP": 0}, "devices": [0, 2]},
+                               {"op": "place", "filter": {"PP": 1}, "devices": [1, 3]}))
+    assert new_row("replicate", wide) == {"op": "replicate", "filter": {"PP": 0},
+                                          "devices": [0, 2], "zero": 0}
+    assert new_row("replicate", state.replace(rows=()))["devices"] == [0, 2]  # none placed
+
+
 def test_edits_are_pure_and_do_what_they_say(state):
     before = json.dumps(state.rows)
     s2 = add_row(state, new_row("split", state))
