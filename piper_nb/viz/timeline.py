@@ -59,6 +59,17 @@ class TimelineData:
     time: tuple[float, str] = (1.0, "s")              # (factor, name) of the time axis
 
 
+def _free_comm(trace) -> str:
+    """A second title line when the trace has communication and none of it takes time (the
+    uniform cost model's default): its rows would be empty with no word why."""
+    comm = [e for e in trace.events if e.stream != "compute"]
+    if not comm or any(e.end > e.start for e in comm):
+        return ""
+    return ("<br><sup>communication is priced at 0 by this cost model, so its bars have no "
+            "width: use analytic or profiled costs (or comm= in the uniform one) to see it"
+            "</sup>")
+
+
 def timeline_data(trace, devices=None, group: bool = True) -> TimelineData:
     """Walk `trace` into rows, bars by kind and memory curves (see the module docstring):
     one row per group of identical replicas (or per device when not `group`) and stream."""
@@ -75,7 +86,7 @@ def timeline_data(trace, devices=None, group: bool = True) -> TimelineData:
     where = f"{collapsed} devices" + (f" in {len(groups)} groups of identical replicas"
                                       if len(groups) < collapsed else "")
     title = (f"{trace.source.capitalize()} timeline: step {time_text(trace.step_time, trace.unit)}"
-             f", {where}{note}")
+             f", {where}{note}{_free_comm(trace)}")
     return TimelineData(rows, bars, memory, trace.unit, title,
                         trace.meta.get("memory_capacity"), groups,
                         time_scale(trace.step_time, trace.unit))

@@ -51,6 +51,17 @@ def test_the_hover_gives_start_end_and_duration_not_the_end_as_the_duration():
                if isinstance(t, go.Bar))
 
 
+def test_a_timeline_says_when_communication_is_priced_at_zero():
+    model = pn.models.MLP(dim=8, depth=8)
+    plan = pn.compile(pn.annotate(model, pn.cut_stages(model, 2)),
+                      pn.schedules.one_f_one_b(ranks=2, microbatches=2, place=True),
+                      model.example_batch(batch_size=8, seed=0))
+    free = timeline_figure(simulate(plan, CostModel.uniform())).layout.title.text
+    assert "communication is priced at 0" in free
+    timed = timeline_figure(simulate(plan, CostModel.uniform(comm=0.5))).layout.title.text
+    assert "priced at 0" not in timed
+
+
 def test_tensor_parallel_collectives_have_a_legend_entry_of_their_own():
     model = pn.models.TinyGPT(layers=2)
     plan = pn.compile(pn.annotate(model, {"": {"PP": 0}}),
