@@ -174,7 +174,7 @@ class ReplicaConfig:
     gather_stream: str
     directive: int
     reshard: bool = True
-    grad_sync: str = "microbatch"
+    grad_sync: str | None = None   # as given (None: the level's default, see `_buckets`)
 
 
 @dataclass(frozen=True)
@@ -201,9 +201,8 @@ def replica_configs(dag: TrainingDAG, replicates: list[tuple[int, object]]) -> d
             raise PlanError(f"replicate filter {dict(d.filter)} matches no region",
                             directive=idx, op="replicate")
         for r in regions:
-            sync = d.grad_sync or ("step" if d.zero < 2 or not d.reshard else "microbatch")
             configs[r] = ReplicaConfig(d.devices, d.zero, d.bucket_size, d.reduce_stream or "dp",
-                                       d.gather_stream or "dp", idx, d.reshard, sync)
+                                       d.gather_stream or "dp", idx, d.reshard, d.grad_sync)
     return configs
 
 
@@ -266,11 +265,13 @@ def _buckets(dag, region_params, param_bytes, configs) -> list[Bucket]:
         # a weight summed across stages or copies is sharded over every device that holds
         # it; under ZeRO-3 it is gathered once per step, not before every pass (the stages'
         # passes would otherwise have to meet at every gather)
-        reshard = (cfg.reshard if cfg else True) and not (zero == 3 and _spread(dag, rs, devs))
-        # spread over stages or copies, ZeRO-2/3 reduce once per step: the members run their
-        # microbatches' backwards in different orders
-        sync = ("step" if zero < 2 or _spread(dag, rs, devs) else
-                cfg.grad_sync if cfg else "microbatch")
+        spread = zero >= 2 and _spread(dag, rs, devs)
+        reshard = (cfg.reshard if cfg else True) and not (zero == 3 and spread)
+        # zero 0/1 reduce once per step, and so do ZeRO-2/3 buckets spread over stages or
+        # copies (the members run their microbatches' backwards in different orders);
+        # otherwise as given, by default once per microbatch unless parameters stay gathered
+        sync = ("step" if zero < 2 or spread else
+                cfg.grad_sync or ("microbatch" if cfg.reshard else "step"))
         chunk: list[str] = []
         size = 0
         for p in params:

@@ -59,11 +59,12 @@ class TimelineData:
     time: tuple[float, str] = (1.0, "s")              # (factor, name) of the time axis
 
 
-def _free_comm(trace) -> str:
-    """A second title line when the trace has communication and none of it takes time (the
-    uniform cost model's default): its rows would be empty with no word why."""
-    comm = [e for e in trace.events if e.stream != "compute"]
-    if not comm or any(e.end > e.start for e in comm):
+def _free_comm(bars: dict[str, list[dict]]) -> str:
+    """A second title line when the drawn rows have communication and none of it takes
+    time (the uniform cost model's default): its rows would be empty with no word why."""
+    comm = [b["duration"] for kind in bars.values() for b in kind
+            if not b["row"].endswith(" compute")]
+    if not comm or any(d > 0 for d in comm):
         return ""
     return ("<br><sup>communication is priced at 0 by this cost model, so its bars have no "
             "width: use analytic or profiled costs (or comm= in the uniform one) to see it"
@@ -86,7 +87,7 @@ def timeline_data(trace, devices=None, group: bool = True) -> TimelineData:
     where = f"{collapsed} devices" + (f" in {len(groups)} groups of identical replicas"
                                       if len(groups) < collapsed else "")
     title = (f"{trace.source.capitalize()} timeline: step {time_text(trace.step_time, trace.unit)}"
-             f", {where}{note}{_free_comm(trace)}")
+             f", {where}{note}{_free_comm(bars)}")
     return TimelineData(rows, bars, memory, trace.unit, title,
                         trace.meta.get("memory_capacity"), groups,
                         time_scale(trace.step_time, trace.unit))
