@@ -35,17 +35,19 @@ from torch.nn.utils import parametrize
 from piper_nb.capture.functions import seen_functions
 from piper_nb.capture.pipe_split import number_stages
 from piper_nb.capture.region import tracing_scope
+from piper_nb.capture.stamp import find_stack, stamp, truncated
 from piper_nb.errors import PlanError
 
 __all__ = ["export_graph", "export_module_path", "export_size_nodes", "rematerialize",
            "custom_op_modules"]
 
 
-def export_graph(root: nn.Module, example: dict[str, torch.Tensor], name: str
-                 ) -> fx.GraphModule:
+def export_graph(root: nn.Module, example: dict[str, torch.Tensor], name: str,
+                 stamped: bool = True) -> fx.GraphModule:
     """`root` (model + loss) exported on the named batch `example` with a dynamic batch
     dimension, unlifted and cleaned (see the module docstring); its inputs are the batch's
-    tensors in order. `name` names the model in errors."""
+    tensors in order. `name` names the model in errors. With `stamped`, a stack of
+    identical layers is exported once and stamped (`capture.stamp`)."""
     if next(iter(example.values())).shape[0] < 2:
         raise PlanError(f"capturing {name} by torch.export needs an example batch of at least "
                         "2 samples (a batch of 1 is specialised); use a larger batch")
@@ -56,13 +58,12 @@ def export_graph(root: nn.Module, example: dict[str, torch.Tensor], name: str
         args, dynamic = tuple(example.values()), tuple(dims.values())
     else:
         args, dynamic = (dict(example),), (dims,)
-    try:
-        with tracing_scope(), fx_traceback.preserve_node_meta(), seen_functions() as seen:
-            program = torch.export.export(root, args, dynamic_shapes=dynamic, strict=False)
-    except PlanError:
-        raise
-    except Exception as err:  # export raises many kinds; the user needs the reason and where
-        raise PlanError(_export_failure(name, err)) from err
+    stack = find_stack(root) if stamped else None
+    gm, seen = _exported(root, args, dynamic, name, stack)
+    _clean(gm.graph)
+    if stack is not None and not stamp(gm, root, stack):
+        gm, seen = _exported(root, args, dynamic, name, None)   # not provably the same code
+        _clean(gm.graph)
     if seen:
         names = ", ".join(f"{c.__module__}.{c.__qualname__}" for c in seen)
         raise PlanError(f"{name} applies the custom torch.autograd.Function {names}: "
@@ -70,10 +71,22 @@ def export_graph(root: nn.Module, example: dict[str, torch.Tensor], name: str
                         "gradient of its forward's operations instead of its backward. Capture "
                         "with torch.fx, which keeps it whole (capture='fx', with an (inputs, "
                         "targets) batch), or write it with differentiable operations")
-    gm = program.module()
-    _clean(gm.graph)
     gm.recompile()
     return gm
+
+
+def _exported(root, args, dynamic, name: str, stack) -> tuple[fx.GraphModule, set]:
+    """(the unlifted export of `root`, cut to `stack`'s prefix; the custom autograd
+    Functions it met)."""
+    try:
+        with (truncated(root, stack), tracing_scope(), fx_traceback.preserve_node_meta(),
+              seen_functions() as seen):
+            program = torch.export.export(root, args, dynamic_shapes=dynamic, strict=False)
+    except PlanError:
+        raise
+    except Exception as err:  # export raises many kinds; the user needs the reason and where
+        raise PlanError(_export_failure(name, err)) from err
+    return program.module(), seen
 
 
 def _check_parametrizations(root: nn.Module, name: str) -> None:

@@ -125,11 +125,12 @@ METHODS = ("auto", "fx", "export")
 
 
 def front_end(model: nn.Module, loss_fn: Callable, example: dict | None,
-              method: str, names: tuple[str, ...] = PAIR, loss_mean: str = "microbatch"
-              ) -> FrontEnd:
+              method: str, names: tuple[str, ...] = PAIR, loss_mean: str = "microbatch",
+              stamped: bool = True) -> FrontEnd:
     """fx symbolic tracing (fast: the models written for it), or torch.export (any model
     whose forward runs on the example batch); "auto" tries fx, then export. A dict batch
-    (`names` other than inputs, targets) is always exported."""
+    (`names` other than inputs, targets) is always exported; `stamped` lets the export
+    stamp a stack of identical layers (`capture.stamp`)."""
     if method not in METHODS:
         raise PlanError(f"capture={method!r}: choose one of {', '.join(METHODS)}")
     name = type(model).__name__
@@ -149,7 +150,7 @@ def front_end(model: nn.Module, loss_fn: Callable, example: dict | None,
     if example is None:
         raise PlanError("capture='export' needs the example batch: pass it to spec.capture")
     root = (_WithLoss if names == PAIR else _WithLossOnDict)(model, loss_fn, loss_mean)
-    gm = export_graph(root, example, name)
+    gm = export_graph(root, example, name, stamped)
     return FrontEnd("export", gm, export_module_path, export_size_nodes, outputs=root.outputs)
 
 

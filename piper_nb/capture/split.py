@@ -133,8 +133,9 @@ def capture_regions(spec, loss_fn: Callable, example: dict | None = None,
                         "tokens by value, which needs real weights; build the model on the "
                         "CPU, or plan it without [lo:hi] slices")
     with sliced_forwards(model, slices), split_points(model, getattr(spec, "split_spec", {})):
+        # slices and split points are per layer: a stamp would copy one layer's to the rest
         front = front_end(model, loss_fn, example, "export" if slices else method, names,
-                          loss_mean)
+                          loss_mean, stamped=not slices and not getattr(spec, "split_spec", {}))
     gm = front.gm
     pieces = cut_pieces(gm, slices) if slices else {}
     nodes = list(gm.graph.nodes)
