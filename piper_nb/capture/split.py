@@ -128,10 +128,6 @@ def capture_regions(spec, loss_fn: Callable, example: dict | None = None,
     if slices and method == "fx":
         raise PlanError("expert slices ([lo:hi] annotations) are captured by torch.export: "
                         "use capture='auto' or 'export'")
-    if slices and any(p.is_meta for p in model.parameters()):
-        raise PlanError(f"{type(model).__name__} is on the meta device: expert slices route "
-                        "tokens by value, which needs real weights; build the model on the "
-                        "CPU, or plan it without [lo:hi] slices")
     with sliced_forwards(model, slices), split_points(model, getattr(spec, "split_spec", {})):
         # slices and split points are per layer: a stamp would copy one layer's to the rest
         front = front_end(model, loss_fn, example, "export" if slices else method, names,

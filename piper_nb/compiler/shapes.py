@@ -8,9 +8,12 @@ memory agree.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from piper_nb.capture.split import LOSS
+from piper_nb.compiler.meta_routing import balanced_routing
 from piper_nb.errors import PlanError
 from piper_nb.ir.loss_outputs import COUNT, is_loss_output, metric_name
 from piper_nb.plan.sizes import SavedBytes, ValueInfo, storage_key
@@ -47,7 +50,14 @@ def propagate(capture, batch: dict[str, torch.Tensor]):
     """-> (values: name -> ValueInfo, saved: region -> bytes, loss value, changed: region ->
     the buffers its forward changes, such as BatchNorm's running statistics), running the
     regions on the named `batch`. Run inside `capture.untouched` so that the user's model
-    keeps its buffers."""
+    keeps its buffers. On the meta device a router's tokens are assumed balanced over its
+    experts (`compiler.meta_routing`)."""
+    meta = any(t.is_meta for t in batch.values())
+    with balanced_routing() if meta else contextlib.nullcontext():
+        return _propagate(capture, batch)
+
+
+def _propagate(capture, batch: dict[str, torch.Tensor]):
     vals: dict[str, torch.Tensor] = dict(batch)
     names = frozenset(batch)
     saved: dict[int, int] = {}

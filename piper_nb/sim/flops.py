@@ -6,8 +6,11 @@ keeps its buffers and random state (`capture.untouched`).
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
+from piper_nb.compiler.meta_routing import balanced_routing
 from piper_nb.plan.sizes import random_value
 
 __all__ = ["region_flops", "region_inputs"]
@@ -50,7 +53,9 @@ def region_flops(plan) -> dict[int, float]:
             # counted once (with values, routing to experts can differ layer by layer)
             key = _signature(module, args) if torch.device(device).type == "meta" else None
             if key is None or key not in seen:
-                with flop_counter() as counter:
+                meta = torch.device(device).type == "meta"
+                with (balanced_routing() if meta else contextlib.nullcontext(),
+                      flop_counter() as counter):
                     module(*args)
                 out[r] = float(counter.get_total_flops())
                 if key is not None:

@@ -75,3 +75,40 @@ def test_profiling_and_training_a_meta_model_are_refused_with_the_way_out():
     with pytest.raises(pn.PlanError, match="reference_train: the model is on the meta device"):
         pn.reference_train(model, (torch.zeros(8, 16, dtype=torch.long),) * 2, steps=1,
                            microbatches=4, optimizer=pn.optim.SGD(lr=0.1))
+
+
+def test_a_meta_moe_plans_with_each_expert_given_its_balanced_share():
+    """TinyMoE, top-1 over 2 experts, PP 2 x DP 2 x EP 2 on the meta device: the router has
+    no values, so each expert is given tokens x 1 / 2 rows; everything the routing does not
+    size is as the CPU model's plan has it."""
+    from piper_nb.strategies import MATRIX
+    real_model, batch, annotation, program = MATRIX["pp2-dp2-ep2"]("test")
+    with torch.device("meta"):
+        model = pn.models.TinyMoE(**real_model.config)
+    meta = pn.compile(pn.annotate(model, annotation), program,
+                      tuple(t.to("meta") for t in batch))
+    real = pn.compile(pn.annotate(real_model, annotation), program, batch)
+    tokens = batch[0].shape[0] // 4 // 2 * batch[0].shape[1]   # per microbatch and replica
+    assert meta.rows and {meta.values[v].shape[0] for v in meta.rows} == {tokens // 2}
+    dense = set(real.values) - set(real.rows) - set(meta.rows)
+    assert {v: meta.values[v].shape for v in dense} == {v: real.values[v].shape for v in dense}
+    trace = pn.simulate(meta, pn.CostModel.analytic(meta, "H100"))
+    assert trace.step_time > 0
+
+
+def test_a_nonzero_the_meta_device_cannot_size_is_refused():
+    class Picky(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 4)
+
+        def forward(self, x):
+            h = self.lin(x)
+            return h[(h > 0).any(-1).nonzero().squeeze(-1)]
+
+    with torch.device("meta"):
+        model = Picky()
+    x = torch.zeros(8, 4, device="meta")
+    with pytest.raises(pn.PlanError, match="not a router's expert mask"):
+        pn.compile(pn.annotate(model, {"": {"PP": 0}}), [pn.place({}, [0])], (x, x),
+                   loss_fn=lambda out, t: out.sum(), capture="export")
