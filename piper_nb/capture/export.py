@@ -59,7 +59,13 @@ def export_graph(root: nn.Module, example: dict[str, torch.Tensor], name: str,
     else:
         args, dynamic = (dict(example),), (dims,)
     stack = find_stack(root) if stamped else None
-    gm, seen = _exported(root, args, dynamic, name, stack)
+    try:
+        gm, seen = _exported(root, args, dynamic, name, stack)
+    except PlanError:
+        if stack is None:
+            raise
+        stack = None   # a forward that needs every layer (it counts them, say): export it whole
+        gm, seen = _exported(root, args, dynamic, name, None)
     _clean(gm.graph)
     if stack is not None and not stamp(gm, root, stack):
         gm, seen = _exported(root, args, dynamic, name, None)   # not provably the same code

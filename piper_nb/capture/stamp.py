@@ -49,13 +49,18 @@ class Stack:
 
 
 def find_stack(root: nn.Module) -> Stack | None:
-    """The stack to stamp: the longest ModuleList of `root` when stamping saves at least
-    two layers, else None."""
+    """The stack to stamp: the longest ModuleList of `root` not inside another one, when
+    stamping saves at least two layers; else None."""
     if not ENABLED:
         return None
-    best = None
+    best, lists = None, []
     for path, m in root.named_modules():
-        if isinstance(m, nn.ModuleList) and len(m) >= 4 and (best is None or len(m) > len(best[1])):
+        if not isinstance(m, nn.ModuleList):
+            continue
+        if any(path.startswith(p + ".") for p in lists):   # experts inside a layer: not a stack
+            continue
+        lists.append(path)
+        if len(m) >= 4 and (best is None or len(m) > len(best[1])):
             best = (path, m)
     if best is None:
         return None

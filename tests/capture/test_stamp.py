@@ -152,3 +152,34 @@ def test_a_stamped_llama_trains_under_pp2_like_one_process(cluster2, one_thread,
     for k in theirs:
         torch.testing.assert_close(mine[k], theirs[k], rtol=1e-5, atol=1e-6,
                                    msg=lambda m, k=k: f"{k}: {m}")
+
+
+class _Stack(torch.nn.Module):
+    """Six linear + tanh layers; `counted` makes forward insist on seeing all six."""
+
+    def __init__(self, counted: bool):
+        super().__init__()
+        self.counted = counted
+        self.layers = torch.nn.ModuleList(
+            torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh()) for _ in range(6))
+
+    def forward(self, x):
+        if self.counted and len(self.layers) != 6:
+            raise ValueError("this model runs six layers")
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+@pytest.mark.parametrize("counted", [False, True])
+def test_a_forward_that_needs_every_layer_is_exported_whole(counted, monkeypatch):
+    torch.manual_seed(0)
+    model = _Stack(counted)
+    x, y = torch.randn(4, 4), torch.randn(4, 4)
+    stamped = []
+    real = export_mod.stamp
+    monkeypatch.setattr(export_mod, "stamp", lambda *a: stamped.append(real(*a)) or stamped[-1])
+    fe = front_end(model, lambda out, t: ((out - t) ** 2).mean(), {"inputs": x, "targets": y},
+                   "export")
+    assert stamped == ([] if counted else [True])
+    torch.testing.assert_close(fe.gm(x, y)[0], ((model(x) - y) ** 2).mean())
