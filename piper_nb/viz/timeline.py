@@ -178,7 +178,8 @@ def span_hover(i: int, unit: str) -> str:
 def bar_span(bar: dict, factor: float) -> list[float]:
     """[start, end, duration] of `bar` in the shown unit (`factor` per unit of the trace)."""
     start, duration = bar["start"] * factor, bar["duration"] * factor
-    return [start, start + duration, duration]
+    # to the digits the hover shows: a figure of thousands of bars stays small
+    return [float(f"{x:.5g}") for x in (start, start + duration, duration)]
 
 
 def _add(fig, data: TimelineData, with_mem: bool, factor: float, div: float, bname: str,
