@@ -34,7 +34,7 @@ from piper_nb.directives.replicate import Replicate, insert_grad_sync
 from piper_nb.directives.shard import Shard, apply_shards, insert_all_to_all, place_experts
 from piper_nb.directives.split import Split, apply_splits
 from piper_nb.directives.tensor_parallel import TensorParallel, insert_tp_collectives, place_tensor_parallel
-from piper_nb.errors import InternalError
+from piper_nb.errors import InternalError, PlanError
 from piper_nb.ir.dag import TrainingDAG
 from piper_nb.ir.validate import validate
 
@@ -85,7 +85,12 @@ def run_pipeline(directives: Directives, ctx: Context,
     for p in pipeline:
         mine = tuple((i, d) for i, d in directives if p.takes(d))
         before = dag.history if dag is not None else ()
-        out = p.apply(dag, mine, ctx)
+        try:
+            out = p.apply(dag, mine, ctx)
+        except PlanError as err:   # a pass of one directive: the problem is that row's
+            if err.directive is None and len(mine) == 1:
+                raise err.at(mine[0][0], mine[0][1].op) from err.__cause__
+            raise
         detail = out.history[len(before):] if out.history[:len(before)] == before else ()
         entry = p.name + (": " + "; ".join(detail) if detail else "")
         dag = out.with_history((*before, entry))

@@ -91,3 +91,16 @@ def test_a_pass_error_names_the_directive_that_caused_it():
                           directive_from_json({"op": "split", "filter": {"PP": 0},
                                                "dim_name": "MB", "num_microbatches": 2})],
                    batch)
+
+
+def test_an_error_of_a_pass_that_took_one_directive_names_that_row():
+    """A pass raising without an index (the tensor-parallel collectives' placement check)
+    is attributed to the one directive it was handed, so the Designer marks that row."""
+    model = pn.models.TinyGPT(vocab=32, dim=16, layers=2, heads=2, seq=8)
+    spec = pn.annotate(model, {"": {"PP": 0}})
+    batch = model.example_batch(batch_size=4, seed=0)
+    with pytest.raises(pn.PlanError, match=r"^directive #1 \(tensor_parallel\): .*a member of "
+                                           r"the tensor-parallel group") as err:
+        pn.compile(spec, [pn.place({}, [1]), pn.tensor_parallel({}, [0, 1]),
+                          pn.split({}, "MB", 2)], batch)
+    assert err.value.directive == 1
