@@ -4,7 +4,7 @@ The widget layer copies these into long-lived widgets (an HTML's `value`, a
 `FigureWidget`'s traces and layout), so everything here is testable without a front end:
 the status line, the plan grid, the problems list, the memory figure (peak per device
 beside memory over time), an empty placeholder figure, and for a launch the loss curve and
-the predicted and measured timelines side by side in one figure (each on its own clock).
+the predicted and measured timelines stacked in one figure, row for row.
 """
 
 from __future__ import annotations
@@ -135,17 +135,27 @@ def loss_figure(losses: list[float], reference: list[float] | None = None,
 
 
 def comparison_figure(predicted, measured) -> go.Figure:
-    """Predicted (left) and measured (right) timelines side by side, one legend by kind."""
-    from piper_nb.viz.timeline import COLORS, bar_span, span_hover, timeline_data
+    """Predicted (top) and measured (below) timelines stacked, on the same rows (one per
+    device and stream, replicas not grouped: a measured run's replicas never run alike)
+    and, when both clocks are in one unit, on one time axis; one legend by kind, outside
+    the plot area."""
+    from piper_nb.viz.timeline import COLORS, bar_span, legend_title, span_hover, timeline_data
     if predicted is None or measured is None:
         return placeholder_figure("predicted and measured timelines appear after a launch")
-    sides = [timeline_data(predicted), timeline_data(measured)]
-    fig = make_subplots(rows=1, cols=2, horizontal_spacing=0.1, subplot_titles=(
-        f"predicted: step {time_text(predicted.step_time, predicted.unit)}",
-        f"measured: step {time_text(measured.step_time, measured.unit)}"))
+    sides = [timeline_data(predicted, group=False), timeline_data(measured, group=False)]
+    rows = list(dict.fromkeys([*sides[0].rows, *sides[1].rows]))
+    same_clock = sides[0].unit == sides[1].unit
+    if same_clock:   # one scale for both, chosen by the longer step
+        longer = max(predicted, measured, key=lambda t: t.step_time)
+        scales = [time_scale(longer.step_time, longer.unit)] * 2
+    else:
+        scales = [d.time for d in sides]
+    fig = make_subplots(rows=2, cols=1, shared_xaxes=same_clock, vertical_spacing=0.12,
+                        subplot_titles=(
+                            f"predicted: step {time_text(predicted.step_time, predicted.unit)}",
+                            f"measured: step {time_text(measured.step_time, measured.unit)}"))
     shown: set[str] = set()
-    for col, data in enumerate(sides, start=1):
-        scale, tname = data.time
+    for at, (data, (scale, tname)) in enumerate(zip(sides, scales, strict=True), start=1):
         for kind, bars in data.bars.items():
             fig.add_trace(go.Bar(
                 orientation="h", name=kind, legendgroup=kind, showlegend=kind not in shown,
@@ -155,12 +165,15 @@ def comparison_figure(predicted, measured) -> go.Figure:
                 text=[b["text"] for b in bars], textposition="inside", textangle=0,
                 customdata=[[b["label"], *bar_span(b, scale)] for b in bars],
                 hovertemplate="%{customdata[0]}: " + span_hover(1, tname) + "<extra></extra>"),
-                row=1, col=col)
+                row=at, col=1)
             shown.add(kind)
         fig.update_yaxes(type="category", categoryorder="array",
-                         categoryarray=list(reversed(data.rows)), row=1, col=col)
-        fig.update_xaxes(title_text=f"time ({tname})", row=1, col=col)
-    rows = max(len(d.rows) for d in sides)
-    fig.update_layout(barmode="overlay", bargap=0.1, height=200 + 22 * rows,
-                      uniformtext={"minsize": 8, "mode": "hide"}, margin={"l": 90, "r": 20})
+                         categoryarray=list(reversed(rows)), row=at, col=1)
+        if not same_clock or at == 2:
+            fig.update_xaxes(title_text=f"time ({tname})", showticklabels=True, row=at, col=1)
+    fig.update_layout(barmode="overlay", bargap=0.1, height=220 + 2 * 24 * len(rows),
+                      uniformtext={"minsize": 8, "mode": "hide"},
+                      legend={"title": {"text": legend_title(sides[0].key)}, "x": 1.02,
+                              "xanchor": "left"},
+                      margin={"t": 60})
     return fig

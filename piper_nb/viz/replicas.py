@@ -99,6 +99,15 @@ class Marks:
         return f"{e.mb}c{stages.index(e.region)}" if len(stages) > 1 and e.region in stages \
             else str(e.mb)
 
+    def key(self) -> str:
+        """What the marks on the bars mean, for a line of the legend."""
+        if self.directions:
+            return (f"bar text: microbatch, {_ARROWS[0]} entered at the first device, "
+                    f"{_ARROWS[1]} at the last")
+        if any(len(c) > 1 for c in self.chunks.values()):
+            return "bar text: microbatch, c and the chunk (1c0: microbatch 1, first chunk)"
+        return "bar text: microbatch"
+
     def words(self, e) -> str:
         """The same in words, for the hover: "microbatch 3, chunk 1, region 9"."""
         parts = [f"microbatch {e.mb}"] if e.mb >= 0 else []

@@ -57,6 +57,7 @@ class TimelineData:
     capacity: float | None = None                     # bytes per device, drawn as a line
     groups: list[DeviceGroup] = field(default_factory=list)
     time: tuple[float, str] = (1.0, "s")              # (factor, name) of the time axis
+    key: str = ""                                     # what the bars' text means
 
 
 def _free_comm(bars: dict[str, list[dict]]) -> str:
@@ -90,7 +91,7 @@ def timeline_data(trace, devices=None, group: bool = True) -> TimelineData:
              f", {where}{note}{_free_comm(bars)}")
     return TimelineData(rows, bars, memory, trace.unit, title,
                         trace.meta.get("memory_capacity"), groups,
-                        time_scale(trace.step_time, trace.unit))
+                        time_scale(trace.step_time, trace.unit), bar_marks(trace).key())
 
 
 def _bars(trace, label: dict[int, str]) -> dict[str, list]:
@@ -156,11 +157,17 @@ def draw_timeline(data: TimelineData, memory: bool = True, expanded: TimelineDat
                  140 + 26 * (len(data.bars) + (len(data.memory) + 1 if with_mem else 0)))
     fig.update_layout(barmode="overlay", title=data.title, bargap=0.1, height=height,
                       uniformtext={"minsize": 8, "mode": "hide"},
-                      legend={"title": {"text": "pass / op"}, "tracegroupgap": 12},
+                      legend={"title": {"text": legend_title(data.key)}, "tracegroupgap": 12},
                       margin={"t": 110 if expanded is not None else 70})
     if expanded is not None:
         fig.update_layout(updatemenus=[_toggle(data, expanded, counts, with_mem, halves)])
     return fig
+
+
+def legend_title(key: str) -> str:
+    """The legend's title: "pass / op", and beneath it what the bars' text means."""
+    lines = key.replace(", ", ",<br>", 1).replace(" (", "<br>(", 1) if key else ""
+    return "pass / op" + (f"<br><span style='font-size: 11px'>{lines}</span>" if key else "")
 
 
 def _height(rows: int, with_mem: bool, halves: bool = False) -> int:

@@ -159,3 +159,34 @@ def test_units_read_as_english_and_the_legend_clears_the_axis_titles():
     assert bytes_text(1034000) == "1010 KiB" and bytes_text(2**20 - 100) == "1024 KiB"
     assert time_text(0.9997, "s") == "1000 ms" and time_text(12345, "unit") == "12345 units"
     assert time_text(1234.5, "s") == "1234 s" and bytes_text(1.5 * 2**30) == "1.5 GiB"
+
+
+def test_predicted_and_measured_stack_on_the_same_rows_and_clock():
+    """The Run tab's pair: predicted above measured, one row per device and stream in both
+    (replicas not grouped, though the prediction's replicas run alike), and one time axis
+    when both clocks are in one unit."""
+    model = pn.models.MLP(dim=8, depth=4)
+    plan = pn.compile(pn.annotate(model, pn.cut_stages(model, 2)), [
+        pn.place({"PP": 0}, [0, 2]), pn.place({"PP": 1}, [1, 3]),
+        pn.replicate({"PP": 0}, [0, 2]), pn.replicate({"PP": 1}, [1, 3]),
+        *pn.schedules.one_f_one_b(ranks=2, microbatches=2)], model.example_batch(8, seed=0))
+    predicted = simulate(plan, CostModel.uniform(F=1e-3, B=2e-3, W=1e-3, comm=1e-4))
+    measured = simulate(plan, CostModel.uniform(F=2e-3, B=3e-3, W=1e-3, comm=1e-4))
+    fig = comparison_figure(predicted, measured)
+    top, low = fig.layout.yaxis, fig.layout.yaxis2
+    assert list(top.categoryarray) == list(low.categoryarray)
+    assert {r.split()[0] for r in top.categoryarray} == {"dev0", "dev1", "dev2", "dev3"}
+    assert top.domain[0] > low.domain[1]                           # stacked, predicted above
+    assert fig.layout.xaxis.domain == fig.layout.xaxis2.domain
+    assert fig.layout.xaxis.matches == "x2" or fig.layout.xaxis2.matches == "x"
+    assert {t.xaxis for t in fig.data} == {"x", "x2"}
+    assert fig.layout.legend.x > 1                                 # outside the plot area
+
+
+def test_the_legend_says_what_the_bar_text_means():
+    plain = trace_of(pn.schedules.one_f_one_b, 2, 2, 4).figure().layout.legend.title.text
+    assert plain.startswith("pass / op") and "bar text: microbatch" in plain
+    chunked = trace_of(lambda **k: pn.schedules.interleaved_1f1b(chunks=2, **k), 2, 4, 4).figure()
+    assert "1c0: microbatch 1, first chunk" in chunked.layout.legend.title.text
+    bars = [t for t in chunked.data if isinstance(t, go.Bar) and t.name == "F"]
+    assert any("c1" in text for t in bars for text in t.text)
