@@ -17,7 +17,8 @@ layer before it; the code after the stack reads only the last layer's outputs; e
 hands on the same number of outputs; and the two members of each group compared op for op
 (targets, constants, and where each argument comes from) are the same code, so an
 attribute-free use of the layer index (GPT-2's `scale_attn_by_inverse_layer_idx`) shows as
-a difference. Otherwise the whole model is exported as before. Constants export lifted
+a difference; and no `pn.region` scope or `pipe_split()` marks the layers (tags a copy
+would take from its template). Otherwise the whole model is exported as before. Constants export lifted
 (`lifted_tensor_*`, a cache's empty tensors) are compared by value and shared.
 """
 
@@ -126,9 +127,11 @@ def truncated(root: nn.Module, stack: Stack | None):
 def stamp(gm: fx.GraphModule, root: nn.Module, stack: Stack) -> bool:
     """Stamp the layers after the prefix into `gm` (exported with the prefix only); False,
     leaving `gm` as it was, when the export does not show the stamp exact."""
+    if any(n.meta.get("pn_split") is not None for n in gm.graph.nodes):
+        return False   # pipe_split() stages: numbered by position, a copy would keep its own
     blocks = _Blocks.read(gm, stack)
-    if blocks is None:
-        return False
+    if blocks is None or any(n.meta.get("pn_tags") for b in blocks.nodes for n in b):
+        return False   # pn.region scopes around a layer: they may differ from layer to layer
     g = gm.graph
     after = blocks.after
     prev_outs = blocks.outs[stack.keep - 1]

@@ -183,3 +183,37 @@ def test_a_forward_that_needs_every_layer_is_exported_whole(counted, monkeypatch
                    "export")
     assert stamped == ([] if counted else [True])
     torch.testing.assert_close(fe.gm(x, y)[0], ((model(x) - y) ** 2).mean())
+
+
+def test_layers_marked_by_pipe_split_or_region_scopes_are_not_stamped(monkeypatch):
+    """Stage marks numbered by position (pipe_split) or scopes set around each layer would
+    be copied from the template: such a stack is exported whole, and its six stages stay."""
+    from torch.distributed.pipelining import pipe_split
+
+    class Split(_Stack):
+        def forward(self, x):
+            for i, layer in enumerate(self.layers):
+                x = layer(x)
+                if i < len(self.layers) - 1:
+                    pipe_split()
+            return x
+
+    class Scoped(_Stack):
+        def forward(self, x):
+            for i, layer in enumerate(self.layers):
+                with pn.region("PP", i // 3):
+                    x = layer(x)
+            return x
+
+    x, y = torch.randn(4, 4), torch.randn(4, 4)
+    for make, stages in ((Split, 6), (Scoped, 2)):
+        torch.manual_seed(0)
+        model = make(False)
+        stamped = []
+        real = export_mod.stamp
+        monkeypatch.setattr(export_mod, "stamp",
+                            lambda *a, s=stamped, r=real: s.append(r(*a)) or s[-1])
+        cap = pn.annotate(model, {}).capture(lambda out, t: ((out - t) ** 2).mean(),
+                                             {"inputs": x, "targets": y}, "export")
+        assert stamped == [False]
+        assert len({dict(r.tags)["PP"] for r in cap.regions}) == stages
