@@ -12,8 +12,8 @@ import contextlib
 
 import torch
 
+from piper_nb.capture.meta_routing import balanced_routing
 from piper_nb.capture.split import LOSS
-from piper_nb.compiler.meta_routing import balanced_routing
 from piper_nb.errors import PlanError
 from piper_nb.ir.loss_outputs import COUNT, is_loss_output, metric_name
 from piper_nb.plan.sizes import SavedBytes, ValueInfo, storage_key
@@ -51,7 +51,7 @@ def propagate(capture, batch: dict[str, torch.Tensor]):
     the buffers its forward changes, such as BatchNorm's running statistics), running the
     regions on the named `batch`. Run inside `capture.untouched` so that the user's model
     keeps its buffers. On the meta device a router's tokens are assumed balanced over its
-    experts (`compiler.meta_routing`)."""
+    experts (`capture.meta_routing`)."""
     meta = any(t.is_meta for t in batch.values())
     with balanced_routing() if meta else contextlib.nullcontext():
         return _propagate(capture, batch)

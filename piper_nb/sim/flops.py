@@ -10,7 +10,7 @@ import contextlib
 
 import torch
 
-from piper_nb.compiler.meta_routing import balanced_routing
+from piper_nb.capture.meta_routing import balanced_routing
 from piper_nb.plan.sizes import random_value
 
 __all__ = ["region_flops", "region_inputs"]
