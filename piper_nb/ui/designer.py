@@ -88,11 +88,31 @@ class Designer:
                                   self.directives.json_widget, self.directives.python_widget])
         editors.titles = ("Layers", "Directives", "JSON", "Python")
         self.editors = editors
-        left = W.VBox([editors, self.message], layout=W.Layout(flex="1 1 44%", min_width="460px"))
-        right = W.VBox([self.views.widget], layout=W.Layout(flex="1 1 56%", min_width="520px"))
-        self.widget = W.HBox([left, right], layout=W.Layout(flex_flow="row wrap", width="100%"))
+        self.left = W.VBox([editors, self.message])
+        self.right = W.VBox([self.views.widget])
+        # the views below the editors, each the full width (rows never wrap), or beside them
+        self.arrangement = W.ToggleButtons(options=[("views below", "below"),
+                                                    ("side by side", "beside")],
+                                           value="below", tooltip="where the views sit")
+        self.arrangement.add_class("pn-arrangement")
+        self.arrangement.observe(lambda c: self.arrange(c["new"]), names=["value"])
+        self.panes = W.Box([self.left, self.right])
+        self.widget = W.VBox([self.arrangement, self.panes], layout=W.Layout(width="100%"))
         self.widget.add_class("pn-designer")
+        self.arrange("below")
         self.refresh()
+
+    def arrange(self, how: str) -> None:
+        """"below": editors above the views, each the full width; "beside": side by side
+        (editors 44%, views 56%), for a wide screen."""
+        below = how == "below"
+        self.panes.layout = W.Layout(display="flex", width="100%",
+                                     flex_flow="column" if below else "row nowrap")
+        self.left.layout = W.Layout(width="100%" if below else "44%", min_width="0px",
+                                    overflow="auto")
+        self.right.layout = W.Layout(width="100%" if below else "56%", min_width="0px")
+        if self.arrangement.value != how:
+            self.arrangement.value = how
 
     # ---- display ------------------------------------------------------------------------
     def _repr_mimebundle_(self, **kwargs):

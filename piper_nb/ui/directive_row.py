@@ -101,19 +101,19 @@ SLOTS = Field("filters", lambda: W.Textarea(continuous_update=False, rows=4,
                                             placeholder="one slot per line: PP=0,MB=0,PASS=F | ...",
                                             layout=W.Layout(width="300px")),
               lambda r: slots_text(r.get("filters")), lambda v, r: ({"filters": parse_slots(v)}, ()))
-NAME = Field("name", lambda: W.Dropdown(options=list(SCHEDULES.items()), layout=W.Layout(width="130px")),
+NAME = Field("name", lambda: W.Dropdown(options=list(SCHEDULES.items()), layout=W.Layout(width="120px")),
              lambda r: schedule_key(r.get("name")), _name_write)
-RANKS = Field("ranks", _int("ranks", "95px"),
+RANKS = Field("ranks", _int("ranks", "85px"),
               lambda r: r.get("ranks") if isinstance(r.get("ranks"), int) else 1,
               lambda v, r: ({"ranks": v}, ()))
-MICRO = Field("microbatches", _int("microbatches", "140px", "pn-microbatches"),
+MICRO = Field("microbatches", _int("microbatches", "130px", "pn-microbatches"),
               lambda r: r.get("microbatches") if isinstance(r.get("microbatches"), int) else 1,
               lambda v, r: ({"microbatches": v}, ()))
-CHUNKS = Field("chunks", _int("chunks", "100px"),
+CHUNKS = Field("chunks", _int("chunks", "90px"),
                lambda r: r.get("chunks") if isinstance(r.get("chunks"), int) else 2,
                lambda v, r: ({"chunks": v}, ()) if "chunks" in r else ({}, ()))
 PLACE = Field("place", lambda: W.Checkbox(description="place stages", indent=False,
-                                          layout=W.Layout(width="110px")),
+                                          layout=W.Layout(width="112px")),
               lambda r: bool(r.get("place")),
               lambda v, r: ({"place": True}, ()) if v else ({}, ("place",)))
 GROUPS = Field("devices", _text("groups 0,1 | 2,3", "130px"),
@@ -145,14 +145,22 @@ class DirectiveRow:
         self.op = row.get("op")
         self.fields = {f.key: (f, f.make()) for f in FIELDS.get(self.op, (RAW,))}
         self.label = W.HTML(f"<b>#{index}</b> {html.escape(str(self.op))}",
-                            layout=W.Layout(width="95px"))
+                            layout=W.Layout(width="95px", flex="0 0 auto"))
         self.up = W.Button(description="↑", tooltip="move up", layout=_SMALL)
         self.down = W.Button(description="↓", tooltip="move down", layout=_SMALL)
         self.remove = W.Button(description="✕", tooltip="remove", layout=_SMALL)
         self.error = W.HTML()
         self.error.add_class("pn-row-message")
-        line = W.HBox([self.label, *(w for _, w in self.fields.values()), self.up, self.down,
-                       self.remove], layout=W.Layout(align_items="center", flex_flow="row wrap"))
+        fields = W.HBox([w for _, w in self.fields.values()],
+                        layout=W.Layout(flex="0 0 auto", flex_flow="row nowrap",
+                                        align_items="center"))
+        buttons = W.HBox([self.up, self.down, self.remove],
+                         layout=W.Layout(flex="0 0 auto", margin="0 0 0 auto"))
+        # one line: label | fields | move and remove at the right; scrolls, never wraps
+        line = W.HBox([self.label, fields, buttons],
+                      layout=W.Layout(align_items="center", flex_flow="row nowrap",
+                                      width="100%", overflow="auto hidden"))
+        line.add_class("pn-row-line")
         self.box = W.VBox([line, self.error])
         self.box.add_class("pn-row")
         self.up.on_click(lambda _: panel.on_edit(lambda s: move_row(s, self.index, -1)))

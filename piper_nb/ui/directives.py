@@ -47,26 +47,30 @@ class DirectivesPanel:
         # schedule picker
         n = stage_count(state)
         self.schedule = W.Dropdown(options=list(SCHEDULES.items()), value="1f1b",
-                                   layout=W.Layout(width="140px"))
+                                   layout=W.Layout(width="120px"))
         self.ranks = W.BoundedIntText(value=n, min=1, max=1024, description="ranks",
-                                      layout=W.Layout(width="100px"),
+                                      layout=W.Layout(width="85px"),
                                       style={"description_width": "initial"})
         self.micro = W.BoundedIntText(value=4, min=1, max=4096, description="microbatches",
-                                      layout=W.Layout(width="150px"),
+                                      layout=W.Layout(width="130px"),
                                       style={"description_width": "initial"})
         self.chunks = W.BoundedIntText(value=2, min=1, max=64, description="chunks",
-                                       layout=W.Layout(width="105px"),
+                                       layout=W.Layout(width="90px"),
                                        style={"description_width": "initial"})
         self.place = W.Checkbox(value=False, description="place stages", indent=False,
-                                layout=W.Layout(width="110px"))
+                                layout=W.Layout(width="112px"))
         self.add_schedule = W.Button(description="Add schedule", icon="plus")
         self.add_schedule.on_click(lambda _: self._add_schedule())
         self.list = W.VBox()
-        self.widget = W.VBox([
-            W.HBox([self.op, self.add]),
-            W.HBox([self.schedule, self.ranks, self.micro, self.chunks, self.place,
-                    self.add_schedule], layout=W.Layout(flex_flow="row wrap")),
-            self.list])
+        nowrap = W.Layout(flex_flow="row nowrap", align_items="center", overflow="auto hidden")
+        label = W.Layout(width="115px", flex="0 0 auto")
+        adds = W.VBox([
+            W.HBox([W.HTML("<b>add a directive</b>", layout=label), self.op, self.add],
+                   layout=nowrap),
+            W.HBox([W.HTML("<b>add a schedule</b>", layout=label), self.schedule, self.ranks,
+                    self.micro, self.chunks, self.place, self.add_schedule], layout=nowrap)])
+        adds.add_class("pn-add")
+        self.widget = W.VBox([adds, W.HTML("<b>program</b>"), self.list])
         # Piper JSON
         self.json = W.Textarea(rows=14, layout=W.Layout(width="100%"),
                                placeholder='[{"op": "place", "filter": {"PP": 0}, "devices": [0]}]')

@@ -70,7 +70,10 @@ class LayerRow:
         self.other = W.Text(placeholder="tag=index", layout=W.Layout(width=_OTHER),
                             continuous_update=False)
         self.effective = W.HTML(layout=W.Layout(width=_EFFECTIVE))
-        self.row = W.HBox([self.toggle, self.name, self.pp, self.ep, self.other, self.effective])
+        for w in (self.toggle, self.name, self.pp, self.ep, self.other, self.effective):
+            w.layout.flex = "0 0 auto"   # fixed columns, under the header's
+        self.row = W.HBox([self.toggle, self.name, self.pp, self.ep, self.other, self.effective],
+                          layout=W.Layout(flex_flow="row nowrap", align_items="center"))
         self.row.add_class("pn-layer")
         self.children_box = W.VBox(layout=W.Layout(display="none"))
         self.box = W.VBox([self.row, self.children_box])
@@ -99,8 +102,9 @@ class LayerRow:
         self.ep.value = "" if own.get("EP") is None else str(own["EP"])
         self.other.value = tags_text(own, skip=("PP", "EP"))
         eff = effective_tags(state, self.path)
-        self.effective.value = (f"<code>{html.escape(tags_text(eff))}</code>" if eff
-                                else "<span class='pn-muted'>no tags</span>")
+        text = (f"<code>{html.escape(tags_text(eff))}</code>" if eff
+                else "<span class='pn-muted'>no tags</span>")
+        self.effective.value = f"<div style='white-space: nowrap'>{text}</div>"
 
 
 class LayersPanel:
@@ -124,10 +128,13 @@ class LayersPanel:
                                    tooltip="tag PP on the pipeline units (pn.cut_stages)")
         self.cut_button.on_click(lambda _: self.cut())
         self.message = W.HTML()
-        header = W.HBox([W.HTML(f"<span class='pn-muted'>{text}</span>", layout=W.Layout(width=w))
+        header = W.HBox([W.HTML(f"<span class='pn-muted'>{text}</span>",
+                                layout=W.Layout(width=w, flex="0 0 auto"))
                          for text, w in (("", "30px"), ("module", _NAME), ("PP", _BOX.width),
                                          ("EP", _BOX.width), ("other tags", _OTHER),
-                                         ("effective tags", _EFFECTIVE))])
+                                         ("effective tags", _EFFECTIVE))],
+                        layout=W.Layout(flex_flow="row nowrap"))
+        header.add_class("pn-layer")
         self.tree = W.VBox(self._build(""))
         self.widget = W.VBox([W.HBox([self.cut_n, self.cut_by, self.cut_button]), self.message,
                               header, self.tree])

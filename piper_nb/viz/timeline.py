@@ -67,9 +67,8 @@ def _free_comm(bars: dict[str, list[dict]]) -> str:
             if not b["row"].endswith(" compute")]
     if not comm or any(d > 0 for d in comm):
         return ""
-    return ("<br><sup>communication is priced at 0 by this cost model, so its bars have no "
-            "width: use analytic or profiled costs (or comm= in the uniform one) to see it"
-            "</sup>")
+    return ("<br><sup>communication is priced at 0 by this cost model (its bars have no width)"
+            "<br>to see it: analytic or profiled costs, or comm= in the uniform one</sup>")
 
 
 def timeline_data(trace, devices=None, group: bool = True) -> TimelineData:
@@ -158,7 +157,8 @@ def draw_timeline(data: TimelineData, memory: bool = True, expanded: TimelineDat
     fig.update_layout(barmode="overlay", title=data.title, bargap=0.1, height=height,
                       uniformtext={"minsize": 8, "mode": "hide"},
                       legend={"title": {"text": legend_title(data.key)}, "tracegroupgap": 12},
-                      margin={"t": 110 if expanded is not None else 70})
+                      margin={"t": (110 if expanded is not None else 70)
+                              + 16 * data.title.count("<br>")})
     if expanded is not None:
         fig.update_layout(updatemenus=[_toggle(data, expanded, counts, with_mem, halves)])
     return fig

@@ -1,12 +1,13 @@
 """The Designer in a real browser: headless JupyterLab + chromium (Playwright).
 
-Opens a temp copy of notebooks/07_designer.ipynb, runs all cells from the Run menu, and
-checks what only a browser can show: the DAG SVG and the plotly timeline render, typing a
-new microbatch count into the schedule row redraws the timeline, clicking a DAG node shows
-its details (the anywidget front end posts the id back), and a screenshot of the Designer is
-saved as artifacts/screenshots/designer.png (git-ignored: a test never rewrites a tracked
-file). `make screenshots` runs this test and copies that screenshot over the committed
-docs/_static/designer.png, which the documentation site shows.
+Opens a temp copy of notebooks/07_designer.ipynb (which opening must not mark modified),
+runs all cells from the Run menu, and checks what only a browser can show: the DAG SVG and
+the plotly timeline render, typing a new microbatch count into the schedule row redraws
+the timeline, clicking a DAG node shows its details (the anywidget front end posts the id
+back), and a screenshot of the Designer is saved as artifacts/screenshots/designer.png
+(git-ignored: a test never rewrites a tracked file). `make screenshots` runs this test and
+copies that screenshot over the committed docs/_static/designer.png, which the
+documentation site shows.
 """
 
 from __future__ import annotations
@@ -131,6 +132,57 @@ def _wait_rendered(page, selector: str, timeout: float = 120) -> None:
     raise TimeoutError(f"{selector} did not render within {timeout} s")
 
 
+# rows whose widgets must stay on one line, and plots whose legend and title must show whole
+_WRAPPED_ROWS = """() => [...document.querySelectorAll('.pn-row-line, .pn-layer, .pn-add > div')]
+  .filter(line => line.offsetParent !== null && line.children.length > 1)
+  .filter(line => {
+    const tops = [...line.children].filter(c => c.offsetParent !== null)
+      .map(c => c.getBoundingClientRect().top);
+    return Math.max(...tops) - Math.min(...tops) > 3;
+  }).map(line => line.innerText.replace(/\\s+/g, ' ').slice(0, 80))"""
+_CUT_ROWS = """() => [...document.querySelectorAll('.pn-row-line, .pn-layer, .pn-add > div')]
+  .filter(line => line.offsetParent !== null && line.scrollWidth > line.clientWidth + 1)
+  .map(line => line.innerText.replace(/\\s+/g, ' ').slice(0, 80))"""
+_CLIPPED = """() => [...document.querySelectorAll('.pn-designer .js-plotly-plot')]
+  .filter(p => p.offsetParent !== null)
+  .flatMap(p => {
+    const box = p.querySelector('.main-svg').getBoundingClientRect();
+    const shown = p.closest('.pn-designer').getBoundingClientRect();
+    return [...p.querySelectorAll('.legend, .gtitle, .g-gtitle text, .annotation-text')]
+      .filter(e => {
+        const r = e.getBoundingClientRect();
+        return r.width > 0 && (r.left < box.left - 1 || r.right > box.right + 1 ||
+                               r.right > shown.right + 1 || r.top < box.top - 1);
+      }).map(e => e.textContent.slice(0, 80));
+  })"""
+SIZES = ((1280, 800), (1920, 1080))
+SHOTS = ROOT / "artifacts" / "screenshots"
+
+
+def _check_layout_at_both_sizes(page) -> None:
+    """At 1280 x 800 and 1920 x 1080, every tab of the editors and of the views: no row
+    wraps or runs past its panel, no legend or title runs out of its plot (bounding boxes,
+    not pixels); a screenshot of each into the ignored artifacts folder."""
+    SHOTS.mkdir(parents=True, exist_ok=True)
+    problems = []
+    for width, height in SIZES:
+        page.set_viewport_size({"width": width, "height": height})
+        for tab in ("Layers", "Directives", "JSON", "Python", "DAG", "Timeline", "Memory",
+                    "Plan", "Problems", "Run"):
+            tabs = page.locator(".pn-designer .widget-tab .lm-TabBar-tab", has_text=tab)
+            if not tabs.count():
+                continue
+            tabs.first.click()
+            page.wait_for_timeout(700)
+            for what, found in (("wraps", page.evaluate(_WRAPPED_ROWS)),
+                                ("runs past its panel", page.evaluate(_CUT_ROWS)),
+                                ("is clipped", page.evaluate(_CLIPPED))):
+                problems += [f"{width}x{height} {tab}: {text!r} {what}" for text in found]
+            tabs.first.scroll_into_view_if_needed()   # the tab and what it shows, from the top
+            page.screenshot(path=str(SHOTS / f"designer-{width}x{height}-{tab.lower()}.png"))
+    assert not problems, "\n".join(problems)
+
+
 def _run_all(page) -> None:
     _wait_kernel_idle(page)
     page.locator(".lm-MenuBar-itemLabel", has_text="Run").first.click()
@@ -149,6 +201,12 @@ def test_designer_in_jupyterlab(lab, tmp_path):
             page.set_default_timeout(60_000)
             page.goto(f"{base}/lab/tree/{NOTEBOOK.name}?token={token}")
             page.wait_for_selector(".jp-NotebookPanel .jp-Cell", timeout=90_000)
+            # opened and its kernel started, the stored notebook is as JupyterLab would
+            # write it: not marked modified, so autosave leaves the tracked file alone
+            _wait_kernel_idle(page)
+            page.wait_for_timeout(1500)
+            assert page.locator(".lm-TabBar-tab.jp-mod-dirty").count() == 0, \
+                "opening the notebook marked it modified"
             _run_all(page)
 
             # the DAG renders as SVG with clickable nodes carrying DAG ids
@@ -181,11 +239,13 @@ def test_designer_in_jupyterlab(lab, tmp_path):
             text = details.inner_text()
             assert "F[PP=1,MB=0]" in text and "stream" in text and "outputs" in text
             assert "selected: F[PP=1,MB=0]" in page.locator(".pn-dag-note").first.inner_text()
+            # JupyterLab's notifications (its news question) would sit over the widget
+            page.add_style_tag(content=".Toastify { display: none !important; }")
+            _check_layout_at_both_sizes(page)
+            page.set_viewport_size({"width": 1700, "height": 1100})
             page.screenshot(path=str(tmp_path / "designer.png"), full_page=True)
             assert (tmp_path / "designer.png").stat().st_size > 10_000
             widget = tmp_path / "designer_widget.png"
-            # JupyterLab's notifications (its news question) would sit over the widget
-            page.add_style_tag(content=".Toastify { display: none !important; }")
             page.locator(".pn-designer").first.screenshot(path=str(widget))
             assert widget.stat().st_size > 10_000
             SCREENSHOT.parent.mkdir(parents=True, exist_ok=True)
