@@ -242,7 +242,11 @@ def test_designer_in_jupyterlab(lab, tmp_path):
             # JupyterLab's notifications (its news question) would sit over the widget
             page.add_style_tag(content=".Toastify { display: none !important; }")
             _check_layout_at_both_sizes(page)
-            page.set_viewport_size({"width": 1700, "height": 1100})
+            # the docs' picture: the directives above, the DAG with the node's details below
+            page.set_viewport_size({"width": 1700, "height": 1700})
+            for tab in ("Directives", "DAG"):
+                page.locator(".pn-designer .widget-tab .lm-TabBar-tab", has_text=tab).first.click()
+            page.wait_for_timeout(700)
             page.screenshot(path=str(tmp_path / "designer.png"), full_page=True)
             assert (tmp_path / "designer.png").stat().st_size > 10_000
             widget = tmp_path / "designer_widget.png"
