@@ -4,7 +4,8 @@
 The shared clusters run NCCL's semantics on CPU (`comm="nccl-emulated"`): every test that
 trains on them (the pipeline equivalence tests among them) runs the plan's stream program
 as a GPU would, so a plan that would hang under NCCL fails here. `pn.train` without a
-cluster, and the clusters tests make for themselves, run gloo natively."""
+cluster, and the clusters tests make for themselves, run gloo natively. `same` compares a
+run with `pn.reference_train`."""
 
 from __future__ import annotations
 
@@ -12,6 +13,29 @@ import pytest
 import torch
 
 from piper_nb.cluster.local import LocalCluster
+
+RTOL, ATOL = 1e-5, 4e-5
+
+
+def assert_same(result, ref, model=None) -> None:
+    """Losses and every parameter equal to the reference's (fp32 rounding), nothing leaked."""
+    torch.testing.assert_close(torch.tensor(result.losses), torch.tensor(ref.losses),
+                               rtol=RTOL, atol=ATOL)
+    got, want = result.state_dict(), ref.state_dict()
+    assert got.keys() == want.keys()
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=RTOL, atol=ATOL,
+                                   msg=lambda m, name=name: f"{name}: {m}")
+    assert result.leftover == []
+    if model is not None:  # training really moved the parameters
+        init = model.state_dict()
+        assert any(not torch.equal(init[k], got[k]) for k in init)
+
+
+@pytest.fixture
+def same():
+    """`same(result, ref, model=None)`: see `assert_same`."""
+    return assert_same
 
 
 @pytest.fixture(scope="session")

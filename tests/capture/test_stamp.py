@@ -127,7 +127,8 @@ def test_a_stamped_graph_names_each_layers_own_module_path(monkeypatch):
 
 
 @pytest.mark.dist
-def test_a_stamped_llama_trains_under_pp2_like_one_process(cluster2, one_thread, monkeypatch):
+def test_a_stamped_llama_trains_under_pp2_like_one_process(cluster2, one_thread, monkeypatch,
+                                                          same):
     torch.manual_seed(0)
     model = llama()
     g = torch.Generator().manual_seed(1)
@@ -145,13 +146,7 @@ def test_a_stamped_llama_trains_under_pp2_like_one_process(cluster2, one_thread,
         pn.place({"PP": 0}, [0]), pn.place({"PP": 1}, [1]),
         *pn.schedules.one_f_one_b(ranks=2, microbatches=4)], batch)
     assert stamped == [True]
-    got = pn.train(plan, batch, steps=2, optimizer=opt, cluster=cluster2)
-    torch.testing.assert_close(torch.tensor(got.losses), torch.tensor(ref.losses),
-                               rtol=1e-5, atol=1e-6)
-    mine, theirs = got.state_dict(), ref.state_dict()
-    for k in theirs:
-        torch.testing.assert_close(mine[k], theirs[k], rtol=1e-5, atol=1e-6,
-                                   msg=lambda m, k=k: f"{k}: {m}")
+    same(pn.train(plan, batch, steps=2, optimizer=opt, cluster=cluster2), ref, model)
 
 
 class _Stack(torch.nn.Module):
