@@ -50,7 +50,8 @@ class Designer:
     (`plan`, `trace`, `problems`), `refresh()` and `launch()` are the Python face.
     `loss_fn=(output, targets) -> loss` is the loss, as `pn.compile` takes it (None: the
     model's own); `optimizer=` what a launch trains with, as `pn.train` takes it (None: SGD
-    at the Run tab's rate); `result` is the last launch's `pn.Result`."""
+    at the Run tab's rate); `result` is the last launch's `pn.Result`; `arrange("below" |
+    "beside")` puts the views below the editors (the default) or beside them."""
 
     def __init__(self, model, batch, cluster=None, *, program: Iterable | str | None = None,
                  annotations: Mapping[str, Mapping[str, int]] | None = None,
