@@ -66,7 +66,7 @@ class _Balanced(TorchDispatchMode):
         out = func(*args, **kwargs)
         try:
             self._learn(func, args, kwargs, out)
-        except Exception:   # an unusual signature: nothing learned
+        except (IndexError, TypeError, AttributeError):   # an unusual signature: nothing learned
             pass
         return out
 

@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 from collections import OrderedDict
 from dataclasses import dataclass
+from operator import attrgetter
 
 import torch
 import torch.fx as fx
@@ -125,8 +126,9 @@ def truncated(root: nn.Module, stack: Stack | None):
 
 
 def stamp(gm: fx.GraphModule, root: nn.Module, stack: Stack) -> bool:
-    """Stamp the layers after the prefix into `gm` (exported with the prefix only); False,
-    leaving `gm` as it was, when the export does not show the stamp exact."""
+    """Stamp the layers after the prefix into `gm` (exported with the prefix only); False
+    when the export does not show the stamp exact, and `gm` (its size arithmetic perhaps
+    moved ahead of the stack) is then to be exported again whole."""
     if any(n.meta.get("pn_split") is not None for n in gm.graph.nodes):
         return False   # pipe_split() stages: numbered by position, a copy would keep its own
     blocks = _Blocks.read(gm, stack)
@@ -200,7 +202,7 @@ def _own_attr(gm: fx.GraphModule, root: nn.Module, stack: Stack, x: fx.Node, t: 
     if value is None:   # a constant export lifted: shared (compared equal by `_Blocks`)
         leaf = f"{leaf}_l{j}"
         target = f"{owner}.{leaf}"
-        value = _attr(gm, old)
+        value = attrgetter(old)(gm)
     mod = gm
     for part in owner.split("."):
         if not hasattr(mod, part):
@@ -211,13 +213,6 @@ def _own_attr(gm: fx.GraphModule, root: nn.Module, stack: Stack, x: fx.Node, t: 
     else:
         mod.register_buffer(leaf, value)
     return target
-
-
-def _attr(gm: fx.GraphModule, target: str):
-    obj = gm
-    for part in target.split("."):
-        obj = getattr(obj, part)
-    return obj
 
 
 @dataclass
@@ -366,7 +361,7 @@ def _same_attr(gm, u: fx.Node, v: fx.Node, stack: Stack, a: int, b: int) -> bool
     pa, pb = f"{stack.path}.{a}", f"{stack.path}.{b}"
     if tu[len(pa):] == tv[len(pb):]:
         return True
-    x, y = _attr(gm, tu), _attr(gm, tv)   # lifted constants: numbered globally, compare values
+    x, y = attrgetter(tu)(gm), attrgetter(tv)(gm)   # lifted constants: numbered globally, compare values
     if isinstance(x, nn.Parameter) or isinstance(y, nn.Parameter):
         return False
     return (isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor) and x.shape == y.shape

@@ -51,9 +51,9 @@ def region_flops(plan) -> dict[int, float]:
             args = [a.to(device).detach() for a in region_inputs(plan, r, device=device)]
             # on the meta device FLOPs follow from shapes: a model's repeated layers are
             # counted once (with values, routing to experts can differ layer by layer)
-            key = _signature(module, args) if torch.device(device).type == "meta" else None
+            meta = torch.device(device).type == "meta"
+            key = _signature(module, args) if meta else None
             if key is None or key not in seen:
-                meta = torch.device(device).type == "meta"
                 with (balanced_routing() if meta else contextlib.nullcontext(),
                       flop_counter() as counter):
                     module(*args)
