@@ -77,28 +77,35 @@ def test_groups_follow_class_shapes_and_attention_type():
     assert stack.groups == (0, 1, 1, 1, 1, 1, 1) and stack.keep == 3   # dense first layer
 
 
-def _capture(model, batch, monkeypatch) -> tuple:
-    """(the front end's graph, whether it was stamped)."""
-    stamped = []
+@pytest.fixture
+def stamps(monkeypatch) -> list[bool]:
+    """What each call of `stamp` returned while the test runs, in order."""
+    calls: list[bool] = []
     real = export_mod.stamp
 
     def spy(gm, root, stack):
-        stamped.append(real(gm, root, stack))
-        return stamped[-1]
+        calls.append(real(gm, root, stack))
+        return calls[-1]
     monkeypatch.setattr(export_mod, "stamp", spy)
+    return calls
+
+
+def _capture(model, batch, stamps: list[bool]) -> tuple:
+    """(the front end's graph, whether it was stamped)."""
+    stamps.clear()
     fe = front_end(model, model_loss, {"inputs": batch, "targets": batch}, "export")
-    return fe.gm, bool(stamped and stamped[-1])
+    return fe.gm, bool(stamps and stamps[-1])
 
 
 @pytest.mark.parametrize("make,stamped", [(llama, True), (gemma2, True), (mistral, True),
                                           (qwen3_moe, True), (lambda: gpt2(False), True),
                                           (lambda: gpt2(True), False)],
                          ids=["llama", "gemma2", "mistral", "qwen3_moe", "gpt2", "gpt2_scaled"])
-def test_a_stamped_capture_computes_what_the_model_computes(make, stamped, monkeypatch):
+def test_a_stamped_capture_computes_what_the_model_computes(make, stamped, stamps):
     torch.manual_seed(0)
     model = make()
     batch = ids()
-    gm, was = _capture(model, batch, monkeypatch)
+    gm, was = _capture(model, batch, stamps)
     assert was == stamped
     loss = gm(batch, batch)[0]
     loss.backward()
@@ -111,24 +118,23 @@ def test_a_stamped_capture_computes_what_the_model_computes(make, stamped, monke
         torch.testing.assert_close(got[n], p.grad, rtol=1e-5, atol=1e-6, msg=lambda m, n=n: f"{n}: {m}")
 
 
-def test_a_stamped_graph_names_each_layers_own_module_path(monkeypatch):
+def test_a_stamped_graph_names_each_layers_own_module_path(stamps, monkeypatch):
     torch.manual_seed(0)
     model = llama()
-    gm, was = _capture(model, ids(), monkeypatch)
+    gm, was = _capture(model, ids(), stamps)
     assert was
     paths = {export_mod.export_module_path(n).split(".")[:3][-1] for n in gm.graph.nodes
              if export_mod.export_module_path(n).startswith("model.layers.")}
     assert paths == {str(i) for i in range(8)}
     monkeypatch.setattr(stamp_mod, "ENABLED", False)
-    whole, was = _capture(model, ids(), monkeypatch)
+    whole, was = _capture(model, ids(), stamps)
     assert not was
     ops = [str(n.target) for n in gm.graph.nodes if n.op == "call_function"]
     assert ops == [str(n.target) for n in whole.graph.nodes if n.op == "call_function"]
 
 
 @pytest.mark.dist
-def test_a_stamped_llama_trains_under_pp2_like_one_process(cluster2, one_thread, monkeypatch,
-                                                          same):
+def test_a_stamped_llama_trains_under_pp2_like_one_process(cluster2, one_thread, stamps, same):
     torch.manual_seed(0)
     model = llama()
     g = torch.Generator().manual_seed(1)
@@ -138,14 +144,10 @@ def test_a_stamped_llama_trains_under_pp2_like_one_process(cluster2, one_thread,
     ref = pn.reference_train(model, batch, steps=2, microbatches=4, optimizer=opt)
     ann = {"model.embed_tokens": {"PP": 0}, "model.norm": {"PP": 1}, "lm_head": {"PP": 1},
            **{f"model.layers.{i}": {"PP": i // 4} for i in range(8)}}
-    stamped = []
-    real = export_mod.stamp
-    monkeypatch.setattr(export_mod, "stamp",
-                        lambda *a: stamped.append(real(*a)) or stamped[-1])
     plan = pn.compile(pn.annotate(model, ann), [
         pn.place({"PP": 0}, [0]), pn.place({"PP": 1}, [1]),
         *pn.schedules.one_f_one_b(ranks=2, microbatches=4)], batch)
-    assert stamped == [True]
+    assert stamps == [True]
     same(pn.train(plan, batch, steps=2, optimizer=opt, cluster=cluster2), ref, model)
 
 
@@ -167,20 +169,17 @@ class _Stack(torch.nn.Module):
 
 
 @pytest.mark.parametrize("counted", [False, True])
-def test_a_forward_that_needs_every_layer_is_exported_whole(counted, monkeypatch):
+def test_a_forward_that_needs_every_layer_is_exported_whole(counted, stamps):
     torch.manual_seed(0)
     model = _Stack(counted)
     x, y = torch.randn(4, 4), torch.randn(4, 4)
-    stamped = []
-    real = export_mod.stamp
-    monkeypatch.setattr(export_mod, "stamp", lambda *a: stamped.append(real(*a)) or stamped[-1])
     fe = front_end(model, lambda out, t: ((out - t) ** 2).mean(), {"inputs": x, "targets": y},
                    "export")
-    assert stamped == ([] if counted else [True])
+    assert stamps == ([] if counted else [True])
     torch.testing.assert_close(fe.gm(x, y)[0], ((model(x) - y) ** 2).mean())
 
 
-def test_layers_marked_by_pipe_split_or_region_scopes_are_not_stamped(monkeypatch):
+def test_layers_marked_by_pipe_split_or_region_scopes_are_not_stamped(stamps):
     """Stage marks numbered by position (pipe_split) or scopes set around each layer would
     be copied from the template: such a stack is exported whole, and its six stages stay."""
     from torch.distributed.pipelining import pipe_split
@@ -204,11 +203,8 @@ def test_layers_marked_by_pipe_split_or_region_scopes_are_not_stamped(monkeypatc
     for make, stages in ((Split, 6), (Scoped, 2)):
         torch.manual_seed(0)
         model = make(False)
-        stamped = []
-        real = export_mod.stamp
-        monkeypatch.setattr(export_mod, "stamp",
-                            lambda *a, s=stamped, r=real: s.append(r(*a)) or s[-1])
+        stamps.clear()
         cap = pn.annotate(model, {}).capture(lambda out, t: ((out - t) ** 2).mean(),
                                              {"inputs": x, "targets": y}, "export")
-        assert stamped == [False]
+        assert stamps == [False]
         assert len({dict(r.tags)["PP"] for r in cap.regions}) == stages

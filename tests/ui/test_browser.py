@@ -133,14 +133,15 @@ def _wait_rendered(page, selector: str, timeout: float = 120) -> None:
 
 
 # rows whose widgets must stay on one line, and plots whose legend and title must show whole
-_WRAPPED_ROWS = """() => [...document.querySelectorAll('.pn-row-line, .pn-layer, .pn-add > div')]
+_ROWS = "'.pn-row-line, .pn-layer, .pn-add > div'"   # directive, layer and add rows
+_WRAPPED_ROWS = "() => [...document.querySelectorAll(" + _ROWS + """)]
   .filter(line => line.offsetParent !== null && line.children.length > 1)
   .filter(line => {
     const tops = [...line.children].filter(c => c.offsetParent !== null)
       .map(c => c.getBoundingClientRect().top);
     return Math.max(...tops) - Math.min(...tops) > 3;
   }).map(line => line.innerText.replace(/\\s+/g, ' ').slice(0, 80))"""
-_CUT_ROWS = """() => [...document.querySelectorAll('.pn-row-line, .pn-layer, .pn-add > div')]
+_CUT_ROWS = "() => [...document.querySelectorAll(" + _ROWS + """)]
   .filter(line => line.offsetParent !== null && line.scrollWidth > line.clientWidth + 1)
   .map(line => line.innerText.replace(/\\s+/g, ' ').slice(0, 80))"""
 _CLIPPED = """() => [...document.querySelectorAll('.pn-designer .js-plotly-plot')]
