@@ -74,27 +74,78 @@ def load_bundle(blob: bytes) -> Bundle:
     return pickle.loads(inner)
 
 
-def to_device(module: nn.Module, device: torch.device) -> nn.Module:
-    """`module.to(device)`, and in a region graph the devices the capture wrote into its
-    ops (torch.export records `arange(..., device=cpu)`, `x.to(cpu)`) rewritten to
-    `device`, so a region captured on the CPU runs on a GPU."""
+def to_device(module: nn.Module, device: torch.device, region: str = "") -> nn.Module:
+    """`module.to(device)`, and the capture machine's devices in a region's graphs made
+    `device`, so a region captured on the CPU runs on a GPU.
+
+    torch.export writes the device of the capture as a literal: into factory ops
+    (`arange(..., device=cpu)`, `full`, `zeros`, `empty`, `ones`, `scalar_tensor`), into
+    `to`/`_to_copy` and into `_assert_tensor_metadata`; in the top-level graph and in nested
+    ones (the `submod_1` of a `with torch.autocast(..., enabled=False)` block, as Hugging
+    Face's rotary embeddings write it). Its tensor constants (`_tensor_constant1`) can be
+    plain attributes (torch 2.11 leaves them so), which `module.to` does not move. So every
+    GraphModule inside `module` has its CPU device arguments and constants moved, and a CPU
+    device that is left (where the rewrite cannot reach) is a PlanError naming `region`, the
+    node and its op: on the GPU it would fail the first step with "Tensor device mismatch".
+    To the CPU, nothing changes."""
     module = module.to(device)
-    graph = getattr(module, "graph", None)
-    if graph is None or device.type == "cpu":
+    if device.type == "cpu":
         return module
+    graphs = {path: m for path, m in module.named_modules() if isinstance(m, fx.GraphModule)}
+    for gm in graphs.values():
+        _move_constants(gm, device)
+        if _retarget(gm.graph, device):
+            gm.recompile()
+    _check_retargeted(graphs, device, region)
+    return module
+
+
+def _retarget(graph: fx.Graph, device: torch.device) -> bool:
+    """Every CPU `torch.device` in the nodes' arguments made `device`; True if any was."""
     def move(a):
         return device if isinstance(a, torch.device) and a.type == "cpu" else a
 
     changed = False
     for node in graph.nodes:
-        if node.op == "call_function":
-            args, kwargs = fx.node.map_aggregate(node.args, move), fx.node.map_aggregate(
-                node.kwargs, move)
-            if args != node.args or kwargs != node.kwargs:
-                node.args, node.kwargs, changed = args, kwargs, True
-    if changed:
-        module.recompile()
-    return module
+        args, kwargs = (fx.node.map_aggregate(node.args, move),
+                        fx.node.map_aggregate(node.kwargs, move))
+        if args != node.args or kwargs != node.kwargs:
+            node.args, node.kwargs, changed = args, kwargs, True
+    return changed
+
+
+def _move_constants(gm: fx.GraphModule, device: torch.device) -> None:
+    """The CPU tensors the graph reads by `get_attr` that are plain attributes (export's
+    `_tensor_constant0`), not parameters or buffers, moved to `device`."""
+    for node in gm.graph.nodes:
+        if node.op != "get_attr":
+            continue
+        owner, _, leaf = node.target.rpartition(".")
+        holder = gm.get_submodule(owner) if owner else gm
+        value = vars(holder).get(leaf)
+        if isinstance(value, torch.Tensor) and value.device.type == "cpu":
+            setattr(holder, leaf, value.to(device))
+
+
+_CPU = repr(torch.device("cpu"))   # device(type='cpu'): how FX writes it into the code
+
+
+def _check_retargeted(graphs: dict[str, fx.GraphModule], device: torch.device,
+                      region: str) -> None:
+    """No CPU device left in any node's arguments. FX writes every argument into the
+    forward's code by its `repr`, so the text is read, not a walk like `_retarget`'s: a
+    device the rewrite missed (inside a set, say) still shows."""
+    for path, gm in graphs.items():
+        for node in gm.graph.nodes:
+            if _CPU in repr((node.args, node.kwargs)):
+                where = f"graph {path}" if path else "the top-level graph"
+                op = getattr(node.target, "__name__", node.target)   # arange.default
+                raise PlanError(
+                    f"region {region or '?'}: node {node.name} ({node.op} {op}) in "
+                    f"{where} still says device=cpu after retargeting to {device}, and would "
+                    "fail there with a device mismatch; pass the device as a plain argument "
+                    "(`device=x.device`, not inside another object) so the retargeting "
+                    "reaches it, or capture the model on the device it trains on")
 
 
 def direct_calls(module: nn.Module) -> nn.Module:

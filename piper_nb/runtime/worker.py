@@ -70,7 +70,7 @@ class Worker(ComputePasses, Transfers):
                                 frozenset(plan.frozen))
         self.modules = {}
         for r in regions:
-            mod = to_device(bundle.modules[r], device)
+            mod = to_device(bundle.modules[r], device, region=f"{r} ({plan.regions[r].name})")
             rank_of = getattr(mod, TP_RANK, None)   # a vocabulary-parallel part's own range
             if isinstance(rank_of, torch.Tensor):
                 rank_of.fill_(self.tp_rank)
