@@ -4,6 +4,13 @@ own process under a timeout, one table at the end, under 6 minutes on one H200.
     .venv/bin/python benchmarks/gpu_check.py              # on a machine with CUDA
     .venv/bin/python benchmarks/gpu_check.py --dry-run    # anywhere (the default without CUDA)
     .venv/bin/python benchmarks/gpu_check.py --probe NAME # one probe; prints one result line
+    PYTHONPATH=. python3 benchmarks/gpu_check.py          # the machine's own torch, no .venv
+
+The last, from the repository root, is for a GPU host where no .venv can be made (no
+package registry): the machine's python3 with its own torch (with CUDA) and numpy, and
+cloudpickle; transformers for the hf-llama row only. The probes' processes and the
+cluster's workers inherit PYTHONPATH. A torch older than the declared `torch>=2.13` runs
+untested by CI (docs/cluster.md, "Running on the GPU machine's own torch").
 
 The probes, and what each proves on real hardware:
 
@@ -42,6 +49,14 @@ The probes, and what each proves on real hardware:
   against `CostModel.analytic(plan, "H200")`, and `torch.cuda.max_memory_allocated`
   against the memory model's peak under `MemorySettings.for_cuda(nccl=False)`: NCCL
   allocates its buffers outside PyTorch's allocator, so they are left out of both sides.
+- llama-0.5b vs torch, llama-0.5b step, llama-0.5b memory: a bf16 Llama-shaped model of
+  0.51 B parameters (`pn.models.Llama`, 28 layers of width 1024, 8 x 1024 tokens in two
+  microbatches, AdamW) trained on one rank; its step against a plain PyTorch loop on the
+  same model and batch in the probe's process (bf16 autocast, gradient accumulation, the
+  same AdamW), then against the analytic model and its memory against the memory model,
+  as for gpt-mid. Step 1 of each is a warm-up, left out of the medians.
+
+Every figure is printed as a ratio (measured / predicted, piper_nb / plain PyTorch).
 
 What one GPU cannot show (NOTE): NCCL refuses two ranks on one GPU, so the multi-rank
 plans (nccl-pp2, nccl-dualpipev, nccl-pp2-dp2-zero3, nccl-pp2-dp2-ep2) are rows checked
@@ -79,6 +94,7 @@ from piper_nb.sim import HARDWARE
 MARK = "gpu-check-result: "     # a probe's result line: MARK + JSON list of rows
 BUDGET_S = 330.0                # the whole run, probes and all: under 6 minutes
 PROBE_TIMEOUT_S = 120.0
+LLAMA_TIMEOUT_S = 180.0         # its 0.5 B model: built, compiled and sent to the worker on CPU
 STEPS = 3
 TOL = {"fp32": {"loss": (1e-4, 1e-4), "weights": (1e-4, 1e-4)},
        # torch.testing's bf16 rtol; atol 1e-3 for weights near zero under SGD (test_precision)
@@ -88,6 +104,13 @@ ADAMW = pn.optim.AdamW(1e-4)
 N = 1 << 20                     # elements of each collective's buffer (4 MiB)
 A, B = "group:0", "group:0#b"   # two communicators of the one rank (see TwoCommunicators)
 MID = {"vocab": 8192, "dim": 1024, "layers": 8, "heads": 16, "seq": 1024}
+MID_SIZE = {"batch": 8, "microbatches": 4, "stages": 2}
+# Llama-shaped, 0.51 B parameters: 28 layers of 15.7 M (GQA, 8 key/value heads; SwiGLU 4096)
+# and a 32 K vocabulary; a step is about 50 ms on an H200 (the analytic model's figure)
+LLAMA = {"vocab": 32768, "dim": 1024, "layers": 28, "heads": 16, "kv_heads": 8,
+         "hidden": 4096, "seq": 1024}
+LLAMA_SIZE = {"batch": 8, "microbatches": 2, "stages": 1}
+LLAMA_STEPS = 6                 # step 1 warms up, 2-5 are timed, 6 is traced (its memory)
 GiB = 2**30
 NOTE = (
     "What one GPU cannot show: NCCL refuses two ranks on one GPU (\"Duplicate GPU "
@@ -110,11 +133,12 @@ class Probe:
     run: Callable[[], list[Row]]          # in a process of its own, on the GPU
     plans: Callable[[], list] = list      # what it trains (compiled, so checked) or launches
     gpus: int = 1
+    timeout: float = PROBE_TIMEOUT_S      # its process's limit, within what is left of BUDGET_S
 
 
 # ---- plans -------------------------------------------------------------------------------
-def one_rank() -> list:
-    return [pn.place({}, [0]), pn.split({}, "MB", 4)]
+def one_rank(microbatches: int = 4) -> list:
+    return [pn.place({}, [0]), pn.split({}, "MB", microbatches)]
 
 
 def tiny_gpt(precision: str = "fp32"):
@@ -141,19 +165,34 @@ def hf_llama():
     return model, batch, pn.compile(pn.annotate(model, ann), one_rank(), batch, capture="export")
 
 
-def mid_gpt(device: str = "cpu"):
-    """The mid-size GPT (fp32, 8 x 1024 tokens, 4 microbatches). The dry run compiles it on
-    the meta device, in a second instead of a CPU forward: the same instructions and stream
-    program (so the same checks), but attention's saved tensors are counted by its math
-    path there, so its memory figure is above the plan the GPU run compiles on CPU."""
+def sized(kind, config: dict, size: dict, device: str, precision: str = "fp32"):
+    """(model, batch, plan): `kind(**config)` built on `device`, cut into `size["stages"]`
+    stages on one rank, `size["batch"]` sequences in `size["microbatches"]`. On the meta
+    device (the dry run) it compiles in a second or two instead of a CPU forward: the same
+    instructions and stream program (so the same checks), but attention's saved tensors are
+    counted by its math path there, so its memory figure is above the plan the GPU run
+    compiles on CPU."""
     with torch.device(device):
-        model = pn.models.TinyGPT(**MID, tie_embeddings=False)
+        model = kind(**config)
     if device == "meta":
-        ids = torch.zeros(8, MID["seq"], dtype=torch.long, device="meta")
+        ids = torch.zeros(size["batch"], config["seq"], dtype=torch.long, device="meta")
         batch = (ids, ids)
     else:
-        batch = model.example_batch(batch_size=8, seed=0)
-    return model, batch, pn.compile(pn.annotate(model, pn.cut_stages(model, 2)), one_rank(), batch)
+        batch = model.example_batch(batch_size=size["batch"], seed=0)
+    spec = pn.annotate(model, pn.cut_stages(model, size["stages"]))
+    return model, batch, pn.compile(spec, one_rank(size["microbatches"]), batch,
+                                    precision=precision)
+
+
+def mid_gpt(device: str = "cpu"):
+    """The mid-size GPT: fp32, 8 x 1024 tokens, 4 microbatches, 2 stages on one rank."""
+    return sized(pn.models.TinyGPT, {**MID, "tie_embeddings": False}, MID_SIZE, device)
+
+
+def llama(device: str = "cpu"):
+    """The Llama-shaped model of about 0.5 B parameters (`pn.models.Llama`): bf16 (fp32
+    masters), 8 x 1024 tokens, 2 microbatches, one stage on one rank."""
+    return sized(pn.models.Llama, LLAMA, LLAMA_SIZE, device, "bf16")
 
 
 def predicted(plan) -> tuple[float, int]:
@@ -499,26 +538,85 @@ def probe_matmul() -> list[Row]:
              f"{hw.efficiency:g}): measured / assumed {rate / assumed:.2f} (pass: >= 1)")]
 
 
-def probe_mid() -> list[Row]:
-    _, batch, plan = mid_gpt()
+def trained(plan, batch, steps: int) -> tuple[float, int]:
+    """Train `plan` on one CUDA rank over NCCL for `steps` steps with AdamW: (the median
+    step, s, of steps 2 to steps - 1: warm and untraced; torch.cuda.max_memory_allocated
+    over the last step, the traced one)."""
     with LocalCluster(1, device="cuda", timeout=100) as cluster:
-        got = pn.train(plan, batch, 5, ADAMW, cluster=cluster)
-    step = statistics.median(got.step_times[1:-1])    # warm, untraced steps
-    measured = got.trace.meta["cuda_max_allocated"][0]
+        got = pn.train(plan, batch, steps, ADAMW, cluster=cluster)
+    return statistics.median(got.step_times[1:-1]), got.trace.meta["cuda_max_allocated"][0]
+
+
+def against_models(name: str, what: str, plan, step: float, measured: int,
+                   steps: int) -> list[Row]:
+    """Rows `name step` and `name memory`: a measured step (`trained`) against
+    `CostModel.analytic(plan, "H200")`, its max_memory_allocated against the memory model."""
     want_step, want_peak = predicted(plan)
     r_step, r_mem = step / want_step, measured / want_peak
-    size = f"TinyGPT {MID['layers']}x{MID['dim']}, seq {MID['seq']}, fp32, AdamW"
     return [
-        ("gpt-mid step", "pass" if 0.25 <= r_step <= 4 else "FAIL",
-         f"{size}: median step {step * 1e3:.1f} ms (steps 2-4 of 5), CostModel.analytic(plan, "
-         f"'H200') predicts {want_step * 1e3:.1f} ms: measured / predicted {r_step:.2f} "
-         "(pass: within 4x)"),
-        ("gpt-mid memory", "pass" if 2 / 3 <= r_mem <= 1.5 else "FAIL",
-         f"{size}: torch.cuda.max_memory_allocated {measured / GiB:.2f} GiB, memory model peak "
+        (f"{name} step", "pass" if 0.25 <= r_step <= 4 else "FAIL",
+         f"{what}: median step {step * 1e3:.1f} ms (steps 2-{steps - 1} of {steps}), "
+         f"CostModel.analytic(plan, 'H200') predicts {want_step * 1e3:.1f} ms: measured / "
+         f"predicted {r_step:.2f} (pass: within 4x)"),
+        (f"{name} memory", "pass" if 2 / 3 <= r_mem <= 1.5 else "FAIL",
+         f"{what}: torch.cuda.max_memory_allocated {measured / GiB:.2f} GiB, memory model peak "
          f"{want_peak / GiB:.2f} GiB under MemorySettings.for_cuda(nccl=False), i.e. without "
          "the per-communicator NCCL allowance: NCCL allocates its buffers outside PyTorch's "
          "caching allocator, so max_memory_allocated never sees them and they are counted on "
          f"neither side; measured / model {r_mem:.2f} (pass: 2/3 to 1.5)")]
+
+
+def probe_mid() -> list[Row]:
+    _, batch, plan = mid_gpt()
+    step, measured = trained(plan, batch, 5)
+    what = f"TinyGPT {MID['layers']}x{MID['dim']}, seq {MID['seq']}, fp32, AdamW"
+    return against_models("gpt-mid", what, plan, step, measured, 5)
+
+
+def plain_loop(model, batch, microbatches: int, steps: int) -> list[float]:
+    """The plain PyTorch loop the Llama row compares with, in this process: `model` on the
+    GPU in fp32, each microbatch's forward and loss under bf16 autocast and its backward
+    (gradients accumulated, the loss scaled as the mean of the microbatches' mean losses),
+    then the same optimizer (`ADAMW` builds torch.optim.AdamW, as on the workers). The
+    seconds of each step, the batch's copy to the GPU included, synchronised at both ends."""
+    dev = torch.device("cuda", 0)
+    model = model.to(dev)
+    opt = ADAMW(list(model.parameters()))
+    times = []
+    for _ in range(steps):
+        torch.cuda.synchronize(dev)
+        t0 = time.perf_counter()
+        inputs, targets = (t.to(dev) for t in batch)
+        for x, y in zip(inputs.chunk(microbatches), targets.chunk(microbatches), strict=True):
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                loss = model.loss_fn(model(x), y) / microbatches
+            loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        torch.cuda.synchronize(dev)
+        times.append(time.perf_counter() - t0)
+    return times
+
+
+def probe_llama() -> list[Row]:
+    """piper_nb first (its worker is another process, gone when the cluster closes), then
+    the plain loop here on the same model, still at its initial weights, and batch."""
+    model, batch, plan = llama()
+    step, measured = trained(plan, batch, LLAMA_STEPS)
+    plain = statistics.median(plain_loop(model, batch, plan.microbatches, LLAMA_STEPS - 1)[1:])
+    params = sum(p.numel() for p in model.parameters())
+    what = (f"Llama {LLAMA['layers']}x{LLAMA['dim']} ({params / 1e9:.2f} B parameters), "
+            f"{LLAMA_SIZE['batch']} x {LLAMA['seq']} tokens in {plan.microbatches} "
+            "microbatches, bf16, AdamW")
+    ratio = step / plain
+    return [
+        ("llama-0.5b vs torch", "pass" if ratio <= 1.25 else "FAIL",
+         f"{what}: median step {step * 1e3:.1f} ms (steps 2-{LLAMA_STEPS - 1} of "
+         f"{LLAMA_STEPS}), a plain PyTorch loop on the same model and batch (fp32 weights, "
+         f"bf16 autocast, gradient accumulation, the same AdamW) {plain * 1e3:.1f} ms (steps "
+         f"2-{LLAMA_STEPS - 1} of {LLAMA_STEPS - 1}): piper_nb / plain {ratio:.2f} "
+         "(pass: <= 1.25)"),
+        *against_models("llama-0.5b", what, plan, step, measured, LLAMA_STEPS)]
 
 
 # ---- the probes --------------------------------------------------------------------------------
@@ -526,13 +624,18 @@ def probes() -> list[Probe]:
     multi = [("nccl-pp2", 2, "PP2 1F1B"), ("nccl-dualpipev", 2, "DualPipeV"),
              ("nccl-pp2-dp2-zero3", 4, "PP2 x DP2 ZeRO-3"), ("nccl-pp2-dp2-ep2", 4, "PP2 x DP2 x EP2")]
 
-    def mid_plans():
-        plan = mid_gpt("meta")[2]
-        step, peak = predicted(plan)
-        print(f"  gpt-mid, compiled on the meta device: predicted step {step * 1e3:.1f} ms "
-              f"(analytic H200), peak {peak / GiB:.2f} GiB (for_cuda(nccl=False)); the GPU run "
-              "compiles it on CPU, where attention saves less")
-        return [plan]
+    def on_meta(name: str, build):
+        """The dry run's plan of a sized model (`sized`), with what the models predict."""
+        def plans():
+            model, _, plan = build("meta")
+            step, peak = predicted(plan)
+            params = sum(p.numel() for p in model.parameters())
+            print(f"  {name} ({params / 1e9:.2f} B parameters), compiled on the meta device: "
+                  f"predicted step {step * 1e3:.1f} ms "
+                  f"(analytic H200), peak {peak / GiB:.2f} GiB (for_cuda(nccl=False)); the GPU "
+                  "run compiles it on CPU, where attention saves less")
+            return [plan]
+        return plans
     return [
         Probe("nccl-collectives", (("nccl-collectives", "all_reduce, reduce_scatter, all_gather, "
               "all_to_all on a 1-member NCCL group via Comm + CudaStreams, input behind a sleep "
@@ -566,7 +669,17 @@ def probes() -> list[Probe]:
               "model's peak under MemorySettings.for_cuda(nccl=False), without the NCCL "
               "allowance: NCCL's buffers are outside PyTorch's allocator, counted on neither "
               "side")),
-              probe_mid, mid_plans),
+              probe_mid, on_meta("gpt-mid", mid_gpt)),
+        Probe("llama-0.5b", (("llama-0.5b vs torch", "a Llama-shaped model of about 0.5 B "
+              f"parameters (pn.models.Llama, {LLAMA['layers']} x {LLAMA['dim']}, "
+              f"{LLAMA_SIZE['batch']} x {LLAMA['seq']} tokens), bf16, "
+              f"{LLAMA_SIZE['microbatches']} microbatches, AdamW, 1 rank on "
+              "NCCL: its step against a plain PyTorch loop (bf16 autocast, gradient "
+              "accumulation, the same AdamW) on the same model and batch"),
+              ("llama-0.5b step", "its step against CostModel.analytic(plan, 'H200')"),
+              ("llama-0.5b memory", "its torch.cuda.max_memory_allocated against the memory "
+               "model's peak under MemorySettings.for_cuda(nccl=False)")),
+              probe_llama, on_meta("llama-0.5b", llama), timeout=LLAMA_TIMEOUT_S),
         *(Probe(name, ((name, f"{label} on {gpus} GPUs over NCCL against the CPU reference"),),
                 lambda name=name: against_reference(name, multi_rank(name)),
                 lambda name=name: [multi_rank(name)[2]], gpus=gpus)
@@ -647,7 +760,7 @@ def run(dry: bool, gpus: int) -> list[Row]:
             got = [(r, "skipped", f"the run's {BUDGET_S:.0f} s budget is spent")
                    for r, _ in probe.rows]
         else:
-            got = in_process(probe, min(PROBE_TIMEOUT_S, deadline - time.monotonic()))
+            got = in_process(probe, min(probe.timeout, deadline - time.monotonic()))
         for case, status, _ in got:
             print(f"  {case}: {status} ({time.monotonic() - t0:.1f} s)", flush=True)
         rows += got
@@ -670,7 +783,8 @@ def main() -> int:
     dry = args.dry_run or not torch.cuda.is_available()
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     print(f"GPUs: {gpus}" + (" (dry run: compiles and checks every plan, runs nothing)" if dry
-                             else f"; each probe in its own process, {PROBE_TIMEOUT_S:.0f} s each"))
+                             else f"; each probe in its own process, {PROBE_TIMEOUT_S:.0f} s each"
+                             f" (llama-0.5b {LLAMA_TIMEOUT_S:.0f} s)"))
     t0 = time.monotonic()
     rows = run(dry, gpus)
     print("\n| case | status | detail |\n|---|---|---|")

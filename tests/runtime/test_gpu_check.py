@@ -4,6 +4,7 @@ multi-rank plans their static / emulated status, and says what one GPU cannot sh
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -11,9 +12,10 @@ from pathlib import Path
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "gpu_check.py"
 PROBES = ("nccl-collectives", "stream-coupling", "stream-coupling-old", "cpu-tensor",
           "tinygpt-fp32", "tinygpt-bf16", "hf-llama", "matmul-bf16", "gpt-mid step",
-          "gpt-mid memory")
+          "gpt-mid memory", "llama-0.5b vs torch", "llama-0.5b step", "llama-0.5b memory")
 MULTI_RANK = ("nccl-pp2", "nccl-dualpipev", "nccl-pp2-dp2-zero3", "nccl-pp2-dp2-ep2")
-TRAINED = ("cpu-tensor", "tinygpt-fp32", "tinygpt-bf16", "hf-llama", "gpt-mid step", "gpt-mid memory")
+TRAINED = ("cpu-tensor", "tinygpt-fp32", "tinygpt-bf16", "hf-llama", "gpt-mid step", "gpt-mid memory",
+           "llama-0.5b vs torch", "llama-0.5b step", "llama-0.5b memory")
 
 
 def _table(out: str) -> dict[str, tuple[str, str]]:
@@ -47,3 +49,11 @@ def test_the_gpu_check_dry_run_lists_every_probe_and_what_one_gpu_cannot_show():
     # the hand-written stream programs the coupling probes launch, old coupling included
     assert "nccl:group:0#b: wait(i2)" in proc.stdout
     assert "shared: wait(c1) rec(i1) wait(d1) wait(c2) rec(i2) wait(d2)" in proc.stdout
+    # the bf16 Llama-shaped rows: what each compares, on a model of at least 0.3 B parameters
+    llama = {case: rows[f"llama-0.5b {case}"][1] for case in ("vs torch", "step", "memory")}
+    assert "plain PyTorch loop" in llama["vs torch"] and "bf16 autocast" in llama["vs torch"]
+    assert "bf16, 2 microbatches, AdamW, 1 rank on NCCL" in llama["vs torch"]
+    assert "CostModel.analytic(plan, 'H200')" in llama["step"]
+    assert "max_memory_allocated" in llama["memory"] and "for_cuda(nccl=False)" in llama["memory"]
+    params = re.search(r"llama-0\.5b \(([\d.]+) B parameters\), compiled on the meta", proc.stdout)
+    assert params and float(params[1]) >= 0.3, proc.stdout
