@@ -5,7 +5,7 @@ BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
 SYSDEPS := $(VENV)/.sysdeps
 
-.PHONY: test demo lab lint docs screenshots bench fuzz gpu-check clean
+.PHONY: test check demo lab lint docs screenshots bench fuzz gpu-check clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -23,10 +23,17 @@ $(STAMP): pyproject.toml | $(BIN)/python
 	$(BIN)/pip install -q -e ".[all,test]"
 	@touch $@
 
+# everything, notebooks included: before a change is done, and what CI runs
 test: $(STAMP) $(SYSDEPS)
 	$(BIN)/ruff check piper_nb tests benchmarks
 	$(BIN)/python -m pytest -q -p no:cacheprovider tests
 	$(BIN)/python -m pytest -q -p no:cacheprovider --nbval-lax --nbval-current-env --nbval-cell-timeout=300 notebooks
+
+# the loop of editing (a few minutes): ruff, every in-process test, the first case of each
+# test that starts workers, the README example (tests/conftest.py says what is left out)
+check: $(STAMP) $(SYSDEPS)
+	$(BIN)/ruff check piper_nb tests benchmarks
+	$(BIN)/python -m pytest -q -p no:cacheprovider --tier check tests
 
 demo: $(STAMP) $(SYSDEPS)
 	$(BIN)/python -m piper_nb run examples/pp2_dp2_zero3.json --model tiny_gpt --devices 4 --steps 5 --out demo_out

@@ -5,7 +5,14 @@ The shared clusters run NCCL's semantics on CPU (`comm="nccl-emulated"`): every 
 trains on them (the pipeline equivalence tests among them) runs the plan's stream program
 as a GPU would, so a plan that would hang under NCCL fails here. `pn.train` without a
 cluster, and the clusters tests make for themselves, run gloo natively. `same` compares a
-run with `pn.reference_train`."""
+run with `pn.reference_train`.
+
+Two tiers. `make test` (CI) runs every test. `make check` (`pytest --tier check`) is the
+loop of editing: every test that runs in this process, and of each test that starts
+workers (marked `dist`, `cluster` or `browser`) only its first case: the other cases of
+such a cross product (every family x every strategy, the fuzz tier's seeds) repeat its proof
+on other inputs. Tests marked `full` (a whole build, a browser, a slow negative control)
+run only in `make test`.`pytest --collect-only -q --tier check` lists what a check runs."""
 
 from __future__ import annotations
 
@@ -15,6 +22,31 @@ import torch
 from piper_nb.cluster.local import LocalCluster
 
 RTOL, ATOL = 1e-5, 4e-5
+WORKERS = ("dist", "cluster", "browser")   # markers of tests that start processes
+
+
+def pytest_addoption(parser):
+    parser.addoption("--tier", choices=("check", "test"), default="test",
+                     help="check: the fast tier of `make check` (see tests/conftest.py); "
+                          "test: everything, as `make test` and CI run it")
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items):
+    """Under `--tier check`, leave out `full` tests and the repeated cases of tests that
+    start workers (runs before `-m`/`-k` select, so they compose)."""
+    if config.getoption("--tier") != "check":
+        return
+    seen, keep, left = set(), [], []
+    for item in items:
+        starts = any(item.get_closest_marker(m) for m in WORKERS)
+        case = getattr(item, "originalname", item.name), item.path
+        repeat = starts and hasattr(item, "callspec") and case in seen
+        seen.add(case)
+        (left if repeat or item.get_closest_marker("full") else keep).append(item)
+    if left:
+        config.hook.pytest_deselected(items=left)
+        items[:] = keep
 
 
 def assert_same(result, ref, model=None) -> None:

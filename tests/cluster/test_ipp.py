@@ -85,6 +85,7 @@ def test_trains_like_the_reference(cluster, setup):
     assert cluster.starts == 1
 
 
+@pytest.mark.full
 def test_worker_failures_name_the_device(cluster, setup, monkeypatch):
     _, batch, plan, _ = setup
     monkeypatch.setenv("PIPER_NB_FAIL_AT", "1:r1:B2")
@@ -103,6 +104,7 @@ def test_worker_failures_name_the_device(cluster, setup, monkeypatch):
     assert cluster.engine_ids == engines   # same engines, fresh workers
 
 
+@pytest.mark.full
 def test_killed_engine_is_worker_lost_then_replaced(cluster, setup):
     _, batch, plan, _ = setup
     _trains(cluster, setup)
@@ -118,6 +120,7 @@ def test_killed_engine_is_worker_lost_then_replaced(cluster, setup):
     assert cluster.running and cluster.info[1]["engine_pid"] != victim
 
 
+@pytest.mark.full
 def test_silent_engine_is_lost_after_lost_after(cluster, setup):
     _, batch, plan, _ = setup
     _trains(cluster, setup)
@@ -162,6 +165,7 @@ class _WaitSpy:
         return getattr(cf, name)
 
 
+@pytest.mark.full
 @pytest.mark.parametrize("grace", [10.0, 0.0])
 def test_ctrl_c_stops_the_run_and_keeps_the_cluster(cluster, setup, slow, grace, monkeypatch):
     batch, plan = slow
@@ -207,6 +211,7 @@ def test_ctrl_c_from_a_progress_callback(cluster, setup):
     _trains(cluster, setup)
 
 
+@pytest.mark.full
 def test_connect_to_a_running_cluster(cluster, setup):
     cluster.start()
     url = Path(cluster._ipp.profile_dir) / "security" / f"ipcontroller-{cluster._ipp.cluster_id}-client.json"
@@ -222,6 +227,7 @@ def test_connect_to_a_running_cluster(cluster, setup):
     _trains(cluster, setup)
 
 
+@pytest.mark.full
 def test_engines_on_two_machines_meet_at_engine_0(cluster, setup, monkeypatch):
     """The cross-machine path, on one machine: the engines are told they live on two hosts, so
     the group meets at engine 0's reported address instead of a loopback shortcut."""
@@ -243,6 +249,7 @@ def test_engines_on_two_machines_meet_at_engine_0(cluster, setup, monkeypatch):
     _trains(cluster, setup)
 
 
+@pytest.mark.full
 @pytest.mark.skipif(not hasattr(LocalCluster, "train_state"), reason="needs the checkpoint hooks")
 def test_a_checkpoint_moves_between_clusters(cluster, setup, tmp_path):
     """Written on ipyparallel engines, resumed on local workers: the same numbers, bit for bit."""
@@ -279,6 +286,7 @@ def test_bad_arguments():
         IPyParallelCluster(2, device="tpu")
 
 
+@pytest.mark.full
 def test_engines_that_each_see_one_gpu_use_nccl_when_the_gpus_differ():
     from piper_nb.cluster.ipp import gpus_apart
 

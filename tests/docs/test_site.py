@@ -49,6 +49,7 @@ def site(tmp_path_factory) -> Path:
     return out / "html"
 
 
+@pytest.mark.full
 def test_every_page_and_notebook_is_built(site):
     for page in ROOT.glob("docs/*.md"):
         assert (site / f"{page.stem}.html").exists(), page.name
@@ -90,6 +91,7 @@ def test_each_stored_figure_is_interactive_with_a_png_beside_it(site):
     assert (site / "_static" / "plotly.min.js").stat().st_size > 1_000_000
 
 
+@pytest.mark.full
 @pytest.mark.browser
 def test_a_built_page_draws_its_plotly_figure_in_chromium(site):
     sync_api = pytest.importorskip("playwright.sync_api", reason="playwright is not installed")

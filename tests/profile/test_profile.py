@@ -64,6 +64,7 @@ def test_a_profile_counts_the_cores_this_process_may_use(monkeypatch):
     assert CostModel.profile(plan2(), repeats=1, comm=False).host.cores == 3
 
 
+@pytest.mark.full
 def test_links_get_more_repeats_when_processes_outnumber_cores(monkeypatch):
     asked = []
 
@@ -123,6 +124,7 @@ def test_token_exchanges_get_an_all_to_all_fit_of_their_own(monkeypatch):
     assert asked == [(), ("ALL_TO_ALL",)] and ("ALL_TO_ALL", 2) in cost.links
 
 
+@pytest.mark.full
 def test_time_slicing_is_measured_with_a_process_per_device_when_they_outnumber_cores():
     import warnings
 

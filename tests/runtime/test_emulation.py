@@ -76,6 +76,7 @@ def test_data_and_expert_parallel_plans_run_their_programs(strategy, emulated4):
     _executed_equals_the_program(plan, emulated4.step(plan, batch, record_streams=True))
 
 
+@pytest.mark.full
 def test_the_old_on_stream_coupling_hangs_and_the_stuck_streams_are_named(coupled):
     """The negative control: the runtime's former stream use, as a stream program."""
     model, batch, plan = _mlp_plan(2, S.one_f_one_b(2, 4, place=True))
