@@ -5,8 +5,11 @@ steps and after the last one; `resume=True` continues from the newest file in `d
 checkpoint holds the whole training state at a step boundary: every rank's parameters
 (full, or its ZeRO-3 shards) and optimizer state with the step count (what the workers'
 `train_state` reports), the number of batches consumed (a loader is advanced past them on
-resume), the losses and step times so far, the optimizer's settings and a fingerprint of
-the plan, so a resumed run ends bit for bit where an uninterrupted one would.
+resume), the losses and step times so far, and what wrote it: a fingerprint of the captured
+model, the plan, the optimizer and the scheduler (`cluster.fingerprint`), so a resumed run
+ends bit for bit where an uninterrupted one would, and a resume where any of them changed is
+refused, naming the change. `resume="weights_only"` loads the parameters and buffers anyway
+and starts the optimizer and scheduler fresh at the checkpoint's step.
 
 A file is written to a temporary name in the same directory, flushed, fsynced and then
 renamed over its final name (`os.replace`, atomic on POSIX and Windows), and the directory
@@ -19,8 +22,6 @@ strings and containers only, so a checkpoint from elsewhere cannot run code. The
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-import json
 import math
 import os
 import re
@@ -29,29 +30,17 @@ from pathlib import Path
 
 import torch
 
+from piper_nb.cluster.fingerprint import differences, fingerprint, plan_fingerprint
 from piper_nb.errors import PlanError, RuntimeFailure
 from piper_nb.metrics import StepMetrics
+from piper_nb.optim import check_optimizer
 
-__all__ = ["FORMAT", "Checkpointer", "save", "load", "latest", "checkpoints", "plan_fingerprint",
-           "full_state"]
+__all__ = ["FORMAT", "RESUME", "Checkpointer", "save", "load", "latest", "checkpoints",
+           "plan_fingerprint", "full_state"]
 
 FORMAT = "piper_nb.checkpoint/1"
 _NAME = re.compile(r"^step-(\d{6,})\.pt$")
-
-
-def plan_fingerprint(plan) -> str:
-    """sha256 of what decides where state lives: the plan's JSON without measured sizes."""
-    obj = json.loads(plan.to_json())
-    obj.pop("saved", None)
-    return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()
-
-
-def _optimizer_record(optimizer) -> dict:
-    if hasattr(optimizer, "record"):   # an OptimizerSpec: factory, groups and scheduler
-        return optimizer.record()
-    fields = dataclasses.asdict(optimizer) if dataclasses.is_dataclass(optimizer) else {}
-    return {"type": type(optimizer).__name__,
-            **{k: list(v) if isinstance(v, tuple) else v for k, v in fields.items()}}
+RESUME = (False, True, "weights_only")   # what `pn.train(resume=...)` takes
 
 
 def checkpoints(directory: str | os.PathLike) -> list[tuple[int, Path]]:
@@ -124,18 +113,23 @@ def full_state(obj: dict, plan) -> dict[str, torch.Tensor]:
 
 
 class Checkpointer:
-    """What `pn.train` calls: `restore(cluster)` after `reset`, `after_step(...)` per step."""
+    """What `pn.train` calls: `restore(cluster, steps)` after `reset`, `after_step(...)` per
+    step."""
 
     def __init__(self, plan, optimizer, directory: str | os.PathLike, every: int | None = None,
-                 resume: bool = False, keep: int | None = 2):
+                 resume: bool | str = False, keep: int | None = 2):
         every = 1 if every is None else every
         if isinstance(every, bool) or not isinstance(every, int) or every < 1:
             raise ValueError(f"checkpoint_every is a positive number of steps, got {every!r}")
         if keep is not None and keep < 1:
             raise ValueError(f"keep is None (keep all) or at least 1, got {keep!r}")
+        if not any(resume is r or (isinstance(r, str) and resume == r) for r in RESUME):
+            raise ValueError(f"resume is False, True or \"weights_only\", got {resume!r}")
+        optimizer = check_optimizer(optimizer, "pn.train")   # an OptimizerSpec stays itself
         self.plan, self.optimizer, self.dir = plan, optimizer, Path(directory)
         self.every, self.resume, self.keep = every, resume, keep
         self.fingerprint = plan_fingerprint(plan)
+        self.written_by = fingerprint(plan, optimizer)
         self.written: list[Path] = []
 
     @classmethod
@@ -147,27 +141,65 @@ class Checkpointer:
             return None
         return cls(plan, optimizer, directory, every, resume)
 
-    def restore(self, cluster) -> tuple[int, list[float], list[float], list[StepMetrics]]:
+    def restore(self, cluster, steps: int | None = None
+                ) -> tuple[int, list[float], list[float], list[StepMetrics]]:
         """Load the newest checkpoint into the workers when resuming: (step, losses, times,
         metrics). Without one (or without `resume`), (0, [], [], []): the run starts from
-        the beginning."""
+        the beginning. A checkpoint written by another model, plan, optimizer or scheduler
+        is refused, naming what differs; with `resume="weights_only"` its parameters and
+        buffers are loaded anyway (a warning names the differences) and the optimizer and
+        scheduler start fresh, at the checkpoint's step."""
         path = latest(self.dir) if self.resume else None
         if path is None:
             return 0, [], [], []
         obj = load(path)
-        if obj["fingerprint"] != self.fingerprint:
-            raise PlanError(f"{path} was written by a different plan (world {obj['world']}); resume "
-                            "with the plan that wrote it, or give a fresh checkpoint_dir")
-        want = _optimizer_record(self.optimizer)
-        if obj["optimizer"] != want:
-            raise PlanError(f"{path} was written with optimizer {obj['optimizer']} but train got "
-                            f"{want}; pass the same optimizer, or give a fresh checkpoint_dir")
-        n = getattr(cluster, "n", self.plan.world)
+        step = obj["step"]
+        if steps is not None and steps < step:
+            raise PlanError(f"{path} is at step {step}, beyond steps={steps}: steps counts from "
+                            f"the run's start, so pass steps greater than {step} to train on "
+                            "from it, or give a fresh checkpoint_dir to start over")
+        changed = self._changed(path, obj)
+        weights_only = self.resume == "weights_only"
+        if changed and not weights_only:
+            raise PlanError(f"{path} was written by another run: {'; '.join(changed)}. Revert "
+                            "the change to resume, give a fresh checkpoint_dir to start over, or "
+                            "pass resume=\"weights_only\" to load only the model's weights (the "
+                            f"optimizer and scheduler start fresh, at step {step})")
         states = list(obj["workers"])
-        empty = {"step": obj["step"], "full": {}, "shards": {}, "optim": {}}
+        if weights_only:
+            states = self._weights(path, obj, changed)
+        n = getattr(cluster, "n", self.plan.world)
+        empty = {"step": step, "full": {}, "shards": {}, "optim": {}}
         states += [empty] * (n - len(states))   # ranks beyond the plan's world hold nothing
         _require(cluster, "load_train_state")(self.plan, states)
-        return obj["step"], list(obj["losses"]), list(obj["step_times"]), self.metrics(obj)
+        return step, list(obj["losses"]), list(obj["step_times"]), self.metrics(obj)
+
+    def _changed(self, path: Path, obj: dict) -> list[str]:
+        """What differs between the run that wrote `obj` and this one (a checkpoint from
+        before fingerprints: whether the plan differs)."""
+        if "written_by" in obj:
+            return differences(obj["written_by"], self.written_by)
+        if obj["fingerprint"] != self.fingerprint:
+            return [f"the plan differs (world {obj['world']} -> {self.plan.world}, or its "
+                    "program)"]
+        return []
+
+    def _weights(self, path: Path, obj: dict, changed: list[str]) -> list[dict]:
+        """The checkpoint's parameters and buffers without optimizer state, after warning
+        what differs; they load only into the parameter layout that wrote them."""
+        import warnings
+        old = obj.get("written_by", {}).get("plan", {}).get("parameter layout")
+        if old is not None and old != self.written_by["plan"]["parameter layout"]:
+            raise PlanError(f"{path}: resume=\"weights_only\" loads parameters as the plan "
+                            "that wrote them laid them out, and this plan lays them out "
+                            "differently (other shapes, world, ZeRO-3 buckets or tensor-parallel "
+                            "shards); resume with that layout, or give a fresh checkpoint_dir")
+        if changed:
+            warnings.warn(f"resume=\"weights_only\": loading the weights of {path} although "
+                          f"{'; '.join(changed)}; the optimizer and scheduler start fresh",
+                          stacklevel=4)
+        return [{"step": st["step"], "full": st["full"], "shards": st["shards"], "optim": {},
+                 "buffers": st.get("buffers", {})} for st in obj["workers"]]
 
     @staticmethod
     def metrics(path_or_obj) -> list[StepMetrics]:
@@ -186,7 +218,7 @@ class Checkpointer:
             return None
         states = _require(cluster, "train_state")(self.plan)[:self.plan.world]
         obj = {"format": FORMAT, "step": step, "data_position": step, "world": self.plan.world,
-               "fingerprint": self.fingerprint, "optimizer": _optimizer_record(self.optimizer),
+               "fingerprint": self.fingerprint, "written_by": self.written_by,
                "losses": [float(x) for x in losses], "step_times": [float(x) for x in times],
                "metrics": [dataclasses.asdict(m) for m in metrics], "workers": states,
                "torch": str(torch.__version__)}
