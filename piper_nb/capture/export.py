@@ -32,7 +32,7 @@ import torch.fx.traceback as fx_traceback
 from torch import nn
 from torch.nn.utils import parametrize
 
-from piper_nb.capture.functions import seen_functions
+from piper_nb.capture.functions import exporting_functions, keep_exported_calls
 from piper_nb.capture.pipe_split import number_stages
 from piper_nb.capture.region import tracing_scope
 from piper_nb.capture.stamp import find_stack, stamp, truncated
@@ -43,10 +43,11 @@ __all__ = ["export_graph", "export_module_path", "export_size_nodes", "remateria
 
 
 def export_graph(root: nn.Module, example: dict[str, torch.Tensor], name: str,
-                 stamped: bool = True) -> fx.GraphModule:
+                 stamped: bool = True) -> tuple[fx.GraphModule, dict[str, type]]:
     """`root` (model + loss) exported on the named batch `example` with a dynamic batch
-    dimension, unlifted and cleaned (see the module docstring); its inputs are the batch's
-    tensors in order. `name` names the model in errors. With `stamped`, a stack of
+    dimension, unlifted and cleaned (see the module docstring), and the custom autograd
+    Functions it keeps whole (`capture.functions`); its inputs are the batch's tensors in
+    order. `name` names the model in errors. With `stamped`, a stack of
     identical layers is exported once and stamped (`capture.stamp`)."""
     if next(iter(example.values())).shape[0] < 2:
         raise PlanError(f"capturing {name} by torch.export needs an example batch of at least "
@@ -70,29 +71,24 @@ def export_graph(root: nn.Module, example: dict[str, torch.Tensor], name: str,
     if stack is not None and not stamp(gm, root, stack):
         gm, seen = _exported(root, args, dynamic, name, None)   # not provably the same code
         _clean(gm.graph)
-    if seen:
-        names = ", ".join(f"{c.__module__}.{c.__qualname__}" for c in seen)
-        raise PlanError(f"{name} applies the custom torch.autograd.Function {names}: "
-                        "torch.export keeps only its forward, so the plan would train with the "
-                        "gradient of its forward's operations instead of its backward. Capture "
-                        "with torch.fx, which keeps it whole (capture='fx', with an (inputs, "
-                        "targets) batch), or write it with differentiable operations")
     gm.recompile()
-    return gm
+    return gm, seen
 
 
 def _exported(root, args, dynamic, name: str, stack) -> tuple[fx.GraphModule, set]:
-    """(the unlifted export of `root`, cut to `stack`'s prefix; the custom autograd
-    Functions it met)."""
+    """(the unlifted export of `root`, cut to `stack`'s prefix, its custom autograd Functions
+    kept whole as calls; those Functions by key)."""
     try:
         with (truncated(root, stack), tracing_scope(), fx_traceback.preserve_node_meta(),
-              seen_functions() as seen):
+              exporting_functions() as seen):
             program = torch.export.export(root, args, dynamic_shapes=dynamic, strict=False)
+            gm = program.module()
+            keep_exported_calls(gm, name)
     except PlanError:
         raise
     except Exception as err:  # export raises many kinds; the user needs the reason and where
         raise PlanError(_export_failure(name, err)) from err
-    return program.module(), seen
+    return gm, seen
 
 
 def _check_parametrizations(root: nn.Module, name: str) -> None:

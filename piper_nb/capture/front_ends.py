@@ -150,8 +150,9 @@ def front_end(model: nn.Module, loss_fn: Callable, example: dict | None,
     if example is None:
         raise PlanError("capture='export' needs the example batch: pass it to spec.capture")
     root = (_WithLoss if names == PAIR else _WithLossOnDict)(model, loss_fn, loss_mean)
-    gm = export_graph(root, example, name, stamped)
-    return FrontEnd("export", gm, export_module_path, export_size_nodes, outputs=root.outputs)
+    gm, functions = export_graph(root, example, name, stamped)
+    return FrontEnd("export", gm, export_module_path, export_size_nodes, functions,
+                    root.outputs)
 
 
 _SIZE_METHODS = frozenset({"size", "dim", "ndimension", "numel", "nelement"})

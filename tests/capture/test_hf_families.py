@@ -176,3 +176,28 @@ def test_sliding_window_masks_of_the_root_forward_are_recomputed_per_stage(
     for k in theirs:
         torch.testing.assert_close(mine[k], theirs[k], rtol=1e-5, atol=1e-6,
                                    msg=lambda m, k=k: f"{k}: {m}")
+
+
+def test_bloom_keeps_its_custom_gelu_backward_from_a_dict_batch(cluster2, one_thread):
+    """Bloom's MLP applies `GeLUFunction` (a custom autograd Function) in training; export
+    keeps it whole, so PP 2 from a dict batch trains like one process."""
+    torch.manual_seed(0)
+    model = transformers.BloomForCausalLM(transformers.BloomConfig(
+        vocab_size=VOCAB, hidden_size=32, n_layer=4, n_head=4, hidden_dropout=0.0,
+        attention_dropout=0.0, pad_token_id=0, bos_token_id=1, eos_token_id=2))
+    ids = batch()[0]
+    named = {"input_ids": ids, "labels": ids.clone()}
+    ann = {"transformer.word_embeddings": {"PP": 0},
+           "transformer.word_embeddings_layernorm": {"PP": 0},
+           **{f"transformer.h.{i}": {"PP": i // 2} for i in range(4)},
+           "transformer.ln_f": {"PP": 1}, "lm_head": {"PP": 1}}
+    plan = pn.compile(pn.annotate(model, ann), STRATEGIES["pp2_1f1b"][1](), named)
+    assert [f.__name__ for f in plan.capture.functions.values()] == ["GeLUFunction"]
+    pn.simulate(plan)
+    got = pn.train(plan, named, steps=STEPS, optimizer=OPTIMIZER, cluster=cluster2)
+    ref = pn.reference_train(model, named, steps=STEPS, microbatches=4, optimizer=OPTIMIZER)
+    torch.testing.assert_close(torch.tensor(got.losses), torch.tensor(ref.losses),
+                               rtol=1e-5, atol=1e-6)
+    for k, v in ref.state_dict().items():
+        torch.testing.assert_close(got.state_dict()[k], v, rtol=1e-5, atol=1e-6,
+                                   msg=lambda m, k=k: f"{k}: {m}")

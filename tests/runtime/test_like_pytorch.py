@@ -79,12 +79,71 @@ def test_a_custom_autograd_function_keeps_its_backward(request, name):
     assert moved > 1e-3      # the straight-through gradient reached the first layer
 
 
-def test_export_refuses_a_custom_autograd_function_it_would_drop():
-    model = Quantized()
+class RoundTo(torch.autograd.Function):
+    """Rounds to `step` forward and returns the remainder too; both pass their gradient
+    straight through: a Function with a non-tensor argument and two outputs."""
+
+    @staticmethod
+    def forward(ctx, x, step: float):
+        r = torch.round(x / step) * step
+        return r, x - r
+
+    @staticmethod
+    def backward(ctx, grad_r, grad_rest):
+        return grad_r + grad_rest, None
+
+
+class QuantizedDict(nn.Module):
+    """`Quantized` with a second Function of two outputs, trained from a dict batch (which
+    only torch.export captures) with the model's own loss."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 4)
+
+    def forward(self, x, labels):
+        with pn.region("PP", 0):
+            h = StraightThrough.apply(torch.tanh(self.a(x)))
+            r, rest = RoundTo.apply(h, 0.5)
+        with pn.region("PP", 1):
+            return {"loss": nn.functional.mse_loss(self.b(r + 0.5 * rest), labels)}
+
+
+def test_export_keeps_a_custom_autograd_functions_backward(cluster2):
+    model = QuantizedDict()
+    batch = {"x": torch.randn(8, 8), "labels": torch.randn(8, 4)}
+    plan = pn.compile(pn.annotate(model), programs(True), batch, capture="export")
+    assert plan.capture.method == "export"
+    result = pn.train(plan, batch, 2, pn.optim.SGD(0.5), cluster=cluster2)
+    ref = pn.reference_train(model, batch, steps=2, microbatches=plan.microbatches,
+                             optimizer=pn.optim.SGD(0.5))
+    torch.testing.assert_close(torch.tensor(result.losses), torch.tensor(ref.losses),
+                               rtol=1e-5, atol=4e-5)
+    for k, v in ref.state_dict().items():
+        torch.testing.assert_close(result.state_dict()[k], v, rtol=1e-5, atol=4e-5)
+    moved = (result.state_dict()["a.weight"] - model.a.weight).abs().max()
+    assert moved > 1e-3      # the straight-through gradients reached the first layer
+
+
+class QuantizedInAutocast(Quantized):
+    def forward(self, x):
+        with torch.autocast("cpu", enabled=False):   # export nests this block
+            h = StraightThrough.apply(torch.tanh(self.a(x)))
+        return self.b(h)
+
+
+def test_a_custom_function_inside_an_autocast_block_is_refused_and_fx_is_the_fix(cluster2):
+    model = QuantizedInAutocast()
     batch = (torch.randn(8, 8), torch.randn(8, 4))
-    with pytest.raises(pn.PlanError, match=r"custom torch.autograd.Function .*StraightThrough.*"
-                                           r"capture='fx'"):
-        pn.compile(pn.annotate(model), programs(True), batch, capture="export")
+    spec = pn.annotate(model, {"a": {"PP": 0}, "b": {"PP": 1}})
+    with pytest.raises(pn.PlanError, match=r"StraightThrough inside a `torch.autocast` block"
+                                           r".*capture='fx'"):
+        pn.compile(spec, programs(True), batch, capture="export")
+    plan = pn.compile(spec, programs(True), batch, capture="fx")
+    result = pn.train(plan, batch, 2, pn.optim.SGD(0.5), cluster=cluster2)
+    assert_like(result, *plain_loop(model, [batch] * 2, plan.microbatches, 0.5, model.loss_fn))
+    assert (result.state_dict()["a.weight"] - model.a.weight).abs().max() > 1e-3
 
 
 class Normed(nn.Module):
