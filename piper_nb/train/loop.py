@@ -26,8 +26,7 @@ def train(plan, batch_or_loader, steps: int, optimizer, cluster=None, *,
           clip_grad_norm: float | None = None, log_dir: str | os.PathLike | None = None,
           progress: Callable[[int, int, StepMetrics], None] | None = None,
           checkpoint_dir: str | os.PathLike | None = None, checkpoint_every: int | None = None,
-          resume: bool | str = False, seed: int | None = None,
-          drop_last: bool = False) -> Result:
+          resume: bool | str = False, seed: int | None = None, drop_last: bool = False) -> Result:
     """Train `plan` for `steps` steps on local workers (or on `cluster`, left running).
 
     `optimizer` builds a `torch.optim` optimizer from parameters (`torch.optim.AdamW`,
@@ -59,15 +58,10 @@ def train(plan, batch_or_loader, steps: int, optimizer, cluster=None, *,
     With `checkpoint_dir`, the full training state (optimizer and scheduler included) is
     written there atomically every `checkpoint_every` steps (default 1) and after the last
     step; `resume=True` continues from the newest checkpoint there (a loader is advanced past
-    the batches already used), so the result equals an uninterrupted run's. `steps` counts
-    from the run's start: resuming a checkpoint of step 10 with `steps=15` trains 5 more.
-    A checkpoint records what wrote it (the captured model's ops and parameters, the plan,
-    the optimizer and the scheduler, by value); resuming after any of them changed is
-    refused with a `PlanError` naming the change. `resume="weights_only"` loads the model's
-    parameters and buffers from it anyway, warning what differs: the optimizer and the
-    scheduler start fresh (no moments, the schedule from its start), while the step count
-    and the data position continue from the checkpoint's step. See
-    `piper_nb.cluster.checkpoint`.
+    the batches already used), so the result equals an uninterrupted run's; `steps` counts
+    from the run's start. A resume after the model, plan, optimizer or scheduler changed is
+    refused, naming the change; `resume="weights_only"` loads only the weights (the optimizer
+    and scheduler start fresh, the step and data position go on): `cluster.checkpoint`.
     """
     from piper_nb.cluster.checkpoint import Checkpointer
     from piper_nb.cluster.local import LocalCluster
