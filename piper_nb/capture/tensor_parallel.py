@@ -36,6 +36,7 @@ from torch import nn
 
 from piper_nb.capture.tp_checks import check_heads, check_readers, check_tied
 from piper_nb.capture.tp_loss import feeds_only_loss, loss_readers, parallel_cross_entropy
+from piper_nb.capture.tp_match import SHARDABLE, check_types, nothing_sharded
 from piper_nb.capture.tp_parts import (
     PART,
     Cut,
@@ -108,6 +109,9 @@ def shard_capture(capture, requests: list[TPRequest], batch: dict):
     if not chosen:
         return capture
     check_heads(capture.model, chosen, capture.regions)
+    by_request = _regions_of(capture, chosen)
+    for req, mine in by_request:
+        check_types(capture.model, req.plan, [p for r in mine for p in r.modules], req.directive)
     infos = _node_infos(capture, set(chosen), batch)
     aliases = _canonical(capture.model)
     regions, modules, parts, degree = [], [], {}, {}
@@ -135,6 +139,11 @@ def shard_capture(capture, requests: list[TPRequest], batch: dict):
             parts[len(regions)] = (info.index, k)
             regions.append(dataclasses.replace(pinfo, index=len(regions)))
             modules.append(pgm)
+    for req, mine in by_request:
+        if not any(cut_of[r.index] for r in mine):
+            linears = [p for r in mine for p in r.modules
+                       if isinstance(capture.model.get_submodule(p), SHARDABLE)]
+            raise nothing_sharded(req.plan, mine, linears, req.directive)
     check_readers(capture.regions, cut_of, params, aliases)
     for gm in modules:
         _bind_local(gm, local, aliases)
@@ -158,6 +167,15 @@ def _choose(capture, requests: list[TPRequest]) -> dict[int, TPRequest]:
                                 directive=req.directive, op="tensor_parallel")
             chosen[r.index] = req
     return {r: q for r, q in chosen.items() if q.degree > 1}
+
+
+def _regions_of(capture, chosen: dict[int, TPRequest]) -> list[tuple[TPRequest, list]]:
+    """Each chosen request with the regions it shards."""
+    out: dict[int, tuple[TPRequest, list]] = {}
+    for r in capture.regions:
+        if r.index in chosen:
+            out.setdefault(id(chosen[r.index]), (chosen[r.index], []))[1].append(r)
+    return list(out.values())
 
 
 def _canonical(model: nn.Module) -> dict[str, str]:

@@ -38,7 +38,8 @@ from torch import nn
 
 from piper_nb.errors import PlanError
 
-__all__ = ["Style", "Sharding", "parse_style", "model_tp_plan", "style_of", "check_plan"]
+__all__ = ["Style", "Sharding", "parse_style", "model_tp_plan", "style_of", "check_plan",
+           "matches_path"]
 
 
 class Style(StrEnum):
@@ -131,6 +132,11 @@ def model_tp_plan(model: nn.Module) -> dict[str, str]:
 def _regex(pattern: str) -> re.Pattern:
     body = re.escape(pattern).replace(r"\*", r"[^.]+")
     return re.compile(rf"(?:^|.*\.){body}$")
+
+
+def matches_path(pattern: str, path: str) -> bool:
+    """Whether plan `pattern` matches module or parameter `path`."""
+    return bool(_regex(pattern).match(path))
 
 
 def style_of(plan: Mapping[str, str], path: str) -> Sharding | None:

@@ -19,6 +19,7 @@ from piper_nb.capture.annotate import Spec, annotate
 from piper_nb.capture.batch import batch_size, named_batch, samples, slice_batch
 from piper_nb.capture.loss import check_loss_mean
 from piper_nb.capture.tensor_parallel import TPRequest, shard_capture
+from piper_nb.capture.tp_match import check_patterns
 from piper_nb.capture.tp_plan import model_tp_plan
 from piper_nb.capture.untouched import untouched
 from piper_nb.compiler.buffers import check_buffer_order, check_buffers
@@ -262,6 +263,8 @@ def _sharded(capture, directives, named: dict):
                             "tensor-parallel plan of its own; give one, as plan={'layers.*."
                             "mlp.up': 'colwise', 'layers.*.mlp.down': 'rowwise'}",
                             directive=i, op=d.op)
+        if d.plan:   # the user's: every pattern must match (a model's own may list more)
+            check_patterns(capture.model, plan, i)
         requests.append(TPRequest(d.filter, d.degree, plan, i))
     with untouched(capture.model):
         return shard_capture(capture, requests, named)
