@@ -100,8 +100,9 @@ def resolve_loss(model: nn.Module, loss_fn: Callable | None, where: str) -> Call
     if _takes_labels(model):
         return model_loss
     raise PlanError(f"{type(model).__name__} has no loss: pass loss_fn=(output, targets) -> "
-                    f"loss to {where}, or give forward a labels argument that makes it "
-                    "return its loss")
+                    f"loss to {where} (from a dict batch, the targets are its 'labels' entry, "
+                    "and the other entries are forward's arguments), or give forward a labels "
+                    "argument that makes it return its loss")
 
 
 def compute_loss(model: nn.Module, loss_fn: Callable, batch: dict[str, torch.Tensor],
@@ -155,6 +156,8 @@ def _tensor(t) -> bool:
 def _kind(out) -> str:
     if isinstance(out, tuple):
         return f"a tuple of {len(out)}"
+    if _tensor(out):
+        return "one tensor (a mean?)"
     return type(out).__name__
 
 

@@ -81,6 +81,12 @@ def _propagate(capture, batch: dict[str, torch.Tensor]):
         if moved:
             changed[info.index] = tuple(moved)
         for name, out in zip(info.outputs, outs, strict=True):
+            if not isinstance(out, torch.Tensor) and is_loss_output(name):
+                what = metric_name(name) or ("the count" if name == COUNT else "the loss")
+                raise PlanError(f"{what} that the loss returns is a {type(out).__name__}, not a "
+                                f"tensor (computed in region {info.name}); return it as a tensor: "
+                                "a count from tensor operations, e.g. (labels != -100).sum(), "
+                                "or torch.as_tensor(n)")
             if not isinstance(out, torch.Tensor):
                 raise PlanError(f"value {name!r} leaves region {info.name} but is a "
                                 f"{type(out).__name__}, not a tensor; move the cut so only "
