@@ -19,12 +19,14 @@ component), so the base model's plan (`layers.*.mlp.up_proj`) matches the full p
   loss (`capture.tp_loss`), which any colwise head read only by the loss gets.
 - `replicate`: the weights are kept whole on every device.
 
-Hugging Face's other spellings read as one of these: `colwise_rep`, `local_colwise` and
-`packed_colwise` as `colwise`, `local_rowwise` and `rowwise_rep` as `rowwise`,
+Hugging Face's other spellings read as one of these: `colwise_rep` and `local_colwise` as
+`colwise`, `local_rowwise` and `rowwise_rep` as `rowwise`,
 `embedding_rowwise` as `vocab`, and the LM head's `colwise_gather_output` as `colwise`
 with its output gathered where more than the loss reads it (each device's share of the
 logits written into its columns of zeros and all-reduced: whole logits on every device);
-read only by a cross-entropy, it gets the vocabulary-parallel loss instead.
+read only by a cross-entropy, it gets the vocabulary-parallel loss instead. The rest of
+its styles (`rowwise_split_input`, `packed_colwise`, `mla_kv_a_proj`, ...) are refused by
+name, each saying what to write instead (`REFUSED`).
 """
 
 from __future__ import annotations
@@ -38,8 +40,8 @@ from torch import nn
 
 from piper_nb.errors import PlanError
 
-__all__ = ["Style", "Sharding", "parse_style", "model_tp_plan", "style_of", "check_plan",
-           "matches_path"]
+__all__ = ["Style", "Sharding", "ACCEPTED", "REFUSED", "parse_style", "model_tp_plan",
+           "style_of", "check_plan", "matches_path"]
 
 
 class Style(StrEnum):
@@ -69,12 +71,38 @@ class Sharding:
 
 
 _ALIASES = {"colwise_rep": Style.COLWISE, "local_colwise": Style.COLWISE,
-            "packed_colwise": Style.COLWISE, "local_rowwise": Style.ROWWISE,
+            "local_rowwise": Style.ROWWISE,
             "rowwise_rep": Style.ROWWISE, "embedding_rowwise": Style.VOCAB,
             "local_replicate": Style.REPLICATE, "replicated_with_grad_allreduce": Style.REPLICATE,
             "sequence_parallel": Style.REPLICATE, "isolated": Style.REPLICATE,
             "local": Style.REPLICATE, "gather": Style.REPLICATE,
             "moe_tp_experts": Style.REPLICATE, "ep_router": Style.REPLICATE}
+
+# Hugging Face styles with no equivalent here, each with what to write instead
+_REFUSED = {
+    "rowwise_split_input": "a rowwise layer whose input is whole on every device (after a "
+    "colwise_gather_output, as Phi3 and GLM fuse q, k, v or gate and up): give the layer "
+    "before it colwise:k (k its fused blocks) and this one rowwise",
+    "packed_colwise": "a fused projection: use colwise:k, k its fused blocks (colwise:2 for "
+    "gate and up)",
+    "packed_rowwise": "fused expert weights: keep the experts whole (replicate) and shard "
+    "them with pn.shard (expert parallelism)",
+    "embedding_colwise": "an embedding cut along its features: use vocab (cut by vocabulary) "
+    "or replicate",
+    "mla_kv_a_proj": "DeepSeek's MLA kv_a projection: keep it whole (replicate)",
+    "unit_colwise": "colwise that repeats heads when devices outnumber them: use colwise with a "
+    "degree that divides the heads",
+    "unit_rowwise": "rowwise that repeats heads when devices outnumber them: use rowwise with a "
+    "degree that divides the heads",
+    "all_reduce": "an all-reduce of a module's partial output: shard the layers inside it "
+    "colwise and rowwise instead",
+    "local_params": "a module's bare parameters sharded by their own entries: keep them whole "
+    "(replicate)",
+}
+
+
+ACCEPTED = frozenset({*map(str, Style), *_ALIASES, "colwise_gather_output"})
+REFUSED = frozenset(_REFUSED)
 
 
 def parse_style(text: str, where: str = "tensor_parallel") -> Sharding:
@@ -86,6 +114,9 @@ def parse_style(text: str, where: str = "tensor_parallel") -> Sharding:
         return Sharding(Style.COLWISE, gather=True)
     if name in _ALIASES:
         return Sharding(_ALIASES[name])
+    if name in _REFUSED:
+        raise PlanError(f"{where}: Hugging Face's style {text!r} is not supported: "
+                        f"{_REFUSED[name]}")
     try:
         style = Style(name)
     except ValueError:
