@@ -100,8 +100,14 @@ def to_device(module: nn.Module, device: torch.device, region: str = "") -> nn.M
     return module
 
 
+_AUTOCAST = torch.ops.higher_order.wrap_with_autocast
+
+
 def _retarget(graph: fx.Graph, device: torch.device) -> bool:
-    """Every CPU `torch.device` in the nodes' arguments made `device`; True if any was."""
+    """Every CPU `torch.device` in the nodes' arguments made `device`, and an autocast block
+    captured for the CPU (`wrap_with_autocast('cpu', ...)`, an HF rotary embedding's
+    `enabled=False` block) made one for `device`'s type, so it turns off the autocast that
+    is on there; True if anything changed. (The meta device has no autocast: kept.)"""
     def move(a):
         return device if isinstance(a, torch.device) and a.type == "cpu" else a
 
@@ -109,6 +115,8 @@ def _retarget(graph: fx.Graph, device: torch.device) -> bool:
     for node in graph.nodes:
         args, kwargs = (fx.node.map_aggregate(node.args, move),
                         fx.node.map_aggregate(node.kwargs, move))
+        if node.target is _AUTOCAST and args[0] == "cpu" and device.type != "meta":
+            args = (device.type, *args[1:])
         if args != node.args or kwargs != node.kwargs:
             node.args, node.kwargs, changed = args, kwargs, True
     return changed

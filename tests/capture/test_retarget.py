@@ -63,6 +63,19 @@ def test_a_nested_graph_follows_the_device():
     run_on_meta(plan)
 
 
+def test_an_autocast_block_follows_the_device_type():
+    """On a GPU, the rotary block must turn off CUDA's autocast, not the CPU's: its
+    `wrap_with_autocast('cpu', ...)` becomes `'cuda'` (the graph only: no GPU here)."""
+    from piper_nb.runtime.bundle import _retarget
+    x, t = torch.randn(4, 6, 8), torch.randn(4, 6, 8)
+    plan = pn.compile(Rotary(), [pn.place({}, [0])], (x, t), loss_fn=_mse, capture="export")
+    graph = copy.deepcopy(plan.capture.modules[0]).graph
+    blocks = [n for n in graph.nodes if n.target is torch.ops.higher_order.wrap_with_autocast]
+    assert blocks and all(n.args[0] == "cpu" for n in blocks)
+    assert _retarget(graph, torch.device("cuda", 0))
+    assert all(n.args[0] == "cuda" for n in blocks)
+
+
 class Scaled(nn.Module):
     def __init__(self):
         super().__init__()
