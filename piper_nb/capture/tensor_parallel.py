@@ -35,6 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from piper_nb.capture.tp_checks import check_heads, check_readers, check_tied
+from piper_nb.capture.tp_fused import Origin
 from piper_nb.capture.tp_loss import feeds_only_loss, loss_readers, parallel_cross_entropy
 from piper_nb.capture.tp_match import SHARDABLE, check_types, nothing_sharded
 from piper_nb.capture.tp_parts import (
@@ -284,7 +285,7 @@ def _cut(gm0, info, req: TPRequest, recorded: tuple, names: set, aliases: dict,
     infos, args = recorded
     gm = fx.GraphModule(gm0, _copy_graph(gm0.graph))   # the capture's own stays as it was
     found = [(m, p, s) for (n, p, s) in found for m in gm.graph.nodes if m.name == n.name]
-    col, row, params = set(), set(), {}
+    col, row, params, origins = set(), set(), {}, {}
     for n, path, sh in found:
         if _layer(gm, n)[1]:   # an embedding (vocab)
             look, out, weight = vocab_embedding(gm, n, path, gm0, req.degree, infos)
@@ -294,6 +295,8 @@ def _cut(gm0, info, req: TPRequest, recorded: tuple, names: set, aliases: dict,
             row.add(out)
             continue
         lin, weight, bias = _normalize(gm, n, path, sh.style, infos)
+        if sh.style == Style.COLWISE and not sh.gather:
+            origins[lin.name] = Origin(path.removeprefix("model."), sh.blocks)
         params[aliases.get(weight.removeprefix("model."), weight.removeprefix("model."))] = \
             _split(gm0.get_parameter(weight), sh, req.degree, path, info)
         if sh.style in (Style.COLWISE, Style.VOCAB):   # vocab: an LM head, for its loss
@@ -322,7 +325,7 @@ def _cut(gm0, info, req: TPRequest, recorded: tuple, names: set, aliases: dict,
     before = set(gm.graph.nodes)
     localize(gm, args, {k: i.shape for k, i in infos.items()},
              {n.name for n in gm.graph.nodes if status.get(n) in (S, P)}, req.degree,
-             {f"model.{n}": p for n, p in local.items()}, f"region {info.name}")
+             {f"model.{n}": p for n, p in local.items()}, f"region {info.name}", origins)
     for n in gm.graph.nodes:   # what localize added (sizes divided, caches cut): its user's part
         if n not in before:
             user = next(iter(n.users))

@@ -20,6 +20,7 @@ import torch
 import torch.fx as fx
 
 from piper_nb.capture.region_code import call_op
+from piper_nb.capture.tp_fused import Origin, split_parts
 from piper_nb.capture.tp_reductions import reduced_dims
 from piper_nb.errors import PlanError
 
@@ -33,12 +34,13 @@ _CAT = {_A.cat.default, torch.cat}
 
 
 def localize(gm: fx.GraphModule, args: list, full: dict[str, tuple | None], sharded: set,
-             degree: int, local: dict, where: str) -> None:
+             degree: int, local: dict, where: str, origins: dict[str, Origin] | None = None) -> None:
     """Rewrite the shapes of the ops in `sharded` (node names) in `gm`'s graph for one
     device's share; `full` gives each node's whole-model shape, `local` the sharded
-    parameters (get_attr target -> device 0's shard), `args` the region's inputs."""
+    parameters (get_attr target -> device 0's shard), `args` the region's inputs, `origins`
+    the colwise layers' outputs (node name -> `tp_fused.Origin`), followed to their splits."""
     try:
-        _Localizer(gm, full, sharded, degree, local, where).run(*args)
+        _Localizer(gm, full, sharded, degree, local, where, dict(origins or {})).run(*args)
     except PlanError as err:   # without the note torch.fx's interpreter appends
         raise PlanError(str(err).split("\n\nWhile executing")[0]) from None
     gm.graph.lint()
@@ -46,8 +48,9 @@ def localize(gm: fx.GraphModule, args: list, full: dict[str, tuple | None], shar
 
 
 class _Localizer(fx.Interpreter):
-    def __init__(self, gm, full, sharded, degree, local, where):
+    def __init__(self, gm, full, sharded, degree, local, where, origins):
         super().__init__(gm)
+        self.origins = origins
         self.full, self.sharded, self.degree = full, sharded, degree
         self.local, self.where = local, where
 
@@ -58,6 +61,7 @@ class _Localizer(fx.Interpreter):
     def run_node(self, n: fx.Node):
         if n.name in self.sharded:
             self._check_reduction(n)
+            self._follow(n)
             try:
                 self._fix(n)
             except PlanError:
@@ -74,6 +78,22 @@ class _Localizer(fx.Interpreter):
     def _fail(self, n: fx.Node, why: str):
         raise PlanError(f"tensor_parallel: {self.where}: {n.format_node()} cannot be made a "
                         f"device's share: {why}")
+
+    def _follow(self, n: fx.Node) -> None:
+        """Carry the colwise layer `n`'s value comes from; check a split of it."""
+        if n.name not in self.origins:
+            came = [self.origins[a.name] for a in n.all_input_nodes if a.name in self.origins]
+            if not came:
+                return
+            self.origins[n.name] = came[0]
+        target, at = _target(n) if n.op != "call_module" else (None, 0)
+        x = n.args[at] if len(n.args) > at else None
+        if not isinstance(x, fx.Node) or self.full.get(x.name) is None:
+            return
+        parts = split_parts(n, target, at, self._sharded_dim(x), tuple(self.full[x.name]),
+                            self.degree, self.origins[n.name], self.where)
+        if parts is not None:
+            self.origins[n.name] = parts
 
     def _check_reduction(self, n: fx.Node) -> None:
         """A reduction over the dimension the input is cut along: PlanError."""
@@ -119,8 +139,11 @@ class _Localizer(fx.Interpreter):
                            f"dimension of {list(out)}")
             j = ends[0]
         if out[j] % self.degree:
+            o = self.origins.get(n.name)
+            fused = f"; if {o.path.removeprefix('model.')} fuses {out[j]} projections, give " \
+                f"it 'colwise:{out[j]}'" if o is not None and o.blocks == 1 else ""
             self._fail(n, f"dimension {j} of {list(out)} ({out[j]}: heads or features) is not "
-                       f"divisible by {self.degree} devices")
+                       f"divisible by {self.degree} devices{fused}")
         want = list(out)
         want[j] = out[j] // self.degree
         spread = method and not isinstance(n.args[1], (list, tuple))   # x.view(b, t, 4, 8)
