@@ -84,8 +84,10 @@ def _label(n, collapse: tuple[str, ...], count: int) -> str:
 def draw_groups(dag, groups: DagGroups, rankdir: str = "LR"):
     """A `graphviz.Digraph`: one cluster per device set, temporal edges dashed."""
     import graphviz
-    g = graphviz.Digraph("dag", graph_attr={"rankdir": rankdir, "fontsize": "10", "size": "14,9"},
-                         node_attr={"fontsize": "9", "style": "filled", "fontname": "Helvetica"},
+    g = graphviz.Digraph("dag", graph_attr={"rankdir": rankdir, "fontsize": "10", "nodesep": "0.12",
+                                            "ranksep": "0.3"},
+                         node_attr={"fontsize": "9", "style": "filled", "fontname": "Helvetica",
+                                    "margin": "0.06,0.02", "height": "0.3"},
                          edge_attr={"arrowsize": "0.6"})
     names = {gid: f"n{i}" for i, gid in enumerate(groups.members)}
     by_devices: dict[tuple, list[str]] = defaultdict(list)

@@ -8,7 +8,9 @@ controls. The drawn views (DAG, Timeline, Memory) are drawn when their tab is sh
 refresh redraws the visible one and marks the others stale (`lazy=False` draws all), which
 keeps an edit's redraw fast and never draws plotly into a hidden tab. The *group replicas*
 box draws identical data-parallel replicas on one timeline row (or every device). The DAG view's
-`selected` trait (set by a click in the browser, or by a test) drives the node details.
+`selected` trait (set by a click in the browser, or by a test) drives the node details, and
+its `details` trait (the *details* button, or selecting a node) opens or collapses their
+panel, which otherwise leaves the DAG the full width.
 """
 
 from __future__ import annotations
@@ -54,10 +56,12 @@ class ViewsPanel:
         self.collapse.observe(lambda c: on_option("collapse", c["new"]), names=["value"])
         self.cost.observe(lambda c: on_option("cost", c["new"]), names=["value"])
         # DAG
-        self.dag = DagView(layout=W.Layout(width="66%"))
-        self.details = W.HTML(layout=W.Layout(width="34%", overflow="auto", max_height="600px"))
+        self.dag = DagView(layout=W.Layout(width="100%"))
+        self.details = W.HTML(layout=W.Layout(width="32%", overflow="auto", max_height="600px",
+                                              display="none"))
         self.details.add_class("pn-details-panel")
         self.dag.observe(self._selected, names=["selected"])
+        self.dag.observe(self._toggle_details, names=["details"])
         self._dag = None
         self._groups: DagGroups | None = None
         # Timeline, Memory, Plan, Problems
@@ -82,6 +86,13 @@ class ViewsPanel:
     def _selected(self, change) -> None:
         self.draw("DAG")
         self.details.value = node_details(self._dag, change["new"], self._groups)
+        if change["new"]:
+            self.dag.details = True
+
+    def _toggle_details(self, change) -> None:
+        """The details panel takes a third of the width when open, none when closed."""
+        self.dag.layout.width = "68%" if change["new"] else "100%"
+        self.details.layout.display = "" if change["new"] else "none"
 
     def _show_dag(self, dag, collapse: str) -> None:
         self._dag = dag

@@ -2,9 +2,10 @@
 
 `DagView` is a thin anywidget: typed traitlets with `sync=True` and the front-end ES
 module `widgets/dag_view.js` (with `widgets/dag_view.css`, which also styles the rest of
-the Designer) loaded by path. The front end draws `svg`, marks the `selected` node and
-posts a clicked node's id back through `selected`; Python only sets and observes traits,
-so tests drive it by setting `selected` as a click would.
+the Designer) loaded by path. The front end draws `svg` (opening at a scale where labels are legible,
+panned by dragging and zoomed by the wheel), marks the `selected` node and posts a clicked
+node's id back through `selected`, opening the details panel (`details`); Python only
+sets and observes traits, so tests drive it by setting `selected` as a click would.
 
 The assets live in `<repo>/widgets` in a checkout (and an editable install) and in
 `piper_nb/widgets` inside an installed wheel (hatch force-includes the folder there);
@@ -34,7 +35,8 @@ def asset_dir() -> pathlib.Path:
 
 
 class DagView(anywidget.AnyWidget):
-    """Clickable DAG picture: `svg` in, the clicked node's id out through `selected`."""
+    """Clickable, pannable DAG picture: `svg` in, the clicked node's id out through
+    `selected`; `zoom` and `details` are shared with the front end's buttons."""
 
     _esm = asset_dir() / "dag_view.js"
     _css = asset_dir() / "dag_view.css"
@@ -42,7 +44,8 @@ class DagView(anywidget.AnyWidget):
     svg = traitlets.Unicode("").tag(sync=True)          # graphviz SVG; node <g> ids are DAG ids
     selected = traitlets.Unicode("").tag(sync=True)     # id of the selected node ("" for none)
     message = traitlets.Unicode("").tag(sync=True)      # shown instead of the picture when set
-    zoom = traitlets.Float(1.0).tag(sync=True)          # 1.0: fit the width; more: scroll
+    zoom = traitlets.Float(0.0).tag(sync=True)          # 0: readable; else the scale (1: 100%)
+    details = traitlets.Bool(False).tag(sync=True)      # the node-details panel is open
 
 
 def replace_figure(widget, fig) -> None:

@@ -133,13 +133,13 @@ def _wait_rendered(page, selector: str, timeout: float = 120) -> None:
 
 
 # rows whose widgets must stay on one line, and plots whose legend and title must show whole
-_ROWS = "'.pn-row-line, .pn-layer, .pn-add > div'"   # directive, layer and add rows
+_ROWS = "'.pn-row-line, .pn-layer, .pn-add > div, .pn-dag-bar, .pn-dag-bar > button'"
 _WRAPPED_ROWS = "() => [...document.querySelectorAll(" + _ROWS + """)]
   .filter(line => line.offsetParent !== null && line.children.length > 1)
-  .filter(line => {
-    const tops = [...line.children].filter(c => c.offsetParent !== null)
-      .map(c => c.getBoundingClientRect().top);
-    return Math.max(...tops) - Math.min(...tops) > 3;
+  .filter(line => {   // wrapped: one child lies wholly below another
+    const boxes = [...line.children].filter(c => c.offsetParent !== null)
+      .map(c => c.getBoundingClientRect()).filter(r => r.height > 0);
+    return Math.max(...boxes.map(r => r.top)) >= Math.min(...boxes.map(r => r.bottom)) - 1;
   }).map(line => line.innerText.replace(/\\s+/g, ' ').slice(0, 80))"""
 _CUT_ROWS = "() => [...document.querySelectorAll(" + _ROWS + """)]
   .filter(line => line.offsetParent !== null && line.scrollWidth > line.clientWidth + 1)
@@ -157,6 +157,7 @@ _CLIPPED = """() => [...document.querySelectorAll('.pn-designer .js-plotly-plot'
       }).map(e => e.textContent.slice(0, 80));
   })"""
 SIZES = ((1280, 800), (1920, 1080))
+DOCS_SIZE = SIZES[0]
 SHOTS = ROOT / "artifacts" / "screenshots"
 
 
@@ -164,7 +165,7 @@ def _check_layout_at_both_sizes(page) -> None:
     """At 1280 x 800 and 1920 x 1080, every tab of the editors and of the views: no row
     wraps or runs past its panel, no legend or title runs out of its plot (bounding boxes,
     not pixels); a screenshot of each into the ignored artifacts folder."""
-    SHOTS.mkdir(parents=True, exist_ok=True)
+    (SHOTS / "tabs").mkdir(parents=True, exist_ok=True)
     problems = []
     for width, height in SIZES:
         page.set_viewport_size({"width": width, "height": height})
@@ -179,9 +180,69 @@ def _check_layout_at_both_sizes(page) -> None:
                                 ("runs past its panel", page.evaluate(_CUT_ROWS)),
                                 ("is clipped", page.evaluate(_CLIPPED))):
                 problems += [f"{width}x{height} {tab}: {text!r} {what}" for text in found]
-            tabs.first.scroll_into_view_if_needed()   # the tab and what it shows, from the top
+            tabs.first.evaluate("t => t.scrollIntoView({block: 'start'})")   # from the tab down
             page.screenshot(path=str(SHOTS / f"designer-{width}x{height}-{tab.lower()}.png"))
+            if (width, height) == DOCS_SIZE:   # the tab's panel alone, for the Designer guide
+                panel = tabs.first.locator("xpath=ancestor::div[contains(@class, 'widget-tab')][1]")
+                panel.screenshot(path=str(SHOTS / "tabs" / f"{tab.lower()}.png"))
     assert not problems, "\n".join(problems)
+
+
+_LABEL_PX = """() => {  // the rendered size of the DAG's node labels, in CSS px
+  const svg = document.querySelector('.pn-dag svg');
+  const text = svg.querySelector('g.node text');
+  return parseFloat(text.getAttribute('font-size')) *
+         svg.getBoundingClientRect().width / svg.viewBox.baseVal.width;
+}"""
+_CANVAS = """() => {
+  const c = document.querySelector('.pn-dag-canvas');
+  const d = document.querySelector('.pn-details-panel');
+  return {left: c.scrollLeft, top: c.scrollTop, width: c.getBoundingClientRect().width,
+          svg: c.querySelector('svg').getBoundingClientRect().width,
+          scale: document.querySelector('.pn-dag-scale').textContent,
+          details: d.offsetParent !== null};
+}"""
+
+
+def _check_dag_gestures(page) -> None:
+    """The DAG opens at legible labels with the details panel closed; ctrl + wheel zooms
+    about the pointer, a drag pans, *readable* goes back; the *details* toggle opens the
+    panel and narrows the picture."""
+    opened = page.evaluate(_CANVAS)
+    assert page.evaluate(_LABEL_PX) >= 9, "the DAG opens with labels under 9 px"
+    assert "(readable)" in opened["scale"] and not opened["details"]
+    canvas = page.locator(".pn-dag-canvas").first
+    canvas.scroll_into_view_if_needed()
+    box = canvas.bounding_box()
+    box["height"] = min(box["height"], page.viewport_size["height"] - box["y"] - 10)
+    under = page.evaluate("([x, y]) => document.elementFromPoint(x, y).closest('.pn-dag-canvas')"
+                          " !== null", [box["x"] + box["width"] / 2, box["y"] + box["height"] / 2])
+    assert under, (box, "the DAG canvas is not under the pointer")
+    page.mouse.move(box["x"] + box["width"] / 2, box["y"] + box["height"] / 2)
+    page.keyboard.down("Control")
+    page.mouse.wheel(0, -100)
+    page.mouse.wheel(0, -100)
+    page.keyboard.up("Control")
+    page.wait_for_timeout(300)
+    zoomed = page.evaluate(_CANVAS)
+    assert zoomed["svg"] > opened["svg"] * 1.4 and "(readable)" not in zoomed["scale"], zoomed
+    page.mouse.down()
+    page.mouse.move(box["x"] + box["width"] / 2 - 200, box["y"] + box["height"] / 2 - 50,
+                    steps=8)
+    page.mouse.up()
+    panned = page.evaluate(_CANVAS)
+    assert panned["left"] > zoomed["left"] + 150, (zoomed, panned)
+    assert not panned["details"], "a drag was taken for a click on a node"
+    page.locator(".pn-dag-zoom", has_text="readable").first.click()
+    page.wait_for_timeout(300)
+    assert page.evaluate(_CANVAS)["svg"] == opened["svg"]
+    page.locator(".pn-dag-details-toggle").first.click()
+    page.wait_for_timeout(500)
+    shown = page.evaluate(_CANVAS)
+    assert shown["details"] and shown["width"] < opened["width"] * 0.8, shown
+    page.locator(".pn-dag-details-toggle").first.click()
+    page.wait_for_timeout(500)
+    assert not page.evaluate(_CANVAS)["details"]
 
 
 def _run_all(page) -> None:
@@ -213,6 +274,7 @@ def test_designer_in_jupyterlab(lab, tmp_path):
             # the DAG renders as SVG with clickable nodes carrying DAG ids
             _wait_rendered(page, ".pn-dag svg g.node")
             assert page.locator('.pn-dag g.node[id="F[PP=0,MB=0]"]').count() == 1
+            _check_dag_gestures(page)
 
             # the timeline renders (plotly) once its tab is shown
             page.locator(".widget-tab .lm-TabBar-tab", has_text="Timeline").first.click()
@@ -236,10 +298,16 @@ def test_designer_in_jupyterlab(lab, tmp_path):
             node.wait_for(state="visible")
             node.click()
             details = page.locator(".pn-details-panel")
+            details.wait_for(state="visible")
             details.locator("text=inputs").wait_for()
             text = details.inner_text()
             assert "F[PP=1,MB=0]" in text and "stream" in text and "outputs" in text
             assert "selected: F[PP=1,MB=0]" in page.locator(".pn-dag-note").first.inner_text()
+            # launch: the Run tab trains, then stacks the measured timeline under the predicted
+            page.locator(".pn-designer .widget-tab .lm-TabBar-tab", has_text="Run").first.click()
+            page.locator(".pn-designer button", has_text="Launch").first.click()
+            page.locator(".pn-designer .pn-good", has_text="done").first.wait_for(timeout=180_000)
+            assert _bar_count(page) > 0, "the Run tab shows no timeline bars after the launch"
             # JupyterLab's notifications (its news question) would sit over the widget
             page.add_style_tag(content=".Toastify { display: none !important; }")
             _check_layout_at_both_sizes(page)

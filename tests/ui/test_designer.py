@@ -56,13 +56,20 @@ def test_opens_on_a_compiling_two_stage_1f1b(designer):
 
 
 def test_clicking_a_dag_node_shows_its_details(designer):
-    designer.views.dag.selected = "F[PP=1,MB=0]"       # what dag_view.js posts on a click
+    views = designer.views
+    assert views.dag.zoom == 0 and not views.dag.details       # opens readable, details shut
+    assert views.details.layout.display == "none" and views.dag.layout.width == "100%"
+    views.dag.selected = "F[PP=1,MB=0]"                  # what dag_view.js posts on a click
+    assert views.dag.details and views.details.layout.display == ""
+    assert views.dag.layout.width == "68%"
     details = designer.views.details.value
     for text in ("F[PP=1,MB=0]", "devices</td><td>1", "stream</td><td>compute", "inputs",
                  "RECV(F[PP=0,MB=0]", "outputs", "B[PP=1,MB=0]"):
         assert text in details
     designer.views.dag.selected = "nonsense"
     assert "not in the current DAG" in designer.views.details.value
+    views.dag.details = False                            # the *details* button
+    assert views.details.layout.display == "none" and views.dag.layout.width == "100%"
 
 
 def test_microbatch_edit_recompiles_and_redraws_in_place(designer):
