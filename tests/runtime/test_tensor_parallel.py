@@ -288,3 +288,18 @@ def test_transformers_models_on_their_own_tp_plans(request, family, layout):
     got = result.state_dict()
     for k, v in state.items():
         torch.testing.assert_close(got[k], v, rtol=RTOL, atol=ATOL, msg=lambda m, k=k: f"{k}: {m}")
+
+
+def test_a_users_fused_split_given_colwise_k_trains_like_one_process(cluster2):
+    """`torch.split(h, [d, d, d], -1)` of a fused projection: plain colwise is refused
+    (tests/directives/test_tp_fused.py); the fix it names, colwise:3, trains exactly."""
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..",
+                                    "directives"))
+    from test_tp_fused import FusedMLP
+
+    torch.manual_seed(0)
+    model = FusedMLP(fuse="split")
+    plan = {"gate_up": "colwise:3", "down": "rowwise"}
+    _, result, ref = _train(model, ONE, [pn.tensor_parallel({}, [0, 1], plan=plan)], cluster2,
+                            loss_fn=torch.nn.functional.mse_loss)
+    _same(result, ref)
