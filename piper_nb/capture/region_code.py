@@ -18,6 +18,7 @@ import torch.fx as fx
 from torch import nn
 
 from piper_nb.capture.functions import apply_function
+from piper_nb.capture.tp_mask import tp_dropout
 
 __all__ = ["region_module", "RegionTracer", "pack_size", "unpack_size", "call_op"]
 
@@ -75,7 +76,7 @@ class RegionTracer(fx.Tracer):
 
     def __init__(self, autowrap_modules=(math,), autowrap_functions=()):
         super().__init__(autowrap_modules, (*autowrap_functions, pack_size, unpack_size,
-                                            apply_function, call_op))
+                                            apply_function, call_op, tp_dropout))
 
 
 def unpack_size(t: torch.Tensor):

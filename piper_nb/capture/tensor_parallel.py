@@ -35,6 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from piper_nb.capture.tp_checks import check_heads, check_readers, check_tied
+from piper_nb.capture.tp_dropout import shard_dropouts
 from piper_nb.capture.tp_fused import Origin
 from piper_nb.capture.tp_loss import feeds_only_loss, loss_readers, parallel_cross_entropy
 from piper_nb.capture.tp_match import SHARDABLE, check_types, nothing_sharded
@@ -323,9 +324,16 @@ def _cut(gm0, info, req: TPRequest, recorded: tuple, names: set, aliases: dict,
     grad_sum = route_aliases(gm, status, level, infos, sharded)
     local = {n: _local_param(model.get_parameter(n), *params[n]) for n in params}
     before = set(gm.graph.nodes)
-    localize(gm, args, {k: i.shape for k, i in infos.items()},
-             {n.name for n in gm.graph.nodes if status.get(n) in (S, P)}, req.degree,
-             {f"model.{n}": p for n, p in local.items()}, f"region {info.name}", origins)
+    full = {k: i.shape for k, i in infos.items()}
+    dims = localize(gm, args, full, {n.name for n in gm.graph.nodes if status.get(n) in (S, P)},
+                    req.degree, {f"model.{n}": p for n, p in local.items()},
+                    f"region {info.name}", origins)
+    by_name = {n.name: n for n in gm.graph.nodes}
+    made = shard_dropouts(gm, {n.name for n in gm.graph.nodes if status.get(n) == S}, dims,
+                          full, req.degree, f"region {info.name}")
+    for n, was in made.items():   # the sharded dropouts and their rank: the dropout's part
+        status[n], level[n] = status[by_name[was]], level[by_name[was]]
+        infos[n.name] = infos[was] if n.op != "get_attr" else Info(True, False)
     for n in gm.graph.nodes:   # what localize added (sizes divided, caches cut): its user's part
         if n not in before:
             user = next(iter(n.users))

@@ -34,17 +34,21 @@ _CAT = {_A.cat.default, torch.cat}
 
 
 def localize(gm: fx.GraphModule, args: list, full: dict[str, tuple | None], sharded: set,
-             degree: int, local: dict, where: str, origins: dict[str, Origin] | None = None) -> None:
+             degree: int, local: dict, where: str,
+             origins: dict[str, Origin] | None = None) -> dict[str, int | None]:
     """Rewrite the shapes of the ops in `sharded` (node names) in `gm`'s graph for one
     device's share; `full` gives each node's whole-model shape, `local` the sharded
     parameters (get_attr target -> device 0's shard), `args` the region's inputs, `origins`
-    the colwise layers' outputs (node name -> `tp_fused.Origin`), followed to their splits."""
+    the colwise layers' outputs (node name -> `tp_fused.Origin`), followed to their splits.
+    Returns, per sharded op, the dimension its first input is cut along (None: not one)."""
+    localizer = _Localizer(gm, full, sharded, degree, local, where, dict(origins or {}))
     try:
-        _Localizer(gm, full, sharded, degree, local, where, dict(origins or {})).run(*args)
+        localizer.run(*args)
     except PlanError as err:   # without the note torch.fx's interpreter appends
         raise PlanError(str(err).split("\n\nWhile executing")[0]) from None
     gm.graph.lint()
     gm.recompile()
+    return localizer.dims
 
 
 class _Localizer(fx.Interpreter):
@@ -53,6 +57,7 @@ class _Localizer(fx.Interpreter):
         self.origins = origins
         self.full, self.sharded, self.degree = full, sharded, degree
         self.local, self.where = local, where
+        self.dims: dict[str, int | None] = {}   # sharded op -> its first input's cut dimension
 
     def get_attr(self, target, args, kwargs):
         return self.local.get(str(target)) if str(target) in self.local else \
@@ -60,6 +65,8 @@ class _Localizer(fx.Interpreter):
 
     def run_node(self, n: fx.Node):
         if n.name in self.sharded:
+            first = next(iter(n.all_input_nodes), None)
+            self.dims[n.name] = self._sharded_dim(first) if first is not None else None
             self._check_reduction(n)
             self._follow(n)
             try:

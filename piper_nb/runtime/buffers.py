@@ -1,4 +1,4 @@
-"""Module buffers and random streams on a worker: what a forward changes besides its outputs.
+"""Module buffers on a worker: what a forward changes besides its outputs.
 
 Buffers (BatchNorm's running statistics and batch counter, any `register_buffer`) live in
 the region modules a worker runs; several regions on one device share one module object,
@@ -8,21 +8,18 @@ trains: those of the regions whose first microbatch forward it runs as replica 0
 each buffer comes back from exactly one device (`compiler.buffers` says why that device's
 copy is the one-process value).
 
-Random operations (dropout) draw from torch's generator. `seed_forward` seeds it before
-every forward from (run seed, step, region, microbatch, replica), so a plan trains the
-same way twice with the same seed, whatever the order its devices happen to run in.
+Random operations (dropout) draw from torch's generator, seeded for each forward by
+`runtime.rng`.
 """
 
 from __future__ import annotations
-
-import hashlib
 
 import torch
 from torch import nn
 
 from piper_nb.ir.kinds import Op
 
-__all__ = ["Buffers", "forward_seed", "seed_forward"]
+__all__ = ["Buffers"]
 
 
 class Buffers:
@@ -50,16 +47,3 @@ class Buffers:
         """CPU copies of the buffers this device trains (`owned`) or of all it holds."""
         names = self.owned if owned else self.tensors
         return {n: self.tensors[n].detach().cpu().clone() for n in names}
-
-
-def forward_seed(seed: int, step: int, region: int, mb: int, replica: int) -> int:
-    """The generator seed of one forward: a hash, so nearby inputs give unrelated streams."""
-    key = f"{seed}:{step}:{region}:{mb}:{replica}".encode()
-    return int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little") >> 1
-
-
-def seed_forward(seed: int, step: int, ins, device: torch.device) -> None:
-    s = forward_seed(seed, step, ins.region, ins.mb, ins.replica)
-    torch.default_generator.manual_seed(s)
-    if device.type == "cuda":
-        torch.cuda.default_generators[device.index or 0].manual_seed(s)

@@ -18,7 +18,6 @@ import torch
 from piper_nb.ir.kinds import Op
 from piper_nb.ir.loss_outputs import LOSS, is_loss_output
 from piper_nb.plan.sizes import SavedBytes
-from piper_nb.runtime.buffers import seed_forward
 from piper_nb.runtime.layout import batch_part
 from piper_nb.runtime.stores import Stash
 
@@ -35,7 +34,7 @@ def on_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
 class ComputePasses:
     """The compute instructions of a `Worker`, which holds what they use: `plan`, `rank`,
     `device`, `modules` (region -> module), `store` (parameters), `values` (activations,
-    gradients, stashes), `needs` (region -> ZeRO-3 buckets), `updater`, `seed`,
+    gradients, stashes), `needs` (region -> ZeRO-3 buckets), `updater`, `rng`, `seed`,
     `step_no`, `tracing`, and per step `batch`, `parts`, `losses` and `ends` (the count and
     metrics each forward of the loss region returned, by name)."""
 
@@ -72,11 +71,13 @@ class ComputePasses:
                     t = t.detach().requires_grad_(True)
                     leaves.append((v, t))
             args.append(t)
+        start = self.rng.start(self.seed, self.step_no, ins)
         if ins.recompute:   # keep the inputs only: the backward runs this forward again
             with torch.no_grad():
                 outputs, _ = self._run_region(ins, args, count=False)
         else:
             outputs, saved = self._run_region(ins, args, count=self.tracing)
+        self.rng.end(self.step_no, ins)
         for name, out in outputs.items():
             if name == LOSS:
                 self.losses.append(out.detach())
@@ -85,14 +86,14 @@ class ComputePasses:
             else:   # a size crossing regions is made on the host (`pack_size`): move it
                 self.values.acts[(name, mb)] = on_device(out, self.device)
         if ins.recompute:
-            self.values.stash[(ins.region, mb)] = Stash(leaves, outputs, 0, args=args)
+            self.values.stash[(ins.region, mb)] = Stash(leaves, outputs, 0, args=args,
+                                                        rng=start)
         else:
             self.values.stash[(ins.region, mb)] = Stash(leaves, outputs, saved)
 
     def _run_region(self, ins, args: list, count: bool) -> tuple[dict, int]:
-        """Seed the random state for this forward, run the region on `args`: its outputs by
+        """Run the region on `args` (its random state set by the caller): its outputs by
         name and (`count`) the bytes autograd saved, parameters and inputs excluded."""
-        seed_forward(self.seed, self.step_no, ins, self.device)
         saved = 0
         if count:
             exclude = {p.untyped_storage().data_ptr() for p in self.store.params.values()}
@@ -107,9 +108,10 @@ class ComputePasses:
     def _recompute(self, ins, st: Stash) -> None:
         """B or BI of a recomputed region: its forward again, with autograd, on the stashed
         inputs and the forward's random state; the stash then holds that graph."""
+        self.rng.restore(st.rng)
         with torch.enable_grad():
             st.outputs, st.saved = self._run_region(ins, st.args, count=self.tracing)
-        st.args = None
+        st.args = st.rng = None
 
     def _batch_part(self, v: str, mb: int, replica: int, replicas: int) -> torch.Tensor:
         """`batch_part` of batch input `v`, from views cut once per step (one split per

@@ -198,6 +198,7 @@ class Stash:
     saved: int                                  # bytes autograd saved (SavedBytes)
     out_grads: list | None = None               # BI keeps (outputs, grads) for BW
     args: list | None = None                    # a recomputed forward's inputs, until B/BI
+    rng: tuple | None = None                    # and the random state it started from
 
 
 @dataclass

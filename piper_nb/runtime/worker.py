@@ -32,6 +32,7 @@ from piper_nb.runtime.compute import ComputePasses
 from piper_nb.runtime.emulation import EmulatedStreams
 from piper_nb.runtime.exchange import TokenExchange
 from piper_nb.runtime.layout import bucket_layouts, local_init
+from piper_nb.runtime.rng import ForwardRng
 from piper_nb.runtime.stores import ParamStore, ValueStore
 from piper_nb.runtime.streams import CudaStreams, HostStreams
 from piper_nb.runtime.syncbn import sync_batchnorms
@@ -111,6 +112,7 @@ class Worker(ComputePasses, Transfers):
         self.frees = {k: [parse_free(key) for key in i.keys]
                       for k, i in enumerate(self.instrs) if i.kind == Op.FREE}
         self.updater: Updater | None = None
+        self.rng = ForwardRng(plan, self.device)
         self.seed = 0
         self.tracing = True
         self.step_no = 0
@@ -120,7 +122,7 @@ class Worker(ComputePasses, Transfers):
     def reset(self, optimizer, seed: int = 0) -> None:
         """Parameters and buffers back to the model's, a fresh optimizer (an `OptimizerSpec`,
         or a factory) without state, step 0; `seed` seeds the random operations (dropout) of
-        every forward (see `forward_seed`)."""
+        every forward (see `runtime.rng`)."""
         self.store.reset(self.init)
         self.buffers.reset()
         self.values.clear()
@@ -215,6 +217,7 @@ class Worker(ComputePasses, Transfers):
         self.parts: dict[tuple[str, int], tuple[torch.Tensor, ...]] = {}
         self.pending: dict[int, Pending] = {}
         self.exchange.reset()
+        self.rng.new_step()
         self.losses: list[torch.Tensor] = []   # each forward's detached loss, summed at the end
         self.ends: dict[str, list[torch.Tensor]] = {}   # count and metrics, per forward
 

@@ -1,0 +1,29 @@
+"""A device's slice of the dropout mask one process draws (`tp_dropout`): what a sharded
+part calls where the model applied dropout (`capture.tp_dropout` puts it there).
+
+On the CPU the slice equals one process's mask bit for bit (tested). On CUDA,
+`torch.nn.functional.dropout` runs a fused kernel that draws otherwise, so there the masks
+are statistically, not bitwise, those of one process.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["tp_dropout"]
+
+
+def tp_dropout(x: torch.Tensor, p: float, train: bool, dim: int, degree: int,
+               rank: torch.Tensor) -> torch.Tensor:
+    """`F.dropout(whole, p, train)` cut to this device's share `x` along `dim` (`rank` of
+    `degree`): the whole mask drawn, this share's slice applied."""
+    if not train or p == 0 or x.numel() == 0:
+        return x
+    if p == 1:
+        return x * torch.zeros((), dtype=x.dtype, device=x.device)
+    n = x.shape[dim]
+    shape = list(x.shape)
+    shape[dim] = n * degree
+    noise = x.new_empty(shape).bernoulli_(1 - p).div_(1 - p)
+    first = 0 if rank.is_meta else int(rank) * n   # planning on meta: any share's shape
+    return x * noise.narrow(dim, first, n).clone()   # a copy: autograd keeps the share only

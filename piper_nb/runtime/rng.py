@@ -1,0 +1,82 @@
+"""The random state of each forward on a worker: what dropout draws from.
+
+Each forward is seeded from (run seed, step, region, microbatch, replica), so a plan
+trains the same way twice whatever order its devices happen to run in. The region is named
+by its tags (`PP=1`), not by its index, and a tensor-parallel *part* (`PART=k`, see
+`capture.tensor_parallel`) by the region it was cut from: part 0 is seeded as that region
+would be, and part k continues from the state part k - 1 left on this device for the same
+microbatch. So a sharded region draws, op for op, from the stream the unsharded region
+draws from, and the draws of its sharded dropouts (`capture.tp_dropout`, a slice of the
+whole mask) stay in step with it. Every TP rank seeds alike: a replicated part draws the
+same masks on each.
+
+A recomputed forward runs again from the state its first run started from (`start`
+returns it, `restore` puts it back).
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import torch
+
+from piper_nb.capture.tp_parts import PART
+from piper_nb.ir.filters import tags_text
+
+__all__ = ["forward_seed", "ForwardRng"]
+
+
+def forward_seed(seed: int, step: int, region: str, mb: int, replica: int) -> int:
+    """The generator seed of one forward: a hash, so nearby inputs give unrelated streams."""
+    key = f"{seed}:{step}:{region}:{mb}:{replica}".encode()
+    return int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little") >> 1
+
+
+class ForwardRng:
+    """Seeds torch's generators (the CPU's, and `device`'s on CUDA) for each forward of
+    `plan` on one worker, as the module docstring says."""
+
+    def __init__(self, plan, device: torch.device):
+        self.device = device
+        self.origin: dict[int, tuple[str, int]] = {}   # region -> (region cut from, part)
+        for r in plan.regions:
+            tags = dict(r.tags)
+            part = tags.pop(PART, None)
+            self.origin[r.index] = (tags_text(tags) or "all", part)
+        self.after: dict[tuple, tuple] = {}   # (step, region cut from, mb, replica) -> state
+
+    def start(self, seed: int, step: int, ins) -> tuple:
+        """Seed (or continue) the generators for forward `ins`; the state it starts from."""
+        name, part = self.origin[ins.region]
+        state = self.after.pop((step, name, ins.mb, ins.replica), None) if part else None
+        if part and state is None:
+            raise RuntimeError(f"part {part} of region {name} (microbatch {ins.mb}) runs before "
+                               "its part before it left a random state on this device")
+        if state is None:
+            s = forward_seed(seed, step, name, ins.mb, ins.replica)
+            torch.default_generator.manual_seed(s)
+            if self.device.type == "cuda":
+                torch.cuda.default_generators[self.device.index or 0].manual_seed(s)
+            return self.state()
+        self.restore(state)
+        return state
+
+    def end(self, step: int, ins) -> None:
+        """After forward `ins` of a part: its state, for the next part of its region."""
+        name, part = self.origin[ins.region]
+        if part is not None:
+            self.after[(step, name, ins.mb, ins.replica)] = self.state()
+
+    def state(self) -> tuple:
+        cuda = (torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else None)
+        return torch.get_rng_state(), cuda
+
+    def restore(self, state: tuple) -> None:
+        cpu, cuda = state
+        torch.set_rng_state(cpu)
+        if cuda is not None:
+            torch.cuda.set_rng_state(cuda, self.device)
+
+    def new_step(self) -> None:
+        """Forget what a step's last parts left: nothing continues across steps."""
+        self.after.clear()
