@@ -41,7 +41,7 @@ class GraphSpec:
     frozen: tuple[int, ...] = ()                 # stages whose Linear does not train
     norms: tuple[int, ...] = ()                  # stages with a BatchNorm1d
     scales: tuple[int, ...] = ()                 # stages scaled by a constant buffer
-    dropout: float = 0.0                         # after every stage
+    dropout: float = 0.0                         # after every stage (and in its MLP)
     shared: tuple[int, int] | None = None        # (a, b): `shared` runs after stages a and b
     functions: tuple[int, ...] = ()              # stages clamped by `StraightClamp` after their Linear
     eval_stages: tuple[int, ...] = ()            # stages in eval mode (BatchNorm on running stats)
@@ -120,7 +120,8 @@ class StraightClamp(torch.autograd.Function):
 
 
 class _Stage(nn.Module):
-    def __init__(self, dim: int, norm: bool, scale: bool, mlp: bool = False):
+    def __init__(self, dim: int, norm: bool, scale: bool, mlp: bool = False,
+                 dropout: float = 0.0):
         super().__init__()
         self.lin = nn.Linear(dim, dim, bias=not norm)   # BatchNorm's shift makes a bias moot
         self.norm = nn.BatchNorm1d(dim) if norm else None
@@ -130,13 +131,20 @@ class _Stage(nn.Module):
             self.scale = None
         self.up = nn.Linear(dim, 2 * dim) if mlp else None     # a pair to shard (TP)
         self.down = nn.Linear(2 * dim, dim) if mlp else None
+        # on the MLP's hidden activation: a device's share of it under TP
+        self.hidden_drop = nn.Dropout(dropout) if mlp and dropout else None
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         h = self.lin(h)
         if self.norm is not None:
             h = self.norm(h)
         h = h * self.scale if self.scale is not None else h
-        return h + self.down(torch.tanh(self.up(h))) if self.up is not None else h
+        if self.up is None:
+            return h
+        hidden = torch.tanh(self.up(h))
+        if self.hidden_drop is not None:
+            hidden = self.hidden_drop(hidden)
+        return h + self.down(hidden)
 
 
 class StageGraph(nn.Module):
@@ -149,7 +157,8 @@ class StageGraph(nn.Module):
         self.config = {"stages": spec.stages, "dim": spec.dim}
         with seeded(spec.seed):
             self.stages = nn.ModuleList(
-                _Stage(spec.dim, i in spec.norms, i in spec.scales, i in spec.mlps)
+                _Stage(spec.dim, i in spec.norms, i in spec.scales, i in spec.mlps,
+                       spec.dropout)
                 for i in range(spec.stages))
             self.shared = nn.Linear(spec.dim, spec.dim) if spec.shared else None
             self.head = nn.Linear(spec.dim, spec.classes) if spec.classes else None
@@ -165,6 +174,9 @@ class StageGraph(nn.Module):
             self.stages[i].eval()
         if self.drop is not None and spec.eval_dropout:
             self.drop.eval()
+            for stage in self.stages:
+                if stage.hidden_drop is not None:
+                    stage.hidden_drop.eval()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         spec, outs, h = self.spec, [], x

@@ -23,7 +23,9 @@ check: the losses and every entry of the trained `state_dict()` equal the single
 reference's (rtol 1e-5, atol 4e-5, PyTorch's pipelining tests' tolerance), with clipping
 the gradient norms too, and the plan leaves no buffer behind. With dropout, the
 check is that the same seed trains the same twice (equality with one process needs dropout
-off). BatchNorm gets 4 samples per replica and microbatch and trains with SGD only: it
+off), and under TP that it trains as the plan without TP does (each device draws its slice
+of the unsharded masks, the MLP's hidden dropout on a device's share). BatchNorm gets 4
+samples per replica and microbatch and trains with SGD only: it
 makes some gradient elements vanish (its output is invariant to a shift of its input, so
 a bias before it, or a weight column, gets next to nothing), AdamW divides each element by
 its own scale, and fp32 summation order alone then decides those elements' steps (as it
@@ -365,7 +367,16 @@ def check(case: Case, cluster, streams: bool = False) -> str:
                 again = pn.train(plan, iter(steps), case.steps, opt, cluster=cluster,
                                  seed=case.seed, **recipe(case))
                 _equal(result, again, exact=True)
-                return "same twice with one seed (dropout)"
+                if case.tp == 1:
+                    return "same twice with one seed (dropout)"
+                # TP draws each device's slice of the unsharded masks: equal to the plan
+                # without TP (the MLP's hidden dropout is on a device's share)
+                whole = pn.compile(pn.annotate(model, model.annotation()), _program(case),
+                                   batch, precision="bf16" if case.bf16 else "fp32", **loss)
+                unsharded = pn.train(whole, iter(steps), case.steps, opt, cluster=cluster,
+                                     seed=case.seed, **recipe(case))
+                _equal(result, unsharded, tol=BF16 if case.bf16 else (RTOL, ATOL))
+                return "same twice with one seed, and as without TP (dropout)"
         # the one process a plan equals (`Plan.reference_microbatches`); with BatchNorm,
         # which normalizes each whole microbatch, the plan's own microbatches (the MSE of
         # equal slices averages the same either way)

@@ -63,6 +63,7 @@ def test_the_draw_covers_every_schedule_zero_level_and_feature():
     assert any(c.tp > 1 and c.ranks > 1 for c in cases)
     assert any(c.tp > 1 and c.dp > 1 for c in cases)
     assert any(c.tp > 1 and c.zero == 3 for c in cases)
+    assert any(c.tp > 1 and c.spec.dropout and not c.spec.eval_dropout for c in cases)
     # and a classifier head cut by class: its cross-entropy vocabulary-parallel
     assert any(c.spec.classes and c.ranks > 1 for c in cases)
     assert any(c.spec.classes and c.spec.smoothing for c in cases)
