@@ -42,6 +42,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import piper_nb as pn
+from piper_nb.models.gpt import LanguageModel
 
 __all__ = ["MegatronLayer", "MegatronGPT", "PUBLISHED", "layer_bytes", "closed_form", "CASES"]
 
@@ -79,7 +80,7 @@ class MegatronLayer(nn.Module):
         return x + self.drop(self.fc2(F.gelu(self.fc1(self.ln2(x)))), self.p, self.training)
 
 
-class MegatronGPT(nn.Module):
+class MegatronGPT(LanguageModel):
     """embed -> MegatronLayer x layers -> head; a tiny vocabulary keeps embed and head small."""
 
     tp_plan = {"blocks.*.qkv": "colwise:3", "blocks.*.out": "rowwise",
@@ -90,15 +91,6 @@ class MegatronGPT(nn.Module):
         self.embed = nn.Embedding(vocab, dim)
         self.blocks = nn.ModuleList([MegatronLayer(dim, heads, **layer) for _ in range(layers)])
         self.head = nn.Linear(dim, vocab, bias=False)
-
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        x = self.embed(tokens)
-        for block in self.blocks:
-            x = block(x)
-        return self.head(x)
-
-    def loss_fn(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
 
 
 def compile_layers(shape: dict, layers: int, t: int = 1, sp: bool = False,
