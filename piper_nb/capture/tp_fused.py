@@ -13,6 +13,7 @@ device's share. Megatron spells the same thing out by hand (its fused QKV layer'
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
 
 import torch
@@ -20,7 +21,7 @@ import torch.fx as fx
 
 from piper_nb.errors import PlanError
 
-__all__ = ["Origin", "split_parts"]
+__all__ = ["Origin", "pick_parts", "split_parts"]
 
 _A = torch.ops.aten
 _SPLITS = {_A.split.Tensor: "split", _A.split_with_sizes.default: "split",
@@ -75,3 +76,85 @@ def split_parts(n: fx.Node, target, at: int, d: int | None, whole: tuple, degree
             f"projections, which a cut into {origin.blocks} block(s) mixes across devices; "
             f"give {origin.path.removeprefix('model.')} 'colwise:{k}' in the plan")
     return None
+
+
+_SELECTS = {_A.select.int: "select", torch.select: "select", "select": "select"}
+_SLICES = {_A.slice.Tensor: "slice"}
+
+
+def pick_parts(n: fx.Node, target, at: int, d: int | None, whole: tuple, degree: int,
+               origin: Origin | None, where: str) -> Origin | None:
+    """At an index, select or slice of a sharded value along its sharded dimension `d` (a
+    fused output `view`-ed into (k, m) and its parts picked, `h[..., :d]` as Phi3 takes
+    q): a PlanError for plain `colwise` (a device's share is not the part), a slice of one
+    of `colwise:k`'s blocks made a device's share of it; -> the part's origin (None: not
+    one along `d`)."""
+    if d is None or origin is None or n.op == "call_module":
+        return None
+    rest = list(n.args[at + 1:])
+    if target in _SELECTS or target in _SLICES:
+        dim = n.kwargs.get("dim", rest[0] if rest else 0)
+        if not isinstance(dim, int) or dim % len(whole) != d:
+            return None
+        if target in _SELECTS:
+            return _picked(n, origin, whole[d], where)
+        bounds = [n.kwargs.get(k, rest[i + 1] if len(rest) > i + 1 else v)
+                  for i, (k, v) in enumerate((("start", None), ("end", None), ("step", 1)))]
+        cut = _sliced(n, slice(*bounds), whole[d], degree, origin, where)
+        if cut is not None:
+            n.args = (*n.args[:at + 2], cut.start, cut.stop, *n.args[at + 4:])
+        return Origin(origin.path, 1) if cut is not None else None
+    if target is not operator.getitem or len(n.args) < at + 2:
+        return None
+    idx = n.args[at + 1] if isinstance(n.args[at + 1], tuple) else (n.args[at + 1],)
+    if any(not isinstance(i, (int, slice, type(None), type(Ellipsis))) or isinstance(i, bool)
+           for i in idx) or sum(i is Ellipsis for i in idx) > 1:
+        return None   # a tensor, a traced size: not followed
+    taken = sum(isinstance(i, (int, slice)) for i in idx)
+    dims, pos = [], 0
+    for i in idx:
+        dims.append(pos if i is not None and i is not Ellipsis else None)
+        pos += (len(whole) - taken) if i is Ellipsis else isinstance(i, (int, slice))
+    if d not in dims:
+        return None
+    at_d = dims.index(d)
+    if isinstance(idx[at_d], int):
+        return _picked(n, origin, whole[d], where)
+    cut = _sliced(n, idx[at_d], whole[d], degree, origin, where)
+    if cut is None:
+        return None
+    fixed = (*idx[:at_d], cut, *idx[at_d + 1:])
+    n.args = (*n.args[:at + 1], fixed if isinstance(n.args[at + 1], tuple) else cut,
+              *n.args[at + 2:])
+    return Origin(origin.path, 1)
+
+
+def _picked(n: fx.Node, origin: Origin, k: int, where: str):
+    raise PlanError(
+        f"tensor_parallel: {where}: {origin.path}'s output is indexed along the dimension it "
+        f"is sharded on ({n.format_node()}), a device holding only a share of it: if it fuses "
+        f"{k} projections (viewed into {k} parts, each taken), give "
+        f"{origin.path.removeprefix('model.')} 'colwise:{k}' in the plan and split it with "
+        "chunk or split")
+
+
+def _sliced(n: fx.Node, s: slice, size: int, degree: int, origin: Origin,
+            where: str) -> slice | None:
+    """A slice along the sharded dimension: None for the whole range; a device's share of
+    it when it is one of `origin`'s blocks, else a PlanError."""
+    if any(v is not None and not isinstance(v, int) for v in (s.start, s.stop, s.step)):
+        return None
+    start, stop, step = s.indices(size)
+    if (start, stop, step) == (0, size, 1):
+        return None
+    width = max(0, stop - start)
+    if step == 1 and origin.blocks > 1 and width * origin.blocks == size and start % width == 0:
+        return slice(start // degree, stop // degree)
+    k = size // width if width and size % width == 0 and step == 1 else None
+    hint = f"if it fuses {k} projections, give {origin.path.removeprefix('model.')} " \
+        f"'colwise:{k}' in the plan" if k and origin.blocks == 1 else \
+        "take whole blocks of its colwise:k cut, or keep the layer whole (replicate)"
+    raise PlanError(
+        f"tensor_parallel: {where}: {origin.path}'s output is sliced along the dimension it is "
+        f"sharded on ({n.format_node()}; [{start}:{stop}:{step}] of {size}), a device holding "
+        f"only a share of it: {hint}")

@@ -20,7 +20,7 @@ import torch
 import torch.fx as fx
 
 from piper_nb.capture.region_code import call_op
-from piper_nb.capture.tp_fused import Origin, split_parts
+from piper_nb.capture.tp_fused import Origin, pick_parts, split_parts
 from piper_nb.capture.tp_reductions import reduced_dims
 from piper_nb.errors import PlanError
 
@@ -97,8 +97,10 @@ class _Localizer(fx.Interpreter):
         x = n.args[at] if len(n.args) > at else None
         if not isinstance(x, fx.Node) or self.full.get(x.name) is None:
             return
-        parts = split_parts(n, target, at, self._sharded_dim(x), tuple(self.full[x.name]),
-                            self.degree, self.origins[n.name], self.where)
+        parts = [find(n, target, at, self._sharded_dim(x), tuple(self.full[x.name]),
+                      self.degree, self.origins[n.name], self.where)
+                 for find in (split_parts, pick_parts)]
+        parts = parts[0] or parts[1]
         if parts is not None:
             self.origins[n.name] = parts
 
@@ -145,8 +147,11 @@ class _Localizer(fx.Interpreter):
                 self._fail(n, f"its sharded dimension {d} of {list(whole_in)} does not start a "
                            f"dimension of {list(out)}")
             j = ends[0]
+        o = self.origins.get(n.name)
+        if o is not None and o.blocks > 1 and out[j] == o.blocks and j + 1 < len(out):
+            j += 1   # (k, m) of colwise:k's blocks: a device holds a share of each, m's
+            self.origins[n.name] = Origin(o.path, 1)
         if out[j] % self.degree:
-            o = self.origins.get(n.name)
             fused = f"; if {o.path.removeprefix('model.')} fuses {out[j]} projections, give " \
                 f"it 'colwise:{out[j]}'" if o is not None and o.blocks == 1 else ""
             self._fail(n, f"dimension {j} of {list(out)} ({out[j]}: heads or features) is not "

@@ -61,3 +61,73 @@ def test_a_fused_projection_given_plain_colwise_is_told_its_blocks(make, plan, m
         _compile(make(), plan)
     fixed = _compile(make(), {**plan, next(iter(plan)): f"colwise:{k}"})   # the fix
     assert fixed.tp_params[f"{module}.weight"] == (0, 2, k)
+
+
+class PickedMLP(nn.Module):
+    """gate and up in one linear layer, taken apart otherwise than by a split: viewed into
+    (2, hidden) and each indexed, selected or unbound, or sliced `h[..., :hidden]` (as Phi3
+    takes q from its qkv); `whole` slices the whole range, which is no part."""
+
+    def __init__(self, how: str, dim: int = 16, hidden: int = 12):
+        super().__init__()
+        self.how, self.hidden = how, hidden
+        self.gate_up = nn.Linear(dim, 2 * hidden)
+        self.down = nn.Linear(2 * hidden if how == "whole" else hidden, dim)
+
+    def forward(self, x):
+        h = self.gate_up(x)
+        if self.how == "whole":
+            return self.down(F.silu(h[..., :]))
+        if self.how == "slice":
+            gate, up = h[..., :self.hidden], h[..., self.hidden:]
+        else:
+            v = h.view(x.shape[0], 2, self.hidden)
+            gate, up = (v[:, 0], v[:, 1]) if self.how == "index" else \
+                (v.select(1, 0), v.select(1, 1)) if self.how == "select" else v.unbind(1)
+        return self.down(F.silu(gate) * up)
+
+    example_batch = FusedMLP.example_batch
+
+
+PICKED = {"gate_up": "colwise", "down": "rowwise"}
+
+
+@pytest.mark.parametrize("how, taken", [("index", "indexed"), ("select", "indexed"),
+                                        ("slice", "sliced"), ("unbind", "unbind")])
+def test_a_fused_output_viewed_into_parts_or_sliced_needs_colwise_k(how, taken):
+    with pytest.raises(pn.PlanError, match=f"gate_up's output is {taken} .*along the dimension "
+                       "it is sharded on .*give gate_up 'colwise:2'"):
+        _compile(PickedMLP(how), PICKED)
+    fixed = _compile(PickedMLP(how), {**PICKED, "gate_up": "colwise:2"})
+    assert fixed.tp_params["gate_up.weight"] == (0, 2, 2)
+
+
+def test_a_view_into_parts_the_degree_divides_is_found_too():
+    """Three devices and q, k, v viewed into (3, d): each device's (1, d) is a third of the
+    features, not q; before, the view passed the divisibility check."""
+    class QKV(PickedMLP):
+        def __init__(self):
+            super().__init__("index", hidden=6)
+            self.gate_up = nn.Linear(16, 18)
+
+        def forward(self, x):
+            v = self.gate_up(x).view(x.shape[0], 3, self.hidden)
+            return self.down(v[:, 0] * v[:, 1] + v[:, 2])
+
+    batch = QKV().example_batch(batch_size=4, seed=0)
+    with pytest.raises(pn.PlanError, match="gate_up's output is indexed .* 'colwise:3'"):
+        pn.compile(pn.annotate(QKV(), ONE), [pn.tensor_parallel({}, [0, 1, 2], plan=PICKED)],
+                   batch, loss_fn=F.mse_loss)
+
+
+def test_a_slice_of_the_whole_range_is_no_part():
+    assert _compile(PickedMLP("whole"), PICKED).tp_params["gate_up.weight"] == (0, 2, 1)
+
+
+def test_a_slice_across_blocks_of_colwise_k_is_refused():
+    class Across(PickedMLP):
+        def forward(self, x):
+            return self.down(self.gate_up(x)[..., 6:18])
+
+    with pytest.raises(pn.PlanError, match=r"sliced .*\[6:18:1\] of 24.*whole blocks"):
+        _compile(Across("slice"), {**PICKED, "gate_up": "colwise:2"})

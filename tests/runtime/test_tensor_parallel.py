@@ -303,3 +303,32 @@ def test_a_users_fused_split_given_colwise_k_trains_like_one_process(cluster2):
     _, result, ref = _train(model, ONE, [pn.tensor_parallel({}, [0, 1], plan=plan)], cluster2,
                             loss_fn=torch.nn.functional.mse_loss)
     _same(result, ref)
+
+
+class _PickedMLP(torch.nn.Module):
+    """gate and up in one layer cut colwise:2, taken apart by a view into (2, hidden) and
+    its unbind, or by slices (`h[..., :hidden]`): each device takes its share of each."""
+
+    def __init__(self, how: str, dim: int = 16, hidden: int = 12):
+        super().__init__()
+        self.how, self.hidden = how, hidden
+        self.gate_up = torch.nn.Linear(dim, 2 * hidden)
+        self.down = torch.nn.Linear(hidden, dim)
+
+    def forward(self, x):
+        h = self.gate_up(x)
+        gate, up = (h[..., :self.hidden], h[..., self.hidden:]) if self.how == "slice" else \
+            h.view(x.shape[0], 2, self.hidden).unbind(1)
+        return self.down(torch.nn.functional.silu(gate) * up)
+
+    def example_batch(self, batch_size, seed):
+        g = torch.Generator().manual_seed(seed)
+        return torch.randn(batch_size, 16, generator=g), torch.randn(batch_size, 16, generator=g)
+
+
+@pytest.mark.parametrize("how", ["view", "slice"])
+def test_colwise_k_taken_apart_by_a_view_or_slices_trains_like_one_process(cluster2, how):
+    plan = {"gate_up": "colwise:2", "down": "rowwise"}
+    _, result, ref = _train(_PickedMLP(how), ONE, [pn.tensor_parallel({}, [0, 1], plan=plan)],
+                            cluster2, loss_fn=torch.nn.functional.mse_loss)
+    _same(result, ref)
