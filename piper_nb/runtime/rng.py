@@ -49,11 +49,9 @@ class ForwardRng:
         """Seed (or continue) the generators for forward `ins`; the state it starts from."""
         name, part = self.origin[ins.region]
         state = self.after.pop((step, name, ins.mb, ins.replica), None) if part else None
-        if part and state is None:
-            raise RuntimeError(f"part {part} of region {name} (microbatch {ins.mb}) runs before "
-                               "its part before it left a random state on this device")
-        if state is None:
-            s = forward_seed(seed, step, name, ins.mb, ins.replica)
+        if state is None:   # part 0, a whole region, or a part timed alone (the profiler)
+            key = f"{name}#{part}" if part else name
+            s = forward_seed(seed, step, key, ins.mb, ins.replica)
             torch.default_generator.manual_seed(s)
             if self.device.type == "cuda":
                 torch.cuda.default_generators[self.device.index or 0].manual_seed(s)
