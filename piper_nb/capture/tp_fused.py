@@ -80,29 +80,37 @@ def split_parts(n: fx.Node, target, at: int, d: int | None, whole: tuple, degree
 
 _SELECTS = {_A.select.int: "select", torch.select: "select", "select": "select"}
 _SLICES = {_A.slice.Tensor: "slice"}
+_NARROWS = {_A.narrow.default: "narrow", _A.narrow: "narrow", torch.narrow: "narrow",
+            "narrow": "narrow"}
 
 
 def pick_parts(n: fx.Node, target, at: int, d: int | None, whole: tuple, degree: int,
                origin: Origin | None, where: str) -> Origin | None:
-    """At an index, select or slice of a sharded value along its sharded dimension `d` (a
-    fused output `view`-ed into (k, m) and its parts picked, `h[..., :d]` as Phi3 takes
-    q): a PlanError for plain `colwise` (a device's share is not the part), a slice of one
-    of `colwise:k`'s blocks made a device's share of it; -> the part's origin (None: not
+    """At an index, select, slice or narrow of a sharded value along its sharded dimension
+    `d` (a fused output `view`-ed into (k, m) and its parts picked, `h[..., :d]` as Phi3
+    takes q): a PlanError for plain `colwise` (a device's share is not the part), a slice
+    of one of `colwise:k`'s blocks made a device's share of it; -> the part's origin (None: not
     one along `d`)."""
     if d is None or origin is None or n.op == "call_module":
         return None
     rest = list(n.args[at + 1:])
-    if target in _SELECTS or target in _SLICES:
+    if target in _SELECTS or target in _SLICES or target in _NARROWS:
         dim = n.kwargs.get("dim", rest[0] if rest else 0)
         if not isinstance(dim, int) or dim % len(whole) != d:
             return None
         if target in _SELECTS:
             return _picked(n, origin, whole[d], where)
+        names = ("start", "length") if target in _NARROWS else ("start", "end", "step")
         bounds = [n.kwargs.get(k, rest[i + 1] if len(rest) > i + 1 else v)
-                  for i, (k, v) in enumerate((("start", None), ("end", None), ("step", 1)))]
+                  for i, (k, v) in enumerate(zip(names, (None, None, 1), strict=False))]
+        narrow = target in _NARROWS   # narrow(x, dim, start, length): a slice of `length`
+        if narrow and all(isinstance(b, int) for b in bounds):
+            start = bounds[0] + whole[d] if bounds[0] < 0 else bounds[0]
+            bounds = [start, start + bounds[1]]
         cut = _sliced(n, slice(*bounds), whole[d], degree, origin, where)
         if cut is not None:
-            n.args = (*n.args[:at + 2], cut.start, cut.stop, *n.args[at + 4:])
+            n.args = (*n.args[:at + 2], cut.start, cut.stop - cut.start if narrow else cut.stop,
+                      *n.args[at + 4:])
         return Origin(origin.path, 1) if cut is not None else None
     if target is not operator.getitem or len(n.args) < at + 2:
         return None
@@ -141,9 +149,13 @@ def _picked(n: fx.Node, origin: Origin, k: int, where: str):
 def _sliced(n: fx.Node, s: slice, size: int, degree: int, origin: Origin,
             where: str) -> slice | None:
     """A slice along the sharded dimension: None for the whole range; a device's share of
-    it when it is one of `origin`'s blocks, else a PlanError."""
+    it when it is one of `origin`'s blocks, else (or traced bounds) a PlanError."""
     if any(v is not None and not isinstance(v, int) for v in (s.start, s.stop, s.step)):
-        return None
+        raise PlanError(
+            f"tensor_parallel: {where}: {origin.path}'s output is sliced along the dimension it "
+            f"is sharded on ({n.format_node()}) by bounds traced at run time: they must be "
+            "constants here, where a device's share of them is worked out; write them as "
+            "Python ints, or keep the layer whole (replicate)")
     start, stop, step = s.indices(size)
     if (start, stop, step) == (0, size, 1):
         return None

@@ -3,7 +3,7 @@ for the whole model (torch.export's `view(x, [B, 8, 4, 8])`, Hugging Face's `rep
 expanding to `[B, kv_heads, n_rep, T, D]`) divided where they count heads or features.
 
 The part's ops run once with device 0's shards (`localize`). Before each op that takes a
-shape (view, reshape, expand), the dimension its input is sharded along is the one whose
+shape (view, reshape, expand, unflatten), the dimension its input is sharded along is the one whose
 size there differs from the whole model's; the output's sharded dimension is where that
 dimension's leading factor lands (the same prefix of elements), and only that entry of
 the shape is divided: a constant rewritten, a traced size divided in the graph, `-1` left
@@ -30,6 +30,7 @@ _A = torch.ops.aten
 _SHAPE_OPS = {_A.view.default, _A.reshape.default, _A._unsafe_view.default, _A.expand.default,
               torch.reshape}
 _SHAPE_METHODS = {"view", "reshape", "expand"}
+_UNFLATTEN = {_A.unflatten.int, torch.unflatten, "unflatten"}   # (x, dim, sizes): a view
 _CAT = {_A.cat.default, torch.cat}
 
 
@@ -130,7 +131,8 @@ class _Localizer(fx.Interpreter):
             self._fix_cat(n, at)
             return
         method = n.op == "call_method" and target in _SHAPE_METHODS
-        if not (n.op == "call_function" and target in _SHAPE_OPS) and not method:
+        unflat = n.op != "call_module" and target in _UNFLATTEN
+        if not (n.op == "call_function" and target in _SHAPE_OPS) and not method and not unflat:
             return
         x = n.args[at]
         d = self._sharded_dim(x)
@@ -158,6 +160,13 @@ class _Localizer(fx.Interpreter):
                        f"divisible by {self.degree} devices{fused}")
         want = list(out)
         want[j] = out[j] // self.degree
+        if unflat:   # its sizes are entries dim.. of the output's shape
+            dim, sizes = (n.kwargs.get(k, n.args[at + i] if len(n.args) > at + i else None)
+                          for i, k in ((1, "dim"), (2, "sizes")))
+            first = dim % len(whole_in)
+            fixed = [self._entry(n, a, first + k, want, out) for k, a in enumerate(sizes)]
+            n.args, n.kwargs = (*n.args[:at + 1], dim, type(sizes)(fixed)), {}
+            return
         spread = method and not isinstance(n.args[1], (list, tuple))   # x.view(b, t, 4, 8)
         shape = list(n.args[1:]) if spread else list(n.args[at + 1])
         fixed = [self._entry(n, a, k, want, out) for k, a in enumerate(shape)]

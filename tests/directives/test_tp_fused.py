@@ -131,3 +131,77 @@ def test_a_slice_across_blocks_of_colwise_k_is_refused():
 
     with pytest.raises(pn.PlanError, match=r"sliced .*\[6:18:1\] of 24.*whole blocks"):
         _compile(Across("slice"), {**PICKED, "gate_up": "colwise:2"})
+
+
+class NarrowedMLP(PickedMLP):
+    """gate and up taken by `narrow` (torch's, the method, or aten's), as a slice is."""
+
+    def forward(self, x):
+        h, n = self.gate_up(x), self.hidden
+        if self.how == "method":
+            gate, up = h.narrow(-1, 0, n), h.narrow(-1, n, n)
+        elif self.how == "aten":
+            gate, up = torch.ops.aten.narrow(h, 1, 0, n), torch.ops.aten.narrow(h, 1, n, n)
+        elif self.how == "across":
+            return self.down(F.silu(torch.narrow(h, -1, n // 2, n)))
+        else:
+            gate, up = torch.narrow(h, -1, 0, n), torch.narrow(h, 1, n, n)
+        return self.down(F.silu(gate) * up)
+
+
+@pytest.mark.parametrize("how", ["torch", "method", "aten"])
+def test_a_narrow_of_a_fused_output_is_a_slice(how):
+    """Before, a narrow along the sharded dimension compiled: device 0's gate was the first
+    half of its own share, a different model from one process."""
+    with pytest.raises(pn.PlanError, match="gate_up's output is sliced .*along the dimension "
+                       r"it is sharded on .*\[0:12:1\] of 24.*give gate_up 'colwise:2'"):
+        _compile(NarrowedMLP(how), PICKED)
+    fixed = _compile(NarrowedMLP(how), {**PICKED, "gate_up": "colwise:2"})
+    assert fixed.tp_params["gate_up.weight"] == (0, 2, 2)
+
+
+def test_a_narrow_across_blocks_of_colwise_k_is_refused():
+    with pytest.raises(pn.PlanError, match=r"sliced .*\[6:18:1\] of 24.*whole blocks"):
+        _compile(NarrowedMLP("across"), {**PICKED, "gate_up": "colwise:2"})
+
+
+class UnflattenedMLP(PickedMLP):
+    """gate and up unflattened into (2, hidden) (the method, torch's, or aten's) and each
+    indexed or unbound, as the view is."""
+
+    def forward(self, x):
+        h, n = self.gate_up(x), self.hidden
+        v = h.unflatten(-1, (2, n)) if self.how == "method" else \
+            torch.unflatten(h, 1, (2, n)) if self.how == "torch" else \
+            torch.ops.aten.unflatten.int(h, -1, [2, n]) if self.how == "aten" else \
+            h.unflatten(-1, (2, -1))
+        gate, up = v.unbind(1) if self.how == "unbind" else (v[:, 0], v[:, 1])
+        return self.down(F.silu(gate) * up)
+
+
+@pytest.mark.parametrize("how, taken", [("method", "indexed"), ("torch", "indexed"),
+                                        ("aten", "indexed"), ("unbind", "unbind")])
+def test_an_unflatten_of_a_fused_output_is_a_view(how, taken):
+    """Before, each failed with a RuntimeError on a device's share naming no module."""
+    with pytest.raises(pn.PlanError, match=f"gate_up's output is {taken} .*along the dimension "
+                       "it is sharded on .*give gate_up 'colwise:2'"):
+        _compile(UnflattenedMLP(how), PICKED)
+    fixed = _compile(UnflattenedMLP(how), {**PICKED, "gate_up": "colwise:2"})
+    assert fixed.tp_params["gate_up.weight"] == (0, 2, 2)
+
+
+class TracedBoundsMLP(PickedMLP):
+    """gate taken by a slice or narrow whose bounds are traced sizes, not constants."""
+
+    def forward(self, x):
+        h = self.gate_up(x)
+        n = x.shape[-1] - 4   # 12, a traced size
+        gate = h[..., :n] if self.how == "slice" else h.narrow(-1, 0, n)
+        return self.down(F.silu(gate))
+
+
+@pytest.mark.parametrize("how", ["slice", "narrow"])
+def test_a_slice_by_traced_bounds_along_the_sharded_dimension_is_refused(how):
+    with pytest.raises(pn.PlanError, match="gate_up's output is sliced along the dimension it "
+                       "is sharded on .*bounds .*constants"):
+        _compile(TracedBoundsMLP(how), PICKED)
