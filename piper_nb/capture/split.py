@@ -40,7 +40,7 @@ from piper_nb.capture.region_code import region_module
 from piper_nb.capture.segments import assign_regions
 from piper_nb.errors import PlanError
 from piper_nb.ir.filters import SEG, Tags, freeze_tags, tags_text
-from piper_nb.ir.loss_outputs import COUNT, LOSS, is_loss_output, metric_name
+from piper_nb.ir.loss_outputs import LOSS, is_loss_output, loss_output_label
 
 __all__ = ["RegionInfo", "Capture", "capture_regions", "BATCH_INPUT", "BATCH_TARGET", "LOSS",
            "SEG"]
@@ -281,7 +281,7 @@ def loss_ends(nodes: list[fx.Node], outputs: tuple[str, ...]) -> dict[str, fx.No
     ends = dict(zip((LOSS, *outputs), flat, strict=True))
     for name, n in ends.items():
         if not isinstance(n, fx.Node) or n.op in ("placeholder", "get_attr"):
-            what = metric_name(name) or ("the count" if name == COUNT else "the loss")
+            what = loss_output_label(name)
             raise PlanError(f"{what} is not computed from the model's output (a constant or "
                             "a batch tensor returned as is); compute it with tensor operations "
                             "on the output and targets, e.g. (labels != -100).sum()")

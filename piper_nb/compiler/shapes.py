@@ -15,7 +15,7 @@ import torch
 from piper_nb.capture.meta_routing import balanced_routing
 from piper_nb.capture.split import LOSS
 from piper_nb.errors import PlanError
-from piper_nb.ir.loss_outputs import COUNT, is_loss_output, metric_name
+from piper_nb.ir.loss_outputs import is_loss_output, loss_output_label
 from piper_nb.plan.sizes import SavedBytes, ValueInfo, storage_key
 
 __all__ = ["propagate", "region_args"]
@@ -82,7 +82,7 @@ def _propagate(capture, batch: dict[str, torch.Tensor]):
             changed[info.index] = tuple(moved)
         for name, out in zip(info.outputs, outs, strict=True):
             if not isinstance(out, torch.Tensor) and is_loss_output(name):
-                what = metric_name(name) or ("the count" if name == COUNT else "the loss")
+                what = loss_output_label(name)
                 raise PlanError(f"{what} that the loss returns is a {type(out).__name__}, not a "
                                 f"tensor (computed in region {info.name}); return it as a tensor: "
                                 "a count from tensor operations, e.g. (labels != -100).sum(), "
@@ -92,7 +92,7 @@ def _propagate(capture, batch: dict[str, torch.Tensor]):
                                 f"{type(out).__name__}, not a tensor; move the cut so only "
                                 "tensors cross regions")
             if is_loss_output(name) and out.numel() != 1:
-                what = metric_name(name) or ("the count" if name == COUNT else "the loss")
+                what = loss_output_label(name)
                 raise PlanError(f"{what} is a tensor of shape {list(out.shape)}, computed in "
                                 f"region {info.name}; a loss (and each count or metric) must "
                                 "be a scalar: reduce it, e.g. .mean() or reduction='mean'")

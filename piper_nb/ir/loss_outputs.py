@@ -9,7 +9,7 @@ gradient seed. Every name here has a colon or is `loss`, so no captured value ca
 
 from __future__ import annotations
 
-__all__ = ["LOSS", "COUNT", "METRIC", "is_loss_output", "metric_name"]
+__all__ = ["LOSS", "COUNT", "METRIC", "is_loss_output", "metric_name", "loss_output_label"]
 
 LOSS = "loss"              # the loss (or, under loss_mean="global", the loss sum)
 COUNT = "loss:count"       # loss_mean="global": what the sum over the whole batch divides by
@@ -23,3 +23,8 @@ def is_loss_output(name: str) -> bool:
 def metric_name(name: str) -> str | None:
     """The user's name of a metric output (None for anything else)."""
     return name[len(METRIC):] if name.startswith(METRIC) else None
+
+
+def loss_output_label(name: str) -> str:
+    """How an error names a loss output: the metric's own name, "the count" or "the loss"."""
+    return metric_name(name) or ("the count" if name == COUNT else "the loss")
