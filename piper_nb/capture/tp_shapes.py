@@ -98,12 +98,12 @@ class _Localizer(fx.Interpreter):
         x = n.args[at] if len(n.args) > at else None
         if not isinstance(x, fx.Node) or self.full.get(x.name) is None:
             return
-        parts = [find(n, target, at, self._sharded_dim(x), tuple(self.full[x.name]),
-                      self.degree, self.origins[n.name], self.where)
-                 for find in (split_parts, pick_parts)]
-        parts = parts[0] or parts[1]
-        if parts is not None:
-            self.origins[n.name] = parts
+        for find in (split_parts, pick_parts):   # a split of it, else a part picked from it
+            parts = find(n, target, at, self._sharded_dim(x), tuple(self.full[x.name]),
+                         self.degree, self.origins[n.name], self.where)
+            if parts is not None:
+                self.origins[n.name] = parts
+                return
 
     def _check_reduction(self, n: fx.Node) -> None:
         """A reduction over the dimension the input is cut along: PlanError."""

@@ -26,6 +26,7 @@ import math
 import os
 import re
 import tempfile
+import warnings
 from pathlib import Path
 
 import torch
@@ -187,7 +188,6 @@ class Checkpointer:
     def _weights(self, path: Path, obj: dict, changed: list[str]) -> list[dict]:
         """The checkpoint's parameters and buffers without optimizer state, after warning
         what differs; they load only into the parameter layout that wrote them."""
-        import warnings
         old = obj.get("written_by", {}).get("plan", {}).get("parameter layout")
         if old is not None and old != self.written_by["plan"]["parameter layout"]:
             raise PlanError(f"{path}: resume=\"weights_only\" loads parameters as the plan "
