@@ -11,7 +11,7 @@ whole mask) stay in step with it. Every TP rank seeds alike: a replicated part d
 same masks on each.
 
 A recomputed forward runs again from the state its first run started from (`start`
-returns it, `restore` puts it back).
+returns it for such a forward, `restore` puts it back).
 """
 
 from __future__ import annotations
@@ -45,8 +45,9 @@ class ForwardRng:
             self.origin[r.index] = (tags_text(tags) or "all", part)
         self.after: dict[tuple, tuple] = {}   # (step, region cut from, mb, replica) -> state
 
-    def start(self, seed: int, step: int, ins) -> tuple:
-        """Seed (or continue) the generators for forward `ins`; the state it starts from."""
+    def start(self, seed: int, step: int, ins) -> tuple | None:
+        """Seed (or continue) the generators for forward `ins`; the state it starts from
+        when it is recomputed (read only then: a copy of the CUDA state synchronises)."""
         name, part = self.origin[ins.region]
         state = self.after.pop((step, name, ins.mb, ins.replica), None) if part else None
         if state is None:   # part 0, a whole region, or a part timed alone (the profiler)
@@ -55,7 +56,7 @@ class ForwardRng:
             torch.default_generator.manual_seed(s)
             if self.device.type == "cuda":
                 torch.cuda.default_generators[self.device.index or 0].manual_seed(s)
-            return self.state()
+            return self.state() if ins.recompute else None
         self.restore(state)
         return state
 
