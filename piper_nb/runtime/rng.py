@@ -52,7 +52,8 @@ class ForwardRng:
         state = self.after.pop((step, name, ins.mb, ins.replica), None) if part else None
         if state is None:   # part 0, a whole region, or a part timed alone (the profiler)
             key = f"{name}#{part}" if part else name
-            s = forward_seed(seed, step, key, ins.mb, ins.replica)
+            mb = max(ins.mb, 0)   # -1: a plan without microbatches, whose one is the 0th
+            s = forward_seed(seed, step, key, mb, ins.replica)
             torch.default_generator.manual_seed(s)
             if self.device.type == "cuda":
                 torch.cuda.default_generators[self.device.index or 0].manual_seed(s)

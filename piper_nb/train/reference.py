@@ -9,6 +9,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from piper_nb.capture.annotate import Spec
 from piper_nb.capture.batch import batch_size, named_batch, slice_batch
 from piper_nb.capture.loss import check_loss_mean, compute_loss, resolve_loss
 from piper_nb.compiler.precision import cast_batch, check_precision
@@ -19,16 +20,17 @@ from piper_nb.plan.precision import PRECISIONS
 from piper_nb.runtime.bundle import param_aliases
 from piper_nb.sim.trace import Event, MemorySample, Trace
 from piper_nb.train.batches import each_batch
+from piper_nb.train.reference_rng import RegionSeeds
 from piper_nb.train.result import Result, check_materialized, model_template
 
 __all__ = ["reference_train"]
 
 
-def reference_train(model: nn.Module, batch, steps: int, microbatches: int, optimizer,
-                    loss_fn: Callable | None = None, drop_last: bool = False, *,
+def reference_train(model: nn.Module | Spec, batch, steps: int, microbatches: int,
+                    optimizer, loss_fn: Callable | None = None, drop_last: bool = False, *,
                     param_groups: list[dict] | None = None, lr_scheduler: Callable | None = None,
                     clip_grad_norm: float | None = None, precision: str = "fp32",
-                    loss_mean: str = "microbatch") -> Result:
+                    loss_mean: str = "microbatch", seed: int | None = None) -> Result:
     """Single-process training of a deep copy of `model`, microbatch by microbatch: the plain
     PyTorch loop (`optimizer`, `param_groups` and `lr_scheduler` as `pn.train` takes them,
     `torch.nn.utils.clip_grad_norm_` with `clip_grad_norm`); with `drop_last`, a batch of
@@ -37,7 +39,20 @@ def reference_train(model: nn.Module, batch, steps: int, microbatches: int, opti
     gradients go to the masters in fp32, clipping and the optimizer act on those.
     `loss_mean` as `pn.compile` takes it: "microbatch" minimises the mean of the
     microbatches' mean losses (a plan equals this with `plan.reference_microbatches`),
-    "global" the loss over the whole batch, whatever `microbatches` is."""
+    "global" the loss over the whole batch, whatever `microbatches` is.
+
+    `seed` draws dropout (any random op) as `pn.train(plan, ..., seed=seed)` does: each
+    region's forward of each microbatch seeded alike (`train.reference_rng`), the regions
+    named by the tags of `model` when it is the `pn.annotate` spec the plan was compiled
+    from. A plan whose forwards see the whole microbatch (pipeline and tensor parallelism)
+    then equals this run mask for mask; data-parallel replicas draw their own shards'.
+    Without `seed`, torch's generator runs on as it is."""
+    if isinstance(model, Spec):
+        tags_of, model = model.tags_of, model.model
+    else:
+        tags_of = _one_region
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+        raise PlanError(f"reference_train: seed must be an integer, got {seed!r}")
     spec = check_optimizer(optimizer, "reference_train", param_groups=param_groups,
                            lr_scheduler=lr_scheduler)
     check_precision(precision, None)
@@ -54,6 +69,7 @@ def reference_train(model: nn.Module, batch, steps: int, microbatches: int, opti
     for n, m in masters.items():
         groups[spec.group_of(n)].append(m)
     opt, sched = spec.build(groups)
+    seeds = None if seed is None else RegionSeeds(model, tags_of, seed)
     it = iter(each_batch(batch, steps))
     losses, times, metrics, events, memory = [], [], [], [], []
     first, skipped = None, []
@@ -66,23 +82,9 @@ def reference_train(model: nn.Module, batch, steps: int, microbatches: int, opti
         events, t0 = [], time.perf_counter()
         named = cast_batch(named, precision)
         total, means = _reference_passes(model, loss_fn, named, microbatches, params, events,
-                                         t0, loss_mean)
+                                         t0, loss_mean, seeds, s)
         start = time.perf_counter() - t0
-        for n, m in masters.items():
-            if m is not params[n]:   # bf16: the masters take the gradients in fp32
-                m.grad = None if params[n].grad is None else params[n].grad.float()
-        norm = None
-        if clip_grad_norm is not None:
-            norm = float(torch.nn.utils.clip_grad_norm_(
-                [m for m in masters.values() if m.grad is not None], clip_grad_norm))
-        lr = float(opt.param_groups[-1]["lr"])
-        opt.step()
-        with torch.no_grad():
-            for n, m in masters.items():
-                if m is not params[n]:
-                    params[n].copy_(m)
-        if sched is not None:
-            sched.step()
+        norm, lr = _update(opt, sched, masters, params, clip_grad_norm)
         end = time.perf_counter() - t0
         events.append(Event(0, "compute", "U", "U", start, end, -1, 0, "r0:U"))
         pbytes = sum(p.numel() * p.element_size() for p in params.values())
@@ -96,11 +98,41 @@ def reference_train(model: nn.Module, batch, steps: int, microbatches: int, opti
                                    grad_norm=norm,
                                    tokens_per_s=None if tokens is None else tokens / end,
                                    metrics=means))
+    if seeds is not None:
+        seeds.remove()
     trace = Trace(tuple(events), tuple(memory), source="measured", meta={"reference": True})
     canonical = {n: p.detach().clone() for n, p in params.items()}
     return Result(losses, times, trace, canonical, model_template(model), param_aliases(model),
                   skipped=skipped, metrics=metrics,
                   optimizer_state=_named_state(opt, masters))
+
+
+def _update(opt, sched, masters: dict, params: dict, clip_grad_norm: float | None
+            ) -> tuple[float | None, float]:
+    """The step's update: the gradients to the masters (in fp32 under bf16), clipped, the
+    optimizer's step, the weights from the masters, the scheduler's step; the gradient
+    norm (with clipping) and the learning rate the step used."""
+    for n, m in masters.items():
+        if m is not params[n]:   # bf16: the masters take the gradients in fp32
+            m.grad = None if params[n].grad is None else params[n].grad.float()
+    norm = None
+    if clip_grad_norm is not None:
+        norm = float(torch.nn.utils.clip_grad_norm_(
+            [m for m in masters.values() if m.grad is not None], clip_grad_norm))
+    lr = float(opt.param_groups[-1]["lr"])
+    opt.step()
+    with torch.no_grad():
+        for n, m in masters.items():
+            if m is not params[n]:
+                params[n].copy_(m)
+    if sched is not None:
+        sched.step()
+    return norm, lr
+
+
+def _one_region(path: str) -> dict:
+    """The tags of every module of an unannotated model: it is one region, `PP=0`."""
+    return {"PP": 0}
 
 
 def _named_state(opt, masters: dict) -> dict:
@@ -114,7 +146,8 @@ def _named_state(opt, masters: dict) -> dict:
 
 
 def _reference_passes(model, loss_fn, named: dict, microbatches: int, params: dict,
-                      events: list, t0: float, loss_mean: str) -> tuple[float, dict]:
+                      events: list, t0: float, loss_mean: str, seeds: RegionSeeds | None,
+                      step: int) -> tuple[float, dict]:
     """Forward and backward of every microbatch, gradients accumulated (each microbatch's
     loss scaled by 1/microbatches; under the global loss each sum by 1, the gradients then
     divided by the batch's count, as a plan's U does); the step's loss and metrics."""
@@ -129,6 +162,8 @@ def _reference_passes(model, loss_fn, named: dict, microbatches: int, params: di
     for mb in range(microbatches):
         sl = slice(mb * chunk, (mb + 1) * chunk)
         start = time.perf_counter() - t0
+        if seeds is not None:
+            seeds.microbatch(step, mb)
         parts = compute_loss(model, loss_fn, slice_batch(named, sl), loss_mean)
         loss = parts.loss
         mid = time.perf_counter() - t0

@@ -22,9 +22,11 @@ microbatches count different numbers of valid elements. The
 check: the losses and every entry of the trained `state_dict()` equal the single-process
 reference's (rtol 1e-5, atol 4e-5, PyTorch's pipelining tests' tolerance), with clipping
 the gradient norms too, and the plan leaves no buffer behind. With dropout, the
-check is that the same seed trains the same twice (equality with one process needs dropout
-off), and under TP that it trains as the plan without TP does (each device draws its slice
-of the unsharded masks, the MLP's hidden dropout on a device's share). BatchNorm gets 4
+same seed trains the same twice; without data parallelism the plan equals the reference
+given the same seed (`reference_train(seed=)` draws each region's masks as a plan does;
+under TP each device draws its slice of the unsharded masks, the MLP's hidden dropout on
+a device's share); with it, under TP, it trains as the plan without TP does (replicas draw
+their own shards' masks, which one process does not). BatchNorm gets 4
 samples per replica and microbatch and trains with SGD only: it
 makes some gradient elements vanish (its output is invariant to a shift of its input, so
 a bias before it, or a weight column, gets next to nothing), AdamW divides each element by
@@ -367,8 +369,15 @@ def check(case: Case, cluster, streams: bool = False) -> str:
                 again = pn.train(plan, iter(steps), case.steps, opt, cluster=cluster,
                                  seed=case.seed, **recipe(case))
                 _equal(result, again, exact=True)
+                if case.dp == 1:   # each forward sees its whole microbatch: the seeded reference
+                    ref = pn.reference_train(pn.annotate(model, model.annotation()),
+                                             iter(steps), case.steps, plan.microbatches, opt,
+                                             precision="bf16" if case.bf16 else "fp32",
+                                             seed=case.seed, **recipe(case), **loss)
+                    _equal(result, ref, tol=BF16 if case.bf16 else (RTOL, ATOL))
+                    return "same twice with one seed, and equal to the seeded reference"
                 if case.tp == 1:
-                    return "same twice with one seed (dropout)"
+                    return "same twice with one seed (dropout; replicas draw their own)"
                 # TP draws each device's slice of the unsharded masks: equal to the plan
                 # without TP (the MLP's hidden dropout is on a device's share)
                 whole = pn.compile(pn.annotate(model, model.annotation()), _program(case),

@@ -181,6 +181,35 @@ def test_dropout_is_reproducible_with_a_seed(cluster2):
         assert torch.equal(v, b.state_dict()[k])
 
 
+@pytest.mark.parametrize("recompute", [False, True])
+def test_dropout_across_stages_equals_the_seeded_reference(cluster2, same, recompute):
+    """`reference_train(spec, ..., seed=)` draws each stage's masks as the plan's forwards
+    do (seeded per step, stage and microbatch): 1F1B over two devices, with the first stage
+    recomputed or not, equals it; another seed does not."""
+    model = Chain(n=2, drop=0.3)
+    spec = pn.annotate(model, stages(model))
+    plan = pn.compile(spec, [pn.place({"PP": 0}, [0]), pn.place({"PP": 1}, [1]),
+                             *pn.schedules.one_f_one_b(2, 4),
+                             *([pn.recompute({"PP": 0})] if recompute else [])], batch())
+    got = train(plan, batch(), 2, SGD, cluster=cluster2, seed=7)
+    same(got, reference_train(spec, batch(), 2, 4, SGD, seed=7))
+    other = reference_train(spec, batch(), 2, 4, SGD, seed=8)
+    assert abs(other.losses[0] - got.losses[0]) > 1e-4
+
+
+def test_an_unannotated_model_is_seeded_as_one_region(cluster2, same):
+    """A plain module given to the seeded reference is the one region `PP=0` an unannotated
+    plan is: a two-replica... one-device plan of it draws the same masks."""
+    model = Chain(n=2, drop=0.3)
+    plan = pn.compile(pn.annotate(model), [pn.place({}, [0])], batch())
+    same(train(plan, batch(), 2, SGD, seed=3), reference_train(model, batch(), 2, 1, SGD, seed=3))
+
+
+def test_the_reference_seed_must_be_an_integer():
+    with pytest.raises(pn.PlanError, match="reference_train: seed must be an integer, got '7'"):
+        reference_train(Chain(n=2), batch(), 1, 1, SGD, seed="7")
+
+
 class Untagged(nn.Module):
     def __init__(self):
         super().__init__()

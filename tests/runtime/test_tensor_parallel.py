@@ -290,6 +290,29 @@ def test_transformers_models_on_their_own_tp_plans(request, family, layout):
         torch.testing.assert_close(got[k], v, rtol=RTOL, atol=ATOL, msg=lambda m, k=k: f"{k}: {m}")
 
 
+def test_a_transformers_model_with_attention_dropout_equals_the_seeded_reference(cluster4):
+    """Llama with attention dropout 0.5 (eager attention: the probabilities dropped on each
+    device's heads), PP 2 x TP 2 on its own TP plan, trains exactly as the seeded
+    reference: each stage's masks drawn as in one process, each device keeping its heads'."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=32, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, pad_token_id=0, bos_token_id=1,
+        eos_token_id=2, attention_dropout=0.5, attn_implementation="eager"))
+    ids = torch.randint(3, 32, (8, 8), generator=torch.Generator().manual_seed(0))
+    batch = {"input_ids": ids, "labels": ids}
+    spec = pn.annotate(model, pn.cut_stages(model, 2))
+    plan = pn.compile(spec, [pn.place({"PP": 0}, [0]), pn.place({"PP": 1}, [2]),
+                             pn.tensor_parallel({"PP": 0}, [0, 1]),
+                             pn.tensor_parallel({"PP": 1}, [2, 3]), *S.one_f_one_b(2, 2)],
+                      batch)
+    result = pn.train(plan, batch, 2, SGD, cluster=cluster4, seed=3)
+    _same(result, pn.reference_train(spec, batch, 2, 2, SGD, seed=3))
+    off = pn.reference_train(spec, batch, 2, 2, SGD, seed=4)   # the masks make a difference
+    assert abs(off.losses[0] - result.losses[0]) > 1e-4
+
+
 def test_a_users_fused_split_given_colwise_k_trains_like_one_process(cluster2):
     """`torch.split(h, [d, d, d], -1)` of a fused projection: plain colwise is refused
     (tests/directives/test_tp_fused.py); the fix it names, colwise:3, trains exactly."""
