@@ -355,3 +355,21 @@ def test_colwise_k_taken_apart_by_a_view_or_slices_trains_like_one_process(clust
     _, result, ref = _train(_PickedMLP(how), ONE, [pn.tensor_parallel({}, [0, 1], plan=plan)],
                             cluster2, loss_fn=torch.nn.functional.mse_loss)
     _same(result, ref)
+
+
+@pytest.mark.parametrize("cls, how", [("NarrowedMLP", "method"), ("NarrowedMLP", "aten"),
+                                      ("UnflattenedMLP", "torch"), ("UnflattenedMLP", "unbind")])
+def test_colwise_k_taken_apart_by_narrow_or_unflatten_trains_like_one_process(cluster2, cls,
+                                                                              how):
+    """The fix `colwise:2` that tests/directives/test_tp_fused.py's errors name, applied:
+    narrow and unflatten then take each device's share of gate and of up."""
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..",
+                                    "directives"))
+    import test_tp_fused
+
+    torch.manual_seed(0)
+    model = getattr(test_tp_fused, cls)(how)
+    plan = {"gate_up": "colwise:2", "down": "rowwise"}
+    _, result, ref = _train(model, ONE, [pn.tensor_parallel({}, [0, 1], plan=plan)],
+                            cluster2, loss_fn=torch.nn.functional.mse_loss)
+    _same(result, ref)
