@@ -195,3 +195,26 @@ def test_every_module_says_its_job_and_is_on_the_map():
             unlisted.append(rel)
     assert missing_doc == [], f"modules without an opening docstring: {missing_doc}"
     assert unlisted == [], f"add these to docs/architecture.md's module map: {unlisted}"
+
+
+def test_the_compile_tests_no_directive_type_and_imports_nothing_inside_a_function():
+    """`pn.compile` reads as its phases (`compiler.passes`): what a directive kind means is
+    read by the passes and helpers of its own module, never by an `isinstance` in
+    `compiler/compile.py`; and `train/` asks the compiler from the top of its modules, not
+    from inside a function (where a second copy of compile work once hid)."""
+    from piper_nb.directives.spec import REGISTRY
+
+    kinds = {cls.__name__ for cls in REGISTRY.values()} | {"Directive"}
+    tree = ast.parse((PACKAGE / "compiler" / "compile.py").read_text())
+    tested = [ast.unparse(n) for n in ast.walk(tree)
+              if isinstance(n, ast.Call) and getattr(n.func, "id", None) == "isinstance"
+              and {getattr(x, "id", None) for x in ast.walk(n.args[1])} & kinds]
+    assert tested == [], f"compiler/compile.py tests directive types: {tested}"
+    inner = []
+    for path in (PACKAGE / "train").glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                inner += [f"{path.name}:{n.lineno}" for n in ast.walk(node)
+                          if isinstance(n, ast.ImportFrom) and (n.module or "").startswith(
+                              "piper_nb.")]
+    assert inner == [], f"piper_nb imported inside train/ functions: {inner}"

@@ -27,11 +27,21 @@ from piper_nb.ir.kinds import Purpose
 from piper_nb.plan.clipping import has_norm_step
 from piper_nb.plan.plan import Plan
 
-__all__ = ["with_grad_clipping"]
+__all__ = ["with_grad_clipping", "add_grad_clipping"]
 
 
 def with_grad_clipping(plan: Plan, max_norm: float | None) -> Plan:
-    """`plan` with the norm step (or without it, for None); the same plan when it already is."""
+    """`plan` with the norm step (or without it, for None), checked; the same plan when it
+    already is: what `pn.train(clip_grad_norm=)` asks of a compiled plan."""
+    out = add_grad_clipping(plan, max_norm)
+    if out.devices is not plan.devices:
+        check_plan(out)
+    return out
+
+
+def add_grad_clipping(plan: Plan, max_norm: float | None) -> Plan:
+    """`plan` with the norm step (or without it, for None), unchecked: the compile's plan
+    pass, whose static checks follow."""
     if max_norm is not None and (isinstance(max_norm, bool) or not isinstance(
             max_norm, (int, float)) or math.isnan(max_norm) or max_norm <= 0):
         raise PlanError(f"clip_grad_norm must be a positive number (math.inf: report the norm, "
@@ -45,9 +55,7 @@ def with_grad_clipping(plan: Plan, max_norm: float | None) -> Plan:
     if has:
         return plan if plan.clip_grad_norm == max_norm else \
             dataclasses.replace(plan, clip_grad_norm=float(max_norm))
-    out = dataclasses.replace(plan, devices=before_updates(plan, Purpose.NORM),
-                              clip_grad_norm=float(max_norm))
-    check_plan(out)
-    return out
+    return dataclasses.replace(plan, devices=before_updates(plan, Purpose.NORM),
+                               clip_grad_norm=float(max_norm))
 
 

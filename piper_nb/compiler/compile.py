@@ -1,10 +1,12 @@
 """`pn.compile`: annotated model + directive program + batch -> checked Plan.
 
-The steps: expand schedule builders into directives, capture the model into regions,
-propagate shapes, run the declared pass pipeline (`compiler.passes`: the directives in
-Piper's fixed order, whatever their order in the program), lower the DAG to one
-instruction list per device (`compiler.lower`) and check the plan (`compiler.checks`).
-Every step is a pure function; errors name the directive index.
+The steps: name the batch, expand schedule builders into directives, capture the model
+into regions, then the three declared phases of `compiler.passes` with the shapes between
+the first two: capture passes (tensor parallelism's parts), shapes (`compiler.shapes`),
+DAG passes (the directives in Piper's fixed order, whatever their order in the program),
+plan passes (lowering to one instruction list per device, widening, the global loss,
+clipping, the static checks). Every step is a pure function; errors name the directive
+index. What a directive kind means is read only by the passes and helpers of its module.
 """
 
 from __future__ import annotations
@@ -12,61 +14,41 @@ from __future__ import annotations
 import contextlib
 import gc
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 
 import torch
 
 from piper_nb.capture.annotate import Spec, annotate
 from piper_nb.capture.batch import batch_size, named_batch, samples, slice_batch
 from piper_nb.capture.loss import check_loss_mean
-from piper_nb.capture.tensor_parallel import TPRequest, shard_capture
-from piper_nb.capture.tp_match import check_patterns
-from piper_nb.capture.tp_plan import model_tp_plan
 from piper_nb.capture.untouched import untouched
-from piper_nb.compiler.buffers import check_buffer_order, check_buffers
-from piper_nb.compiler.checks import check_plan
-from piper_nb.compiler.clip import with_grad_clipping
-from piper_nb.compiler.global_loss import with_global_loss
-from piper_nb.compiler.lower import lower
-from piper_nb.compiler.passes import run_pipeline
+from piper_nb.compiler.passes import CAPTURE, DAG, PLAN, check_consumed, run_phase
+from piper_nb.compiler.plan_passes import PlanContext
 from piper_nb.compiler.precision import cast_batch, cast_spec, check_precision
 from piper_nb.compiler.shapes import propagate
-from piper_nb.compiler.stage_order import check_stage_order
 from piper_nb.compiler.token_rows import token_rows
-from piper_nb.compiler.tp_widen import widen
-from piper_nb.directives.base import Context
-from piper_nb.directives.recompute import check_recompute
-from piper_nb.directives.spec import Directive, Program, Replicate, Schedule, Shard, Split, TensorParallel
+from piper_nb.directives.base import CaptureContext, Context
+from piper_nb.directives.replicate import check_widths, replica_width
+from piper_nb.directives.shard import routes_tokens
+from piper_nb.directives.spec import Directive, Program
+from piper_nb.directives.split import microbatches
 from piper_nb.directives.tensor_parallel import tp_groups
 from piper_nb.errors import PlanError
 from piper_nb.ir.dag import TrainingDAG
-from piper_nb.ir.kinds import Op
 from piper_nb.plan.plan import Plan
-from piper_nb.schedules import build
+from piper_nb.schedules import expand
 
 __all__ = ["compile", "expand", "build_global_dag", "rebatch"]
 
 
-def expand(program: Program | Iterable) -> list[tuple[int, Directive]]:
-    """(index in the user's program, directive) with schedule builders expanded in place."""
-    if not isinstance(program, Program):
-        program = Program(program)
-    out: list[tuple[int, Directive]] = []
-    for i, d in enumerate(program):
-        if isinstance(d, Schedule):
-            try:
-                out += [(i, x) for x in build(d.name, **dict(d.args))]
-            except PlanError as err:
-                raise err.at(i, "schedule") from None
-        else:
-            out.append((i, d))
-    return out
-
-
 def build_global_dag(capture, directives: list[tuple[int, Directive]], values: dict,
                      frozen: frozenset[str] = frozenset()) -> TrainingDAG:
-    """The placed, ordered DAG: the declared pass pipeline (`compiler.passes`) run over the
-    program's directives."""
-    return run_pipeline(tuple(directives), Context(capture, values, frozen))
+    """The placed, ordered DAG: the DAG phase of `compiler.passes` run over the program's
+    directives (each directive checked to be consumed by a DAG pass)."""
+    directives, consumed = tuple(directives), set()
+    dag = run_phase(DAG, None, directives, Context(capture, values, frozen), consumed)
+    check_consumed(directives, consumed, (DAG,))
+    return dag
 
 
 def compile(spec: Spec | torch.nn.Module, program: Program | Iterable, batch, *,
@@ -93,8 +75,8 @@ def compile(spec: Spec | torch.nn.Module, program: Program | Iterable, batch, *,
     mixed = check_precision(precision, reduce_dtype)
     check_loss_mean(loss_mean)
     with _gc_paused():
-        plan = _compile(spec, program, batch, loss_fn, world, check, capture, mixed, loss_mean)
-        return with_grad_clipping(plan, clip_grad_norm)
+        return _compile(spec, program, batch, loss_fn, world, check, capture, mixed, loss_mean,
+                        clip_grad_norm)
 
 
 @contextlib.contextmanager
@@ -110,7 +92,8 @@ def _gc_paused():
             gc.enable()
 
 
-def _compile(spec, program, batch, loss_fn, world, check, method, mixed, loss_mean) -> Plan:
+def _compile(spec, program, batch, loss_fn, world, check, method, mixed, loss_mean,
+             clip) -> Plan:
     if isinstance(spec, torch.nn.Module):   # no tags: the whole model is one region
         spec = annotate(spec)
     if not isinstance(spec, Spec):
@@ -121,7 +104,8 @@ def _compile(spec, program, batch, loss_fn, world, check, method, mixed, loss_me
     spec = cast_spec(spec, mixed[0])
     directives = expand(program)
     capture = spec.capture(loss_fn, named, method, loss_mean)
-    return _plan(capture, directives, named, world, check, mixed, samples(user), spec)
+    return _plan(capture, directives, named, _Options(world, check, mixed, clip,
+                                                      samples(user), spec))
 
 
 def rebatch(plan: Plan, batch) -> Plan:
@@ -144,69 +128,58 @@ def rebatch(plan: Plan, batch) -> Plan:
                             "Spec to export again; compile it for this batch with pn.compile")
         capture = plan.spec.capture(capture.loss_fn, named, "export", capture.loss_mean)
     with _gc_paused():
-        new = _plan(capture, plan.program, named, plan.world, True,
-                    (plan.precision, plan.reduce_dtype), samples(user), plan.spec)
-        return with_grad_clipping(new, plan.clip_grad_norm)
+        return _plan(capture, plan.program, named, _Options(
+            plan.world, True, (plan.precision, plan.reduce_dtype), plan.clip_grad_norm,
+            samples(user), plan.spec))
 
 
-def _plan(capture, directives, named: dict, world: int | None, check: bool,
-          mixed: tuple[str, str | None] = ("fp32", None), sampled: tuple = (),
-          spec: Spec | None = None) -> Plan:
-    """Lower and check the directives for the captured model on the named batch."""
-    if check:
-        check_stage_order(capture)
+@dataclass(frozen=True)
+class _Options:
+    """What `pn.compile` was asked for besides the model, program and batch."""
+
+    world: int | None
+    check: bool
+    precision: tuple[str, str | None]
+    clip_grad_norm: float | None
+    samples: tuple
+    spec: Spec | None
+
+
+def _plan(capture, directives, named: dict, opts: _Options) -> Plan:
+    """The three phases for the captured model on the named batch: capture passes, shapes,
+    DAG passes, plan passes; then every directive checked to be consumed by some pass."""
+    directives, consumed = tuple(directives), set()
+    capture = run_phase(CAPTURE, capture, directives, CaptureContext(named, opts.check),
+                        consumed)
     bsz = batch_size(named)
-    micro = _microbatches(directives, bsz)
-    capture = _sharded(capture, directives, named)
-    groups = tp_groups(directives)
-    frozen = frozenset(n for n, p in capture.named_parameters() if not p.requires_grad)
-    # shapes are per replica's share of a microbatch; the replicate directives give the
-    # width, unless their regions are placed on smaller groups (a stage's two copies)
-    width = max((len(d.devices) for _, d in directives if isinstance(d, Replicate)), default=1)
-    width = width if (bsz // micro) % width == 0 else 1
-    shapes = _shapes(capture, directives, named, bsz // micro // width)
-    dag = build_global_dag(capture, directives, shapes["values"], frozen)
-    actual = _check_widths(dag, directives, bsz, micro)
-    if actual != width:
-        shapes = _shapes(capture, directives, named, bsz // micro // actual)
-        dag = build_global_dag(capture, directives, shapes["values"], frozen)
-    check_buffers(dag, shapes["changed"])
-    check_recompute(dag, shapes["changed"])
-    n_world = _world(dag, directives, world, groups)
-    devices, buckets = widen(lower(dag, dag.get_meta("buckets", ()), n_world), groups,
-                             dag.get_meta("buckets", ()), n_world)
-    loss_region = next(r.index for r in capture.regions if r.has_loss)
-    loss_width = next(len(n.devices) for n in dag.nodes if n.region == loss_region and n.op == Op.F)
-    plan = Plan(
-        world=n_world, devices=devices, microbatches=micro, batch_size=bsz,
-        loss_scale=1.0 / (micro * loss_width), regions=capture.regions, buckets=buckets,
-        values=shapes["values"], saved=shapes["saved"], rows=shapes["rows"],
-        saved_rows=shapes["saved_rows"],
-        params={k: (tuple(p.shape), str(p.dtype).removeprefix("torch."))
-                for k, p in capture.named_parameters()},
-        frozen=tuple(sorted(frozen)), batch_names=capture.batch, samples=sampled, spec=spec,
-        precision=mixed[0], reduce_dtype=mixed[1],
-        pieces={p: tuple(v[:3]) for p, v in getattr(capture, "pieces", {}).items()},
-        tp_groups=tuple(groups[k] for k in sorted(groups)),
-        tp_params=dict(capture.tp.params) if capture.tp is not None else {},
-        dag=dag, program=directives, capture=capture)
-    if capture.loss_mean == "global":
-        plan = with_global_loss(plan)
-    check_buffer_order(plan, shapes["changed"])
-    if check:
-        check_plan(plan)
+    micro = microbatches(directives, bsz)
+    dag, shapes = _placed(capture, directives, named, bsz, micro, consumed)
+    ctx = PlanContext(capture, dag, shapes, bsz, micro,
+                      _world(dag, directives, opts.world, tp_groups(directives)), directives,
+                      opts.check, opts.precision, opts.clip_grad_norm, opts.samples, opts.spec)
+    plan = run_phase(PLAN, None, directives, ctx, consumed)
+    check_consumed(directives, consumed)
     return plan
 
 
-def _microbatches(directives, bsz: int) -> int:
-    splits = [(i, d) for i, d in directives if isinstance(d, Split)]
-    micro = 1
-    for _, d in splits:
-        micro *= d.num
-    if bsz % micro:
-        raise PlanError(f"{micro} microbatches do not divide the batch of {bsz}; use a divisor "
-                        f"of {bsz}", directive=splits[-1][0], op="split")
-    return micro
+def _placed(capture, directives, named: dict, bsz: int, micro: int,
+            consumed: set[int]) -> tuple[TrainingDAG, dict]:
+    """The DAG phase on shapes per replica's share of a microbatch: the replicate
+    directives give the width, and when the placed DAG's differs (their regions are placed
+    on smaller groups, a stage's two copies) the shapes and the DAG are made again for it."""
+    frozen = frozenset(n for n, p in capture.named_parameters() if not p.requires_grad)
+    width = replica_width(directives, bsz // micro)
+    shapes = _shapes(capture, directives, named, bsz // micro // width)
+    dag = run_phase(DAG, None, directives, _context(capture, shapes, frozen), consumed)
+    actual = check_widths(dag, directives, bsz, micro)
+    if actual != width:
+        shapes = _shapes(capture, directives, named, bsz // micro // actual)
+        dag = run_phase(DAG, None, directives, _context(capture, shapes, frozen), consumed)
+    return dag, shapes
+
+
+def _context(capture, shapes: dict, frozen: frozenset[str]) -> Context:
+    return Context(capture, shapes["values"], frozen, shapes["changed"])
 
 
 def _shapes(capture, directives, named: dict, part: int) -> dict:
@@ -218,7 +191,7 @@ def _shapes(capture, directives, named: dict, part: int) -> dict:
         with untouched(capture.model):   # the user's buffers and random state stay as they are
             values, saved, _, changed = propagate(capture, slice_batch(named, slice(part)))
             rows, saved_rows = {}, {}
-            if any(isinstance(d, Shard) for _, d in directives):  # routed rows: symbolic
+            if routes_tokens(directives):  # routed rows: symbolic
                 rows, saved_rows = token_rows(capture, slice_batch(named, slice(part)), saved,
                                               values)
     finally:
@@ -229,45 +202,6 @@ def _shapes(capture, directives, named: dict, part: int) -> dict:
                         "(requires_grad=False); unfreeze some before compiling")
     return {"values": values, "saved": saved, "changed": changed, "rows": rows,
             "saved_rows": saved_rows}
-
-
-def _check_widths(dag: TrainingDAG, directives, bsz: int, micro: int) -> int:
-    """The replica width (devices per pass), checked to divide a microbatch."""
-    widths = {len(n.devices) for n in dag.nodes if n.op == Op.F}
-    for w in sorted(widths, reverse=True):
-        if (bsz // micro) % w:
-            idx = next((i for i, d in directives if isinstance(d, Replicate)
-                        and len(d.devices) % w == 0), None)
-            raise PlanError(f"{w} replicas do not divide the microbatch of {bsz // micro} "
-                            f"samples (batch {bsz} / {micro} microbatches); use a batch divisible "
-                            f"by {micro * w}", directive=idx,
-                            op="replicate" if idx is not None else None)
-    return max(widths, default=1)
-
-
-def _sharded(capture, directives, named: dict):
-    """The capture with the tensor-parallel directives' regions cut into parts and sharded
-    (`capture.tensor_parallel`); a capture already sharded (a rebatch) stays as it is."""
-    tps = [(i, d) for i, d in directives if isinstance(d, TensorParallel)]
-    if not tps or capture.tp is not None:
-        return capture
-    requests = []
-    for i, d in tps:
-        if d.sequence_parallel:
-            raise PlanError("tensor_parallel: sequence_parallel=True is not supported yet (norms "
-                            "and residuals stay whole on every device); drop it", directive=i,
-                            op=d.op)
-        plan = d.plan or model_tp_plan(capture.model)
-        if not plan:
-            raise PlanError(f"tensor_parallel: {type(capture.model).__name__} has no "
-                            "tensor-parallel plan of its own; give one, as plan={'layers.*."
-                            "mlp.up': 'colwise', 'layers.*.mlp.down': 'rowwise'}",
-                            directive=i, op=d.op)
-        if d.plan:   # the user's: every pattern must match (a model's own may list more)
-            check_patterns(capture.model, plan, i)
-        requests.append(TPRequest(d.filter, d.degree, plan, i))
-    with untouched(capture.model):
-        return shard_capture(capture, requests, named)
 
 
 def _flat(devices) -> list[int]:

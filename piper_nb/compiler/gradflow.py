@@ -88,7 +88,7 @@ class Flow:
                     seen.add((node.region, node.devices))
                     for k, dev in enumerate(node.devices):
                         self.position[(dev, node.region)] = k
-            lead = {m: g[0] for g in getattr(plan, "tp_groups", ()) for m in g[1:]}
+            lead = {m: g[0] for g in plan.tp_groups for m in g[1:]}
             if lead:   # a tensor-parallel member stands where its group's first device does
                 for (dev, r), k in list(self.position.items()):
                     for m in (m for m, first in lead.items() if first == dev):

@@ -25,7 +25,7 @@ def param_ptrs(capture) -> set[int]:
     ptrs = {storage_key(p) for p in capture.model.parameters()}
     ptrs |= {storage_key(b) for b in capture.model.buffers()}
     # a tensor-parallel shard of stacked blocks is a copy, not a view of the model's tensor
-    ptrs |= {storage_key(p) for p in getattr(capture, "tp_local", {}).values()}
+    ptrs |= {storage_key(p) for p in capture.tp_local.values()}
     return ptrs
 
 

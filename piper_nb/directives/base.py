@@ -13,13 +13,13 @@ from __future__ import annotations
 import inspect
 import json
 from collections.abc import Callable, Mapping
-from dataclasses import MISSING, dataclass, fields
+from dataclasses import MISSING, dataclass, field, fields
 from typing import Any, ClassVar
 
 from piper_nb.errors import PlanError
 from piper_nb.ir.dag import TrainingDAG
 
-__all__ = ["Directive", "Context", "Directives", "each", "check_devices", "check_stream",
+__all__ = ["Directive", "Context", "CaptureContext", "Directives", "each", "check_devices", "check_stream",
            "py_literal", "call_code"]
 
 
@@ -27,11 +27,22 @@ __all__ = ["Directive", "Context", "Directives", "each", "check_devices", "check
 class Context:
     """What a rewrite may read besides the DAG and its directives: the captured model (its
     regions, parameters and the values between regions), the values' shapes and dtypes
-    (`ValueInfo` by name) and the frozen parameters. The same for every pass of one compile."""
+    (`ValueInfo` by name), the frozen parameters and the buffers each region's forward
+    changes. The same for every pass of one compile."""
 
     capture: Any
     values: Mapping[str, Any]
     frozen: frozenset[str] = frozenset()
+    changed: Mapping[int, tuple[str, ...]] = field(default_factory=dict)   # region -> buffers
+
+
+@dataclass(frozen=True, slots=True)
+class CaptureContext:
+    """What a capture pass may read besides the captured model and its directives: the
+    named batch the compile is for, and whether the compile checks."""
+
+    batch: Mapping[str, Any]
+    check: bool = True
 
 
 Directives = tuple[tuple[int, "Directive"], ...]   # (index in the user's program, directive)

@@ -61,8 +61,8 @@ from piper_nb.ir.filters import as_filter, freeze_tags
 from piper_nb.ir.kinds import EdgeKind, Op, Purpose
 from piper_nb.ir.node import Edge, Node, node_id
 
-__all__ = ["Replicate", "replicate", "Bucket", "ReplicaConfig", "replica_configs",
-           "insert_grad_sync"]
+__all__ = ["Replicate", "replicate", "replica_width", "check_widths", "Bucket",
+           "ReplicaConfig", "replica_configs", "insert_grad_sync"]
 
 
 @dataclass(frozen=True)
@@ -359,3 +359,26 @@ def insert_grad_sync(dag: TrainingDAG, replicates: Directives, ctx: Context) -> 
         edges += [Edge(a, b, EdgeKind.TEMPORAL) for a, b in zip(chain, chain[1:], strict=False)]
     return dag.replace(nodes=nodes, edges=edges, meta={"buckets": tuple(buckets)},
                        step=f"{len(buckets)} buckets")
+
+
+def replica_width(directives: Directives, share: int) -> int:
+    """The replicas a microbatch of `share` samples is cut into, as the program's
+    replicates say: the widest, unless it does not divide the microbatch (its regions are
+    then placed on smaller groups, as a stage's two copies; `check_widths` says which)."""
+    width = max((len(d.devices) for _, d in directives if isinstance(d, Replicate)), default=1)
+    return width if share % width == 0 else 1
+
+
+def check_widths(dag: TrainingDAG, directives: Directives, bsz: int, micro: int) -> int:
+    """The replica width (devices per forward) of the placed DAG, checked to divide a
+    microbatch."""
+    widths = {len(n.devices) for n in dag.nodes if n.op == Op.F}
+    for w in sorted(widths, reverse=True):
+        if (bsz // micro) % w:
+            idx = next((i for i, d in directives if isinstance(d, Replicate)
+                        and len(d.devices) % w == 0), None)
+            raise PlanError(f"{w} replicas do not divide the microbatch of {bsz // micro} "
+                            f"samples (batch {bsz} / {micro} microbatches); use a batch divisible "
+                            f"by {micro * w}", directive=idx,
+                            op="replicate" if idx is not None else None)
+    return max(widths, default=1)

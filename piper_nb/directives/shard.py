@@ -61,7 +61,8 @@ from piper_nb.ir.filters import as_filter, freeze_tags, tags_text
 from piper_nb.ir.kinds import COMPUTE, PASSES, EdgeKind, Op, Purpose
 from piper_nb.ir.node import Edge, Node, node_id
 
-__all__ = ["Shard", "shard", "place_experts", "apply_shards", "insert_all_to_all", "EP"]
+__all__ = ["Shard", "shard", "place_experts", "apply_shards", "insert_all_to_all", "EP",
+           "routes_tokens"]
 
 EP = "EP"
 
@@ -291,3 +292,9 @@ def insert_all_to_all(dag: TrainingDAG, _: Directives, ctx: Context) -> Training
     names = ", ".join(tags_text(regions[r].tags) for r in sorted(experts)) if regions else ""
     return dag.replace(nodes=nodes, edges=edges,
                        step=f"{len(groups)} nodes; experts {names}")
+
+
+def routes_tokens(directives: Directives) -> bool:
+    """Whether the program shards experts, so the shapes pass counts routed rows as
+    symbols (`compiler.token_rows`)."""
+    return any(isinstance(d, Shard) for _, d in directives)

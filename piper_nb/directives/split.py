@@ -20,7 +20,7 @@ from piper_nb.ir.filters import as_filter, freeze_tags
 from piper_nb.ir.kinds import Op
 from piper_nb.ir.node import Edge, Node, node_id
 
-__all__ = ["Split", "split", "apply_splits"]
+__all__ = ["Split", "split", "apply_splits", "microbatches"]
 
 
 @dataclass(frozen=True)
@@ -108,3 +108,16 @@ def _split(dag: TrainingDAG, directive: Split) -> TrainingDAG:
     splits = (*dag.get_meta("splits", ()), (dim, num))
     return dag.replace(nodes=nodes, edges=edges, meta={"splits": splits},
                        step=f"{dim}={num}")
+
+
+def microbatches(directives: Directives, bsz: int) -> int:
+    """How many microbatches the program's splits cut a batch of `bsz` into (checked to
+    divide it)."""
+    splits = [(i, d) for i, d in directives if isinstance(d, Split)]
+    micro = 1
+    for _, d in splits:
+        micro *= d.num
+    if bsz % micro:
+        raise PlanError(f"{micro} microbatches do not divide the batch of {bsz}; use a divisor "
+                        f"of {bsz}", directive=splits[-1][0], op="split")
+    return micro

@@ -2,7 +2,8 @@
 (Megatron's tensor parallelism), on the model as the user has it.
 
 The value `TensorParallel` (JSON `{"op": "tensor_parallel", "filter": {...}, "devices":
-[0, 1], "plan": {...}}`), its constructor `pn.tensor_parallel`, and its two passes. Where a
+[0, 1], "plan": {...}}`), its constructor `pn.tensor_parallel`, its capture pass
+(`shard_regions`) and its two DAG passes. Where a
 region runs is said as without it (`place`, `replicate`): each of those devices must be the
 first of one of the directive's groups, and the group then runs everything that device
 runs, each member its share of the sharded layers and the rest whole. With one group and
@@ -22,16 +23,26 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from piper_nb.capture.tp_plan import check_plan
-from piper_nb.directives.base import Context, Directive, Directives, call_code, check_devices
+from piper_nb.capture.tensor_parallel import TPRequest, shard_capture
+from piper_nb.capture.tp_match import check_patterns
+from piper_nb.capture.tp_plan import check_plan, model_tp_plan
+from piper_nb.capture.untouched import untouched
+from piper_nb.directives.base import (
+    CaptureContext,
+    Context,
+    Directive,
+    Directives,
+    call_code,
+    check_devices,
+)
 from piper_nb.errors import PlanError
 from piper_nb.ir.dag import TrainingDAG
 from piper_nb.ir.filters import as_filter
 from piper_nb.ir.kinds import EdgeKind, Op, Purpose
 from piper_nb.ir.node import Edge, Node, node_id
 
-__all__ = ["TensorParallel", "tensor_parallel", "tp_groups", "place_tensor_parallel",
-           "insert_tp_collectives"]
+__all__ = ["TensorParallel", "tensor_parallel", "tp_groups", "shard_regions",
+           "place_tensor_parallel", "insert_tp_collectives"]
 
 _PASSES = (Op.F, Op.B, Op.BI, Op.BW)
 
@@ -110,6 +121,30 @@ def tp_groups(directives) -> dict[int, tuple[int, ...]]:
     return out
 
 
+def shard_regions(capture, directives: Directives, ctx: CaptureContext):
+    """The capture pass: the matched regions cut into parts and their layers sharded
+    (`capture.tensor_parallel`); a capture already sharded (a rebatch) stays as it is."""
+    if not directives or capture.tp is not None:
+        return capture
+    requests = []
+    for i, d in directives:
+        if d.sequence_parallel:
+            raise PlanError("tensor_parallel: sequence_parallel=True is not supported yet (norms "
+                            "and residuals stay whole on every device); drop it", directive=i,
+                            op=d.op)
+        plan = d.plan or model_tp_plan(capture.model)
+        if not plan:
+            raise PlanError(f"tensor_parallel: {type(capture.model).__name__} has no "
+                            "tensor-parallel plan of its own; give one, as plan={'layers.*."
+                            "mlp.up': 'colwise', 'layers.*.mlp.down': 'rowwise'}",
+                            directive=i, op=d.op)
+        if d.plan:   # the user's: every pattern must match (a model's own may list more)
+            check_patterns(capture.model, plan, i)
+        requests.append(TPRequest(d.filter, d.degree, plan, i))
+    with untouched(capture.model):
+        return shard_capture(capture, requests, ctx.batch)
+
+
 def place_tensor_parallel(dag: TrainingDAG, directives: Directives, ctx: Context) -> TrainingDAG:
     """Passes of the matched regions not placed yet go to the first device of the group
     (one group only: with several, `replicate` says which replica runs where)."""
@@ -129,7 +164,7 @@ def place_tensor_parallel(dag: TrainingDAG, directives: Directives, ctx: Context
 def insert_tp_collectives(dag: TrainingDAG, directives: Directives, ctx: Context) -> TrainingDAG:
     """The all-reduces between the parts of sharded regions, per microbatch; checks each
     sharded pass runs on the first devices of groups of its degree."""
-    layout = getattr(ctx.capture, "tp", None)
+    layout = ctx.capture.tp
     if not directives or layout is None:
         return dag
     groups = tp_groups(directives)

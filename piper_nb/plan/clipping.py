@@ -30,5 +30,5 @@ def norm_weights(plan: Plan) -> dict[str, float]:
     for b in buckets:
         for n in plan.buckets[b].params:
             places[n] = places.get(n, 0) + 1
-    tp = getattr(plan, "tp_params", {})
+    tp = plan.tp_params
     return {n: (tp[n][1] if n in tp else 1) / k for n, k in places.items()}

@@ -14,7 +14,7 @@ import inspect
 from collections.abc import Callable
 
 from piper_nb.directives.schedule import ALIASES, FUNCTIONS, schedule_key
-from piper_nb.directives.spec import Directive
+from piper_nb.directives.spec import Directive, Program, Schedule
 from piper_nb.errors import PlanError
 from piper_nb.ir.action import grid_text
 from piper_nb.schedules.dualpipe import dualpipe, dualpipe_grid, dualpipev, dualpipev_grid
@@ -28,7 +28,7 @@ from piper_nb.schedules.zero_bubble import zero_bubble, zero_bubble_grid
 __all__ = ["gpipe_grid", "one_f_one_b_grid", "interleaved_1f1b_grid", "zero_bubble_grid",
            "dualpipev_grid", "dualpipe_grid", "gpipe", "one_f_one_b", "interleaved_1f1b",
            "zero_bubble", "dualpipev", "dualpipe", "from_grid", "validate_grid",
-           "grid_directives", "place_directives", "from_torch_csv", "parse_torch_csv",
+           "grid_directives", "place_directives", "from_torch_csv", "parse_torch_csv", "expand",
            "grid_to_torch_csv", "grid_text", "build", "BUILDERS", "ALIASES"]
 
 
@@ -61,3 +61,20 @@ def build(name: str, **kwargs) -> list[Directive]:
         raise PlanError(f"schedule {name!r}: {problem}; it takes {', '.join(required)}"
                         + (f" and optionally {', '.join(optional)}" if optional else "")) from None
     return fn(**kwargs)
+
+
+def expand(program) -> list[tuple[int, Directive]]:
+    """(index in the user's program, directive) with schedule builders expanded in place:
+    what the compile's passes are handed."""
+    if not isinstance(program, Program):
+        program = Program(program)
+    out: list[tuple[int, Directive]] = []
+    for i, d in enumerate(program):
+        if isinstance(d, Schedule):
+            try:
+                out += [(i, x) for x in build(d.name, **dict(d.args))]
+            except PlanError as err:
+                raise err.at(i, "schedule") from None
+        else:
+            out.append((i, d))
+    return out

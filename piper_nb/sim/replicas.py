@@ -151,7 +151,7 @@ def replica_runs(plan, cost, settings=None) -> list[bool] | None:
     for d, t in stamps.items():
         copies.setdefault(t, []).append(d)
     groups = {b.group for b in plan.buckets}
-    lead = {m: (g[0], k) for g in getattr(plan, "tp_groups", ()) for k, m in enumerate(g)}
+    lead = {m: (g[0], k) for g in plan.tp_groups for k, m in enumerate(g)}
 
     def tp_copy(group) -> bool:
         """Rank k's copy of a bucket of the groups' first devices (`tp_widen`): it mirrors

@@ -9,6 +9,7 @@ from collections.abc import Iterable, Mapping
 import torch
 
 from piper_nb.capture.batch import batch_size, sample_difference, samples
+from piper_nb.compiler.compile import rebatch
 from piper_nb.errors import PlanError
 
 __all__ = ["each_batch", "BatchPlans", "other_plan_step"]
@@ -49,7 +50,6 @@ class BatchPlans:
         if size != base.batch_size and self.drop_last:
             self._tell(step, size, f"{what} is skipped (drop_last=True)")
             return None
-        from piper_nb.compiler.compile import rebatch
         try:
             self.plans[key] = rebatch(base, named)   # clipping included
         except PlanError as err:

@@ -9,6 +9,9 @@ from collections.abc import Callable
 import torch
 
 from piper_nb.capture.batch import batch_size, named_batch, ordered
+from piper_nb.cluster.checkpoint import Checkpointer
+from piper_nb.cluster.local import LocalCluster
+from piper_nb.compiler.clip import with_grad_clipping
 from piper_nb.errors import PlanError, RuntimeFailure
 from piper_nb.metrics import StepMetrics, TensorBoardLog, batch_tokens
 from piper_nb.optim import OptimizerSpec, check_optimizer
@@ -63,8 +66,6 @@ def train(plan, batch_or_loader, steps: int, optimizer, cluster=None, *,
     refused, naming the change; `resume="weights_only"` loads only the weights (the optimizer
     and scheduler start fresh, the step and data position go on): `cluster.checkpoint`.
     """
-    from piper_nb.cluster.checkpoint import Checkpointer
-    from piper_nb.cluster.local import LocalCluster
     plan, spec, seed = _prepare(plan, optimizer, param_groups, lr_scheduler, clip_grad_norm,
                                 seed)
     ckpt = Checkpointer.for_train(plan, spec, checkpoint_dir, checkpoint_every, resume)
@@ -124,7 +125,6 @@ def _optimizer_state(plan, spec: OptimizerSpec, states: list[dict]) -> dict:
 def _prepare(plan, optimizer, param_groups, lr_scheduler, clip_grad_norm, seed):
     """Everything `train` checks before a worker starts: (plan with clipping, the
     optimizer's spec, the seed)."""
-    from piper_nb.compiler.clip import with_grad_clipping
     if plan.capture is None:
         raise PlanError("this plan has no captured model; compile it with pn.compile to train it")
     check_materialized(plan.capture.model, "pn.train")

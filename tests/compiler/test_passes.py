@@ -1,6 +1,7 @@
-"""The declared pass pipeline: one list, one signature, every pass named in the DAG's
-history, and no directive dropped silently (the experiment that once passed every test: a
-directive registered but never applied)."""
+"""The declared passes: three phases (capture, DAG, plan) run by one runner, one
+signature, every DAG pass named in the DAG's history, and no directive dropped silently
+(the experiment that once passed every test: a directive registered but never applied;
+and tensor parallelism, whose sharding once ran outside every declared list)."""
 
 from __future__ import annotations
 
@@ -10,8 +11,9 @@ from typing import Any, ClassVar
 import pytest
 
 import piper_nb as pn
+from piper_nb.compiler import passes
 from piper_nb.compiler.compile import _shapes
-from piper_nb.compiler.passes import PIPELINE, Pass, run_pipeline
+from piper_nb.compiler.passes import DAG, PHASES, PIPELINE, Pass, Phase, run_phase
 from piper_nb.directives.base import Context, Directive
 from piper_nb.directives.spec import REGISTRY, Place, Schedule, directive_from_json
 from piper_nb.errors import InternalError
@@ -42,11 +44,36 @@ def test_a_registered_directive_no_pass_applies_is_an_internal_error(monkeypatch
 
 
 def test_every_registered_directive_is_consumed_by_a_pass():
-    consumed = {cls for p in PIPELINE for cls in p.consumes}
+    consumed = {cls for ph in PHASES for p in ph.passes for cls in p.consumes}
     for op, cls in REGISTRY.items():
         if cls is Schedule:    # a schedule builder expands into the others before the passes
             continue
-        assert cls in consumed, f"{op}: no pass of compiler.passes.PIPELINE applies it"
+        assert cls in consumed, f"{op}: no pass of a phase of compiler.passes applies it"
+
+
+def test_without_its_sharding_pass_a_tensor_parallel_program_is_consumed_by_no_pass(
+        monkeypatch):
+    """Tensor parallelism's capture pass is what applies the directive: take it out of its
+    phase and the compile says so, instead of training every device on the whole model."""
+    model = pn.models.TinyGPT(vocab=32, dim=16, layers=2, heads=2, seq=8)
+    spec, batch = pn.annotate(model, {"": {"PP": 0}}), model.example_batch(4, seed=0)
+    program = [pn.tensor_parallel({}, [0, 1])]
+    assert pn.compile(spec, program, batch).tp_params     # with the pass: sharded
+    without = Phase("capture", tuple(p for p in passes.CAPTURE.passes
+                                     if p.name != "tensor-parallel sharding"))
+    monkeypatch.setattr(passes, "CAPTURE", without)
+    monkeypatch.setattr("piper_nb.compiler.compile.CAPTURE", without)
+    with pytest.raises(InternalError, match=r"directive #0 \(tensor_parallel, TensorParallel\) "
+                                            r"was consumed by no pass"):
+        pn.compile(spec, program, batch)
+
+
+def test_the_phases_run_in_order_and_every_pass_has_a_name():
+    assert [ph.name for ph in PHASES] == ["capture", "DAG", "plan"]
+    assert PIPELINE is DAG.passes
+    names = [p.name for ph in PHASES for p in ph.passes]
+    assert len(names) == len(set(names))
+    assert [p.name for p in passes.PLAN.passes][0] == "lower"
 
 
 def test_the_history_names_every_pass_in_order():
@@ -66,12 +93,12 @@ def test_a_pass_is_handed_only_its_kinds_with_their_program_index():
         return dag
 
     program = [pn.place({"PP": 0}, [0]), pn.split({}, num=2), pn.place({"PP": 1}, [1])]
-    pipeline = (*PIPELINE[:1], Pass("spy", spy, reads=(Place,)),
-                *PIPELINE[1:])
+    phase = Phase("DAG", (*PIPELINE[:1], Pass("spy", spy, reads=(Place,)), *PIPELINE[1:]),
+                  history=True)
     named = {"inputs": batch[0], "targets": batch[1]}
     capture = spec.capture(None, named)
     values = _shapes(capture, [], named, 4)["values"]
-    dag = run_pipeline(tuple(enumerate(program)), Context(capture, values), pipeline)
+    dag = run_phase(phase, None, tuple(enumerate(program)), Context(capture, values), set())
     assert seen == [[(0, "place"), (2, "place")]]
     assert dag.history[1] == "spy"
 
