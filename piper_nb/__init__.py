@@ -17,7 +17,6 @@ from piper_nb.directives.spec import (
     replicate,
     shard,
     split,
-    tensor_parallel,
 )
 from piper_nb.errors import PlanError, RuntimeFailure, WorkerLost
 from piper_nb.ir.dag import TrainingDAG
@@ -30,6 +29,7 @@ from piper_nb.plan.plan import DevicePlan, Plan
 from piper_nb.profile import CostModel, simulate
 from piper_nb.sim import HardwareSpec, HostModel, MemorySettings, Trace
 from piper_nb.sim.memory import MIXED_PRECISION_ADAM, device_model_states, zero_model_states
+from piper_nb.tp import tensor_parallel
 from piper_nb.train import Result, reference_train, train
 
 __all__ = ["annotate", "cut_stages", "expert_slices", "region", "compile", "Plan", "DevicePlan",

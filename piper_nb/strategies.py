@@ -19,7 +19,8 @@ from collections.abc import Callable
 from piper_nb import models, schedules
 from piper_nb.capture import annotate, cut_stages
 from piper_nb.compiler.compile import compile
-from piper_nb.directives.spec import Program, place, replicate, shard, split, tensor_parallel
+from piper_nb.directives.spec import Program, place, replicate, shard, split
+from piper_nb.tp import tensor_parallel
 
 __all__ = ["MATRIX", "SIZES", "compile_strategy", "moe_annotation"]
 

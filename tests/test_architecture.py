@@ -19,15 +19,16 @@ FLOORS = {
     "directives": 3,
     "schedules": 4,
     "plan": 5,                       # the values the runtime and the simulator read
-    "compiler": 6,
-    "viz": 7,
-    "sim": 8, "runtime": 8,          # side by side: neither imports the other
-    "profile": 9,                    # measures by running the runtime, feeds the simulator
-    "cluster": 10, "strategies": 10,
-    "train": 11,                     # local workers by default: above the clusters
-    "ui": 12,
-    "__init__": 13,                  # the public face
-    "__main__": 14,                  # the command line uses the public face
+    "tp": 6,                         # one home: directive, rewrite, passes, widening
+    "compiler": 7,
+    "viz": 8,
+    "sim": 9, "runtime": 9,          # side by side: neither imports the other
+    "profile": 10,                   # measures by running the runtime, feeds the simulator
+    "cluster": 11, "strategies": 11,
+    "train": 12,                     # local workers by default: above the clusters
+    "ui": 13,
+    "__init__": 14,                  # the public face
+    "__main__": 15,                  # the command line uses the public face
 }
 
 
@@ -218,3 +219,21 @@ def test_the_compile_tests_no_directive_type_and_imports_nothing_inside_a_functi
                           if isinstance(n, ast.ImportFrom) and (n.module or "").startswith(
                               "piper_nb.")]
     assert inner == [], f"piper_nb imported inside train/ functions: {inner}"
+
+
+def test_tensor_parallelism_has_one_home():
+    """Tensor parallelism lives in `piper_nb/tp/` (the directive, the module
+    rewrite, its passes in each phase, the widening): no module elsewhere is named for it,
+    every other part reads it through the package's face, never its inner modules, and
+    nothing reads its plan fields by duck typing."""
+    home = PACKAGE / "tensor_parallel"
+    stray = [str(p.relative_to(PACKAGE)) for p in PACKAGE.rglob("*.py")
+             if home not in p.parents and (p.stem.startswith("tp_") or "tensor_parallel" in p.stem)]
+    assert stray == [], f"tensor-parallel modules outside piper_nb/tp/: {stray}"
+    inner = sorted(f"{name} imports {dep}" for name, deps in file_imports().items()
+                   for dep in deps if dep.startswith("piper_nb.tp.")
+                   and not name.startswith("piper_nb.tp"))
+    assert inner == [], f"read piper_nb.tp, not its modules: {inner}"
+    duck = [str(p.relative_to(PACKAGE)) for p in PACKAGE.rglob("*.py")
+            if 'getattr(plan, "tp_' in p.read_text()]
+    assert duck == [], f"typed fields, not getattr: {duck}"

@@ -86,7 +86,7 @@ class Capture:
     imports: tuple[str, ...] = ()              # modules registering custom ops the regions call
     samples: tuple | None = None               # export: the sample shapes it is specialised to
     loss_mean: str = "microbatch"              # what the loss region returns (`capture.loss`)
-    tp: Any = None                             # `capture.tensor_parallel.TPLayout`, if sharded
+    tp: Any = None                             # `tp.rewrite.TPLayout`, if sharded
     tp_local: dict = field(default_factory=dict)   # sharded parameter -> device 0's shard
 
     def named_parameters(self, whole: bool = False) -> list[tuple[str, torch.Tensor]]:

@@ -32,11 +32,11 @@ from piper_nb.directives.replicate import check_widths, replica_width
 from piper_nb.directives.shard import routes_tokens
 from piper_nb.directives.spec import Directive, Program
 from piper_nb.directives.split import microbatches
-from piper_nb.directives.tensor_parallel import tp_groups
 from piper_nb.errors import PlanError
 from piper_nb.ir.dag import TrainingDAG
 from piper_nb.plan.plan import Plan
 from piper_nb.schedules import expand
+from piper_nb.tp import tp_groups
 
 __all__ = ["compile", "expand", "build_global_dag", "rebatch"]
 

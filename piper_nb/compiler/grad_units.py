@@ -26,7 +26,7 @@ class Units:
     def __init__(self, plan, width: dict[int, int], frozen: frozenset[str]):
         self.plan, self.frozen = plan, frozen
         self.mbs = max(plan.microbatches, 1)
-        # a parameter is in one bucket, or in one per tensor-parallel rank (`tp_widen`)
+        # a parameter is in one bucket, or in one per tensor-parallel rank (`tp.widen`)
         self.buckets_of: dict[str, list[int]] = defaultdict(list)
         for b in plan.buckets:
             for p in b.params:

@@ -319,7 +319,7 @@ class Flow:
                                  f"whole contribution of {self._readers(whole, mb)}, which the "
                                  f"sum would count {len(src.group)} times",
                                  "sum only the shares of sharded parts: a value a sharded part "
-                                 "reads goes through an alias of its own (capture.tensor_parallel)")
+                                 "reads goes through an alias of its own (tp.rewrite)")
             every = -1
             for m in masks:
                 every &= m

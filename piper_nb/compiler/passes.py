@@ -49,15 +49,15 @@ from piper_nb.directives.recompute import Recompute, apply_recompute, check_reco
 from piper_nb.directives.replicate import Replicate, insert_grad_sync
 from piper_nb.directives.shard import Shard, apply_shards, insert_all_to_all, place_experts
 from piper_nb.directives.split import Split, apply_splits
-from piper_nb.directives.tensor_parallel import (
+from piper_nb.errors import InternalError, PlanError
+from piper_nb.ir.dag import TrainingDAG
+from piper_nb.ir.validate import validate
+from piper_nb.tp import (
     TensorParallel,
     insert_tp_collectives,
     place_tensor_parallel,
     shard_regions,
 )
-from piper_nb.errors import InternalError, PlanError
-from piper_nb.ir.dag import TrainingDAG
-from piper_nb.ir.validate import validate
 
 __all__ = ["Pass", "Phase", "CAPTURE_PASSES", "DAG_PASSES", "PIPELINE", "PLAN_PASSES",
            "PHASES", "run_phase", "check_consumed"]

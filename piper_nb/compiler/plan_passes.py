@@ -4,14 +4,13 @@ Each pass has the runner's signature, `apply(plan, directives, ctx) -> plan`, ov
 `PlanContext` of one compile; the first, `lower`, is handed no plan and makes it, as the
 DAG phase's `build` makes the DAG. In order (`compiler.passes.PLAN_PASSES`): lower the DAG
 to one instruction list per device (`compiler.lower`), widen them over the tensor-parallel
-groups (`compiler.tp_widen`), the global loss's count step (`compiler.global_loss`), the
+groups (`tp.widen`), the global loss's count step (`compiler.global_loss`), the
 gradient-norm step (`compiler.clip`), the check of buffers changed in place, and the static
 checks (`compiler.checks`), which so see every step the plan has.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -21,12 +20,11 @@ from piper_nb.compiler.checks import check_plan
 from piper_nb.compiler.clip import add_grad_clipping
 from piper_nb.compiler.global_loss import with_global_loss
 from piper_nb.compiler.lower import lower
-from piper_nb.compiler.tp_widen import widen
 from piper_nb.directives.base import Directives
-from piper_nb.directives.tensor_parallel import tp_groups
 from piper_nb.ir.dag import TrainingDAG
 from piper_nb.ir.kinds import Op
 from piper_nb.plan.plan import Plan
+from piper_nb.tp import tp_groups, widen_plan
 
 __all__ = ["PlanContext", "lower_plan", "widen_tensor_parallel", "add_global_loss",
            "add_clipping", "check_buffers_in_order", "check_statically"]
@@ -76,16 +74,8 @@ def lower_plan(plan: None, directives: Directives, ctx: PlanContext) -> Plan:
 
 def widen_tensor_parallel(plan: Plan, directives: Directives, ctx: PlanContext) -> Plan:
     """Every member of a tensor-parallel group runs its first device's list, with its own
-    peers and buckets (`compiler.tp_widen`); the groups and sharded parameters recorded."""
-    groups = tp_groups(directives)
-    if not groups:
-        return plan
-    devices, buckets = widen(plan.devices, groups, plan.buckets, plan.world)
-    layout = ctx.capture.tp
-    return dataclasses.replace(
-        plan, devices=devices, buckets=buckets,
-        tp_groups=tuple(groups[k] for k in sorted(groups)),
-        tp_params=dict(layout.params) if layout is not None else {})
+    peers and buckets (`tp.widen`); the groups and sharded parameters recorded."""
+    return widen_plan(plan, tp_groups(directives), ctx.capture.tp)
 
 
 def add_global_loss(plan: Plan, directives: Directives, ctx: PlanContext) -> Plan:

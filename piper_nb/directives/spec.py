@@ -4,7 +4,8 @@ Each directive is a frozen dataclass in its own module (value type, JSON fields,
 Designer row defaults and code generation together; see `base.py`); `REGISTRY` maps each
 JSON `op` to its class. The `op` and field names in JSON are Piper's (`place`, `replicate`,
 `shard`, `split`, `order`), plus our `schedule` op that names a builder, `recompute` and
-`tensor_parallel`.
+`tensor_parallel`. A directive defined above this floor (`tensor_parallel`, in its own
+package) adds itself with `register`.
 """
 
 from __future__ import annotations
@@ -21,17 +22,24 @@ from piper_nb.directives.replicate import Replicate, replicate
 from piper_nb.directives.schedule import Schedule
 from piper_nb.directives.shard import Shard, shard
 from piper_nb.directives.split import Split, split
-from piper_nb.directives.tensor_parallel import TensorParallel, tensor_parallel
 from piper_nb.errors import PlanError
 
 __all__ = ["Directive", "Place", "Replicate", "Shard", "Split", "Order", "Schedule", "Recompute",
-           "TensorParallel", "Program", "place", "replicate", "shard", "split", "order",
-           "recompute", "tensor_parallel",
-           "directive_from_json", "REGISTRY"]
+           "Program", "place", "replicate", "shard", "split", "order", "recompute",
+           "directive_from_json", "REGISTRY", "register"]
 
 REGISTRY: dict[str, type[Directive]] = {cls.op: cls for cls in
                                         (Place, Replicate, Shard, Split, Order, Schedule,
-                                         Recompute, TensorParallel)}
+                                         Recompute)}
+
+
+def register(cls: type[Directive]) -> type[Directive]:
+    """Add a directive class to the registry under its `op` (JSON, the Designer's rows)."""
+    old = REGISTRY.get(cls.op, cls)
+    if (old.__module__, old.__qualname__) != (cls.__module__, cls.__qualname__):
+        raise ValueError(f"two directives claim the op {cls.op!r}")
+    REGISTRY[cls.op] = cls
+    return cls
 
 
 def directive_from_json(obj: Any) -> Directive:

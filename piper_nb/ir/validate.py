@@ -19,7 +19,7 @@ def validate(dag: TrainingDAG, *, placed: bool = False) -> TrainingDAG:
             raise PlanError(f"{n.id}: its PASS tag {n.tag('PASS')} disagrees with its op {n.op}")
         if placed and not n.devices:
             raise PlanError(f"{n.id} is not placed on any device")
-        # a tensor-parallel all-reduce runs over the group its devices lead (`tp_widen`)
+        # a tensor-parallel all-reduce runs over the group its devices lead (`tp.widen`)
         if (n.op in COMM and placed and n.op not in (Op.SEND, Op.RECV) and len(n.devices) < 2
                 and n.attr("purpose") != Purpose.TP):
             raise PlanError(f"collective {n.id} needs at least two devices, has {list(n.devices)}")

@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass, field
-from typing import Any
 
-from piper_nb.capture.split import RegionInfo
+from piper_nb.capture.annotate import Spec
+from piper_nb.capture.split import Capture, RegionInfo
 from piper_nb.directives.replicate import Bucket
+from piper_nb.directives.spec import Program
+from piper_nb.ir.dag import TrainingDAG
 from piper_nb.ir.filters import freeze_tags
 from piper_nb.ir.kinds import Op
 from piper_nb.ir.text import bucket_legend, region_legend, wait_text
@@ -92,13 +94,13 @@ class Plan:
     microbatches: int
     batch_size: int
     loss_scale: float
-    regions: tuple = ()             # RegionInfo per region
-    buckets: tuple = ()             # Bucket per bucket
-    values: dict = field(default_factory=dict)        # name -> ValueInfo
-    saved: dict = field(default_factory=dict)         # region -> saved activation bytes
-    rows: dict = field(default_factory=dict)          # value -> symbol of its routed rows
+    regions: tuple[RegionInfo, ...] = ()
+    buckets: tuple[Bucket, ...] = ()
+    values: dict[str, ValueInfo] = field(default_factory=dict)    # by value name
+    saved: dict[int, int] = field(default_factory=dict)   # region -> saved activation bytes
+    rows: dict[str, str] = field(default_factory=dict)    # value -> symbol of its routed rows
     saved_rows: dict = field(default_factory=dict)    # region -> {symbol: saved bytes per row}
-    params: dict = field(default_factory=dict)        # name -> (shape, dtype)
+    params: dict[str, tuple] = field(default_factory=dict)   # name -> (shape, dtype)
     frozen: tuple[str, ...] = ()    # parameters without requires_grad: never updated
     batch_names: tuple[str, ...] = ("inputs", "targets")   # the batch's tensors, in order
     samples: tuple = ()             # (name, per-sample shape, dtype) the plan is compiled for
@@ -107,15 +109,18 @@ class Plan:
     precision: str = "fp32"         # "bf16": bf16 weights, activations, grads; fp32 masters
     reduce_dtype: str | None = None  # dtype gradients are reduced in (None: the grads')
     loss_mean: str = "microbatch"   # "global": the loss over the whole batch (`compiler.global_loss`)
-    tp_groups: tuple = ()           # tensor-parallel device groups (`tensor_parallel`)
-    tp_params: dict = field(default_factory=dict)   # sharded parameter -> (dim, degree, blocks)
-    dag: Any = None
-    program: Any = None
-    capture: Any = None
-    spec: Any = field(default=None, compare=False, repr=False)   # what a new shape re-captures
+    # tensor parallelism (`piper_nb.tp.widen_plan`): the device groups, and
+    # each sharded parameter's (dim, degree, blocks)
+    tp_groups: tuple[tuple[int, ...], ...] = ()
+    tp_params: dict[str, tuple[int, int, int]] = field(default_factory=dict)
+    dag: TrainingDAG | None = None      # the placed, ordered DAG it was lowered from
+    program: Program | None = None      # the directives it was compiled from
+    capture: Capture | None = None      # the captured model (absent in a plan read from JSON)
+    spec: Spec | None = field(default=None, compare=False, repr=False)   # what a new shape
+                                                                         # re-captures
     # the stream program to run instead of the one lowered from `devices` (None: lowered);
     # set only to run a hand-made program, such as a test's negative control
-    stream_program: Any = field(default=None, compare=False, repr=False)
+    stream_program: StreamProgram | None = field(default=None, compare=False, repr=False)
 
     def __getitem__(self, device: int) -> DevicePlan:
         return self.devices[device]

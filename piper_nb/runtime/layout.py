@@ -15,8 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
-from piper_nb.capture.tensor_parallel import join_shards, local_shard
 from piper_nb.optim import shard_pieces
+from piper_nb.tp import join_shards, local_shard
 
 __all__ = ["Layout", "bucket_layouts", "batch_part", "assemble_state", "assemble_optim_state",
            "local_init"]

@@ -3,10 +3,10 @@
 Each forward is seeded from (run seed, step, region, microbatch, replica), so a plan
 trains the same way twice whatever order its devices happen to run in. The region is named
 by its tags (`PP=1`), not by its index, and a tensor-parallel *part* (`PART=k`, see
-`capture.tensor_parallel`) by the region it was cut from: part 0 is seeded as that region
+`tp.rewrite`) by the region it was cut from: part 0 is seeded as that region
 would be, and part k continues from the state part k - 1 left on this device for the same
 microbatch. So a sharded region draws, op for op, from the stream the unsharded region
-draws from, and the draws of its sharded dropouts (`capture.tp_dropout`, a slice of the
+draws from, and the draws of its sharded dropouts (`tp.dropout`, a slice of the
 whole mask) stay in step with it. Every TP rank seeds alike: a replicated part draws the
 same masks on each.
 
@@ -20,8 +20,8 @@ import hashlib
 
 import torch
 
-from piper_nb.capture.tp_parts import PART
 from piper_nb.ir.filters import tags_text
+from piper_nb.tp import PART
 
 __all__ = ["forward_seed", "ForwardRng"]
 

@@ -18,7 +18,6 @@ import os
 
 import torch
 
-from piper_nb.capture.tp_vocab import TP_RANK
 from piper_nb.ir.kinds import P2P, PASSES, Held, Memory, Op, Purpose
 from piper_nb.ir.loss_outputs import COUNT, metric_name
 from piper_nb.optim import check_optimizer
@@ -39,6 +38,7 @@ from piper_nb.runtime.syncbn import sync_batchnorms
 from piper_nb.runtime.timing import Clock, Recorder
 from piper_nb.runtime.transfers import Transfers
 from piper_nb.runtime.update import Updater
+from piper_nb.tp import TP_RANK
 
 __all__ = ["Worker", "FAIL_ENV"]
 

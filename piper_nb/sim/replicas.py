@@ -154,7 +154,7 @@ def replica_runs(plan, cost, settings=None) -> list[bool] | None:
     lead = {m: (g[0], k) for g in plan.tp_groups for k, m in enumerate(g)}
 
     def tp_copy(group) -> bool:
-        """Rank k's copy of a bucket of the groups' first devices (`tp_widen`): it mirrors
+        """Rank k's copy of a bucket of the groups' first devices (`tp.widen`): it mirrors
         that bucket, rank for rank, on devices the simulation stands for."""
         firsts = tuple(lead.get(d, (None, 0))[0] for d in group)
         return None not in firsts and firsts in groups and len({lead[d][1] for d in group}) == 1

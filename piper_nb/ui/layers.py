@@ -18,7 +18,7 @@ import ipywidgets as W
 from torch import nn
 
 from piper_nb.capture.annotate import pipeline_units
-from piper_nb.capture.tp_plan import model_tp_plan, style_of
+from piper_nb.tp import model_tp_plan, style_of
 from piper_nb.ui.fields import parse_index, parse_tag_parts, tags_text
 from piper_nb.ui.state import DesignerState, cut, effective_tags, set_tags
 from piper_nb.ui.widgets import set_class

@@ -10,7 +10,7 @@ import pkgutil
 import pytest
 
 import piper_nb as pn
-from piper_nb.capture.tp_plan import ACCEPTED, REFUSED, parse_style
+from piper_nb.tp.styles import ACCEPTED, REFUSED, parse_style
 
 transformers = pytest.importorskip("transformers")
 

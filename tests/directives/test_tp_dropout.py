@@ -1,5 +1,5 @@
 """Dropout in a sharded part: each device's mask is its slice of the mask one process draws
-(`capture.tp_mask`), found and placed by the TP rewrite (`capture.tp_dropout`); any other
+(`capture.slice_dropout`), found and placed by the TP rewrite (`tp.dropout`); any other
 random op on a device's share is refused by name; and TP 2 and 4 with dropout train as one
 process does with the same seed."""
 
@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import piper_nb as pn
-from piper_nb.capture.tp_mask import tp_dropout
+from piper_nb.capture.slice_dropout import slice_dropout
 
 
 @pytest.mark.parametrize("shape, dim", [((2, 3, 8), -1), ((2, 4, 5, 5), -3)])
@@ -24,7 +24,7 @@ def test_each_share_draws_its_slice_of_one_process_mask(shape, dim, degree):
     n = shape[dim] // degree
     for rank in range(degree):
         torch.manual_seed(7)
-        got = tp_dropout(whole.narrow(dim, rank * n, n), 0.5, True, dim, degree,
+        got = slice_dropout(whole.narrow(dim, rank * n, n), 0.5, True, dim, degree,
                          torch.tensor(rank))
         assert torch.equal(got, want.narrow(dim, rank * n, n))
         assert torch.equal(torch.rand(3), after)
@@ -32,8 +32,8 @@ def test_each_share_draws_its_slice_of_one_process_mask(shape, dim, degree):
 
 def test_off_in_eval_and_at_zero():
     x = torch.randn(2, 4)
-    assert tp_dropout(x, 0.5, False, -1, 2, torch.tensor(1)) is x
-    assert tp_dropout(x, 0.0, True, -1, 2, torch.tensor(1)) is x
+    assert slice_dropout(x, 0.5, False, -1, 2, torch.tensor(1)) is x
+    assert slice_dropout(x, 0.0, True, -1, 2, torch.tensor(1)) is x
 
 
 class Block(nn.Module):
@@ -82,7 +82,7 @@ def test_sharded_dropouts_become_slices_and_replicated_ones_stay():
                       [pn.tensor_parallel({}, [0, 1], plan=PLAN)], batch())
     calls = [str(n.target) for gm in plan.capture.modules for n in gm.graph.nodes
              if n.op in ("call_function", "call_module")]
-    assert sum("tp_dropout" in c for c in calls) == 2      # the probabilities, the hidden
+    assert sum("slice_dropout" in c for c in calls) == 2      # the probabilities, the hidden
     assert calls.count("model.drop") == 2                   # after o and after down
 
 

@@ -17,9 +17,9 @@ import pytest
 import torch
 
 import piper_nb as pn
-from piper_nb.capture.tp_plan import model_tp_plan
 from piper_nb.cluster.local import LocalCluster
 from piper_nb.strategies import moe_annotation
+from piper_nb.tp.styles import model_tp_plan
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from plain import plain_loop  # noqa: E402

@@ -20,9 +20,9 @@ import torch
 import torch.fx as fx
 
 from piper_nb.capture.region_code import call_op
-from piper_nb.capture.tp_fused import Origin, pick_parts, split_parts
-from piper_nb.capture.tp_reductions import reduced_dims
 from piper_nb.errors import PlanError
+from piper_nb.tp.fused import Origin, pick_parts, split_parts
+from piper_nb.tp.reductions import reduced_dims
 
 __all__ = ["localize"]
 

@@ -18,8 +18,8 @@ from collections.abc import Iterable, Mapping
 
 from torch import nn
 
-from piper_nb.capture.tp_plan import Style, matches_path, style_of
 from piper_nb.errors import PlanError
+from piper_nb.tp.styles import Style, matches_path, style_of
 
 __all__ = ["SHARDABLE", "check_patterns", "check_types", "nothing_sharded"]
 

@@ -1,4 +1,4 @@
-"""The vocabulary-parallel embedding (the `vocab` style of `capture.tp_plan`): an
+"""The vocabulary-parallel embedding (the `vocab` style of `tp.styles`): an
 embedding rewritten, in a sharded region's graph, as one device's share of it; and the
 gathered output of a colwise LM head (`colwise_gather_output`).
 
@@ -22,8 +22,8 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
-from piper_nb.capture.tp_parts import Info
 from piper_nb.errors import PlanError
+from piper_nb.tp.parts import Info
 
 __all__ = ["TP_RANK", "EMBEDDING", "vocab_embedding", "gathered_output", "tp_rank", "own_range",
            "between"]

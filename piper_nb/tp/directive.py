@@ -10,10 +10,10 @@ runs, each member its share of the sharded layers and the rest whole. With one g
 nothing placed, the matched regions go to its first device.
 
 The capture cuts each sharded region into parts between its collectives
-(`capture.tensor_parallel`); `insert_tp_collectives` puts the collectives between the
+(`tp.rewrite`); `insert_tp_collectives` puts the collectives between the
 parts' passes: after a sharded part's forward, the all-reduce of its partial sums; after
 its backward, the all-reduce of its inputs' gradient shares. The lowering then copies each
-group's first device's instructions to the other members (`compiler.tp_widen`).
+group's first device's instructions to the other members (`tp.widen`).
 """
 
 from __future__ import annotations
@@ -23,9 +23,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from piper_nb.capture.tensor_parallel import TPRequest, shard_capture
-from piper_nb.capture.tp_match import check_patterns
-from piper_nb.capture.tp_plan import check_plan, model_tp_plan
 from piper_nb.capture.untouched import untouched
 from piper_nb.directives.base import (
     CaptureContext,
@@ -35,11 +32,15 @@ from piper_nb.directives.base import (
     call_code,
     check_devices,
 )
+from piper_nb.directives.spec import register
 from piper_nb.errors import PlanError
 from piper_nb.ir.dag import TrainingDAG
 from piper_nb.ir.filters import as_filter
 from piper_nb.ir.kinds import EdgeKind, Op, Purpose
 from piper_nb.ir.node import Edge, Node, node_id
+from piper_nb.tp.match import check_patterns
+from piper_nb.tp.rewrite import TPRequest, shard_capture
+from piper_nb.tp.styles import check_plan, model_tp_plan
 
 __all__ = ["TensorParallel", "tensor_parallel", "tp_groups", "shard_regions",
            "place_tensor_parallel", "insert_tp_collectives"]
@@ -96,13 +97,16 @@ class TensorParallel(Directive):
         return call_code("pn.tensor_parallel", tensor_parallel, values)
 
 
+register(TensorParallel)
+
+
 def tensor_parallel(filter: Mapping[str, Any], devices, plan: Mapping[str, str] | None = None,
                     sequence_parallel: bool = False) -> TensorParallel:
     """Shard the linear layers of the regions `filter` matches over `devices` (one group,
     `[0, 1]`, or one per replica, `[[0, 1], [4, 5]]`): `plan` maps module patterns to
     `colwise`, `rowwise`, `vocab` (an embedding, or an LM head whose logits only the loss
     reads: a vocabulary-parallel cross-entropy), `colwise_gather_output` (an LM head) or
-    `replicate` (`capture.tp_plan`); without one, the model's own
+    `replicate` (`tp.styles`); without one, the model's own
     (Hugging Face's `base_model_tp_plan`, `pn.models`' `tp_plan`). Attention heads, grouped
     KV heads and the MLP width are divided; what cannot be is a PlanError."""
     return TensorParallel(filter, devices, plan, sequence_parallel)
@@ -123,7 +127,7 @@ def tp_groups(directives) -> dict[int, tuple[int, ...]]:
 
 def shard_regions(capture, directives: Directives, ctx: CaptureContext):
     """The capture pass: the matched regions cut into parts and their layers sharded
-    (`capture.tensor_parallel`); a capture already sharded (a rebatch) stays as it is."""
+    (`tp.rewrite`); a capture already sharded (a rebatch) stays as it is."""
     if not directives or capture.tp is not None:
         return capture
     requests = []

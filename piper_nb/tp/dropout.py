@@ -3,7 +3,7 @@
 Left as it is, a dropout on a device's share of heads or features (attention
 probabilities, the MLP's hidden activation) would draw a mask of the share's shape from
 the same seed on every device: features i and i + n/t always dropped together, nothing
-like one process. `shard_dropouts` makes each such op `capture.tp_mask.tp_dropout`, which
+like one process. `shard_dropouts` makes each such op `capture.slice_dropout.slice_dropout`, which
 draws the mask of the whole tensor, as `torch.nn.functional.dropout` does on the unsharded
 region (the same draws from the same generator state, so the ops after it stay in step
 too: `runtime.rng` continues a region's stream across its parts), and keeps the device's
@@ -20,9 +20,9 @@ import torch.fx as fx
 import torch.nn.functional as F
 from torch import nn
 
-from piper_nb.capture.tp_mask import tp_dropout
-from piper_nb.capture.tp_vocab import tp_rank
+from piper_nb.capture.slice_dropout import slice_dropout
 from piper_nb.errors import PlanError
+from piper_nb.tp.vocab import tp_rank
 
 __all__ = ["shard_dropouts"]
 
@@ -38,7 +38,7 @@ _RANDOM_MODULES = (nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout,
 
 def shard_dropouts(gm: fx.GraphModule, sharded: set, dims: dict[str, int | None], full: dict,
                    degree: int, where: str) -> dict[fx.Node, str]:
-    """Each dropout in `sharded` (node names) of `gm` made `tp_dropout` along the dimension
+    """Each dropout in `sharded` (node names) of `gm` made `slice_dropout` along the dimension
     `dims` says its input is cut on (`full`: each node's whole-model shape); another random
     op there is a PlanError. Returns the nodes made, each with the name of the dropout it
     stands for."""
@@ -59,7 +59,7 @@ def shard_dropouts(gm: fx.GraphModule, sharded: set, dims: dict[str, int | None]
                             "(replicate) or move the dropout after the rowwise layer")
         with g.inserting_before(n):
             rank = tp_rank(gm)
-            new = g.call_function(tp_dropout, (x, p, train, dim - len(full[x.name]), degree,
+            new = g.call_function(slice_dropout, (x, p, train, dim - len(full[x.name]), degree,
                                                rank))
         new.meta = dict(n.meta)
         made[rank] = made[new] = n.name

@@ -1,5 +1,7 @@
-"""A device's slice of the dropout mask one process draws (`tp_dropout`): what a sharded
-part calls where the model applied dropout (`capture.tp_dropout` puts it there).
+"""A device's slice of the dropout mask one process draws (`slice_dropout`): what a region
+cut along a dimension calls where the model applied dropout, so that each device keeps its
+share of the mask of the whole tensor. Tensor parallelism puts it there
+(`tp.dropout`); sequence and context parallelism cut along the sequence.
 
 On the CPU the slice equals one process's mask bit for bit (tested). On CUDA,
 `torch.nn.functional.dropout` runs a fused kernel that draws otherwise, so there the masks
@@ -10,10 +12,10 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["tp_dropout"]
+__all__ = ["slice_dropout"]
 
 
-def tp_dropout(x: torch.Tensor, p: float, train: bool, dim: int, degree: int,
+def slice_dropout(x: torch.Tensor, p: float, train: bool, dim: int, degree: int,
                rank: torch.Tensor) -> torch.Tensor:
     """`F.dropout(whole, p, train)` cut to this device's share `x` along `dim` (`rank` of
     `degree`): the whole mask drawn, this share's slice applied."""

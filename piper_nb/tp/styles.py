@@ -16,7 +16,7 @@ component), so the base model's plan (`layers.*.mlp.up_proj`) matches the full p
   tokens in its range, zeros for the others, and the devices' lookups are summed by an
   all-reduce (Megatron's vocabulary-parallel embedding). On a linear layer, an LM head
   whose logits only a cross-entropy reads: cut as `colwise`, with the vocabulary-parallel
-  loss (`capture.tp_loss`), which any colwise head read only by the loss gets.
+  loss (`tp.loss`), which any colwise head read only by the loss gets.
 - `replicate`: the weights are kept whole on every device.
 
 Hugging Face's other spellings read as one of these: `colwise_rep` and `local_colwise` as

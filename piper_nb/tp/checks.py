@@ -10,9 +10,9 @@ from collections.abc import Mapping
 
 from torch import nn
 
-from piper_nb.capture.tp_plan import style_of
 from piper_nb.errors import PlanError
 from piper_nb.ir.filters import tags_text
+from piper_nb.tp.styles import style_of
 
 __all__ = ["check_heads", "check_tied", "check_readers"]
 

@@ -17,9 +17,9 @@ import dataclasses
 from piper_nb.errors import PlanError
 from piper_nb.ir.kinds import Op, Purpose
 from piper_nb.plan.instr import Instr
-from piper_nb.plan.plan import DevicePlan, StampedDevicePlan
+from piper_nb.plan.plan import DevicePlan, Plan, StampedDevicePlan
 
-__all__ = ["widen", "tp_rank_of"]
+__all__ = ["widen", "widen_plan", "tp_rank_of"]
 
 
 def tp_rank_of(groups: dict[int, tuple[int, ...]]) -> dict[int, tuple[int, int]]:
@@ -119,6 +119,18 @@ def widen(devices: tuple[DevicePlan, ...], groups: dict[int, tuple[int, ...]], b
             else:
                 plans[m] = StampedDevicePlan(m, plans[t].instrs, stamp)
     return tuple(plans), tuple(out_buckets)
+
+
+def widen_plan(plan: Plan, groups: dict[int, tuple[int, ...]], layout) -> Plan:
+    """The plan phase's step: `plan` widened over `groups` (first device -> group), with the
+    groups and the sharded parameters of `layout` (`rewrite.TPLayout`) recorded."""
+    if not groups:
+        return plan
+    devices, buckets = widen(plan.devices, groups, plan.buckets, plan.world)
+    return dataclasses.replace(
+        plan, devices=devices, buckets=buckets,
+        tp_groups=tuple(groups[k] for k in sorted(groups)),
+        tp_params=dict(layout.params) if layout is not None else {})
 
 
 def _templates(devices) -> dict[int, int]:

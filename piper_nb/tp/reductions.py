@@ -1,7 +1,7 @@
 """Which dimensions an op reduces over (sums, means, maxima, softmaxes, norms), so a sharded
 part that reduces over the very dimension each device holds a share of (a LayerNorm or a
 softmax over a colwise layer's output features) is a PlanError, not a silent per-device
-answer (`capture.tp_shapes.localize` asks, with the dimension each input is cut along).
+answer (`tp.shapes.localize` asks, with the dimension each input is cut along).
 
 `reduced_dims(gm, n, ndim)` gives the set of dimensions (non-negative) op `n` reduces of
 its first input of `ndim` dimensions, or an empty set for an op that reduces none. Ops

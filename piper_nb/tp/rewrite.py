@@ -1,5 +1,5 @@
 """Tensor parallelism on a captured model: each sharded region cut into *parts* between its
-collectives, and its linear layers' (and `vocab` embeddings', `capture.tp_vocab`) weights
+collectives, and its linear layers' (and `vocab` embeddings', `tp.vocab`) weights
 into per-device shards (Megatron's f and g, found in the graph of the model as the user
 has it).
 
@@ -34,12 +34,15 @@ import torch.fx as fx
 import torch.nn.functional as F
 from torch import nn
 
-from piper_nb.capture.tp_checks import check_heads, check_readers, check_tied
-from piper_nb.capture.tp_dropout import shard_dropouts
-from piper_nb.capture.tp_fused import Origin
-from piper_nb.capture.tp_loss import feeds_only_loss, loss_readers, parallel_cross_entropy
-from piper_nb.capture.tp_match import SHARDABLE, check_types, nothing_sharded
-from piper_nb.capture.tp_parts import (
+from piper_nb.capture.untouched import untouched
+from piper_nb.errors import PlanError
+from piper_nb.ir.filters import matches
+from piper_nb.tp.checks import check_heads, check_readers, check_tied
+from piper_nb.tp.dropout import shard_dropouts
+from piper_nb.tp.fused import Origin
+from piper_nb.tp.loss import feeds_only_loss, loss_readers, parallel_cross_entropy
+from piper_nb.tp.match import SHARDABLE, check_types, nothing_sharded
+from piper_nb.tp.parts import (
     PART,
     Cut,
     Info,
@@ -50,12 +53,9 @@ from piper_nb.capture.tp_parts import (
     levels,
     route_aliases,
 )
-from piper_nb.capture.tp_plan import Sharding, Style, style_of
-from piper_nb.capture.tp_shapes import localize
-from piper_nb.capture.tp_vocab import EMBEDDING, gathered_output, vocab_embedding
-from piper_nb.capture.untouched import untouched
-from piper_nb.errors import PlanError
-from piper_nb.ir.filters import matches
+from piper_nb.tp.shapes import localize
+from piper_nb.tp.styles import Sharding, Style, style_of
+from piper_nb.tp.vocab import EMBEDDING, gathered_output, vocab_embedding
 
 __all__ = ["PART", "TPRequest", "TPLayout", "shard_capture", "local_shard", "join_shards"]
 

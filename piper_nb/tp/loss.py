@@ -24,10 +24,10 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn import _reduction
 
-from piper_nb.capture.tp_parts import Info
-from piper_nb.capture.tp_reductions import ON_SHARE
-from piper_nb.capture.tp_vocab import between, own_range, tp_rank
 from piper_nb.errors import PlanError
+from piper_nb.tp.parts import Info
+from piper_nb.tp.reductions import ON_SHARE
+from piper_nb.tp.vocab import between, own_range, tp_rank
 
 __all__ = ["CROSS_ENTROPY", "loss_readers", "feeds_only_loss", "parallel_cross_entropy"]
 

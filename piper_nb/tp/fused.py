@@ -4,7 +4,7 @@ k parts along the dimension it is sharded on (a fused q, k, v projection `chunk(
 each of the k blocks only when it is cut `colwise:k`; cut as one block, device 0 would hold
 q and half of k, and training would differ from one process without a word.
 
-`localize` (`capture.tp_shapes`) follows each sharded layer's output through the part,
+`localize` (`tp.shapes`) follows each sharded layer's output through the part,
 carrying its (module path, blocks) (`Origin`); at each split along the sharded dimension
 `split_parts` checks the parts against the blocks and divides the split's sizes for a
 device's share. Megatron spells the same thing out by hand (its fused QKV layer's

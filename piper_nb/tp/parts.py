@@ -1,5 +1,5 @@
 """A sharded region's ops by status and part, and its parts as regions (the analysis of
-`capture.tensor_parallel`, whose docstring says what the statuses and parts are).
+`tp.rewrite`, whose docstring says what the statuses and parts are).
 
 `levels` gives every op its status (replicated, sharded, partial) and part number;
 `close_partials` sums a partial value the region returns before it leaves;
