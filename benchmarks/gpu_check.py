@@ -467,7 +467,7 @@ def probe_cpu_tensor() -> list[Row]:
     k, ins = next((k, i) for k, i in enumerate(worker.instrs) if i.kind == Op.SEND)
 
     def hand(device) -> None:
-        for v in ins.values:
+        for v in ins.data.values:
             info = plan.values[v]
             worker.values.acts[(v, ins.mb)] = torch.zeros(
                 info.shape, dtype=getattr(torch, info.dtype), device=device)

@@ -45,8 +45,8 @@ def check_matching(plan: Plan) -> None:
                 sends[p2p_key(dp.device, ins)] += 1
             elif ins.kind == Op.RECV:
                 recvs[p2p_key(dp.device, ins)] += 1
-            if ins.kind in P2P and not 0 <= ins.peer < plan.world:
-                raise PlanError(f"device {dp.device}: {ins} names device {ins.peer} outside the "
+            if ins.kind in P2P and not 0 <= ins.data.peer < plan.world:
+                raise PlanError(f"device {dp.device}: {ins} names device {ins.data.peer} outside the "
                                 f"world of {plan.world}")
     for key in (sends - recvs):
         raise PlanError(f"device {key[0]} sends to device {key[1]} (tag {key[2]}) but device "
@@ -61,7 +61,7 @@ def _collectives(plan: Plan, on: list[bool]) -> dict[tuple, dict[int, list]]:
     for dp in _checked(plan, on):
         for ins in dp.instrs:
             if ins.kind in COLLECTIVES:
-                seqs[ins.group][dp.device].append(ins)
+                seqs[ins.data.group][dp.device].append(ins)
     return seqs
 
 

@@ -23,7 +23,7 @@ __all__ = ["dry_run", "p2p_key", "who_orders"]
 
 def p2p_key(dev: int, ins) -> tuple:
     """(sender, receiver, tag) of a SEND or RECV on device `dev`."""
-    return (dev, ins.peer, ins.tag) if ins.kind == Op.SEND else (ins.peer, dev, ins.tag)
+    return (dev, ins.data.peer, ins.data.tag) if ins.kind == Op.SEND else (ins.data.peer, dev, ins.data.tag)
 
 
 class _Lockstep:
@@ -74,37 +74,37 @@ class _Lockstep:
             kind = ins.kind
             if kind == Op.SEND or kind == Op.RECV:
                 posted.add((kind, p2p_key(d, ins)))
-                if on and ins.grad and kind == Op.SEND:
+                if on and ins.data.grad and kind == Op.SEND:
                     flow.send(d, ins)
             elif kind in COLLECTIVES:
                 if (d, i) not in coll_seq:
-                    k = index[ins.group]
-                    index[ins.group] = k + 1
-                    coll_posted[ins.group][k] += 1
+                    k = index[ins.data.group]
+                    index[ins.data.group] = k + 1
+                    coll_posted[ins.data.group][k] += 1
                     coll_seq[(d, i)] = k
                 if ins.is_counted_dispatch and \
-                        coll_posted[ins.group][coll_seq[(d, i)]] < need(ins.group):
+                        coll_posted[ins.data.group][coll_seq[(d, i)]] < need(ins.data.group):
                     break
                 if on and kind in REDUCTIONS:
                     flow.issued(d, i, ins)
             elif kind == Op.WAIT:
-                t = mine[ins.target]
+                t = mine[ins.data.target]
                 if t.kind == Op.SEND or t.kind == Op.RECV:
                     other = Op.RECV if t.kind == Op.SEND else Op.SEND
                     if (other, p2p_key(d, t)) not in posted:
                         break
-                    if on and t.grad and t.kind == Op.RECV:
+                    if on and t.data.grad and t.kind == Op.RECV:
                         flow.received(d, t)
                 else:
-                    if coll_posted[t.group][coll_seq[(d, ins.target)]] < need(t.group):
+                    if coll_posted[t.data.group][coll_seq[(d, ins.data.target)]] < need(t.data.group):
                         break
                     if on and t.kind in REDUCTIONS:
-                        flow.completed(d, ins.target, t)
+                        flow.completed(d, ins.data.target, t)
             elif on:
                 if kind == Op.B or kind == Op.BI:
                     flow.backward(d, ins)
                 elif kind == Op.FREE:
-                    keys = freed.get(ins.keys)
+                    keys = freed.get(ins.data.keys)
                     if keys is None:
                         keys = flow.frees_grads(ins)
                     if keys:
@@ -189,7 +189,7 @@ def _segment_note(plan: Plan, ptr: list[int]) -> str:
         if ptr[dp.device] < len(dp.instrs):
             ins = dp.instrs[ptr[dp.device]]
             if ins.kind == Op.WAIT:
-                ins = dp.instrs[ins.target]
+                ins = dp.instrs[ins.data.target]
             if 0 <= ins.region < len(plan.regions) and "SEG" in dict(plan.regions[ins.region].tags):
                 info = plan.regions[ins.region]
                 if info not in seen:
@@ -212,7 +212,7 @@ def _stuck_grid(plan: Plan, ptr: list[int], context: int = 8) -> str:
         rows = [f"dev{dp.device}"]
         for i in range(lo, min(len(dp.instrs), ptr[dp.device] + 3)):
             ins = dp.instrs[i]
-            label = wait_text(dp.instrs[ins.target]) if ins.kind == Op.WAIT else str(ins)
+            label = wait_text(dp.instrs[ins.data.target]) if ins.kind == Op.WAIT else str(ins)
             if i == ptr[dp.device]:
                 mark[dp.device] = len(rows)
             rows.append(label)

@@ -115,10 +115,10 @@ class Flow:
         seen = set(todo)
         while todo:
             for ins in plan.devices[todo.pop()].instrs:
-                if (ins.kind == Op.SEND or ins.kind == Op.RECV) and ins.peer not in seen:
-                    seen.add(ins.peer)
-                    template.pop(ins.peer, None)
-                    todo.append(ins.peer)
+                if (ins.kind == Op.SEND or ins.kind == Op.RECV) and ins.data.peer not in seen:
+                    seen.add(ins.data.peer)
+                    template.pop(ins.data.peer, None)
+                    todo.append(ins.data.peer)
         return template
 
     @staticmethod
@@ -208,14 +208,14 @@ class Flow:
 
     def update(self, d: int, ins) -> None:
         seen = set()
-        for p in ins.params:
+        for p in ins.data.params:
             if p in self.units.frozen:
                 continue
             u = self.units.unit(p, d)
             if u not in seen:
                 seen.add(u)
                 self._complete(d, ins, u, self.pgrads[d].pop(u, 0))
-        for b in ins.buckets:
+        for b in ins.data.buckets:
             if b in self.units.expected:
                 self._complete(d, ins, b, self.shards[d].pop(b, 0))
 
@@ -231,21 +231,21 @@ class Flow:
     # ---- messages and buffers --------------------------------------------------------
     def send(self, d: int, ins) -> None:
         grads = self.grads[d]
-        self.sent[(d, ins.peer, ins.tag)] = {v: grads.get((v, ins.mb), 0) for v in ins.values}
+        self.sent[(d, ins.data.peer, ins.data.tag)] = {v: grads.get((v, ins.mb), 0) for v in ins.data.values}
 
     def received(self, d: int, src) -> None:
-        payload = self.sent.get((src.peer, d, src.tag))
+        payload = self.sent.get((src.data.peer, d, src.data.tag))
         if payload is not None:   # unmatched messages are check_matching's to report
-            for v in src.values:
+            for v in src.data.values:
                 self._add(d, src, self.grads[d], (v, src.mb), payload.get(v, 0))
 
     def frees_grads(self, ins) -> tuple:
         """The (value, mb) gradient buffers a FREE drops (parsed once per distinct list,
         kept in `freed`)."""
-        keys = self.freed.get(ins.keys)
+        keys = self.freed.get(ins.data.keys)
         if keys is None:
-            keys = self.freed[ins.keys] = tuple(
-                (v, int(mb)) for k in ins.keys if k.startswith("grad:")
+            keys = self.freed[ins.data.keys] = tuple(
+                (v, int(mb)) for k in ins.data.keys if k.startswith("grad:")
                 for v, _, mb in [k[5:].rpartition("@")])
         return keys
 
@@ -260,33 +260,33 @@ class Flow:
         sum of activations neither: activations are not followed)."""
         if ins.is_scalar:
             return
-        seq = self.coll_next[d][ins.group]
-        self.coll_next[d][ins.group] = seq + 1
+        seq = self.coll_next[d][ins.data.group]
+        self.coll_next[d][ins.data.group] = seq + 1
         self.coll_seq[(d, i)] = seq
         if ins.purpose == Purpose.TP:        # the group's sum of per-device shares
             grads = self.grads[d]
-            payload = {v: grads.get((v, ins.mb), 0) for v in ins.values} if ins.grad else None
+            payload = {v: grads.get((v, ins.mb), 0) for v in ins.data.values} if ins.data.grad else None
         elif ins.kind == Op.ALL_REDUCE:
-            payload = self.pgrads[d].get(ins.bucket, 0)
+            payload = self.pgrads[d].get(ins.data.bucket, 0)
         elif ins.kind == Op.REDUCE_SCATTER:   # the runtime takes the gradients at issue
-            payload = self.pgrads[d].pop(ins.bucket, 0)
-        elif ins.grad:                       # ALL_TO_ALL of gradients
+            payload = self.pgrads[d].pop(ins.data.bucket, 0)
+        elif ins.data.grad:                       # ALL_TO_ALL of gradients
             grads = self.grads[d]
-            payload = {v: grads.get((v, ins.mb), 0) for v in ins.values}
+            payload = {v: grads.get((v, ins.mb), 0) for v in ins.data.values}
         else:
             payload = None
-        self.coll.setdefault((ins.group, seq), {})[d] = payload
+        self.coll.setdefault((ins.data.group, seq), {})[d] = payload
 
     def completed(self, d: int, t: int, src) -> None:
         seq = self.coll_seq.get((d, t))
         if seq is None:
             return
-        key = (src.group, seq)
+        key = (src.data.group, seq)
         if src.kind == Op.ALL_TO_ALL:
             self._exchanged(d, src, key)
             return
         if src.purpose == Purpose.TP:
-            if src.grad:
+            if src.data.grad:
                 self._shares_summed(d, src, key)
             return
         total = self.total.get(key)
@@ -294,13 +294,13 @@ class Flow:
             total = 0
             for m, mask in self._members(src, key).items():
                 if total & mask:
-                    raise self._twice(m, src, src.bucket, total & mask)
+                    raise self._twice(m, src, src.data.bucket, total & mask)
                 total |= mask
             self.total[key] = total
         if src.kind == Op.ALL_REDUCE:   # the reduced bucket replaces the gradients held
-            self.pgrads[d][src.bucket] = total
+            self.pgrads[d][src.data.bucket] = total
         else:
-            self._add(d, src, self.shards[d], src.bucket, total)
+            self._add(d, src, self.shards[d], src.data.bucket, total)
 
     def _shares_summed(self, d: int, src, key) -> None:
         """A tensor-parallel all-reduce of gradients, at its WAIT (the runtime writes the
@@ -308,16 +308,16 @@ class Flow:
         its region's whole contribution; one some member lacked stays a share; a whole
         contribution summed over the group would count `degree` times."""
         members, mb, low = self._members(src, key), src.mb, (1 << self.shift) - 1
-        for v in src.values:
+        for v in src.data.values:
             masks = [p.get(v, 0) for p in members.values()]
             whole = 0
             for m in masks:
                 whole |= m & low
             if whole:
                 raise self._fail(d, src, f"sums the gradient of {v}@{mb} over the "
-                                 f"tensor-parallel group {list(src.group)}, but it holds the "
+                                 f"tensor-parallel group {list(src.data.group)}, but it holds the "
                                  f"whole contribution of {self._readers(whole, mb)}, which the "
-                                 f"sum would count {len(src.group)} times",
+                                 f"sum would count {len(src.data.group)} times",
                                  "sum only the shares of sharded parts: a value a sharded part "
                                  "reads goes through an alias of its own (tp.rewrite)")
             every = -1
@@ -332,10 +332,10 @@ class Flow:
         """Each member's payload of collective `key`; a stamped member's is its template's
         (a parameter mask moved to the member's replica index)."""
         got = self.coll[key]
-        if len(got) == len(src.group):
+        if len(got) == len(src.data.group):
             return got
         out = {}
-        for m in src.group:
+        for m in src.data.group:
             if m in got:
                 out[m] = got[m]
             else:
@@ -344,7 +344,7 @@ class Flow:
                     out[m] = got.get(t, next(iter(got.values())))
                 else:
                     out[m] = (got[t] if src.kind == Op.ALL_TO_ALL
-                              else self._relabel(src.bucket, got[t], t, m))
+                              else self._relabel(src.data.bucket, got[t], t, m))
         return out
 
     def _relabel(self, u, mask: int, t: int, m: int) -> int:
@@ -365,10 +365,10 @@ class Flow:
         """A gradient ALL_TO_ALL's WAIT (runtime.exchange.finish): a dispatch leaves every
         sender and reaches the owner (concatenated rows: the members must agree), a combine
         leaves the owner and is added on every member."""
-        if not src.grad:
+        if not src.data.grad:
             return
         members, mb, grads = self._members(src, key), src.mb, self.grads[d]
-        for v, owner in zip(src.values, src.owners, strict=True):
+        for v, owner in zip(src.data.values, src.data.owners, strict=True):
             if src.purpose == Purpose.DISPATCH:
                 masks = {m: p[v] for m, p in members.items()}
                 if len(set(masks.values())) > 1:

@@ -25,7 +25,7 @@ from piper_nb.errors import PlanError
 from piper_nb.ir.dag import TrainingDAG
 from piper_nb.ir.kinds import BACKWARDS, COLLECTIVES, COMPUTE, PASSES, EdgeKind, Op, Purpose
 from piper_nb.ir.node import Node
-from piper_nb.plan.instr import Instr
+from piper_nb.plan.instr import Collective, Free, Instr, Message, Pass, Update, Wait
 from piper_nb.plan.plan import DevicePlan, StampedDevicePlan
 
 __all__ = ["lower", "owned_params"]
@@ -227,21 +227,20 @@ def _instr(n: Node, d: int, partner, tags, owned) -> Instr:
     mb = n.mb if n.mb is not None else -1
     if n.op in COMPUTE:
         full, bks = owned.get(n.region, ((), ())) if n.op == Op.U else ((), ())
-        return Instr(n.op.value, n.id, "compute", n.region, mb, pos, len(n.devices),
-                     overlap=n.attr("overlap", -1), params=tuple(full), buckets=tuple(bks),
-                     recompute=n.attr("recompute") is not None)
+        data = (Update(tuple(full), tuple(bks)) if n.op == Op.U else
+                Pass(n.attr("overlap", -1), n.attr("recompute") is not None))
+        return Instr(n.op, n.id, "compute", n.region, mb, pos, len(n.devices), data)
     if n.op in (Op.SEND, Op.RECV):
         other = partner[n.id]
-        return Instr(n.op.value, n.id, n.stream, n.region, mb, pos, len(n.devices),
-                     peer=other.devices[pos], tag=tags[n.id] + pos, values=n.attr("values"),
-                     grad=n.attr("grad"))
+        return Instr(n.op, n.id, n.stream, n.region, mb, pos, len(n.devices),
+                     Message(other.devices[pos], tags[n.id] + pos, n.attr("values"),
+                             n.attr("grad")))
     values = n.attr("values", ())
     owners, split_by = dict(n.attr("owners", ())), dict(n.attr("split_by", ()))
-    return Instr(n.op.value, n.id, n.stream, n.region, mb, pos, len(n.devices), group=n.devices,
-                 bucket=n.attr("bucket", -1), purpose=Purpose(n.attr("purpose", "")), values=values,
-                 grad=bool(n.attr("grad", False)),
-                 owners=tuple(owners[v] for v in values) if owners else (),
-                 split_by=tuple(split_by[v] for v in values) if split_by else ())
+    return Instr(n.op, n.id, n.stream, n.region, mb, pos, len(n.devices), Collective(
+        n.devices, Purpose(n.attr("purpose", "")), n.attr("bucket", -1), values,
+        bool(n.attr("grad", False)), tuple(owners[v] for v in values) if owners else (),
+        tuple(split_by[v] for v in values) if split_by else ()))
 
 
 def _emit(dag, d, seq, pulled_of, partner, tags, owned, regions) -> tuple[Instr, ...]:
@@ -258,7 +257,7 @@ def _emit(dag, d, seq, pulled_of, partner, tags, owned, regions) -> tuple[Instr,
     def wait(nid: str) -> None:
         if nid in issued and nid not in waited:
             waited.add(nid)
-            out.append(Instr(Op.WAIT, nid, out[issued[nid]].stream, target=issued[nid]))
+            out.append(Instr(Op.WAIT, nid, out[issued[nid]].stream, data=Wait(issued[nid])))
 
     # gathers kept for the whole step (ZeRO-3 without resharding, weights spread over
     # stages or copies) are issued first, in one order on every member of their group
@@ -341,11 +340,11 @@ def _add_frees(instrs: list[Instr], regions, dag) -> tuple[Instr, ...]:
                      if v in made]
         elif ins.kind in (Op.B, Op.BI):
             reads = [f"grad:{v}@{ins.mb}" for v in regions[ins.region].outputs if v in grad_values]
-            if ins.recompute:   # the forward runs again on its inputs
+            if ins.data.recompute:   # the forward runs again on its inputs
                 reads += [f"act:{v}@{ins.mb}" for v in regions[ins.region].inputs if v in made]
-        elif ins.kind == Op.WAIT and instrs[ins.target].kind == Op.SEND:
-            s = instrs[ins.target]
-            reads = [f"{'grad' if s.grad else 'act'}:{v}@{s.mb}" for v in s.values]
+        elif ins.kind == Op.WAIT and instrs[ins.data.target].kind == Op.SEND:
+            s = instrs[ins.data.target]
+            reads = [f"{'grad' if s.data.grad else 'act'}:{v}@{s.mb}" for v in s.data.values]
         if ins.kind in PASSES:
             reads += gathered.get(ins.node, ())
         for k in reads:
@@ -364,7 +363,8 @@ def _add_frees(instrs: list[Instr], regions, dag) -> tuple[Instr, ...]:
         remap[i] = len(out)
         out.append(ins)
         if i in after:
-            out.append(Instr(Op.FREE, ins.node, "compute", keys=tuple(sorted(after[i]))))
+            out.append(Instr(Op.FREE, ins.node, "compute", data=Free(tuple(sorted(after[i])))))
     return tuple(
-        Instr(x.kind, x.node, x.stream, target=remap[x.target]) if x.kind == Op.WAIT else x
+        Instr(x.kind, x.node, x.stream, data=Wait(remap[x.data.target])) if x.kind == Op.WAIT
+        else x
         for x in out)

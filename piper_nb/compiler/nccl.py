@@ -208,7 +208,7 @@ class _Run:
             if {ia.kind, ib.kind} != {Op.SEND, Op.RECV}:
                 return False
             (sd, s_ins), (rd, r_ins) = sorted(ops.items(), key=lambda kv: kv[1].kind != Op.SEND)
-            if s_ins.tag != r_ins.tag:
+            if s_ins.data.tag != r_ins.data.tag:
                 raise PlanError(
                     f"NCCL would swap messages: device {sd}'s send {s_ins} meets device {rd}'s "
                     f"receive {r_ins}, posted for another message (NCCL matches a pair's "
@@ -216,7 +216,7 @@ class _Run:
                     "Receives must be posted in the order their sender sends\n"
                     + _streams(self, [sd, rd], marked={(sd, comm, k), (rd, comm, k)}))
             return True
-        sig = {m: (i.kind, i.bucket, i.purpose, len(i.values)) for m, i in ops.items()}
+        sig = {m: (i.kind, i.bucket, i.purpose, len(i.data.values)) for m, i in ops.items()}
         if len(set(sig.values())) > 1:
             shown = ", ".join(f"device {m}: {ops[m]}" for m in sorted(ops))
             raise PlanError(f"NCCL would run different collectives together as operation {k} of "

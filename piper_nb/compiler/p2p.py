@@ -15,7 +15,6 @@ instructions). Checked by `nccl.check_nccl`.
 
 from __future__ import annotations
 
-import dataclasses
 from collections import defaultdict
 
 from piper_nb.ir.kinds import Op
@@ -42,8 +41,8 @@ def _reordered(instrs: tuple[Instr, ...], sent_at: dict, partner: dict, program_
     by_peer: dict[int, list[tuple[int, int]]] = defaultdict(list)   # peer -> (send pos, i)
     for i, ins in enumerate(instrs):
         if ins.kind == Op.RECV:
-            sender = program_of.get(ins.peer, ins.peer)
-            by_peer[ins.peer].append((sent_at[(sender, partner[ins.node].id)], i))
+            sender = program_of.get(ins.data.peer, ins.data.peer)
+            by_peer[ins.data.peer].append((sent_at[(sender, partner[ins.node].id)], i))
     if all(lst == sorted(lst) for lst in by_peer.values()):
         return instrs
     for lst in by_peer.values():
@@ -55,10 +54,10 @@ def _reordered(instrs: tuple[Instr, ...], sent_at: dict, partner: dict, program_
         if ins.kind == Op.RECV:
             if i in where:
                 continue
-            lst = by_peer[ins.peer]
+            lst = by_peer[ins.data.peer]
             while True:   # every receive the peer sends before this one, then this one
-                j = lst[nxt[ins.peer]][1]
-                nxt[ins.peer] += 1
+                j = lst[nxt[ins.data.peer]][1]
+                nxt[ins.data.peer] += 1
                 where[j] = len(out)
                 out.append(instrs[j])
                 if j == i:
@@ -66,5 +65,5 @@ def _reordered(instrs: tuple[Instr, ...], sent_at: dict, partner: dict, program_
         else:
             where[i] = len(out)
             out.append(ins)
-    return tuple(dataclasses.replace(x, target=where[x.target]) if x.kind == Op.WAIT else x
+    return tuple(x.with_data(target=where[x.data.target]) if x.kind == Op.WAIT else x
                  for x in out)

@@ -11,12 +11,11 @@ plan of 16,384 devices holds one list per stage until a device's own is asked fo
 from __future__ import annotations
 
 from collections import defaultdict
-from dataclasses import fields
 
 from piper_nb.ir.dag import TrainingDAG
 from piper_nb.ir.kinds import P2P, Op
 from piper_nb.ir.node import Node
-from piper_nb.plan.instr import Instr
+from piper_nb.plan.instr import Instr, Message
 
 __all__ = ["Stamper", "classes_of"]
 
@@ -42,8 +41,6 @@ def classes_of(dag: TrainingDAG, world: int) -> tuple[dict, dict[int, list[Node]
     return classes, local
 
 
-_FIELDS = tuple(f.name for f in fields(Instr))
-_REPLICA, _PEER, _TAG = (_FIELDS.index(k) for k in ("replica", "peer", "tag"))
 
 
 class Stamper:
@@ -66,8 +63,7 @@ class Stamper:
                 continue
             n = by_id[ins.node]
             other = partner[n.id].devices if ins.kind in P2P else None
-            rows.append(([getattr(ins, f) for f in _FIELDS], n.devices, other,
-                         tags.get(n.id, -1)))
+            rows.append((n.devices, other, tags.get(n.id, -1)))
         return rows
 
     def __call__(self, d: int) -> tuple[Instr, ...]:
@@ -78,11 +74,11 @@ class Stamper:
             if row is None:
                 out.append(ins)
                 continue
-            values, devices, other, tag = row
+            devices, other, tag = row
             pos = devices.index(d)
-            values = values.copy()
-            values[_REPLICA] = pos
+            data = ins.data
             if other is not None:
-                values[_PEER], values[_TAG] = other[pos], tag + pos
-            out.append(Instr(*values))
+                data = Message(other[pos], tag + pos, data.values, data.grad)
+            out.append(Instr(ins.kind, ins.node, ins.stream, ins.region, ins.mb, pos,
+                             ins.replicas, data))
         return tuple(out)

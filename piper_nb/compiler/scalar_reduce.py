@@ -11,11 +11,10 @@ comes before the norm (which reads them), whichever is added first.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 from piper_nb.ir.kinds import Op, Purpose
-from piper_nb.plan.instr import Instr
+from piper_nb.plan.instr import Collective, Instr, Wait
 from piper_nb.plan.plan import DevicePlan, Plan, StampedDevicePlan
 
 __all__ = ["before_updates"]
@@ -58,25 +57,25 @@ def _rewrite(instrs: tuple[Instr, ...], group: tuple[int, ...], purpose: Purpose
     for k, ins in enumerate(instrs):
         if ins.kind == Op.U or (ins.is_scalar and ins.purpose in _AFTER.get(purpose, ())):
             late.add(k)
-            updated.update(ins.buckets)
-        elif ins.kind == Op.ALL_GATHER and ins.purpose == Purpose.PARAM and ins.bucket in updated \
+            updated.update(ins.data.buckets)
+        elif ins.kind == Op.ALL_GATHER and ins.purpose == Purpose.PARAM and ins.data.bucket in updated \
                 and ins.mb < 0:
             late.add(k)   # a ZeRO-1/2 gather of the shards just updated
-        elif ins.kind == Op.WAIT and ins.target in late:
+        elif ins.kind == Op.WAIT and ins.data.target in late:
             late.add(k)
     early = [k for k in range(len(instrs)) if k not in late]
     order = early + [-1, -2] + sorted(late)
     where = {old: new for new, old in enumerate(order)}
-    scalar = Instr(Op.ALL_REDUCE, node=str(purpose), stream="dp", group=group, purpose=purpose)
+    scalar = Instr(Op.ALL_REDUCE, str(purpose), "dp", data=Collective(group, purpose))
     out = []
     for old in order:
         if old == -1:
             out.append(scalar)
         elif old == -2:
-            out.append(Instr(Op.WAIT, node=str(purpose), stream="dp", target=where[-1]))
+            out.append(Instr(Op.WAIT, str(purpose), "dp", data=Wait(where[-1])))
         else:
             ins = instrs[old]
             if ins.kind == Op.WAIT:
-                ins = dataclasses.replace(ins, target=where[ins.target])
+                ins = ins.with_data(target=where[ins.data.target])
             out.append(ins)
     return tuple(out)

@@ -110,22 +110,22 @@ def instr_text(ins: Any) -> str:
         return f"{scope}U"
     if k in P2P:
         arrow = ">" if k == Op.SEND else "<"
-        return f"{scope}{k}_{'B' if ins.grad else 'F'}{_mb(ins)}{arrow}{ins.peer}"
+        return f"{scope}{k}_{'B' if ins.data.grad else 'F'}{_mb(ins)}{arrow}{ins.data.peer}"
     if k == Op.ALL_TO_ALL and ins.purpose in (Purpose.DISPATCH, Purpose.COMBINE):
-        return f"{scope}{ins.purpose.upper()}_{'B' if ins.grad else 'F'}{_mb(ins)}"
+        return f"{scope}{ins.purpose.upper()}_{'B' if ins.data.grad else 'F'}{_mb(ins)}"
     if k in SHORT and ins.purpose == Purpose.TP:   # tensor parallelism, between parts
-        return f"{scope}{SHORT[k]}_{'B' if ins.grad else 'F'}{_mb(ins)}"
+        return f"{scope}{SHORT[k]}_{'B' if ins.data.grad else 'F'}{_mb(ins)}"
     if k in SHORT and ins.purpose in (Purpose.NORM, Purpose.COUNT):   # clipping's norm, the
         return f"{ins.purpose}:{SHORT[k]}"                            # global loss's count
     if k in SHORT:
-        if ins.bucket < 0:                  # not over a bucket (hand-written plans)
+        if ins.data.bucket < 0:                  # not over a bucket (hand-written plans)
             return f"{scope}{SHORT[k]}" + (f"@{ins.mb}" if ins.mb >= 0 else "")
         feeds = _FEEDS.search(ins.node or "")
         if feeds:
-            return f"b{ins.bucket}:{SHORT[k]}@{LETTER[Op(feeds.group(1))]}{_mb(ins)}"
-        return f"b{ins.bucket}:{SHORT[k]}{_mb(ins)}"
+            return f"b{ins.data.bucket}:{SHORT[k]}@{LETTER[Op(feeds.group(1))]}{_mb(ins)}"
+        return f"b{ins.data.bucket}:{SHORT[k]}{_mb(ins)}"
     if k == Op.FREE:
-        return "free(" + ",".join(ins.keys) + ")"
+        return "free(" + ",".join(ins.data.keys) + ")"
     return k
 
 

@@ -24,9 +24,9 @@ def norm_weights(plan: Plan) -> dict[str, float]:
     for dp in plan.devices:
         for ins in dp.instrs:
             if ins.kind == Op.U:
-                for n in ins.params:
+                for n in ins.data.params:
                     places[n] = places.get(n, 0) + 1
-                buckets.update(ins.buckets)
+                buckets.update(ins.data.buckets)
     for b in buckets:
         for n in plan.buckets[b].params:
             places[n] = places.get(n, 0) + 1

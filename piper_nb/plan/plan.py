@@ -41,7 +41,7 @@ class DevicePlan:
         for ins in self.instrs:
             if ins.kind == Op.WAIT:
                 if waits:
-                    out.append(wait_text(self.instrs[ins.target]))
+                    out.append(wait_text(self.instrs[ins.data.target]))
             elif ins.kind != Op.FREE or waits:
                 out.append(str(ins))
         return out
@@ -172,9 +172,9 @@ class Plan:
         todo = [d for d in range(self.world) if active[d]]
         while todo:
             for ins in self.devices[todo.pop()].instrs:
-                if (ins.kind == Op.SEND or ins.kind == Op.RECV) and not active[ins.peer]:
-                    active[ins.peer] = True
-                    todo.append(ins.peer)
+                if (ins.kind == Op.SEND or ins.kind == Op.RECV) and not active[ins.data.peer]:
+                    active[ins.data.peer] = True
+                    todo.append(ins.data.peer)
         return active
 
     def grid(self, waits: bool = False, compute_only: bool = False) -> str:

@@ -107,4 +107,4 @@ def message_bytes(plan, ins) -> int:
             first = plan.params[plan.buckets[ins.bucket].params[0]][1]
             return full * element_size(reduce) // element_size(first)
         return full
-    return sum(value_bytes(plan.values[v]) for v in ins.values if v in plan.values)
+    return sum(value_bytes(plan.values[v]) for v in ins.data.values if v in plan.values)

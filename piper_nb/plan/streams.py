@@ -103,10 +103,10 @@ def communicator(device: int, ins) -> str:
     point-to-point (one per direction), `group:r0,r1,...` for a collective (ranks in group
     order)."""
     if ins.kind == Op.SEND:
-        return f"p2p:{device}>{ins.peer}"
+        return f"p2p:{device}>{ins.data.peer}"
     if ins.kind == Op.RECV:
-        return f"p2p:{ins.peer}>{device}"
-    return "group:" + ",".join(map(str, ins.group))
+        return f"p2p:{ins.data.peer}>{device}"
+    return "group:" + ",".join(map(str, ins.data.group))
 
 
 def comm_stream(comm: str) -> str:
@@ -326,7 +326,7 @@ def lower_streams(plan, device: int) -> DeviceStreams:
                     Launch(Step.COMM, stream, k, comm=comm),
                     Launch(Step.RECORD, stream, k, f"d{k}")]
         elif ins.kind == Op.WAIT:
-            out.append(Launch(Step.WAIT, COMPUTE_STREAM, k, f"d{ins.target}"))
+            out.append(Launch(Step.WAIT, COMPUTE_STREAM, k, f"d{ins.data.target}"))
     streams = {COMPUTE_STREAM, *(x.stream for x in out)}
     out += [Launch(Step.SYNC, s, END) for s in sorted(streams, key=lambda s: (s != COMPUTE_STREAM, s))]
     return DeviceStreams(device, tuple(out), instrs)

@@ -13,7 +13,7 @@ import math
 
 from piper_nb import host
 from piper_nb.errors import PlanError
-from piper_nb.ir.kinds import Op
+from piper_nb.ir.kinds import COLLECTIVES, Op
 from piper_nb.optim import SGD, check_optimizer
 from piper_nb.plan.plan import Plan
 from piper_nb.plan.sizes import message_bytes
@@ -81,7 +81,8 @@ def profile_cost_model(plan, repeats: int = 5, comm: bool = True, optimizer=None
         cores = len(host.usable_cores())
     if comm:   # at most 8 processes; larger groups use the largest size measured
         world = min(max(plan.world, 2), 8)
-        groups = {len(i.group) for dp in plan.devices for i in dp.instrs if i.group}
+        groups = {len(i.data.group) for dp in plan.devices for i in dp.instrs
+                  if i.kind in COLLECTIVES}
         largest = max((message_bytes(plan, i) for dp in plan.devices for i in dp.instrs
                        if i.is_issue), default=0)
         a2a = (Op.ALL_TO_ALL,) if any(i.kind == Op.ALL_TO_ALL for dp in plan.devices

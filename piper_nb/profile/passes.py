@@ -24,7 +24,7 @@ import time
 
 import torch
 
-from piper_nb.ir.kinds import BUCKET_COLLECTIVES, Op
+from piper_nb.ir.kinds import BUCKET_COLLECTIVES, PASSES, Op
 from piper_nb.plan.sizes import random_value
 from piper_nb.runtime.bundle import load_bundle, make_bundle
 from piper_nb.runtime.worker import Worker
@@ -89,8 +89,8 @@ class _Bench:
         self.first = {}
         for ins in w.instrs:   # timed without recompute: the cost model adds the forward
             if ins.is_compute:
-                self.first.setdefault((ins.region, ins.kind),
-                                      dataclasses.replace(ins, recompute=False))
+                self.first.setdefault((ins.region, ins.kind), ins.with_data(recompute=False)
+                                      if ins.kind in PASSES else ins)
 
     def _gather(self, r: int) -> None:
         st = self.w.store
@@ -152,16 +152,16 @@ class _Bench:
         if ins is None:
             return 0.0
         st = self.w.store
-        for n in ins.params:
+        for n in ins.data.params:
             p = st.params.get(n)
             if p is not None:
                 p.grad = torch.randn_like(p) * 1e-3
-        for b in ins.buckets:
+        for b in ins.data.buckets:
             lay = self.w.layouts[b]
             dtype = st.params[lay.names[0]].dtype
             st.grad_shards[b] = torch.randn(lay.shard).to(dtype) * 1e-3
         took = self.timed(ins)
-        for b in ins.buckets:
+        for b in ins.data.buckets:
             if self.w.layouts[b].zero != 3:
                 st.shards.pop(b, None)
         return took
@@ -267,8 +267,8 @@ def profile_packing(plan, repeats: int = 5, optimizer=None
 
 
 def replace_kind(ins, kind: str):
-    import dataclasses
-    return dataclasses.replace(ins, kind=kind)
+    """`ins` as another pass of the same region and microbatch."""
+    return dataclasses.replace(ins, kind=Op(kind))
 
 
 def _devices_by_region(plan) -> dict[int, int]:

@@ -51,7 +51,7 @@ class ComputePasses:
         elif ins.kind == Op.U:
             if self.updater is None:
                 raise RuntimeError("no optimizer: reset the worker before stepping")
-            self.updater.update(ins.params, ins.buckets)
+            self.updater.update(ins.data.params, ins.data.buckets)
         else:
             self._backward(ins)
 
@@ -72,7 +72,7 @@ class ComputePasses:
                     leaves.append((v, t))
             args.append(t)
         start = self.rng.start(self.seed, self.step_no, ins)
-        if ins.recompute:   # keep the inputs only: the backward runs this forward again
+        if ins.data.recompute:   # keep the inputs only: the backward runs this forward again
             with torch.no_grad():
                 outputs, _ = self._run_region(ins, args, count=False)
         else:
@@ -85,7 +85,7 @@ class ComputePasses:
                 self.ends.setdefault(name, []).append(out.detach())
             else:   # a size crossing regions is made on the host (`pack_size`): move it
                 self.values.acts[(name, mb)] = on_device(out, self.device)
-        if ins.recompute:
+        if ins.data.recompute:
             self.values.stash[(ins.region, mb)] = Stash(leaves, outputs, 0, args=args,
                                                         rng=start)
         else:
@@ -151,7 +151,7 @@ class ComputePasses:
                 torch.autograd.backward(outs, grads, inputs=params)
             del self.values.stash[key]
             return
-        if ins.recompute and st.args is not None:
+        if ins.data.recompute and st.args is not None:
             self._recompute(ins, st)
         outs, grads = self._out_grads(st, ins.mb)
         if ins.kind == Op.B:

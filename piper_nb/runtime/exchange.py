@@ -64,7 +64,7 @@ class TokenExchange:
         return t.detach().to(dtype).contiguous().reshape(-1).view(_BYTE)
 
     def _rows(self, ins, k: int) -> tuple[int, ...]:
-        key = (ins.split_by[k] if ins.split_by else ins.values[k], ins.mb)
+        key = (ins.data.split_by[k] if ins.data.split_by else ins.data.values[k], ins.mb)
         rows = self.counts.get(key)
         if rows is None:
             raise RuntimeError(f"{ins} on device {self.rank} needs the token counts of "
@@ -73,10 +73,10 @@ class TokenExchange:
 
     def _held(self, ins, v: str, rows: int | None) -> torch.Tensor:
         """The local tensor of v to send; a missing gradient is zeros of `rows` rows."""
-        table = self.values.grads if ins.grad else self.values.acts
+        table = self.values.grads if ins.data.grad else self.values.acts
         t = table.get((v, ins.mb))
         if t is None:
-            if not ins.grad or rows is None:
+            if not ins.data.grad or rows is None:
                 raise RuntimeError(f"{ins} sends activation {v}@{ins.mb}, which device "
                                    f"{self.rank} does not hold")
             dtype, rest, _ = self._spec(v)
@@ -88,32 +88,33 @@ class TokenExchange:
 
     # ---- issue and wait ----------------------------------------------------------------
     def _checked(self, ins) -> None:
-        if ins.purpose not in (Purpose.DISPATCH, Purpose.COMBINE) or len(ins.owners) != len(ins.values):
+        c = ins.data
+        if c.purpose not in (Purpose.DISPATCH, Purpose.COMBINE) or len(c.owners) != len(c.values):
             raise RuntimeError(f"{ins} on device {self.rank}: an ALL_TO_ALL needs purpose "
                                f"dispatch or combine and one owner per value, got "
-                               f"{ins.purpose!r} with owners {list(ins.owners)}")
+                               f"{ins.purpose!r} with owners {list(ins.data.owners)}")
 
     def count(self, ins) -> None:
         """A forward dispatch's host step (the stream program's `exchange`): all-gather each
         member's row count of every value and record them under (value, mb)."""
         self._checked(ins)
-        local = [self._held(ins, v, None) for v in ins.values]
-        per = self.comm.gather_counts([t.shape[0] for t in local], ins.group)
-        for k, v in enumerate(ins.values):
-            self.counts[(v, ins.mb)] = tuple(per[i][k] for i in range(len(ins.group)))
+        local = [self._held(ins, v, None) for v in ins.data.values]
+        per = self.comm.gather_counts([t.shape[0] for t in local], ins.data.group)
+        for k, v in enumerate(ins.data.values):
+            self.counts[(v, ins.mb)] = tuple(per[i][k] for i in range(len(ins.data.group)))
 
     def transfer(self, ins, comm: str) -> tuple:
         """The exchange, ready to start: (transfer, receive layout for `finish`)."""
         self._checked(ins)
-        n, me = len(ins.group), ins.replica
-        owner = [ins.group.index(o) for o in ins.owners]
+        n, me = len(ins.data.group), ins.replica
+        owner = [ins.data.group.index(o) for o in ins.data.owners]
         gather = ins.purpose == Purpose.DISPATCH
         send: list[list[torch.Tensor]] = [[] for _ in range(n)]
         recv: list[tuple[int, int, int]] = []   # (source member, value index, rows)
-        for k, v in enumerate(ins.values):
+        for k, v in enumerate(ins.data.values):
             rows, o = self._rows(ins, k), owner[k]
             if gather:
-                t = self._held(ins, v, None if not ins.grad else rows[me])
+                t = self._held(ins, v, None if not ins.data.grad else rows[me])
                 send[o].append(self._bytes(ins, v, t))
                 if me == o:
                     recv += [(i, k, rows[i]) for i in range(n)]
@@ -127,7 +128,7 @@ class TokenExchange:
         in_splits = [sum(b.numel() for b in pieces) for pieces in send]
         out_splits = [0] * n
         for i, k, r in recv:
-            out_splits[i] += r * self._spec(ins.values[k])[2]
+            out_splits[i] += r * self._spec(ins.data.values[k])[2]
         flat = [b for pieces in send for b in pieces]
         flat = torch.cat(flat) if flat else torch.empty(0, dtype=_BYTE, device=self.device)
         return self.comm.all_to_all(flat, out_splits, in_splits, comm), recv
@@ -139,20 +140,20 @@ class TokenExchange:
         total: dict[int, int] = {}
         offset = 0
         for _, k, rows in recv:
-            size = rows * self._spec(ins.values[k])[2]
+            size = rows * self._spec(ins.data.values[k])[2]
             got.setdefault(k, []).append(out[offset:offset + size])
             total[k] = total.get(k, 0) + rows
             offset += size
-        table = self.values.grads if ins.grad else self.values.acts
+        table = self.values.grads if ins.data.grad else self.values.acts
         me = ins.replica
-        for k, v in enumerate(ins.values):
-            if ins.purpose == Purpose.DISPATCH or ins.group.index(ins.owners[k]) == me:
+        for k, v in enumerate(ins.data.values):
+            if ins.purpose == Purpose.DISPATCH or ins.data.group.index(ins.data.owners[k]) == me:
                 table.pop((v, ins.mb), None)
             if k not in got:
                 continue
             dtype, rest, _ = self._spec(v)
             t = torch.cat(got[k]).view(dtype).view(total[k], *rest)  # a copy: aligned, owned
-            if ins.grad:
+            if ins.data.grad:
                 self.values.add_grad(v, ins.mb, t)
             else:
                 table[(v, ins.mb)] = t

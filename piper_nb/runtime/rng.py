@@ -57,7 +57,7 @@ class ForwardRng:
             torch.default_generator.manual_seed(s)
             if self.device.type == "cuda":
                 torch.cuda.default_generators[self.device.index or 0].manual_seed(s)
-            return self.state() if ins.recompute else None
+            return self.state() if ins.data.recompute else None
         self.restore(state)
         return state
 

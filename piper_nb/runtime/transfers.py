@@ -27,27 +27,27 @@ class Transfers:
         """(transfer, memory kind, buffers it allocates, what its WAIT needs)."""
         comm, store, key = self.comm, self.store, communicator(self.rank, ins)
         if ins.kind == Op.SEND:
-            return (comm.send(self._sent(ins), ins.peer, ins.tag, key), Memory.BUFFERS, [], None)
+            return (comm.send(self._sent(ins), ins.data.peer, ins.data.tag, key), Memory.BUFFERS, [], None)
         if ins.kind == Op.RECV:   # received act:/grad: buffers, as the simulator counts them
-            t = comm.recv(self.recv_specs[idx], ins.peer, ins.tag, key)
+            t = comm.recv(self.recv_specs[idx], ins.data.peer, ins.data.tag, key)
             return t, Memory.ACTIVATIONS, t.bufs, None
         if ins.kind == Op.ALL_REDUCE and ins.purpose == Purpose.TP:   # one flat copy
-            table = self.values.grads if ins.grad else self.values.acts
+            table = self.values.grads if ins.data.grad else self.values.acts
             t = comm.all_reduce(torch.cat([table[(v, ins.mb)].detach().reshape(-1)
-                                           for v in ins.values]), key)
+                                           for v in ins.data.values]), key)
             return t, Memory.BUFFERS, t.bufs, None
         if ins.kind == Op.ALL_REDUCE:
             flat = (self.updater.norm_share() if ins.is_norm else self.count_share()
-                    if ins.is_count else self._to_reduce(ins.bucket))
+                    if ins.is_count else self._to_reduce(ins.data.bucket))
             t = comm.all_reduce(flat, key)
             return t, Memory.BUFFERS, t.bufs, None
         if ins.kind == Op.REDUCE_SCATTER:
-            t = comm.reduce_scatter(self._to_reduce(ins.bucket), len(ins.group), key)
-            store.clear_grads(ins.bucket)
+            t = comm.reduce_scatter(self._to_reduce(ins.data.bucket), len(ins.data.group), key)
+            store.clear_grads(ins.data.bucket)
             return t, Memory.BUFFERS, t.bufs, None
         if ins.kind == Op.ALL_GATHER:
-            t = comm.all_gather(store.shards[ins.bucket], len(ins.group), key)
-            zero3 = self.layouts[ins.bucket].zero == 3  # a gathered bucket counts as parameters
+            t = comm.all_gather(store.shards[ins.data.bucket], len(ins.data.group), key)
+            zero3 = self.layouts[ins.data.bucket].zero == 3  # a gathered bucket counts as parameters
             return t, (Memory.PARAMS if zero3 else Memory.BUFFERS), t.bufs[:1], None
         if ins.kind == Op.ALL_TO_ALL:   # packed tokens in flight, as the simulator counts them
             t, meta = self.exchange.transfer(ins, key)
@@ -56,12 +56,12 @@ class Transfers:
 
     def _sent(self, ins) -> list[torch.Tensor]:
         """What a SEND sends: each value as the plan has it (shape, dtype), on the device."""
-        table = self.values.grads if ins.grad else self.values.acts
+        table = self.values.grads if ins.data.grad else self.values.acts
         out = []
-        for v in ins.values:
+        for v in ins.data.values:
             t = table.get((v, ins.mb))
             if t is None:
-                what = "gradient" if ins.grad else "activation"
+                what = "gradient" if ins.data.grad else "activation"
                 raise RuntimeError(f"{ins} sends {what} {v}@{ins.mb}, which device "
                                    f"{self.rank} does not hold")
             info = self.plan.values.get(v)
@@ -80,9 +80,9 @@ class Transfers:
         """A tensor-parallel all-reduce's WAIT: each value becomes the group's sum, written
         over this device's share in place (the producing pass's stash holds that tensor:
         one buffer either way; autograd saved none of them, a rowwise layer's output)."""
-        table = self.values.grads if src.grad else self.values.acts
+        table = self.values.grads if src.data.grad else self.values.acts
         at = 0
-        for v in src.values:
+        for v in src.data.values:
             old = table[(v, src.mb)]
             old.detach().copy_(flat[at:at + old.numel()].view(old.shape))
             at += old.numel()

@@ -42,8 +42,8 @@ class Updater:
         self.norm_tensor: torch.Tensor | None = None
         self.coef: torch.Tensor | None = None
         self.count_tensor: torch.Tensor | None = None   # loss_mean="global": the batch's count
-        mine = {b for i in instrs if i.kind == Op.U for b in i.buckets}
-        self.full = {n for i in instrs if i.kind == Op.U for n in i.params}
+        mine = {b for i in instrs if i.kind == Op.U for b in i.data.buckets}
+        self.full = {n for i in instrs if i.kind == Op.U for n in i.data.params}
         self.pieces = {b: self._pieces(b, spec.group_of) for b in mine}
         self.params_of = {b: self._pieces(b, lambda n: n) for b in mine}   # one per parameter
         self.weights = norm_weights(plan) if self.max_norm is not None else {}

@@ -62,7 +62,7 @@ class Worker(ComputePasses, Transfers):
         self.instrs = plan.devices[rank].instrs if rank < plan.world else ()
         regions = sorted({i.region for i in self.instrs if i.kind in PASSES})
         names = dict.fromkeys(p for r in regions for p in plan.regions[r].params)
-        names.update(dict.fromkeys(p for i in self.instrs if i.kind == Op.U for p in i.params))
+        names.update(dict.fromkeys(p for i in self.instrs if i.kind == Op.U for p in i.data.params))
         self.layouts = bucket_layouts(plan)
         # a tensor-parallel member other than the first reports no loss (its copy is equal)
         self.tp_rank = plan.tp_rank(rank)
@@ -89,7 +89,7 @@ class Worker(ComputePasses, Transfers):
         synced = {r for r in replicas if any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm)
                                              for m in bundle.modules[r].modules())}
         comm.ensure_groups(communicators(plan),
-                           counted=[i.group for dp in plan.devices for i in dp.instrs
+                           counted=[i.data.group for dp in plan.devices for i in dp.instrs
                                     if i.is_counted_dispatch],
                            batchnorm=sorted({replicas[r] for r in synced}))
         bn_groups = getattr(comm, "bn_groups", None)   # None: a profiler's worker, no peers
@@ -107,9 +107,9 @@ class Worker(ComputePasses, Transfers):
                          _WAIT if i.kind == Op.WAIT else _FREE if i.kind == Op.FREE else -1
                          for i in self.instrs]
         self.recv_specs = {k: [(tuple(plan.values[v].shape), getattr(torch, plan.values[v].dtype))
-                               for v in i.values]
+                               for v in i.data.values]
                            for k, i in enumerate(self.instrs) if i.kind == Op.RECV}
-        self.frees = {k: [parse_free(key) for key in i.keys]
+        self.frees = {k: [parse_free(key) for key in i.data.keys]
                       for k, i in enumerate(self.instrs) if i.kind == Op.FREE}
         self.updater: Updater | None = None
         self.rng = ForwardRng(plan, self.device)
@@ -132,7 +132,7 @@ class Worker(ComputePasses, Transfers):
 
     def text(self, idx: int) -> str:
         ins = self.instrs[idx]
-        return f"wait({self.instrs[ins.target]})" if ins.kind == Op.WAIT else str(ins)
+        return f"wait({self.instrs[ins.data.target]})" if ins.kind == Op.WAIT else str(ins)
 
     def step(self, batch, fail_at: str | None = None, trace: bool = True,
              record_streams: bool = False) -> dict:
@@ -297,8 +297,8 @@ class Worker(ComputePasses, Transfers):
         self.pending[idx] = p
 
     def _wait(self, ins) -> None:
-        p = self.pending.pop(ins.target)
-        src = self.instrs[ins.target]
+        p = self.pending.pop(ins.data.target)
+        src = self.instrs[ins.data.target]
         self.streams.launch(self.current)   # the waiting stream waits for the transfer
         results = self.comm.results(p)
         if self.comm.cuda:   # made on a communicator's stream, used on the compute stream
@@ -308,8 +308,8 @@ class Worker(ComputePasses, Transfers):
             p.end = self.clock.mark()
         self.rec.event(src, p.start, p.end)
         if src.kind == Op.RECV:
-            for v, t in zip(src.values, results, strict=True):
-                if src.grad:
+            for v, t in zip(src.data.values, results, strict=True):
+                if src.data.grad:
                     self.values.add_grad(v, src.mb, t)
                 else:
                     self.values.acts[(v, src.mb)] = t
@@ -320,14 +320,14 @@ class Worker(ComputePasses, Transfers):
         elif src.purpose == Purpose.TP:   # a tensor-parallel sum: partial outputs, gradients
             self._summed(src, results[0])
         elif src.kind == Op.ALL_REDUCE:
-            self.store.set_grads(src.bucket, results[0])
+            self.store.set_grads(src.data.bucket, results[0])
         elif src.kind == Op.REDUCE_SCATTER:
-            self.store.add_grad_shard(src.bucket, results[0])
+            self.store.add_grad_shard(src.data.bucket, results[0])
         elif src.kind == Op.ALL_GATHER:
-            if self.layouts[src.bucket].zero == 3:
-                self.store.acquire(src.bucket, results[0])
+            if self.layouts[src.data.bucket].zero == 3:
+                self.store.acquire(src.data.bucket, results[0])
             else:
-                self.store.write_params(src.bucket, results[0])
+                self.store.write_params(src.data.bucket, results[0])
         elif src.kind == Op.ALL_TO_ALL:
             self.exchange.finish(src, results[0], p.meta)
 

@@ -129,7 +129,7 @@ def _stretches(host: HostModel, sim, integral: Callable[[float], float],
                 active = (integral(s1) - integral(s0)) / (s1 - s0)
                 share = slicing_slowdown((active + bg) / cores, slicing) / measured_at
             elif comm and ins.kind in COLLECTIVES:
-                n = len(ins.group)   # profiled while link_world - n processes computed
+                n = len(ins.data.group)   # profiled while link_world - n processes computed
                 profiled = max(1.0, (max(host.link_world - n, 0) + n * comm) / cores)
                 share = max(1.0, (integral(s1) - integral(s0)) / (s1 - s0) / cores) / profiled
             else:

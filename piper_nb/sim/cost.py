@@ -28,7 +28,7 @@ import math
 from dataclasses import dataclass, field
 
 from piper_nb.errors import PlanError
-from piper_nb.ir.kinds import Op
+from piper_nb.ir.kinds import P2P, Op
 from piper_nb.plan.sizes import element_size, message_bytes
 from piper_nb.sim.host_model import HostModel
 
@@ -152,9 +152,9 @@ class CostModel:
     # ---- durations ----------------------------------------------------------------
     def compute(self, ins) -> float:
         """Duration of one F/B/BI/BW/U instruction; the B or BI of a recomputed region
-        (`ins.recompute`) runs its forward first, so costs one F more."""
+        (`Pass.recompute`) runs its forward first, so costs one F more."""
         took = self._pass(ins.region, ins.kind)
-        if ins.recompute and ins.kind in (Op.B, Op.BI):
+        if ins.kind in (Op.B, Op.BI) and ins.data.recompute:
             took += self._pass(ins.region, "F")
         return took
 
@@ -183,16 +183,17 @@ class CostModel:
         """Duration of one SEND/RECV transfer or collective issued on `device`."""
         if self.comm is not None:
             return self.comm
-        members = ins.group if ins.group else (device, ins.peer)
-        return self.link_time(ins.kind if ins.group else "p2p", members,
-                              message_bytes(plan, ins))
+        if ins.kind in P2P:
+            return self.link_time("p2p", (device, ins.data.peer), message_bytes(plan, ins))
+        return self.link_time(ins.kind, ins.data.group, message_bytes(plan, ins))
 
     def counts_time(self, ins) -> float:
         """The blocking all-gather of token counts a forward dispatch starts with
         (`runtime.exchange`): 8 bytes per value from each member, on the ALL_GATHER link."""
         if self.comm is not None:
             return self.comm
-        return self.link_time(Op.ALL_GATHER, ins.group, 8 * len(ins.values) * len(ins.group))
+        c = ins.data
+        return self.link_time(Op.ALL_GATHER, c.group, 8 * len(c.values) * len(c.group))
 
     def link_time(self, kind: str, members, nbytes: float) -> float:
         """Duration of `nbytes` moved by a `kind` op ("p2p" or a collective) over `members`."""

@@ -69,7 +69,7 @@ class Ledger:
         regions = sorted({i.region for i in self.instrs if i.kind in PASSES
                           and 0 <= i.region < len(plan.regions)})
         names = dict.fromkeys(p for r in regions for p in plan.regions[r].params)
-        names.update(dict.fromkeys(p for i in self.instrs if i.kind == Op.U for p in i.params))
+        names.update(dict.fromkeys(p for i in self.instrs if i.kind == Op.U for p in i.data.params))
         self.names = {n: None for n in names if n in plan.params}
         self.gsize = {n: param_numel(plan, n) * (self.gb if self.gb is not None else self.elem(n))
                       for n in self.names}
@@ -198,7 +198,7 @@ class Ledger:
                 self._put(self.acts, (v, ins.mb), buf)
         for buf in refs:
             self._hold(buf)
-        saved = 0 if ins.recompute else self.routing.saved(ins.region, ins.mb, self.d)
+        saved = 0 if ins.data.recompute else self.routing.saved(ins.region, ins.mb, self.d)
         self.level[_ACTIVATIONS] += saved
         key = (ins.region, ins.mb)
         if key in self.stash:
@@ -227,7 +227,7 @@ class Ledger:
             self._param_grads(self.plan.regions[ins.region].params)
             self._drop_stash(key)
         else:
-            if ins.recompute:
+            if ins.data.recompute:
                 self._recomputed(ins, st)
             st.out_grads = self._out_grads(ins)
         if ins.kind != Op.BW:
@@ -251,8 +251,8 @@ class Ledger:
     def _update(self, i: int, ins) -> None:
         """U (`ParamStore.update`): gradients consumed, updated ZeRO-1/2 shards held until
         their gather, the optimizer state of what it updates exists from here on."""
-        self._drop_grads(ins.params)
-        for b in ins.buckets:
+        self._drop_grads(ins.data.params)
+        for b in ins.data.buckets:
             if b in self.buckets and self.buckets[b].zero != 3 and b not in self.zero_shards:
                 self.zero_shards[b] = self._shard(b, self.pb)
                 self.level[_BUFFERS] += self.zero_shards[b]
@@ -271,14 +271,14 @@ class Ledger:
             self.level[_BUFFERS] += NORM_BYTES
             return
         if ins.purpose == Purpose.TP:   # one flat copy of the values it sums
-            nbytes = sum(self._vb(v, ins.mb) for v in ins.values)
+            nbytes = sum(self._vb(v, ins.mb) for v in ins.data.values)
             self.pending[i] = (_BUFFERS, nbytes)
             self.level[_BUFFERS] += nbytes
             return
         if k == Op.SEND or (k in BUCKET_COLLECTIVES and b not in self.buckets):
             return
         if k == Op.RECV:
-            kind, nbytes = _ACTIVATIONS, sum(self._vb(v, ins.mb) for v in ins.values)
+            kind, nbytes = _ACTIVATIONS, sum(self._vb(v, ins.mb) for v in ins.data.values)
         elif k == Op.ALL_REDUCE:
             kind, nbytes = _BUFFERS, self._padded(b, self.rb)
         elif k == Op.REDUCE_SCATTER:  # a flat copy of the gradients and the output shard
@@ -294,15 +294,15 @@ class Ledger:
 
     def _wait(self, i: int, ins) -> None:
         """WAIT: the transfer's buffers go, what it delivered is held."""
-        kind, nbytes = self.pending.pop(ins.target, (0, 0))
+        kind, nbytes = self.pending.pop(ins.data.target, (0, 0))
         self.level[kind] -= nbytes
-        src = self.instrs[ins.target]
+        src = self.instrs[ins.data.target]
         k, b = src.kind, src.bucket
         if k in BUCKET_COLLECTIVES and b not in self.buckets:
             return
         if k == Op.RECV:
-            for v in src.values:
-                if src.grad:
+            for v in src.data.values:
+                if src.data.grad:
                     self._add_grad(v, src.mb)
                 else:
                     self._put(self.acts, (v, src.mb), _Buf(self._vb(v, src.mb)))
@@ -320,7 +320,7 @@ class Ledger:
 
     def _free(self, i: int, ins) -> None:
         """FREE: a gathered bucket's use ends (`param:b`), or a value buffer is let go."""
-        for key in ins.keys:
+        for key in ins.data.keys:
             kind, what = parse_free(key)
             if kind == Held.PARAM:
                 self._release(what)
@@ -363,19 +363,19 @@ class Ledger:
         reverse)."""
         return sum(self._vb(v, ins.mb) + (self._vb(v, ins.mb, expert=True) if owner == self.d
                                           else 0)
-                   for v, owner in zip(ins.values, ins.owners, strict=True))
+                   for v, owner in zip(ins.data.values, ins.data.owners, strict=True))
 
     def _exchange_done(self, ins) -> None:
         """An exchange's WAIT: what was sent is let go, what came is held (acts or grads)."""
-        table = self.vgrads if ins.grad else self.acts
+        table = self.vgrads if ins.data.grad else self.acts
         dispatch = ins.purpose == Purpose.DISPATCH
-        for v, owner in zip(ins.values, ins.owners, strict=True):
+        for v, owner in zip(ins.data.values, ins.data.owners, strict=True):
             key, mine = (v, ins.mb), owner == self.d
             if dispatch or mine:
                 self._let_go(table.pop(key, None))
             if mine or not dispatch:   # the owner gets the group's rows, each member its own
                 buf = _Buf(self._vb(v, ins.mb, expert=dispatch))
-                if ins.grad:
+                if ins.data.grad:
                     self._put(self.vgrads, key, buf)
                 else:
                     self._put(self.acts, key, buf)

@@ -82,7 +82,7 @@ def overlap_steps(instrs) -> list[int | tuple[int, ...]]:
     n, i = len(instrs), 0
     while i < n:
         ins = instrs[i]
-        if ins.kind not in COMPUTE or ins.overlap < 0:
+        if ins.overlap < 0:
             steps.append(i)
             i += 1
             continue
@@ -97,7 +97,7 @@ def overlap_steps(instrs) -> list[int | tuple[int, ...]]:
                 between.append(j)
             j += 1
         inner = [k for k in between if k < members[-1]]
-        pre = [k for k in inner if instrs[k].kind == Op.WAIT and instrs[k].target < i]
+        pre = [k for k in inner if instrs[k].kind == Op.WAIT and instrs[k].data.target < i]
         taken = set(pre)
         steps += pre
         steps.append(tuple(members) if len(members) > 1 else i)
@@ -143,7 +143,8 @@ class _Sim:
 
     def _issue(self, d: int, i: int, ins, ready: float) -> None:
         if ins.kind in P2P:
-            key = (d, ins.peer, ins.tag) if ins.kind == Op.SEND else (ins.peer, d, ins.tag)
+            m = ins.data
+            key = (d, m.peer, m.tag) if ins.kind == Op.SEND else (m.peer, d, m.tag)
             other = self.p2p.pop(key, None)
             if other is None:
                 self.p2p[key] = (d, i, ready)
@@ -151,16 +152,16 @@ class _Sim:
             members = ((other[0], other[1]), (d, i))
             ready = max(ready, other[2])
         else:
-            k = self.coll_k[d][ins.group]
-            self.coll_k[d][ins.group] = k + 1
-            posts = self.coll.setdefault((ins.group, k), [])
+            k = self.coll_k[d][ins.data.group]
+            self.coll_k[d][ins.data.group] = k + 1
+            posts = self.coll.setdefault((ins.data.group, k), [])
             posts.append((d, i, ready))
-            need = self.need.get(ins.group)
+            need = self.need.get(ins.data.group)
             if need is None:
-                need = self.need[ins.group] = sum(1 for m in ins.group if self.runs[m])
+                need = self.need[ins.data.group] = sum(1 for m in ins.data.group if self.runs[m])
             if len(posts) < need:
                 return
-            del self.coll[(ins.group, k)]
+            del self.coll[(ins.data.group, k)]
             members = tuple((x[0], x[1]) for x in posts)
             ready = max(x[2] for x in posts)
         rep = self.rep
@@ -188,16 +189,16 @@ class _Sim:
             ins = instrs[s]
             kind = ins.kind
             if kind == Op.WAIT:
-                e = end[ins.target]
+                e = end[ins.data.target]
                 if e < 0:
-                    self.blocked[d] = ins.target
+                    self.blocked[d] = ins.data.target
                     break
                 if e > t:
                     t = e
                 posted[s] = start[s] = end[s] = t
                 t += wait
                 if packing:
-                    src = instrs[ins.target]
+                    src = instrs[ins.data.target]
                     t += packing.get((src.kind, src.bucket), _NONE)[1]
             elif kind in COMPUTE:
                 st = t if t > cfree else cfree

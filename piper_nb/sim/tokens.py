@@ -35,10 +35,10 @@ class Routing:
             for dp in plan.devices:
                 for ins in dp.instrs:
                     if ins.is_counted_dispatch:
-                        dispatched.update(ins.values)
-                        for v in ins.values:
+                        dispatched.update(ins.data.values)
+                        for v in ins.data.values:
                             if v in plan.rows:
-                                self.source[plan.rows[v]] = (v, tuple(ins.group))
+                                self.source[plan.rows[v]] = (v, tuple(ins.data.group))
         # regions that run inside an expert (on its owner): they take dispatched values
         self.experts = frozenset(r.index for r in plan.regions
                                  if any(v in dispatched for v in r.inputs))

@@ -45,8 +45,8 @@ def update_states(plan, instrs, d: int, buckets: dict, settings: MemorySettings
         if ins.kind != Op.U:
             continue
         st = {n: state(plan.params[n][0], plan.params[n][1], settings.group_of(n))
-              for n in ins.params if n in plan.params}
-        for b in ins.buckets:
+              for n in ins.data.params if n in plan.params}
+        for b in ins.data.buckets:
             if b not in buckets:
                 continue
             bk = buckets[b]

@@ -57,21 +57,21 @@ class _Mapper:
         out = []
         for ins in src:
             if ins.kind in (Op.SEND, Op.RECV):
-                ins = dataclasses.replace(ins, peer=self.member(ins.peer, k, leader))
+                ins = ins.with_data(peer=self.member(ins.data.peer, k, leader))
             elif ins.is_issue and ins.purpose == Purpose.TP:
-                ins = dataclasses.replace(ins, group=group)
+                ins = ins.with_data(group=group)
             elif ins.is_issue:
-                ins = dataclasses.replace(
-                    ins, group=self.group(ins.group, k, leader),
-                    bucket=self.bmap[k].get(ins.bucket, ins.bucket),
-                    owners=self.group(ins.owners, k, leader))
-            elif ins.kind == Op.U and ins.buckets:
-                ins = dataclasses.replace(ins, buckets=tuple(self.bmap[k].get(b, b)
-                                                             for b in ins.buckets))
-            elif ins.kind == Op.FREE and any(key.startswith("param:") for key in ins.keys):
-                ins = dataclasses.replace(ins, keys=tuple(
+                ins = ins.with_data(
+                    group=self.group(ins.data.group, k, leader),
+                    bucket=self.bmap[k].get(ins.data.bucket, ins.data.bucket),
+                    owners=self.group(ins.data.owners, k, leader))
+            elif ins.kind == Op.U and ins.data.buckets:
+                ins = ins.with_data(buckets=tuple(self.bmap[k].get(b, b)
+                                                  for b in ins.data.buckets))
+            elif ins.kind == Op.FREE and any(key.startswith("param:") for key in ins.data.keys):
+                ins = ins.with_data(keys=tuple(
                     f"param:{self.bmap[k].get(int(key[6:]), int(key[6:]))}"
-                    if key.startswith("param:") else key for key in ins.keys))
+                    if key.startswith("param:") else key for key in ins.data.keys))
             out.append(ins)
         return tuple(out)
 

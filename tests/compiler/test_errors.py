@@ -124,8 +124,8 @@ def test_collective_order_mismatch_is_caught(setup):
     from piper_nb.plan.instr import Instr
     from piper_nb.plan.plan import DevicePlan, Plan
 
-    a = Instr("ALL_REDUCE", "AR[PP=0]#b0", "dp", group=(0, 1), bucket=0, purpose="grad")
-    b = Instr("ALL_REDUCE", "AR[PP=1]#b1", "dp", group=(0, 1), bucket=1, purpose="grad")
+    a = Instr.of("ALL_REDUCE", "AR[PP=0]#b0", "dp", group=(0, 1), bucket=0, purpose="grad")
+    b = Instr.of("ALL_REDUCE", "AR[PP=1]#b1", "dp", group=(0, 1), bucket=1, purpose="grad")
     plan = Plan(world=2, devices=(DevicePlan(0, (a, b)), DevicePlan(1, (b, a))),
                 microbatches=1, batch_size=1, loss_scale=1.0)
     with pytest.raises(pn.PlanError, match="devices 0 and 1 .* collective #0 differently"):

@@ -53,7 +53,7 @@ def skip_plan(schedule: str, src: int, dst: int):
 
 def grad_sends(plan, device: int, value: str) -> list[str]:
     return [str(i) for i in plan[device].instrs
-            if i.kind == "SEND" and i.grad and value in i.values]
+            if i.kind == "SEND" and i.data.grad and value in i.data.values]
 
 
 def test_a_value_read_on_another_rank_by_a_later_chunk_is_summed_there_and_sent_once():
@@ -77,8 +77,8 @@ def test_a_value_read_by_both_arms_of_a_v_is_summed_before_it_is_sent():
 def test_an_activation_read_by_two_stages_of_one_rank_travels_once():
     plan = skip_plan("interleaved", 0, 3)
     skip = plan.regions[0].outputs[0]
-    forward_sends = [i for i in plan[0].instrs if i.kind == "SEND" and not i.grad
-                     and skip in i.values]
+    forward_sends = [i for i in plan[0].instrs if i.kind == "SEND" and not i.data.grad
+                     and skip in i.data.values]
     assert len(forward_sends) == plan.microbatches
 
 
@@ -117,17 +117,17 @@ def mutate(plan, device: int, edit):
     """`plan` with device `device`'s instruction list replaced by `edit(list)`. A WAIT keeps
     pointing at the instruction object it waited for; `("wait", instr)` adds a new one."""
     instrs = list(plan[device].instrs)
-    target = {id(ins): instrs[ins.target] for ins in instrs if ins.kind == "WAIT"}
+    target = {id(ins): instrs[ins.data.target] for ins in instrs if ins.kind == "WAIT"}
     new = edit(instrs)
     out = []
     for ins in new:
         if isinstance(ins, tuple):
             t = ins[1]
-            ins = Instr("WAIT", t.node, t.stream)
+            ins = Instr.of("WAIT", t.node, t.stream)
             target[id(ins)] = t
         if ins.kind == "WAIT":
             where = next(k for k, x in enumerate(out) if x is target[id(ins)])
-            ins = dataclasses.replace(ins, target=where)
+            ins = ins.with_data(target=where)
         out.append(ins)
     devices = list(plan.devices)
     devices[device] = DevicePlan(device, tuple(out))
@@ -136,7 +136,7 @@ def mutate(plan, device: int, edit):
 
 def index(instrs, text: str) -> int:
     for k, ins in enumerate(instrs):
-        label = f"wait({instrs[ins.target]})" if ins.kind == "WAIT" else str(ins)
+        label = f"wait({instrs[ins.data.target]})" if ins.kind == "WAIT" else str(ins)
         if label == text:
             return k
     raise AssertionError(f"{text} not in {[str(i) for i in instrs]}")
@@ -171,7 +171,7 @@ def test_a_backward_before_its_gradient_arrives_fails():
 def test_a_gradient_freed_before_its_backward_fails():
     plan = one_f_one_b()
     value = plan.regions[0].outputs[0]
-    free = Instr("FREE", "x", "compute", keys=(f"grad:{value}@0",))
+    free = Instr.of("FREE", "x", "compute", keys=(f"grad:{value}@0",))
     broken = mutate(plan, 0, lambda x: x[:index(x, "r0:B0")] + [free] + x[index(x, "r0:B0"):])
     with pytest.raises(pn.PlanError, match="r0:B0 runs before the gradient"):
         check_plan(broken)

@@ -21,7 +21,7 @@ def plan(zero: int, microbatches: int):
 def test_each_reduce_scatter_is_waited_for_before_the_buckets_next(zero):
     for dp in plan(zero, 8).devices:
         ins = dp.instrs
-        waited = {x.target: i for i, x in enumerate(ins) if x.kind == Op.WAIT}
+        waited = {x.data.target: i for i, x in enumerate(ins) if x.kind == Op.WAIT}
         scatters = {}
         for i, x in enumerate(ins):
             if x.kind == Op.REDUCE_SCATTER and x.purpose == Purpose.GRAD:

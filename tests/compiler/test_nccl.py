@@ -49,8 +49,8 @@ def test_receives_follow_their_senders_order():
     plan = mlp_plan(8, S.dualpipev(4, 8, place=True))
     for dp in plan.devices:
         for peer in range(plan.world):
-            got = [i.tag for i in dp.instrs if i.kind == "RECV" and i.peer == peer]
-            sent = [i.tag for i in plan[peer].instrs if i.kind == "SEND" and i.peer == dp.device]
+            got = [i.data.tag for i in dp.instrs if i.kind == "RECV" and i.data.peer == peer]
+            sent = [i.data.tag for i in plan[peer].instrs if i.kind == "SEND" and i.data.peer == dp.device]
             assert got == sent
 
 

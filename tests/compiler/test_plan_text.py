@@ -45,7 +45,7 @@ def test_zero3_frees_gathered_parameters_after_every_pass(mlp):
     assert plan[0].text(waits=True) == [
         "b0:AG@F", "b0:AG@B", "wait(b0:AG@F)", "r0:F", "free(param:0)", "wait(b0:AG@B)", "r0:B",
         "free(param:0)", "b0:RS", "wait(b0:RS)", "r0:U"]
-    frees = [i for i in plan[0].instrs if i.kind == "FREE" and "param:0" in i.keys]
+    frees = [i for i in plan[0].instrs if i.kind == "FREE" and "param:0" in i.data.keys]
     assert len(frees) == 2
 
 

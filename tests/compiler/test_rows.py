@@ -24,8 +24,8 @@ def _plan():
 def test_routed_values_share_their_experts_symbol():
     plan = _plan()
     dispatched = [v for dp in plan.devices for i in dp.instrs
-                  if i.kind == "ALL_TO_ALL" and i.purpose == "dispatch" and not i.grad
-                  for v in i.values]
+                  if i.kind == "ALL_TO_ALL" and i.purpose == "dispatch" and not i.data.grad
+                  for v in i.data.values]
     symbols = {plan.rows[v] for v in dispatched}
     assert len(symbols) == len(set(dispatched)) == 4  # 2 blocks x 2 experts, one each
     for v, s in plan.rows.items():                    # indices, weights, expert outputs

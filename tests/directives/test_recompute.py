@@ -13,6 +13,7 @@ from torch import nn
 import piper_nb as pn
 from piper_nb.directives.recompute import Recompute
 from piper_nb.directives.spec import directive_from_json
+from piper_nb.plan.instr import Pass
 from piper_nb.sim import CostModel, MemorySettings
 from piper_nb.strategies import MATRIX
 
@@ -50,7 +51,8 @@ def test_recompute_trains_like_one_process(cluster2, one_thread, name):
     model, annotation = _gpt(stages)
     batch = model.example_batch(batch_size=8, seed=0)
     plan = pn.compile(pn.annotate(model, annotation), make(), batch)
-    assert any(i.recompute for dp in plan.devices for i in dp.instrs)
+    assert any(isinstance(i.data, Pass) and i.data.recompute
+               for dp in plan.devices for i in dp.instrs)
     result = pn.train(plan, batch, 2, OPT, cluster=cluster2)
     ref = pn.reference_train(model, batch, 2, plan.microbatches, OPT)
     torch.testing.assert_close(torch.tensor(result.losses), torch.tensor(ref.losses),
@@ -113,7 +115,8 @@ def test_the_plan_marks_recomputed_passes_and_frees_their_inputs_after_the_backw
     plan = pn.compile(pn.annotate(model, annotation),
                       [*pn.schedules.one_f_one_b(2, 2, place=True),
                        pn.recompute({"PP": 1, "MB": 0})], batch)
-    marked = {(i.kind, i.mb) for dp in plan.devices for i in dp.instrs if i.recompute}
+    marked = {(i.kind, i.mb) for dp in plan.devices for i in dp.instrs
+              if isinstance(i.data, Pass) and i.data.recompute}
     assert marked == {("F", 0), ("B", 0)}
     text = plan.devices[1].text(waits=True)
     freed = next(k for k, t in enumerate(text) if t.startswith("free(act:") and "@0" in t)

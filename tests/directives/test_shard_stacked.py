@@ -89,7 +89,7 @@ def test_slices_become_expert_regions_holding_their_pieces(models):
         "model.layers.0.mlp.experts.down_proj", 2, 4)
     # device d updates the pieces of slice d only; nothing of the experts is replicated
     for d in (0, 1):
-        held = {p for i in plan[d].compute() if i.kind == "U" for p in i.params
+        held = {p for i in plan[d].compute() if i.kind == "U" for p in i.data.params
                 if "experts" in p}
         assert held == {p for p in plan.pieces if p.endswith(f"[{2 * d}:{2 * d + 2}]")}
     assert pn.Plan.from_json(plan.to_json()).pieces == plan.pieces
@@ -112,7 +112,7 @@ def test_uneven_slices_by_hand_go_round_robin(models):
            for i in (0, 1) for s, (lo, hi) in enumerate(((0, 1), (1, 3), (3, 4)))}
     plan = pn.compile(pn.annotate(model, {"": {"PP": 0}, **cut}), STRATEGIES["ep2"][1](), batch())
     on = {d: sorted({p.rpartition(".")[2] for i in plan[d].compute() if i.kind == "U"
-                     for p in i.params if "experts" in p}) for d in (0, 1)}
+                     for p in i.data.params if "experts" in p}) for d in (0, 1)}
     assert on == {0: ["down_proj[0:1]", "down_proj[3:4]", "gate_up_proj[0:1]",
                       "gate_up_proj[3:4]"], 1: ["down_proj[1:3]", "gate_up_proj[1:3]"]}
 
@@ -154,8 +154,8 @@ def test_stacked_experts_plan_on_the_meta_device_with_a_balanced_routing(family)
     plan = pn.compile(pn.annotate(meta, annotation(meta)), program(), (ids, ids))
     tokens = BATCH // 2 // 2 * SEQ                 # per replica and microbatch
     dispatched = {v for dp in plan.devices for i in dp.instrs
-                  if i.kind == "ALL_TO_ALL" and i.purpose == "dispatch" and not i.grad
-                  for v in i.values}
+                  if i.kind == "ALL_TO_ALL" and i.purpose == "dispatch" and not i.data.grad
+                  for v in i.data.values}
     rows = {plan.values[v].shape[0] for v in dispatched}
     assert rows == {tokens * 2 * 2 // 4}
     torch.manual_seed(0)

@@ -40,7 +40,7 @@ def test_a_block_becomes_parts_with_an_all_reduce_each_way_between_them():
     assert "r3:AR_B0" in text and "r1:AR_B0" in text
     assert plan[1].text() == text          # the member runs the group's first device's list
     tp = [i for i in plan[0].instrs if i.purpose == Purpose.TP]
-    assert {i.group for i in tp} == {(0, 1)} and {i.grad for i in tp} == {False, True}
+    assert {i.data.group for i in tp} == {(0, 1)} and {i.data.grad for i in tp} == {False, True}
     dag = plan.dag
     assert any(n.op == Op.ALL_REDUCE and n.attr("purpose") == Purpose.TP for n in dag.nodes)
     assert "tensor-parallel collectives" in " ".join(dag.history)
@@ -67,11 +67,11 @@ def test_the_models_own_plan_or_the_users():
 def _without(dp: DevicePlan, k: int) -> DevicePlan:
     """A device's list without instruction k and its WAIT."""
     instrs = list(dp.instrs)
-    wait = next(i for i, x in enumerate(instrs) if x.kind == Op.WAIT and x.target == k)
+    wait = next(i for i, x in enumerate(instrs) if x.kind == Op.WAIT and x.data.target == k)
     kept = [i for i in range(len(instrs)) if i not in (k, wait)]
     remap = {old: new for new, old in enumerate(kept)}
     return DevicePlan(dp.device, tuple(
-        dataclasses.replace(instrs[i], target=remap[instrs[i].target])
+        instrs[i].with_data(target=remap[instrs[i].data.target])
         if instrs[i].kind == Op.WAIT else instrs[i] for i in kept))
 
 
@@ -88,7 +88,7 @@ def test_the_gradient_check_sees_a_gradient_share_never_summed():
     # the backward all-reduce dropped on every member alike: the group still agrees, so
     # only the gradient-flow check can tell the next backward would read one share
     plan = compile_tp(llama(layers=1), [pn.tensor_parallel({}, [0, 1]), pn.split({}, num=2)])
-    k = next(i for i, x in enumerate(plan[0].instrs) if x.purpose == Purpose.TP and x.grad)
+    k = next(i for i, x in enumerate(plan[0].instrs) if x.purpose == Purpose.TP and x.data.grad)
     broken = dataclasses.replace(plan, devices=tuple(_without(dp, k) for dp in plan.devices))
     with pytest.raises(pn.PlanError, match="share of the gradient of .* all-reduce of those "
                        "shares has not completed"):
@@ -161,7 +161,7 @@ def test_an_lm_head_read_only_by_its_loss_gets_a_vocab_parallel_cross_entropy():
     *_, head, loss = plan.regions
     assert "head.proj.weight" in head.params and loss.has_loss and not loss.params
     reduced = [plan.values[v] for i in plan[0].instrs if i.region == head.index
-               and i.purpose == pn.Purpose.TP and not i.grad for v in i.values]
+               and i.purpose == pn.Purpose.TP and not i.data.grad for v in i.data.values]
     assert [v.shape for v in reduced] == [(32, 3)]
 
 

@@ -76,7 +76,7 @@ def test_a_drawn_classifier_head_sends_per_token_numbers_not_its_logits():
                       model.example_batch(case.batch_size, seed=case.seed))
     head = {r.index for r in plan.regions if "head.weight" in r.params}
     sums = {plan.values[v].shape for dp in plan.devices for i in dp.instrs
-            if i.purpose == pn.Purpose.TP and not i.grad and i.region in head for v in i.values}
+            if i.purpose == pn.Purpose.TP and not i.data.grad and i.region in head for v in i.data.values}
     tokens = case.batch_size // case.microbatches // case.dp   # one microbatch's samples
     # per token: each device's log-sum-exp, the target's logit (and the logits' sum)
     assert sums == {(tokens, case.tp + 1 + (case.spec.smoothing > 0))}, sums

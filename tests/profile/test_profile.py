@@ -11,6 +11,7 @@ import torch
 
 import piper_nb as pn
 import piper_nb.profile.cost_model as prof
+from piper_nb.plan.instr import Collective
 from piper_nb.plan.sizes import message_bytes
 from piper_nb.profile import CostModel, simulate
 from piper_nb.profile import links as link_profile
@@ -169,7 +170,8 @@ def test_a_profile_times_full_and_split_backwards_where_the_plan_runs_both():
 def test_a_profile_times_the_hosts_packing_around_each_buckets_collectives():
     from piper_nb.profile.passes import profile_packing
     plan = pn.compile(*_dp_plan_args())
-    kinds = {(i.kind, i.bucket) for dp in plan.devices for i in dp.instrs if i.group}
+    kinds = {(i.kind, i.bucket) for dp in plan.devices for i in dp.instrs
+             if isinstance(i.data, Collective)}
     packing = profile_packing(plan, repeats=2)
     assert set(packing) == kinds and kinds
     assert all(before > 0 and after > 0 for before, after in packing.values())

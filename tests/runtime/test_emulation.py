@@ -127,7 +127,7 @@ def _size_plan():
 def test_a_size_crossing_stages_is_sent_from_the_device(same):
     model, batch, plan = _size_plan()
     sizes = [v for v, info in plan.values.items() if info.dtype == "uint8"]
-    assert sizes and any(set(sizes) & set(i.values) for i in plan[0].instrs if i.kind == "SEND")
+    assert sizes and any(set(sizes) & set(i.data.values) for i in plan[0].instrs if i.kind == "SEND")
     opt = pn.optim.SGD(0.1)
     with LocalCluster(2, comm="nccl-emulated", timeout=60) as cluster:
         result = pn.train(plan, batch, steps=2, optimizer=opt, cluster=cluster)

@@ -100,7 +100,7 @@ def test_a_frozen_layer_stays_frozen_and_holds_no_optimizer_state(cluster2, same
     assert torch.equal(result.state_dict()["s.1.weight"], frozen)
     assert plan.frozen == ("s.1.bias", "s.1.weight")
     u = next(i for i in plan[1].instrs if i.kind == "U")
-    assert u.params == ()   # nothing to update on the frozen stage
+    assert u.data.params == ()   # nothing to update on the frozen stage
     assert max(m.optim for m in result.trace.memory if m.device == 1) == 0
     assert max(m.grads for m in result.trace.memory if m.device == 1) == 0
     predicted = pn.simulate(plan, pn.CostModel.uniform(),

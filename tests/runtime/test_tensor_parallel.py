@@ -70,8 +70,8 @@ def test_tp2_alone_shards_every_linear_and_trains_like_one_process(cluster2):
     assert plan.params["embed.weight"][0] == plan.params["head.proj.weight"][0] == (16, 32)
     # per microbatch: the lookup's all-reduce, one after attention and one after the MLP
     # per block, and the loss's per-token numbers (never the logits)
-    fwd = [i for i in plan[1].instrs if i.purpose == pn.Purpose.TP and not i.grad]
-    assert len(fwd) == 2 * (1 + 2 * 2 + 1) and all(i.group == (0, 1) for i in fwd)
+    fwd = [i for i in plan[1].instrs if i.purpose == pn.Purpose.TP and not i.data.grad]
+    assert len(fwd) == 2 * (1 + 2 * 2 + 1) and all(i.data.group == (0, 1) for i in fwd)
     assert _head_reduce(plan, "head.proj.weight") == {(32, 3)}
 
 
@@ -98,7 +98,7 @@ def test_pp2_tp2(cluster4, schedule):
     plan, result, ref = _train(model, ann, program, cluster4)
     _same(result, ref)
     sends = [i for i in plan[3].instrs if i.kind == pn.Op.SEND]
-    assert sends and {i.peer for i in sends} <= {1, 2}   # rank 1 talks to rank 1
+    assert sends and {i.data.peer for i in sends} <= {1, 2}   # rank 1 talks to rank 1
 
 
 @pytest.mark.parametrize("zero", [1, 2, 3])
@@ -131,7 +131,7 @@ def test_tp2_with_expert_parallel_moe(cluster4):
                pn.tensor_parallel({"PP": 0}, [[0, 1], [2, 3]]), pn.split({}, num=2)]
     plan, result, ref = _train(model, moe_annotation(2, 2, 1), program, cluster4)
     _same(result, ref)
-    a2a = {i.group for dp in plan.devices for i in dp.instrs if i.kind == pn.Op.ALL_TO_ALL}
+    a2a = {i.data.group for dp in plan.devices for i in dp.instrs if i.kind == pn.Op.ALL_TO_ALL}
     assert a2a == {(0, 2), (1, 3)}
 
 
@@ -209,8 +209,8 @@ def _head_reduce(plan, weight="head.proj.weight") -> set[tuple]:
     """The shapes the LM head's part all-reduces forward."""
     head = {r.index for r in plan.regions if weight in r.params}
     return {plan.values[v].shape for dp in plan.devices for i in dp.instrs
-            if i.purpose == pn.Purpose.TP and not i.grad and i.region in head
-            for v in i.values}
+            if i.purpose == pn.Purpose.TP and not i.data.grad and i.region in head
+            for v in i.data.values}
 
 
 def _smoothed(logits, targets):

@@ -139,8 +139,8 @@ def test_clipping_is_an_all_reduce_before_the_updates_that_the_tools_see():
     for dp in clipped.devices:
         first_u = next(k for k, i in enumerate(dp.instrs) if i.kind == "U")
         norm, wait = dp.instrs[first_u - 2:first_u]
-        assert (norm.kind, norm.purpose, norm.group) == ("ALL_REDUCE", "norm", (0, 1, 2, 3))
-        assert (wait.kind, wait.target) == ("WAIT", first_u - 2)
+        assert (norm.kind, norm.purpose, norm.data.group) == ("ALL_REDUCE", "norm", (0, 1, 2, 3))
+        assert (wait.kind, wait.data.target) == ("WAIT", first_u - 2)
         later = [i for i in dp.instrs[first_u:] if i.kind in ("B", "BW", "REDUCE_SCATTER")]
         assert later == []    # every gradient is final before the norm
     trace = pn.simulate(clipped, pn.CostModel.uniform())

@@ -19,15 +19,15 @@ _COLL = {"AR": "ALL_REDUCE", "RS": "REDUCE_SCATTER", "AG": "ALL_GATHER", "A2A": 
 
 def _instr(tok: str, world: int, overlap: int = -1) -> Instr:
     if m := _COMP.match(tok):
-        return Instr(_PASS[m[2]], f"n:{tok}", region=int(m[1]), mb=int(m[3]), overlap=overlap)
+        return Instr.of(_PASS[m[2]], f"n:{tok}", region=int(m[1]), mb=int(m[3]), overlap=overlap)
     if m := re.match(r"^r(\d+):U$", tok):
-        return Instr("U", f"n:{tok}", region=int(m[1]))
+        return Instr.of("U", f"n:{tok}", region=int(m[1]))
     if m := _P2P.match(tok):
         grad = m[3] == "B"
-        return Instr(m[2], f"n:{tok}", "pp", region=int(m[1]), mb=int(m[4]), peer=int(m[6]),
+        return Instr.of(m[2], f"n:{tok}", "pp", region=int(m[1]), mb=int(m[4]), peer=int(m[6]),
                      tag=2 * int(m[4]) + grad, grad=grad)
     if m := re.match(r"^(AR|RS|AG|A2A)(?:@(\d+))?$", tok):
-        return Instr(_COLL[m[1]], f"n:{tok}", "dp", mb=int(m[2]) if m[2] else -1,
+        return Instr.of(_COLL[m[1]], f"n:{tok}", "dp", mb=int(m[2]) if m[2] else -1,
                      group=tuple(range(world)))
     raise ValueError(f"cannot parse {tok!r}")
 
@@ -43,7 +43,7 @@ def _hand_plan(*rows: str) -> Plan:
             if tok.startswith("wait("):
                 name = tok[5:-1]
                 target = max(i for i, x in enumerate(out) if str(x) == name)
-                out.append(Instr("WAIT", out[target].node, out[target].stream, target=target))
+                out.append(Instr.of("WAIT", out[target].node, out[target].stream, target=target))
             elif tok.startswith("("):
                 for part in tok[1:-1].split(";"):
                     out.append(_instr(part, world, overlap))

@@ -21,13 +21,13 @@ def plan2(microbatches: int = 2):
 
 def test_uniform_costs_split_b_into_bi_and_bw_and_overlap_into_fb():
     cost = CostModel.uniform(F=1, B=3, W=1, FB=3.5, comm=0.5, U=2)
-    f, b = Instr("F", region=0, mb=0), Instr("B", region=1, mb=0)
-    assert [cost.compute(Instr(k, region=0)) for k in ("F", "B", "BI", "BW", "U")] == \
+    f, b = Instr.of("F", region=0, mb=0), Instr.of("B", region=1, mb=0)
+    assert [cost.compute(Instr.of(k, region=0)) for k in ("F", "B", "BI", "BW", "U")] == \
         [1, 3, 2, 1, 2]
     assert cost.overlapped([f, b]) == 3.5
-    assert cost.overlapped([f, Instr("BI", region=1)]) == 2.5     # FB - W
+    assert cost.overlapped([f, Instr.of("BI", region=1)]) == 2.5     # FB - W
     assert CostModel.uniform().overlapped([f, b]) == 3           # no FB: F + B
-    assert cost.message(None, Instr("SEND", peer=1), 0) == 0.5
+    assert cost.message(None, Instr.of("SEND", peer=1), 0) == 0.5
     with pytest.raises(PlanError, match="W=3 is part of B=2"):
         CostModel.uniform(B=2, W=3)
 
@@ -41,11 +41,11 @@ def test_analytic_costs_come_from_flops_over_peak_and_links():
     cost = CostModel.analytic(plan, hw)
     slice_rows = plan.values["inputs"].shape[0]
     flops = 2 * slice_rows * 8 * 8 * 2          # two Linear(8, 8) per stage, 2 FLOPs per MAC
-    assert cost.compute(Instr("F", region=0)) == pytest.approx(flops / 0.5e9)   # fp32 peak
-    assert cost.compute(Instr("B", region=0)) == pytest.approx(2 * flops / 0.5e9)
+    assert cost.compute(Instr.of("F", region=0)) == pytest.approx(flops / 0.5e9)   # fp32 peak
+    assert cost.compute(Instr.of("B", region=0)) == pytest.approx(2 * flops / 0.5e9)
     send = next(i for i in plan[0].instrs if i.kind == "SEND")
     nbytes = message_bytes(plan, send)
-    assert nbytes == value_bytes(plan.values[send.values[0]])
+    assert nbytes == value_bytes(plan.values[send.data.values[0]])
     assert cost.message(plan, send, 0) == pytest.approx(nbytes / 1e5)   # two nodes of one
     assert CostModel.analytic(plan, "H100").meta["hardware"] == "H100"
     with pytest.raises(PlanError, match="unknown hardware"):
@@ -56,7 +56,7 @@ def test_ring_collectives_move_their_share_of_the_bucket():
     cost = CostModel(latency=0.0, bandwidth=100.0)
     plan = pn.compile(*_dp_plan_args())
     ar = next(i for i in plan[0].instrs if i.kind == "ALL_REDUCE")
-    n, nbytes = len(ar.group), message_bytes(plan, ar)
+    n, nbytes = len(ar.data.group), message_bytes(plan, ar)
     assert cost.message(plan, ar, 0) == pytest.approx(2 * (n - 1) / n * nbytes / 100)
 
 

@@ -66,7 +66,7 @@ def _assert_equal(plan, measured, predicted) -> None:
                 f"device {d}: peak {kind}")
         for i, (m, p) in enumerate(zip(meas[d], pred[d], strict=True)):
             ins = instrs[i]
-            text = f"wait({instrs[ins.target]})" if ins.kind == "WAIT" else str(ins)
+            text = f"wait({instrs[ins.data.target]})" if ins.kind == "WAIT" else str(ins)
             assert m == p, (f"device {d}, instruction {i} ({text}): measured "
                             f"{dict(zip(KINDS, m, strict=True))}, predicted "
                             f"{dict(zip(KINDS, p, strict=True))}")

@@ -48,11 +48,11 @@ def test_an_overlap_slot_costs_fb_and_its_passes_share_the_span(hand_plan, spans
 
 
 def test_waits_between_overlapped_passes_gate_the_slot_and_issues_follow_it():
-    instrs = [Instr("RECV", "r", "pp", peer=1, tag=1, grad=True),        # 0
-              Instr("F", "f", region=0, mb=1, overlap=0),                 # 1
-              Instr("SEND", "s", "pp", region=0, mb=1, peer=1, tag=2),    # 2 sends F's output
-              Instr("WAIT", "r", "pp", target=0),                         # 3 B's input
-              Instr("B", "b", region=1, mb=0, overlap=0)]                 # 4
+    instrs = [Instr.of("RECV", "r", "pp", peer=1, tag=1, grad=True),        # 0
+              Instr.of("F", "f", region=0, mb=1, overlap=0),                 # 1
+              Instr.of("SEND", "s", "pp", region=0, mb=1, peer=1, tag=2),    # 2 sends F's output
+              Instr.of("WAIT", "r", "pp", target=0),                         # 3 B's input
+              Instr.of("B", "b", region=1, mb=0, overlap=0)]                 # 4
     assert overlap_steps(instrs) == [0, 3, (1, 4), 2]
 
 
@@ -146,7 +146,7 @@ def test_messages_cost_the_fit_of_their_kind_and_group_size():
     nbytes = message_bytes(plan, ar)
     cost = CostModel(links={("ALL_REDUCE", 2): (1.0, 100.0), ("p2p", 2): (5.0, 1.0)})
     assert cost.message(plan, ar, 0) == pytest.approx(1.0 + nbytes / 100.0)  # nearest size
-    assert cost.message(plan, Instr("SEND", peer=1), 0) == 5.0
+    assert cost.message(plan, Instr.of("SEND", peer=1), 0) == 5.0
 
 
 def _dp_plan_args():
@@ -218,14 +218,14 @@ def test_a_forward_dispatch_first_gathers_token_counts_and_blocks_the_host():
                 continue
             st, en = timing.start[d][i], timing.end[d][i]
             assert en == pytest.approx(st + 0.25)
-            if ins.purpose == "dispatch" and not ins.grad:
+            if ins.purpose == "dispatch" and not ins.data.grad:
                 forward += 1
                 assert st >= timing.posted[d][i] + 0.5 - 1e-12
                 assert timing.posted[d][i + 1] >= st   # the host waited for the counts
             else:
                 other += 1
                 nxt = dp.instrs[i + 1]
-                if not (nxt.kind == "WAIT" and nxt.target == i):
+                if not (nxt.kind == "WAIT" and nxt.data.target == i):
                     free += 1
                     assert timing.posted[d][i + 1] < en    # issued, not waited for
     assert forward == other // 3 > 0 and free > 0
