@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from piper_nb.capture.batch import PAIR, Batch
 from piper_nb.capture.experts import check_slices, expert_count, split_slice
 from piper_nb.capture.pipe_split import normalize_split_spec
 from piper_nb.errors import PlanError
@@ -61,11 +62,10 @@ class Spec:
         the modules' train/eval modes and `loss_mean` (`capture.loss`), and under torch.export
         once per sample shapes too. `example`, a batch ((inputs, targets) or a dict), lets
         models torch.fx cannot trace be exported, and names the batch's tensors."""
-        from piper_nb.capture.batch import PAIR, named_batch, samples
         from piper_nb.capture.loss import resolve_loss
         from piper_nb.capture.split import capture_regions
         loss_fn = resolve_loss(self.model, loss_fn, "pn.compile")
-        named = named_batch(example) if example is not None else None
+        named = Batch.of(example) if example is not None else None   # pn.compile's: as it is
         names = tuple(named) if named is not None else PAIR
         bound = getattr(loss_fn, "__self__", None), getattr(loss_fn, "__func__", loss_fn)
         modes = tuple(m.training for m in self.model.modules())   # eval/train is traced in
@@ -73,8 +73,8 @@ class Spec:
         cache = derived(self)
         hit = cache.get(key)
         if (hit is not None and hit[1].samples is not None and named is not None
-                and hit[1].samples != samples(named)):
-            key = (*key, samples(named))   # an export is specialised to its samples' shapes
+                and hit[1].samples != named.samples):
+            key = (*key, named.samples)   # an export is specialised to its samples' shapes
             hit = cache.get(key)
         if hit is None or hit[0] is not bound[1]:   # the function kept alive: ids stay its own
             hit = cache[key] = (bound[1], capture_regions(self, loss_fn, named, method,
@@ -199,6 +199,8 @@ def _example_call(model: nn.Module, example) -> tuple[tuple, dict]:
         else:
             raise PlanError("cut_stages(by='flops') runs the model once: pass example=(inputs, "
                             "targets), the inputs tensor, or a dict batch")
+    if isinstance(example, Batch):   # a pair is a mapping too: its own call
+        return example.model_args()
     if isinstance(example, Mapping):
         return (), {k: v for k, v in example.items() if k != "labels"}
     if isinstance(example, torch.Tensor):

@@ -31,7 +31,7 @@ import torch
 import torch.fx as fx
 from torch import nn
 
-from piper_nb.capture.batch import PAIR, samples
+from piper_nb.capture.batch import PAIR, Batch
 from piper_nb.capture.experts import cut_pieces, sliced_forwards
 from piper_nb.capture.export import custom_op_modules, rematerialize
 from piper_nb.capture.front_ends import FrontEnd, front_end
@@ -118,10 +118,10 @@ def _strip(target: str) -> str:
     return target.removeprefix("model.")
 
 
-def capture_regions(spec, loss_fn: Callable, example: dict | None = None,
+def capture_regions(spec, loss_fn: Callable, example: Batch | None = None,
                     method: str = "auto", loss_mean: str = "microbatch") -> Capture:
     """Capture `spec.model` with `loss_fn` and split it into one GraphModule per region;
-    `example` is a named batch (`capture.batch.named_batch`)."""
+    `example` is the named batch (`capture.batch.Batch`)."""
     model = spec.model
     names = tuple(example) if example is not None else PAIR
     slices = getattr(spec, "expert_slices", {})
@@ -157,7 +157,7 @@ def capture_regions(spec, loss_fn: Callable, example: dict | None = None,
                               for v, cs in flow.consumers.items()},
                    tied=holdings.tied, method=front.method, batch=names,
                    functions=dict(front.functions), loss_mean=loss_mean,
-                   samples=samples(example) if front.method == "export" else None,
+                   samples=example.samples if front.method == "export" else None,
                    imports=custom_op_modules(modules) if front.method == "export" else (),
                    pieces={p: (full, lo, hi, params[p]) for p, (full, lo, hi) in pieces.items()})
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 
-from piper_nb.capture.batch import check_samples
+from piper_nb.capture.batch import Batch
 from piper_nb.errors import PlanError
 from piper_nb.runtime.bundle import make_bundle
 from piper_nb.runtime.layout import assemble_state
@@ -54,13 +54,16 @@ class ClusterCommands:
         self._run("reset", self._key(plan), (optimizer, seed))
 
     def step(self, plan, batch, trace: bool = True, record_streams: bool = False) -> list[dict]:
-        """One training step of `plan` on `batch`; per rank: loss, end, events and (when
-        `trace`) memory samples and, for an expert plan, the routing it made; with
-        `record_streams`, what each of its streams executed (`"streams"`)."""
-        check_samples(plan.samples, dict(zip(plan.batch_names, batch, strict=False)),
-                      "cluster.step", "compile a plan for this batch (pn.compile, or "
-                      "piper_nb.compiler.compile.rebatch(plan, batch)); pn.train does so itself")
-        out = self._run("step", self._key(plan), (tuple(batch), os.environ.get(FAIL_ENV), trace,
+        """One training step of `plan` on `batch` (a `Batch`, as `pn.train` draws them, or
+        its tensors in the order of `plan.batch_names`), shipped to the workers as that
+        `Batch`; per rank: loss, end, events and (when `trace`) memory samples and, for an
+        expert plan, the routing it made; with `record_streams`, what each of its streams
+        executed (`"streams"`)."""
+        batch = Batch.ordered(plan.batch_names, batch, "cluster.step")
+        batch.check_samples(plan.samples, "cluster.step", "compile a plan for this batch "
+                            "(pn.compile, or piper_nb.compiler.compile.rebatch(plan, batch)); "
+                            "pn.train does so itself")
+        out = self._run("step", self._key(plan), (batch, os.environ.get(FAIL_ENV), trace,
                                                   record_streams))
         return [out[r] for r in range(self.n)]
 

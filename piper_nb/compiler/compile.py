@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from piper_nb.capture.annotate import Spec, annotate
-from piper_nb.capture.batch import batch_size, named_batch, samples, slice_batch
+from piper_nb.capture.batch import Batch
 from piper_nb.capture.loss import check_loss_mean
 from piper_nb.capture.untouched import untouched
 from piper_nb.compiler.passes import CAPTURE, DAG, PLAN, check_consumed, run_phase
@@ -99,13 +99,13 @@ def _compile(spec, program, batch, loss_fn, world, check, method, mixed, loss_me
     if not isinstance(spec, Spec):
         raise PlanError("compile takes a model, or the Spec returned by "
                         f"pn.annotate(model, {{...}}); got a {type(spec).__name__}")
-    user = named_batch(batch, "pn.compile")
+    user = Batch.of(batch, "pn.compile")   # the front door: named here, once
     named = cast_batch(user, mixed[0])
     spec = cast_spec(spec, mixed[0])
     directives = expand(program)
     capture = spec.capture(loss_fn, named, method, loss_mean)
     return _plan(capture, directives, named, _Options(world, check, mixed, clip,
-                                                      samples(user), spec))
+                                                      user.samples, spec))
 
 
 def rebatch(plan: Plan, batch) -> Plan:
@@ -113,16 +113,15 @@ def rebatch(plan: Plan, batch) -> Plan:
     batch) or other samples (a sequence length the collator padded to); the same
     directives and world, so the same devices, buckets and parameter layouts. An export
     capture, specialised to its example's sample shapes, is made again for new ones (fx
-    graphs hold for any). PlanError when the microbatches or replicas do not divide it."""
+    graphs hold for any). PlanError when the microbatches or replicas do not divide it.
+    `batch` is a `Batch` (`pn.train` draws them) or as `pn.compile` takes it; a dict's
+    entries may come in any order."""
     if plan.capture is None:
         raise PlanError("this plan carries no captured model; compile it with pn.compile")
-    user = named_batch(batch, "rebatch")
+    user = Batch.of(batch, "rebatch").in_order(plan.batch_names, "rebatch")
     named = cast_batch(user, plan.precision)
-    if tuple(named) != plan.batch_names:
-        raise PlanError(f"the batch has {list(named)} but the plan was compiled for "
-                        f"{list(plan.batch_names)}")
     capture = plan.capture
-    if capture.method == "export" and samples(user) != plan.samples:
+    if capture.method == "export" and user.samples != plan.samples:
         if plan.spec is None:
             raise PlanError("this plan was exported for other sample shapes and carries no "
                             "Spec to export again; compile it for this batch with pn.compile")
@@ -130,7 +129,7 @@ def rebatch(plan: Plan, batch) -> Plan:
     with _gc_paused():
         return _plan(capture, plan.program, named, _Options(
             plan.world, True, (plan.precision, plan.reduce_dtype), plan.clip_grad_norm,
-            samples(user), plan.spec))
+            user.samples, plan.spec))
 
 
 @dataclass(frozen=True)
@@ -145,13 +144,13 @@ class _Options:
     spec: Spec | None
 
 
-def _plan(capture, directives, named: dict, opts: _Options) -> Plan:
+def _plan(capture, directives, named: Batch, opts: _Options) -> Plan:
     """The three phases for the captured model on the named batch: capture passes, shapes,
     DAG passes, plan passes; then every directive checked to be consumed by some pass."""
     directives, consumed = tuple(directives), set()
     capture = run_phase(CAPTURE, capture, directives, CaptureContext(named, opts.check),
                         consumed)
-    bsz = batch_size(named)
+    bsz = named.size
     micro = microbatches(directives, bsz)
     dag, shapes = _placed(capture, directives, named, bsz, micro, consumed)
     ctx = PlanContext(capture, dag, shapes, bsz, micro,
@@ -162,7 +161,7 @@ def _plan(capture, directives, named: dict, opts: _Options) -> Plan:
     return plan
 
 
-def _placed(capture, directives, named: dict, bsz: int, micro: int,
+def _placed(capture, directives, named: Batch, bsz: int, micro: int,
             consumed: set[int]) -> tuple[TrainingDAG, dict]:
     """The DAG phase on shapes per replica's share of a microbatch: the replicate
     directives give the width, and when the placed DAG's differs (their regions are placed
@@ -182,17 +181,17 @@ def _context(capture, shapes: dict, frozen: frozenset[str]) -> Context:
     return Context(capture, shapes["values"], frozen, shapes["changed"])
 
 
-def _shapes(capture, directives, named: dict, part: int) -> dict:
+def _shapes(capture, directives, named: Batch, part: int) -> dict:
     """Run the regions once on `part` samples: value shapes, saved bytes, the buffers each
     forward changes and (for expert plans) the routed rows as symbols."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # tiny tensors: worker threads only get in each other's way
     try:
         with untouched(capture.model):   # the user's buffers and random state stay as they are
-            values, saved, _, changed = propagate(capture, slice_batch(named, slice(part)))
+            values, saved, _, changed = propagate(capture, named.slice(slice(part)))
             rows, saved_rows = {}, {}
             if routes_tokens(directives):  # routed rows: symbolic
-                rows, saved_rows = token_rows(capture, slice_batch(named, slice(part)), saved,
+                rows, saved_rows = token_rows(capture, named.slice(slice(part)), saved,
                                               values)
     finally:
         torch.set_num_threads(threads)

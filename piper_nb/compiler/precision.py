@@ -22,6 +22,7 @@ import dataclasses
 import torch
 
 from piper_nb.capture.annotate import derived
+from piper_nb.capture.batch import Batch
 from piper_nb.errors import PlanError
 from piper_nb.plan.precision import DTYPE_NAMES, PRECISIONS
 
@@ -55,9 +56,7 @@ def cast_spec(spec, precision: str):
     return cache[key]
 
 
-def cast_batch(named: dict, precision: str) -> dict:
+def cast_batch(batch: Batch, precision: str) -> Batch:
     """The batch with its floating tensors in `precision` (token ids stay integers)."""
     dtype = PRECISIONS.get(precision, torch.float32)
-    if dtype == torch.float32:
-        return named
-    return {k: v.to(dtype) if v.is_floating_point() else v for k, v in named.items()}
+    return batch if dtype == torch.float32 else batch.cast(dtype)

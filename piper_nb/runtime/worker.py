@@ -18,6 +18,7 @@ import os
 
 import torch
 
+from piper_nb.capture.batch import Batch
 from piper_nb.ir.kinds import P2P, PASSES, Held, Memory, Op, Purpose
 from piper_nb.ir.loss_outputs import COUNT, metric_name
 from piper_nb.optim import check_optimizer
@@ -209,11 +210,13 @@ class Worker(ComputePasses, Transfers):
         self.rec = Recorder(self.rank, self.clock)
 
     def begin(self, batch) -> None:
-        """The per-step state, empty, for a step on `batch`: its tensors in the order of
-        `plan.batch_names` ((inputs, targets) for a pair)."""
+        """The per-step state, empty, for a step on `batch`: the `Batch` `cluster.step`
+        ships, or its tensors in the order of `plan.batch_names` ((inputs, targets) for a
+        pair)."""
         low = PRECISIONS[self.plan.precision]   # bf16 plans: floating inputs in bf16
+        batch = Batch.ordered(self.plan.batch_names, batch, "worker")
         self.batch = {name: t.to(self.device, low) if t.is_floating_point() else t.to(self.device)
-                      for name, t in zip(self.plan.batch_names, batch, strict=True)}
+                      for name, t in batch.items()}
         self.parts: dict[tuple[str, int], tuple[torch.Tensor, ...]] = {}
         self.pending: dict[int, Pending] = {}
         self.exchange.reset()

@@ -8,7 +8,7 @@ from collections.abc import Callable
 
 import torch
 
-from piper_nb.capture.batch import batch_size, named_batch, ordered
+from piper_nb.capture.batch import Batch
 from piper_nb.cluster.checkpoint import Checkpointer
 from piper_nb.cluster.local import LocalCluster
 from piper_nb.compiler.clip import with_grad_clipping
@@ -18,7 +18,7 @@ from piper_nb.optim import OptimizerSpec, check_optimizer
 from piper_nb.runtime.bundle import param_aliases
 from piper_nb.runtime.layout import assemble_optim_state
 from piper_nb.sim.trace import Trace
-from piper_nb.train.batches import BatchPlans, each_batch, other_plan_step
+from piper_nb.train.batches import BatchPlans, batch_stream, other_plan_step
 from piper_nb.train.result import Result, check_materialized, model_template
 
 __all__ = ["train", "step_loss", "step_metrics"]
@@ -77,15 +77,14 @@ def train(plan, batch_or_loader, steps: int, optimizer, cluster=None, *,
         start = 0
         if ckpt is not None:
             start, run.losses, run.times, run.metrics = ckpt.restore(cluster, steps)
-        it = iter(each_batch(batch_or_loader, steps))
-        _skip(it, start)
+        batches = batch_stream(batch_or_loader, "step", skip=start)   # each named once
         for s in range(start + 1, steps + 1):
             try:
-                named = named_batch(next(it), f"step {s}")
+                batch = next(batches)
             except StopIteration:
                 raise PlanError(f"the loader ran out after {s - 1} of {steps} steps") from None
             try:
-                stepped = run.step(cluster, s, named)
+                stepped = run.step(cluster, s, batch)
             except RuntimeFailure as err:   # a worker failed or was lost: say in which step
                 raise err.at_step(s) from err
             if stepped and ckpt is not None:
@@ -102,14 +101,6 @@ def train(plan, batch_or_loader, steps: int, optimizer, cluster=None, *,
     return Result(run.losses, run.times, run.trace, params, model_template(model),
                   param_aliases(model), sorted(run.leftover), run.skipped, run.metrics,
                   optim_state)
-
-
-def _skip(it, start: int) -> None:
-    """The data position: skip the batches a checkpoint already trained on."""
-    for s in range(1, start + 1):
-        if next(it, None) is None:
-            raise PlanError(f"the loader ran out after {s - 1} batches while skipping the "
-                            f"{start} a checkpoint already trained on")
 
 
 def _optimizer_state(plan, spec: OptimizerSpec, states: list[dict]) -> dict:
@@ -166,28 +157,28 @@ class _Run:
         self.trace, self.leftover, self.skipped = None, set(), []
         self.log = TensorBoardLog(log_dir) if log_dir is not None else None
 
-    def step(self, cluster, s: int, named: dict) -> bool:
-        """Train step `s` on `named` (False: skipped by drop_last)."""
-        plan, this = self.plan, self.sizes.plan_for(named, s)
+    def step(self, cluster, s: int, batch: Batch) -> bool:
+        """Train step `s` on `batch` (False: skipped by drop_last)."""
+        plan, this = self.plan, self.sizes.plan_for(batch, s)
         if this is None:
             self.skipped.append(s)
             return False
-        batch = ordered(named, plan.batch_names, f"step {s}")
+        sent = batch.in_order(plan.batch_names, f"step {s}")   # as the workers take it
         last = s == self.steps
         if this is plan:
-            outs = cluster.step(plan, batch, trace=last)  # memory: on the kept step
+            outs = cluster.step(plan, sent, trace=last)  # memory: on the kept step
         else:
             if id(this) not in self.shipped:   # the workers load its state over this
                 cluster.reset(this, self.spec, self.seed)
                 self.shipped.add(id(this))
-            outs = other_plan_step(cluster, plan, this, batch, last)
+            outs = other_plan_step(cluster, plan, this, sent, last)
         self.losses.append(step_loss(plan, outs))
         self.times.append(max(o["end"] for o in outs))
         for o in outs:
             self.leftover.update(o["leftover"])
         self.trace = _step_trace(outs, s, plan.world)
-        t, tokens = self.times[-1], batch_tokens(named)
-        m = StepMetrics(s, self.losses[-1], t, batch_size(named) / t, lr=outs[0].get("lr"),
+        t, tokens = self.times[-1], batch_tokens(batch)
+        m = StepMetrics(s, self.losses[-1], t, batch.size / t, lr=outs[0].get("lr"),
                         grad_norm=outs[0].get("grad_norm"),
                         tokens_per_s=None if tokens is None else tokens / t,
                         metrics=step_metrics(outs))

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from piper_nb.capture.annotate import Spec
-from piper_nb.capture.batch import batch_size, named_batch, slice_batch
+from piper_nb.capture.batch import Batch
 from piper_nb.capture.loss import check_loss_mean, compute_loss, resolve_loss
 from piper_nb.compiler.precision import cast_batch, check_precision
 from piper_nb.errors import PlanError
@@ -19,7 +19,7 @@ from piper_nb.optim import check_optimizer
 from piper_nb.plan.precision import PRECISIONS
 from piper_nb.runtime.bundle import param_aliases
 from piper_nb.sim.trace import Event, MemorySample, Trace
-from piper_nb.train.batches import each_batch
+from piper_nb.train.batches import batch_stream
 from piper_nb.train.reference_rng import RegionSeeds
 from piper_nb.train.result import Result, check_materialized, model_template
 
@@ -70,13 +70,13 @@ def reference_train(model: nn.Module | Spec, batch, steps: int, microbatches: in
         groups[spec.group_of(n)].append(m)
     opt, sched = spec.build(groups)
     seeds = None if seed is None else RegionSeeds(model, tags_of, seed)
-    it = iter(each_batch(batch, steps))
+    batches = batch_stream(batch, "reference_train step")   # each named once
     losses, times, metrics, events, memory = [], [], [], [], []
     first, skipped = None, []
     for s in range(1, steps + 1):
-        named = named_batch(next(it), f"reference_train step {s}")
-        first = batch_size(named) if first is None else first
-        if drop_last and batch_size(named) != first:
+        named = next(batches)
+        first = named.size if first is None else first
+        if drop_last and named.size != first:
             skipped.append(s)
             continue
         events, t0 = [], time.perf_counter()
@@ -94,7 +94,7 @@ def reference_train(model: nn.Module | Spec, batch, steps: int, microbatches: in
         losses.append(total)
         times.append(end)
         tokens = batch_tokens(named)
-        metrics.append(StepMetrics(s, total, end, batch_size(named) / end, lr=lr,
+        metrics.append(StepMetrics(s, total, end, named.size / end, lr=lr,
                                    grad_norm=norm,
                                    tokens_per_s=None if tokens is None else tokens / end,
                                    metrics=means))
@@ -145,16 +145,16 @@ def _named_state(opt, masters: dict) -> dict:
                          for g in opt.param_groups]}
 
 
-def _reference_passes(model, loss_fn, named: dict, microbatches: int, params: dict,
+def _reference_passes(model, loss_fn, named: Batch, microbatches: int, params: dict,
                       events: list, t0: float, loss_mean: str, seeds: RegionSeeds | None,
                       step: int) -> tuple[float, dict]:
     """Forward and backward of every microbatch, gradients accumulated (each microbatch's
     loss scaled by 1/microbatches; under the global loss each sum by 1, the gradients then
     divided by the batch's count, as a plan's U does); the step's loss and metrics."""
-    if batch_size(named) % microbatches:
+    if named.size % microbatches:
         raise PlanError(f"{microbatches} microbatches do not divide the batch of "
-                        f"{batch_size(named)}")
-    chunk, total, count = batch_size(named) // microbatches, 0.0, 0.0
+                        f"{named.size}")
+    chunk, total, count = named.size // microbatches, 0.0, 0.0
     scale = 1.0 if loss_mean == "global" else 1.0 / microbatches
     metrics: dict[str, list[float]] = {}
     for p in params.values():
@@ -164,7 +164,7 @@ def _reference_passes(model, loss_fn, named: dict, microbatches: int, params: di
         start = time.perf_counter() - t0
         if seeds is not None:
             seeds.microbatch(step, mb)
-        parts = compute_loss(model, loss_fn, slice_batch(named, sl), loss_mean)
+        parts = compute_loss(model, loss_fn, named.slice(sl), loss_mean)
         loss = parts.loss
         mid = time.perf_counter() - t0
         torch.autograd.backward(loss, torch.full_like(loss, scale))

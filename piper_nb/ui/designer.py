@@ -19,7 +19,7 @@ from typing import Any
 
 import ipywidgets as W
 
-from piper_nb.capture.batch import batch_size, named_batch
+from piper_nb.capture.batch import Batch
 from piper_nb.errors import PlanError
 from piper_nb.ui.compute import Outcome, evaluate
 from piper_nb.ui.directives import DirectivesPanel
@@ -57,15 +57,14 @@ class Designer:
                  annotations: Mapping[str, Mapping[str, int]] | None = None,
                  debounce: float | None = 0.15, cost: str = "uniform", lazy_views: bool = True,
                  loss_fn=None, optimizer=None):
-        named = named_batch(batch, "pn.Designer")      # (inputs, targets) or a dict of tensors
-        ann, rows = default_design(model, batch_size(named))
+        batch = Batch.of(batch, "pn.Designer")   # (inputs, targets) or a dict: named once
+        ann, rows = default_design(model, batch.size)
         if annotations is not None:
             ann = {k: dict(v) for k, v in annotations.items()}
         if program is not None:
             from piper_nb.directives.spec import Program
             prog = Program.from_json(program) if isinstance(program, str) else Program(program)
             rows = [d.to_json() for d in prog]
-        batch = dict(named) if isinstance(batch, Mapping) else tuple(batch)
         self.state = DesignerState(model=model, batch=batch, annotations=ann,
                                    rows=tuple(rows), cost=cost, loss_fn=loss_fn)
         self.cluster, self._own_cluster = cluster, None

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from piper_nb.capture.annotate import cut_stages
+from piper_nb.capture.batch import Batch
 from piper_nb.directives.spec import REGISTRY
 from piper_nb.errors import PlanError
 
@@ -37,7 +38,7 @@ class DesignerState:
     """What the Designer edits. `rows` are Piper JSON objects, possibly invalid."""
 
     model: Any                                   # the nn.Module being annotated
-    batch: tuple | dict                          # (inputs, targets) or a dict of tensors
+    batch: Batch | tuple | dict                  # as pn.Designer named it, or as a user has it
     annotations: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
     rows: tuple[Mapping[str, Any], ...] = ()
     cost: str = "uniform"                        # "uniform" | "analytic" | "profiled"

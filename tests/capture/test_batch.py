@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 import piper_nb as pn
-from piper_nb.capture.batch import named_batch
+from piper_nb.capture.batch import Batch
 
 transformers = pytest.importorskip("transformers")
 
@@ -82,7 +82,7 @@ def test_the_dict_batch_is_split_into_microbatches_like_a_pair():
 ])
 def test_bad_batches_are_refused_with_the_reason(batch, message):
     with pytest.raises(pn.PlanError, match=message):
-        named_batch(batch)
+        Batch.of(batch)
 
 
 def test_a_dict_batch_with_a_loss_fn_needs_labels():
@@ -108,5 +108,5 @@ def test_the_designer_opens_on_a_dict_batch():
     d = Designer(model, batch, debounce=None, program=PROGRAM, annotations=ANNOTATIONS)
     out = d.refresh()
     assert out.problems == [] and out.plan.batch_names == tuple(batch)
-    assert isinstance(d.state.batch, dict)
+    assert isinstance(d.state.batch, Batch) and not d.state.batch.is_pair   # named once
     assert cut(d.state, 2, by="flops").annotations      # FLOPs counted on the dict batch

@@ -11,6 +11,7 @@ from typing import Any, ClassVar
 import pytest
 
 import piper_nb as pn
+from piper_nb.capture.batch import Batch
 from piper_nb.compiler import passes
 from piper_nb.compiler.compile import _shapes
 from piper_nb.compiler.passes import DAG, PHASES, PIPELINE, Pass, Phase, run_phase
@@ -95,7 +96,7 @@ def test_a_pass_is_handed_only_its_kinds_with_their_program_index():
     program = [pn.place({"PP": 0}, [0]), pn.split({}, num=2), pn.place({"PP": 1}, [1])]
     phase = Phase("DAG", (*PIPELINE[:1], Pass("spy", spy, reads=(Place,)), *PIPELINE[1:]),
                   history=True)
-    named = {"inputs": batch[0], "targets": batch[1]}
+    named = Batch.of(batch)
     capture = spec.capture(None, named)
     values = _shapes(capture, [], named, 4)["values"]
     dag = run_phase(phase, None, tuple(enumerate(program)), Context(capture, values), set())
