@@ -1,6 +1,6 @@
 """Plans byte for byte across a refactor: compile seven programs (PP, ZeRO-3, DP with the
 global loss and clipping, TP, TP x DP, PP x TP) and print a digest of each plan's
-instructions, buckets, TP fields and loss settings, and the compile time on stderr. Run on
+instructions (their JSON form, which stays flat and exact), buckets, TP fields and loss settings, and the compile time on stderr. Run on
 two trees and diff the digests; time the two with farm-bench in alternating runs.
 
     .venv/bin/python benchmarks/bench_plan_digest.py [repeats]
@@ -9,6 +9,7 @@ two trees and diff the digests; time the two with farm-bench in alternating runs
 from __future__ import annotations
 
 import hashlib
+import json
 import sys
 import time
 
@@ -57,7 +58,7 @@ for name, spec, prog, batch, kw in cases():
         plan = pn.compile(spec, prog, batch, **kw)
     h = hashlib.sha1()
     for dp in plan.devices:
-        h.update(repr(tuple(dp.instrs)).encode())
+        h.update(json.dumps([i.to_json() for i in dp.instrs], sort_keys=True).encode())
     h.update(repr((plan.buckets, plan.tp_groups, sorted(plan.tp_params.items()), plan.loss_scale,
                    plan.clip_grad_norm, plan.loss_mean)).encode())
     print(name, h.hexdigest()[:16])
