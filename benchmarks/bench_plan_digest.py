@@ -1,7 +1,8 @@
 """Plans byte for byte across a refactor: compile seven programs (PP, ZeRO-3, DP with the
 global loss and clipping, TP, TP x DP, PP x TP) and print a digest of each plan's
-instructions (their JSON form, which stays flat and exact), buckets, TP fields and loss settings, and the compile time on stderr. Run on
-two trees and diff the digests; time the two with farm-bench in alternating runs.
+instructions (their JSON form, which stays flat and exact), buckets, TP fields and loss
+settings, and the compile time on stderr. Run on two trees and diff the digests; time the
+two with farm-bench in alternating runs.
 
     .venv/bin/python benchmarks/bench_plan_digest.py [repeats]
 """
