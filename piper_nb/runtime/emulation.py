@@ -273,8 +273,8 @@ class EmulatedStreams:
             return f" (waiting for {self._event_text(x.event)})"
         if x.step == Step.COMM:
             ins = self.instrs[x.instr]
-            who = f"device {ins.peer}" if ins.kind in (Op.SEND, Op.RECV) else \
-                f"group {list(ins.group)}"
+            who = f"device {ins.data.peer}" if ins.kind in (Op.SEND, Op.RECV) else \
+                f"group {list(ins.data.group)}"
             return f" (waiting for {who} to run its matching operation on {x.comm})"
         return ""
 
