@@ -11,11 +11,12 @@ plan of 16,384 devices holds one list per stage until a device's own is asked fo
 from __future__ import annotations
 
 from collections import defaultdict
+from dataclasses import replace
 
 from piper_nb.ir.dag import TrainingDAG
 from piper_nb.ir.kinds import P2P, Op
 from piper_nb.ir.node import Node
-from piper_nb.plan.instr import Instr, Message
+from piper_nb.plan.instr import Instr
 
 __all__ = ["Stamper", "classes_of"]
 
@@ -78,7 +79,7 @@ class Stamper:
             pos = devices.index(d)
             data = ins.data
             if other is not None:
-                data = Message(other[pos], tag + pos, data.values, data.grad)
+                data = replace(data, peer=other[pos], tag=tag + pos)
             out.append(Instr(ins.kind, ins.node, ins.stream, ins.region, ins.mb, pos,
                              ins.replicas, data))
         return tuple(out)

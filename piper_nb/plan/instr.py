@@ -82,7 +82,6 @@ Payload = Pass | Update | Message | Collective | Wait | Free
 PAYLOADS: dict[Op, type] = {
     **{k: Pass for k in PASSES}, Op.U: Update, **{k: Message for k in P2P},
     **{k: Collective for k in COLLECTIVES}, Op.WAIT: Wait, Op.FREE: Free}
-_FIELD_KIND = {f.name: cls for cls in set(PAYLOADS.values()) for f in fields(cls)}
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,8 +111,7 @@ class Instr:
            mb: int = -1, replica: int = 0, replicas: int = 1, **fields_) -> Instr:
         """An instruction with its kind's fields given flat: `Instr.of("SEND", peer=1)`."""
         payload = PAYLOADS[kind]
-        wrong = [k for k in fields_ if _FIELD_KIND.get(k) is not payload
-                 and k not in payload.__dataclass_fields__]
+        wrong = [k for k in fields_ if k not in payload.__dataclass_fields__]
         if wrong:
             raise TypeError(f"a {kind} instruction has no field {', '.join(wrong)} "
                             f"({payload.__name__}: {', '.join(payload.__dataclass_fields__)})")
