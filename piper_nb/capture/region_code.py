@@ -18,6 +18,7 @@ import torch.fx as fx
 from torch import nn
 
 from piper_nb.capture.functions import apply_function
+from piper_nb.capture.sequence_ops import narrow_sequence, pad_sequence, whole_like, with_params
 from piper_nb.capture.slice_dropout import slice_dropout
 
 __all__ = ["region_module", "RegionTracer", "pack_size", "unpack_size", "call_op"]
@@ -76,7 +77,9 @@ class RegionTracer(fx.Tracer):
 
     def __init__(self, autowrap_modules=(math,), autowrap_functions=()):
         super().__init__(autowrap_modules, (*autowrap_functions, pack_size, unpack_size,
-                                            apply_function, call_op, slice_dropout))
+                                            apply_function, call_op, slice_dropout,
+                                            narrow_sequence, pad_sequence, whole_like,
+                                            with_params))
 
 
 def unpack_size(t: torch.Tensor):

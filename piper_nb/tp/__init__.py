@@ -29,7 +29,8 @@ from piper_nb.tp.directive import (
     tp_groups,
 )
 from piper_nb.tp.parts import PART
-from piper_nb.tp.rewrite import TPLayout, join_shards, local_shard
+from piper_nb.tp.rewrite import TPLayout
+from piper_nb.tp.shards import join_shards, local_shard
 from piper_nb.tp.styles import Style, model_tp_plan, style_of
 from piper_nb.tp.vocab import TP_RANK
 from piper_nb.tp.widen import widen_plan

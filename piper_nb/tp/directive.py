@@ -108,7 +108,10 @@ def tensor_parallel(filter: Mapping[str, Any], devices, plan: Mapping[str, str] 
     reads: a vocabulary-parallel cross-entropy), `colwise_gather_output` (an LM head) or
     `replicate` (`tp.styles`); without one, the model's own
     (Hugging Face's `base_model_tp_plan`, `pn.models`' `tp_plan`). Attention heads, grouped
-    KV heads and the MLP width are divided; what cannot be is a PlanError."""
+    KV heads and the MLP width are divided; what cannot be is a PlanError.
+    `sequence_parallel=True` (Megatron's sequence parallelism, `tp.sequence`) runs the
+    norms, dropout and residual sums between the sharded layers on each device's slice
+    of the sequence, which the degree must divide."""
     return TensorParallel(filter, devices, plan, sequence_parallel)
 
 
@@ -132,10 +135,6 @@ def shard_regions(capture, directives: Directives, ctx: CaptureContext):
         return capture
     requests = []
     for i, d in directives:
-        if d.sequence_parallel:
-            raise PlanError("tensor_parallel: sequence_parallel=True is not supported yet (norms "
-                            "and residuals stay whole on every device); drop it", directive=i,
-                            op=d.op)
         plan = d.plan or model_tp_plan(capture.model)
         if not plan:
             raise PlanError(f"tensor_parallel: {type(capture.model).__name__} has no "
@@ -144,7 +143,7 @@ def shard_regions(capture, directives: Directives, ctx: CaptureContext):
                             directive=i, op=d.op)
         if d.plan:   # the user's: every pattern must match (a model's own may list more)
             check_patterns(capture.model, plan, i)
-        requests.append(TPRequest(d.filter, d.degree, plan, i))
+        requests.append(TPRequest(d.filter, d.degree, plan, i, d.sequence_parallel))
     with untouched(capture.model):
         return shard_capture(capture, requests, ctx.batch)
 
@@ -232,6 +231,10 @@ def insert_tp_collectives(dag: TrainingDAG, directives: Directives, ctx: Context
 def _summed(layout, a: Node, b: Node, e: Edge) -> list[str]:
     """The values on edge a -> b that an all-reduce sums: a sharded part's partial outputs
     (forward), or its inputs' gradient shares (backward)."""
+    if a.region in layout.parts and a.op in (Op.B, Op.BI) and layout.entry and (
+            b.op == Op.SEND or b.region not in layout.parts
+            or layout.parts[b.region][0] != layout.parts[a.region][0]):
+        return [v for v in e.values if v in layout.entry]   # cut on entry: the shares summed
     if a.region not in layout.parts or b.region not in layout.parts:
         return []
     if a.op == Op.F and b.op == Op.F:

@@ -27,15 +27,18 @@ __all__ = ["PART", "R", "S", "P", "Info", "Cut", "levels", "close_partials", "ro
 PART = "PART"
 R, S, P = "replicated", "sharded", "partial"
 _ALIAS = torch.ops.aten.alias.default
+_CLONE = torch.ops.aten.clone.default
 
 
 @dataclass
 class Info:
-    """What one run recorded of an op: a tensor?, needing a gradient?, its shape."""
+    """What one run recorded of an op: a tensor?, needing a gradient?, its shape, and
+    whether it is a floating-point tensor."""
 
     tensor: bool
     grad: bool
     shape: tuple | None = None
+    floating: bool = False
 
 
 @dataclass
@@ -139,8 +142,8 @@ def route_aliases(gm, status: dict, level: dict, infos: dict, sharded: set) -> s
             if status.get(u) == S:
                 by_part.setdefault(level[u], []).append(u)
         for part, users in sorted(by_part.items()):
-            with g.inserting_after(n):
-                a = g.call_function(_ALIAS, (n,))
+            with g.inserting_after(n):   # a parameter's is a copy: ZeRO-3 frees the gathered
+                a = g.call_function(_CLONE if n.op == "get_attr" else _ALIAS, (n,))
             status[a], level[a] = R, part - 1
             infos[a.name] = Info(True, True)
             for u in users:

@@ -53,7 +53,9 @@ from piper_nb.tp.parts import (
     levels,
     route_aliases,
 )
+from piper_nb.tp.sequence import SeqPlan
 from piper_nb.tp.shapes import localize
+from piper_nb.tp.shards import join_shards, local_shard
 from piper_nb.tp.styles import Sharding, Style, style_of
 from piper_nb.tp.vocab import EMBEDDING, gathered_output, vocab_embedding
 
@@ -70,6 +72,7 @@ class TPRequest:
     degree: int
     plan: Mapping[str, str]
     directive: int = -1
+    sequence_parallel: bool = False
 
 
 @dataclass(frozen=True)
@@ -77,31 +80,17 @@ class TPLayout:
     """What sharding a capture changed: per sharded parameter (dim, degree, blocks); the
     values all-reduced after a forward (partial sums) and those whose gradients are
     all-reduced (the inputs of sharded parts); per part region its original region and
-    part number; per original region its degree."""
+    part number; per original region its degree; the regions run sequence-parallel and
+    the region inputs they cut on entry, whose gradients the group sums on the way out
+    (`tp.sequence`)."""
 
     params: Mapping[str, tuple[int, int, int]]
     partial: frozenset[str]
     grad_sum: frozenset[str]
     parts: Mapping[int, tuple[int, int]]
     degree: Mapping[int, int]
-
-
-def local_shard(t: torch.Tensor, dim: int, degree: int, blocks: int, rank: int) -> torch.Tensor:
-    """Device `rank`'s shard of `t` cut `degree` ways along `dim` (each of `blocks` stacked
-    blocks cut alike): a view when there is one block."""
-    if blocks == 1:
-        n = t.shape[dim] // degree
-        return t.narrow(dim, rank * n, n)
-    return torch.cat([b.narrow(dim, rank * (b.shape[dim] // degree), b.shape[dim] // degree)
-                      for b in t.chunk(blocks, dim)], dim)
-
-
-def join_shards(shards: list[torch.Tensor], dim: int, blocks: int) -> torch.Tensor:
-    """The whole tensor from every device's shard, in device order (`local_shard`'s inverse)."""
-    if blocks == 1:
-        return torch.cat(shards, dim)
-    cut = [s.chunk(blocks, dim) for s in shards]
-    return torch.cat([torch.cat([c[b] for c in cut], dim) for b in range(blocks)], dim)
+    sequence: frozenset[int] = frozenset()
+    entry: frozenset[str] = frozenset()
 
 
 def shard_capture(capture, requests: list[TPRequest], batch: dict):
@@ -122,12 +111,15 @@ def shard_capture(capture, requests: list[TPRequest], batch: dict):
     partial, grad_sum = set(), set()
     names = {v for r in capture.regions for v in (*r.inputs, *r.outputs)}
     cut_of: dict[int, dict] = {}   # region -> the parameters its cut shards
+    seq = SeqPlan(capture, {r: q for r, q in chosen.items()
+                            if _linears(capture.modules[r], q.plan)}, batch)
     for info, gm in zip(capture.regions, capture.modules, strict=True):
         req = chosen.get(info.index)
         cut = _cut(gm, info, req, infos.get(info.index), names, aliases,
-                   capture.model) if req else None
+                   capture.model, seq) if req else None
         cut_of[info.index] = cut.params if cut is not None else {}
         if cut is None:
+            seq.check_whole(info)
             regions.append(dataclasses.replace(info, index=len(regions)))
             modules.append(gm)
             continue
@@ -150,7 +142,8 @@ def shard_capture(capture, requests: list[TPRequest], batch: dict):
     for gm in modules:
         _bind_local(gm, local, aliases)
     return _rebuilt(capture, regions, modules,
-                    TPLayout(params, frozenset(partial), frozenset(grad_sum), parts, degree),
+                    TPLayout(params, frozenset(partial), frozenset(grad_sum), parts, degree,
+                             frozenset(seq.regions), frozenset(seq.entry)),
                     local)
 
 
@@ -214,7 +207,7 @@ class _Recorder(fx.Interpreter):
         v = super().run_node(n)
         t = isinstance(v, torch.Tensor)
         self.seen[n.name] = Info(t, t and v.is_floating_point() and v.requires_grad,
-                                 tuple(v.shape) if t else None)
+                                 tuple(v.shape) if t else None, t and v.is_floating_point())
         return v
 
 
@@ -279,14 +272,14 @@ def _normalize(gm, n: fx.Node, path: str, style: Style, infos: dict) -> tuple[fx
 
 
 def _cut(gm0, info, req: TPRequest, recorded: tuple, names: set, aliases: dict,
-         model: nn.Module) -> Cut | None:
+         model: nn.Module, seq: SeqPlan) -> Cut | None:
     found = _linears(gm0, req.plan)
     if not found:
         return None
     infos, args = recorded
     gm = fx.GraphModule(gm0, _copy_graph(gm0.graph))   # the capture's own stays as it was
     found = [(m, p, s) for (n, p, s) in found for m in gm.graph.nodes if m.name == n.name]
-    col, row, params, origins = set(), set(), {}, {}
+    col, row, params, origins, streams = set(), set(), {}, {}, set()
     for n, path, sh in found:
         if _layer(gm, n)[1]:   # an embedding (vocab)
             look, out, weight = vocab_embedding(gm, n, path, gm0, req.degree, infos)
@@ -294,6 +287,7 @@ def _cut(gm0, info, req: TPRequest, recorded: tuple, names: set, aliases: dict,
                 _split(gm0.get_parameter(weight), sh, req.degree, path, info)
             col.add(look)
             row.add(out)
+            streams.add(out)
             continue
         lin, weight, bias = _normalize(gm, n, path, sh.style, infos)
         if sh.style == Style.COLWISE and not sh.gather:
@@ -314,23 +308,26 @@ def _cut(gm0, info, req: TPRequest, recorded: tuple, names: set, aliases: dict,
                     (0, req.degree, sh.blocks)
         else:
             row.add(lin)
+            streams.add(lin)
     for ce in loss_readers(gm, col, row):
         row.add(parallel_cross_entropy(gm, ce, req.degree, infos, f"region {info.name}"))
     check_tied(params, aliases, req.plan, info)
     status, level = levels(gm, col, row, info)
     close_partials(gm, status, level, infos)
+    on_slices = seq.shard(gm, info, req, status, level, infos, streams)
     # a sharded weight by any of its names (a tied LM head's is the embedding's)
     sharded = set(params) | {n for n, p in aliases.items() if p in params}
-    grad_sum = route_aliases(gm, status, level, infos, sharded)
+    grad_sum = route_aliases(gm, status, level, infos, sharded) | on_slices.grad_sum
     local = {n: _local_param(model.get_parameter(n), *params[n]) for n in params}
     before = set(gm.graph.nodes)
     full = {k: i.shape for k, i in infos.items()}
-    dims = localize(gm, args, full, {n.name for n in gm.graph.nodes if status.get(n) in (S, P)},
+    dims = localize(gm, seq.args(info, args), full,
+                    {n.name for n in gm.graph.nodes if status.get(n) in (S, P)} | on_slices.seq,
                     req.degree, {f"model.{n}": p for n, p in local.items()},
-                    f"region {info.name}", origins)
+                    f"region {info.name}", origins, on_slices.seq)
     by_name = {n.name: n for n in gm.graph.nodes}
-    made = shard_dropouts(gm, {n.name for n in gm.graph.nodes if status.get(n) == S}, dims,
-                          full, req.degree, f"region {info.name}")
+    made = shard_dropouts(gm, {n.name for n in gm.graph.nodes if status.get(n) == S}
+                          | on_slices.seq, dims, full, req.degree, f"region {info.name}")
     for n, was in made.items():   # the sharded dropouts and their rank: the dropout's part
         status[n], level[n] = status[by_name[was]], level[by_name[was]]
         infos[n.name] = infos[was] if n.op != "get_attr" else Info(True, False)

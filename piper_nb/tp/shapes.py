@@ -36,13 +36,16 @@ _CAT = {_A.cat.default, torch.cat}
 
 def localize(gm: fx.GraphModule, args: list, full: dict[str, tuple | None], sharded: set,
              degree: int, local: dict, where: str,
-             origins: dict[str, Origin] | None = None) -> dict[str, int | None]:
+             origins: dict[str, Origin] | None = None,
+             sequence: set = frozenset()) -> dict[str, int | None]:
     """Rewrite the shapes of the ops in `sharded` (node names) in `gm`'s graph for one
     device's share; `full` gives each node's whole-model shape, `local` the sharded
     parameters (get_attr target -> device 0's shard), `args` the region's inputs, `origins`
-    the colwise layers' outputs (node name -> `tp_fused.Origin`), followed to their splits.
-    Returns, per sharded op, the dimension its first input is cut along (None: not one)."""
+    the colwise layers' outputs (node name -> `tp_fused.Origin`), followed to their splits,
+    `sequence` the ops on slices of the sequence (`tp.sequence`). Returns, per sharded op,
+    the dimension its first input is cut along (None: not one)."""
     localizer = _Localizer(gm, full, sharded, degree, local, where, dict(origins or {}))
+    localizer.sequence = sequence
     try:
         localizer.run(*args)
     except PlanError as err:   # without the note torch.fx's interpreter appends
@@ -59,6 +62,7 @@ class _Localizer(fx.Interpreter):
         self.full, self.sharded, self.degree = full, sharded, degree
         self.local, self.where = local, where
         self.dims: dict[str, int | None] = {}   # sharded op -> its first input's cut dimension
+        self.sequence: set = frozenset()   # ops on slices of the sequence (tp.sequence)
 
     def get_attr(self, target, args, kwargs):
         return self.local.get(str(target)) if str(target) in self.local else \
@@ -84,8 +88,12 @@ class _Localizer(fx.Interpreter):
                             "around it otherwise, or keep them whole (replicate)") from None
 
     def _fail(self, n: fx.Node, why: str):
+        hint = ("; it runs on slices of the sequence (sequence_parallel=True): annotate the "
+                "layers that take the whole sequence (an LM head and its loss) as a region of "
+                "their own, shard them in the plan, or drop sequence_parallel"
+                if n.name in self.sequence else "")
         raise PlanError(f"tensor_parallel: {self.where}: {n.format_node()} cannot be made a "
-                        f"device's share: {why}")
+                        f"device's share: {why}{hint}")
 
     def _follow(self, n: fx.Node) -> None:
         """Carry the colwise layer `n`'s value comes from; check a split of it."""
@@ -112,6 +120,13 @@ class _Localizer(fx.Interpreter):
         d = self._sharded_dim(x) if isinstance(x, fx.Node) else None
         if d is None or d not in reduced_dims(self.module, n, len(self.full[x.name]), target, at):
             return
+        if n.name in self.sequence:
+            raise PlanError(f"tensor_parallel: sequence_parallel=True: {self.where}: "
+                            f"{n.format_node()} reduces over dimension {d} of "
+                            f"{list(self.full[x.name])}, the sequence, of which each device "
+                            "holds a slice outside the sharded layers: its result would differ "
+                            "per device; move it after a colwise layer (a vocab-parallel or "
+                            "gathered LM head for a loss), or drop sequence_parallel")
         raise PlanError(f"tensor_parallel: {self.where}: {n.format_node()} reduces over "
                         f"dimension {d} of {list(self.full[x.name])}, which each device holds "
                         "only a share of (a colwise layer's output features): its result "

@@ -234,8 +234,6 @@ def test_bad_arguments():
         pn.tensor_parallel({}, [[0, 1], [2, 3, 4]])
     with pytest.raises(pn.PlanError, match="unknown style 'diagonal'"):
         pn.tensor_parallel({}, [0, 1], plan={"layers.*.up": "diagonal"})
-    with pytest.raises(pn.PlanError, match="not supported yet"):
-        compile_tp(llama(), [pn.tensor_parallel({}, [0, 1], sequence_parallel=True)])
 
 
 class _ColwiseOnly(nn.Module):

@@ -1,0 +1,372 @@
+"""Sequence parallelism in a sharded region (Megatron's; Korthikanti et al. 2022): the
+replicated parts run on each device's slice of the sequence, not on all of it.
+
+With `sequence_parallel=True`, what a replicated part computes from the residual stream
+(norms, dropout, residual sums, a rowwise layer's bias) holds `s/t` of the sequence on each
+device. The analysis marks those ops *sequence-sharded* (`seq`), from three sources: a
+region input that an earlier sequence-parallel region hands on as a slice, a region input
+whose whole sequence this region cuts on entry (`narrow_sequence`), and the sum of a
+rowwise layer's (or a vocabulary embedding's) partial output, of which each device keeps
+its own slice. Going back into a sharded part, a slice is laid into zeros at its offset
+(`pad_sequence`) and summed over the group, which gives every device the whole sequence;
+a slice leaving for a region that is not sequence-parallel does the same on its way out.
+
+The sums are the tensor-parallel all-reduces already between the parts (`tp.directive`):
+the forward sum of a padded slice is an all-gather and the backward sum of a sliced
+partial a reduce-scatter, done as all-reduces of a tensor with zeros outside one device's
+slice (exact: each element is one device's value plus zeros). A parameter or value that
+needs a gradient and is read on slices (a norm's weight) goes through an alias made in a
+part before the one reading it, whose gradient, a per-device share, is summed on its way
+back; where the first part reads it, the region gets a part of its own before it.
+
+What cannot run on slices is a PlanError naming the op: a sequence length the degree does
+not divide, a reduction over the sequence (a loss's mean, attention scores), or an op
+joining a slice to the whole sequence.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.fx as fx
+
+from piper_nb.capture.sequence_ops import (
+    SEQ_DIM,
+    narrow_sequence,
+    pad_sequence,
+    whole_like,
+    with_params,
+)
+from piper_nb.errors import PlanError
+from piper_nb.tp.parts import Info, P, R, S
+from piper_nb.tp.vocab import tp_rank
+
+__all__ = ["SeqCut", "SeqPlan", "sequence_length", "shard_sequence"]
+_ALIAS = torch.ops.aten.alias.default
+_CLONE = torch.ops.aten.clone.default   # a parameter's: ZeRO-3 frees the gathered one
+_MIXING = {torch.ops.aten.matmul.default, torch.ops.aten.bmm.default,
+           torch.ops.aten.scaled_dot_product_attention.default, torch.matmul, torch.bmm,
+           torch.nn.functional.scaled_dot_product_attention}
+
+
+def sequence_length(batch: dict, degree: int, region: str) -> int:
+    """The batch's sequence length (dimension 1 of its first input with two or more), which
+    the degree must divide."""
+    seq = next((t.shape[SEQ_DIM] for t in batch.values()
+                if isinstance(t, torch.Tensor) and t.dim() > SEQ_DIM), None)
+    if seq is None:
+        raise PlanError("tensor_parallel: sequence_parallel=True needs inputs of [batch, "
+                        f"sequence, ...] (region {region}); the batch has "
+                        + ", ".join(f"{k} {list(t.shape)}" for k, t in batch.items()))
+    if seq % degree:
+        raise PlanError(f"tensor_parallel: sequence_parallel=True cuts the sequence of region "
+                        f"{region} ({seq} tokens) over {degree} devices, which does not divide "
+                        f"it; use a sequence length that {degree} divides (pad it to "
+                        f"{-(-seq // degree) * degree}) or a degree that divides {seq}")
+    return seq
+
+
+@dataclass
+class SeqCut:
+    """What the analysis found: the sequence-sharded ops, the values whose gradients are
+    summed (node names), the region inputs cut on entry whose gradients the group sums on
+    their way out of the region, and the region outputs handed on as slices."""
+
+    seq: set
+    grad_sum: set
+    entry: set
+    sliced_outputs: set
+
+
+class SeqPlan:
+    """Sequence parallelism over a capture's regions, as `tp.rewrite` cuts them in order:
+    which values leave a region as slices, and which regions cut an input on entry."""
+
+    def __init__(self, capture, chosen: dict, batch: dict):
+        self.capture, self.batch = capture, batch
+        self.on = {r: q for r, q in chosen.items() if q.sequence_parallel}
+        self.sliced: dict[str, int] = {}   # value handed on as slices -> its degree
+        self.regions: set[int] = set()
+        self.entry: set[str] = set()
+
+    def shard(self, gm, info, req, status, level, infos, streams) -> SeqCut:
+        """`shard_sequence` for a region cut under `req`; nothing without sequence_parallel."""
+        if not req.sequence_parallel:
+            self.check_whole(info)
+            return SeqCut(set(), set(), set(), set())
+        seq = sequence_length(self.batch, req.degree, info.name)
+        keep = {v for v in info.outputs if self._takes_slices(v, req.degree)}
+        sliced = {v for v in info.inputs if self.sliced.get(v) == req.degree}
+        cut = shard_sequence(gm, status, level, infos, info, seq, req.degree, sliced,
+                             streams, keep, set(self.batch))
+        self.regions.add(info.index)
+        self.entry |= cut.entry
+        self.sliced.update(dict.fromkeys(cut.sliced_outputs, req.degree))
+        return cut
+
+    def _takes_slices(self, v: str, degree: int) -> bool:
+        readers = self.capture.consumers.get(v, ())
+        return bool(readers) and all(r in self.on and self.on[r].degree == degree
+                                     for r in readers)
+
+    def args(self, info, args: list) -> list:
+        """A region's recorded inputs as this device holds them: slices where handed on so."""
+        return [narrow_sequence(a, self.sliced[v], torch.tensor(0)) if v in self.sliced
+                else a for v, a in zip(info.inputs, args, strict=True)]
+
+    def check_whole(self, info) -> None:
+        """A region that takes the whole sequence must not be handed slices."""
+        got = [v for v in info.inputs if v in self.sliced]
+        if got:
+            raise PlanError(f"tensor_parallel: sequence_parallel=True: region {info.name} "
+                            f"reads {', '.join(got)} as slices of the sequence but runs without "
+                            "sequence parallelism (it shards no layer, or its directive does "
+                            "not set sequence_parallel); shard a layer in it, or give it the "
+                            "same directive")
+
+
+@dataclass(frozen=True)
+class _Region:
+    name: str
+    inputs: tuple
+    outputs: tuple
+    seq: int
+    degree: int
+
+
+def shard_sequence(gm: fx.GraphModule, status: dict, level: dict, infos: dict, info,
+                   seq: int, degree: int, sliced: set, streams: set, keep: set,
+                   batch: set) -> SeqCut:
+    """Mark and rewrite `gm` (after `parts.levels`) for sequence parallelism. `sliced`:
+    region inputs an earlier region hands on as slices; `streams`: the partial nodes
+    (rowwise layers, vocabulary embeddings) whose sums each device keeps a slice of;
+    `keep`: region outputs the consumers take as slices; `batch`: the batch's names."""
+    reg = _Region(info.name, tuple(info.inputs), tuple(info.outputs), seq, degree)
+    g = gm.graph
+    marked: set[fx.Node] = set()
+    grad_sum: set[str] = set()
+    entry: set[str] = set()
+    phs = [n for n in g.nodes if n.op == "placeholder"]
+    for ph, name in zip(phs, reg.inputs, strict=True):
+        i = infos.get(ph.name)
+        if name in sliced:
+            marked.add(ph)
+        elif (i is not None and i.floating and _stream(i, seq) and name not in batch
+              and any(status.get(u) == R for u in ph.users)):
+            cut = _insert(gm, ph, narrow_sequence, degree, after=phs[-1], users=list(ph.users))
+            status[cut], level[cut] = R, 0
+            infos[cut.name] = Info(True, i.grad, i.shape)
+            marked.add(cut)
+            if i.grad:
+                entry.add(name)
+    for p in [n for n in g.nodes if n in streams and _stream(infos.get(n.name), seq)]:
+        users = [u for u in p.users if status.get(u) == R]
+        if not users:
+            continue
+        cut = _insert(gm, p, narrow_sequence, degree, after=p, users=users)
+        status[cut], level[cut] = R, level[p] + 1
+        infos[cut.name] = infos[p.name]
+        marked.add(cut)
+        grad_sum.add(p.name)
+    for n in list(g.nodes):   # a replicated op reading a slice runs on slices
+        if n not in marked and status.get(n) == R and n.op not in ("get_attr", "placeholder") \
+                and any(a in marked for a in n.all_input_nodes):
+            i = infos.get(n.name)
+            if i is not None and not i.tensor:   # a size: the whole sequence's, as traced
+                _whole_sizes(gm, n, marked, status, level, reg)
+                continue
+            _cut_whole_inputs(gm, n, marked, status, level, infos, grad_sum, reg)
+            _check_local(n, marked, infos, reg)
+            marked.add(n)
+    _functional_modules(gm, marked, status, level, infos)
+    _pad_for_sharded(gm, marked, status, level, infos, grad_sum, reg)
+    _exits(gm, marked, status, level, infos, keep, reg)
+    prologue = _alias_params(gm, marked, status, level, infos, grad_sum, reg)
+    if prologue:   # a part of its own before the first, for the aliases it makes
+        for n in level:
+            level[n] += 1
+    outs = next(n for n in g.nodes if n.op == "output").args[0]
+    sliced_out = {v for v, a in zip(reg.outputs, outs, strict=True) if a in marked}
+    g.lint()
+    gm.recompile()
+    return SeqCut({n.name for n in marked}, grad_sum, entry, sliced_out)
+
+
+def _stream(i: Info | None, seq: int) -> bool:
+    return i is not None and i.shape is not None and len(i.shape) > SEQ_DIM \
+        and i.shape[SEQ_DIM] == seq
+
+
+def _insert(gm, x: fx.Node, fn, degree: int, after: fx.Node, users: list) -> fx.Node:
+    g = gm.graph
+    with g.inserting_after(after):
+        rank = tp_rank(gm)
+    with g.inserting_after(rank):
+        made = g.call_function(fn, (x, degree, rank))
+    for u in users:
+        u.replace_input_with(x, made)
+    return made
+
+
+def _whole_sizes(gm, n: fx.Node, marked: set, status: dict, level: dict, reg: _Region) -> None:
+    """A size read of a slice (`x.size(1)`, `x.shape`) reads the whole sequence's, which
+    the sharded parts use as the model wrote it and `tp.shapes` divides on slices."""
+    for a in [a for a in n.all_input_nodes if a in marked]:
+        with gm.graph.inserting_before(n):
+            whole = gm.graph.call_function(whole_like, (a, reg.degree))
+        status[whole], level[whole] = R, level[a]
+        n.replace_input_with(a, whole)
+
+
+def _functional_modules(gm, marked: set, status: dict, level: dict, infos: dict) -> None:
+    """A module with trained parameters called on slices (a LayerNorm, an RMSNorm) reads
+    them as values of the graph, so that `_alias_params` can route them."""
+    g = gm.graph
+    for n in [n for n in g.nodes if n in marked and n.op == "call_module"]:
+        mod = gm.get_submodule(str(n.target))
+        names = tuple(k for k, p in mod.named_parameters() if p.requires_grad)
+        if not names:
+            continue
+        with g.inserting_before(n):
+            owner = g.get_attr(str(n.target))
+            params = [g.get_attr(f"{n.target}.{k}") for k in names]
+            new = g.call_function(with_params, (owner, names, tuple(n.args), dict(n.kwargs),
+                                                *params))
+        for a in (owner, *params):
+            status[a], level[a] = R, level[n]
+        status[new], level[new] = status[n], level[n]
+        infos[new.name] = infos.get(n.name, Info(True, True))
+        new.meta = dict(n.meta)
+        n.replace_all_uses_with(new)
+        marked.discard(n)
+        marked.add(new)
+        g.erase_node(n)
+
+
+def _op(n: fx.Node) -> str:
+    mod = n.meta.get("nn_module_stack")
+    where = f" in {list(mod.values())[-1][0]}" if mod else ""
+    return f"{n.format_node()}{where}"
+
+
+def _cut_whole_inputs(gm, n, marked, status, level, infos, grad_sum, reg: _Region) -> None:
+    """A whole sequence made in an earlier part (the embeddings' sum, before the first
+    layer) and joined to slices is cut there; its gradient, each device's slice, is summed
+    on its way back to the part that made it."""
+    for a in list(dict.fromkeys(n.all_input_nodes)):
+        i = infos.get(a.name)
+        if a in marked or a.op in ("get_attr", "placeholder") or status.get(a) != R \
+                or not _stream(i, reg.seq) or not i.floating:
+            continue
+        if level[a] == level[n] and i.grad:
+            raise PlanError(f"tensor_parallel: sequence_parallel=True: region {reg.name} joins "
+                            f"{a.name}, the whole sequence ({list(i.shape)}), to a slice of it "
+                            f"at {_op(n)} in the part that makes it, where its gradient cannot "
+                            "be summed; make it in a sharded layer or an earlier region, or "
+                            "drop sequence_parallel")
+        cut = _insert(gm, a, narrow_sequence, reg.degree, after=a, users=[n])
+        status[cut], level[cut] = R, level[n]
+        infos[cut.name] = i
+        marked.add(cut)
+        if i.grad:
+            grad_sum.add(a.name)
+
+
+def _check_local(n: fx.Node, marked: set, infos: dict, reg: _Region) -> None:
+    """An op on slices must work token by token: no attention-like product over them, and
+    no whole sequence joined to a slice."""
+    if n.target in _MIXING:
+        raise PlanError(f"tensor_parallel: sequence_parallel=True: region {reg.name} runs "
+                        f"{_op(n)} on a slice of the sequence outside the sharded layers, "
+                        "which mixes tokens; put it between a colwise and a rowwise layer "
+                        "(the plan), or drop sequence_parallel")
+    for a in n.all_input_nodes:
+        if a not in marked and a.op != "get_attr" and _stream(infos.get(a.name), reg.seq):
+            raise PlanError(f"tensor_parallel: sequence_parallel=True: region {reg.name} joins "
+                            f"{a.name}, the whole sequence ({list(infos[a.name].shape)}), to a "
+                            f"slice of it at {_op(n)}; make {a.name} in a sharded layer or in "
+                            "an earlier sequence-parallel region, or drop sequence_parallel")
+
+
+def _pad_for_sharded(gm, marked, status, level, infos, grad_sum, reg: _Region) -> None:
+    """A slice a sharded part reads is padded in the part before and summed (all-gathered)."""
+    for n in [n for n in gm.graph.nodes if n in marked]:
+        by_part: dict[int, list] = {}
+        for u in n.users:
+            if status.get(u) == S:
+                by_part.setdefault(level[u], []).append(u)
+        for part, users in sorted(by_part.items()):
+            pad = _insert(gm, n, pad_sequence, reg.degree, after=n, users=users)
+            status[pad], level[pad] = P, part - 1
+            i = infos.get(n.name, Info(True, True))
+            infos[pad.name] = Info(True, i.grad, _whole(i.shape, reg))
+            if i.grad:
+                grad_sum.add(pad.name)
+
+
+def _whole(shape, reg: _Region):
+    return None if shape is None else (*shape[:SEQ_DIM], reg.seq, *shape[SEQ_DIM + 1:])
+
+
+def _exits(gm, marked, status, level, infos, keep: set, reg: _Region) -> None:
+    """A slice leaving for a region that takes the whole sequence is padded, summed and
+    handed on through an alias in a part after (as `parts.close_partials`)."""
+    g = gm.graph
+    out = next(n for n in g.nodes if n.op == "output")
+    for v, a in zip(reg.outputs, list(out.args[0]), strict=True):
+        if a not in marked or v in keep:
+            continue
+        pad = _insert(gm, a, pad_sequence, reg.degree, after=a, users=[])
+        status[pad], level[pad] = P, level[a]
+        i = infos.get(a.name, Info(True, True))
+        infos[pad.name] = Info(True, i.grad, _whole(i.shape, reg))
+        with g.inserting_before(out):
+            al = g.call_function(_ALIAS, (pad,))
+        status[al], level[al] = R, level[a] + 1
+        infos[al.name] = infos[pad.name]
+        out.replace_input_with(a, al) if list(out.args[0]).count(a) == 1 else \
+            _replace_output(out, v, reg, al)
+
+
+def _replace_output(out: fx.Node, v: str, reg: _Region, new: fx.Node) -> None:
+    args = list(out.args[0])
+    args[reg.outputs.index(v)] = new
+    out.args = (type(out.args[0])(args),)
+
+
+def _alias_params(gm, marked, status, level, infos, grad_sum, reg: _Region) -> bool:
+    """A value needing a gradient that ops on slices read whole (a norm's weight) is read
+    through an alias made a part before, whose gradient share the group sums; -> whether
+    an alias needs a part before the first."""
+    g, prologue = gm.graph, False
+    for n in list(g.nodes):
+        users = [u for u in n.users if u in marked and u.target is not narrow_sequence]
+        if n in marked or status.get(n) != R or not users or not _needs_grad(gm, n, infos):
+            continue
+        if n.op != "get_attr":
+            raise PlanError(f"tensor_parallel: sequence_parallel=True: region {reg.name} "
+                            f"reads {n.name}, a whole value that needs a gradient, at "
+                            f"{_op(users[0])} on a slice of the sequence; its gradient "
+                            "would be each device's share: compute it from parameters only, "
+                            "or drop sequence_parallel")
+        part = min(level[u] for u in users) - 1
+        prologue |= part < 0
+        with g.inserting_after(n):
+            al = g.call_function(_CLONE, (n,))
+        status[al], level[al] = R, part
+        infos[al.name] = Info(True, True)
+        for u in users:
+            u.replace_input_with(n, al)
+        grad_sum.add(al.name)
+    return prologue
+
+
+def _needs_grad(gm, n: fx.Node, infos: dict) -> bool:
+    if n.op == "get_attr":
+        try:
+            return gm.get_parameter(str(n.target)).requires_grad
+        except AttributeError:
+            return False
+    i = infos.get(n.name)
+    return i is not None and bool(i.grad)
