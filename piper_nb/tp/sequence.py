@@ -19,9 +19,12 @@ needs a gradient and is read on slices (a norm's weight) goes through an alias m
 part before the one reading it, whose gradient, a per-device share, is summed on its way
 back; where the first part reads it, the region gets a part of its own before it.
 
-What cannot run on slices is a PlanError naming the op: a sequence length the degree does
-not divide, a reduction over the sequence (a loss's mean, attention scores), or an op
-joining a slice to the whole sequence.
+An op that needs the whole sequence (a reduction over it such as a loss's mean, a
+flattening of batch and sequence, an attention product outside the sharded layers), or
+that would join slices to a whole value needing a gradient made in its own part, gets the
+slices laid back whole first, and it and what follows it there move to a part after: any
+model runs, and what runs on slices is what can. A sequence length the degree does not
+divide is a PlanError naming the sizes.
 """
 
 from __future__ import annotations
@@ -40,6 +43,8 @@ from piper_nb.capture.sequence_ops import (
 )
 from piper_nb.errors import PlanError
 from piper_nb.tp.parts import Info, P, R, S
+from piper_nb.tp.reductions import reduced_dims
+from piper_nb.tp.shapes import op_target
 from piper_nb.tp.vocab import tp_rank
 
 __all__ = ["SeqCut", "SeqPlan", "sequence_length", "shard_sequence"]
@@ -176,8 +181,10 @@ def shard_sequence(gm: fx.GraphModule, status: dict, level: dict, infos: dict, i
             if i is not None and not i.tensor:   # a size: the whole sequence's, as traced
                 _whole_sizes(gm, n, marked, status, level, reg)
                 continue
+            if not _token_by_token(gm, n, infos, reg) or _joins_own_part(n, marked, level, infos):
+                _gather_before(gm, n, marked, status, level, infos, reg)   # laid back whole
+                continue
             _cut_whole_inputs(gm, n, marked, status, level, infos, grad_sum, reg)
-            _check_local(n, marked, infos, reg)
             marked.add(n)
     _functional_modules(gm, marked, status, level, infos)
     _pad_for_sharded(gm, marked, status, level, infos, grad_sum, reg)
@@ -244,27 +251,27 @@ def _functional_modules(gm, marked: set, status: dict, level: dict, infos: dict)
         g.erase_node(n)
 
 
-def _op(n: fx.Node) -> str:
-    mod = n.meta.get("nn_module_stack")
-    where = f" in {list(mod.values())[-1][0]}" if mod else ""
-    return f"{n.format_node()}{where}"
+def _joins_own_part(n: fx.Node, marked: set, level: dict, infos: dict) -> bool:
+    """Whether `n` would join to slices a whole value needing a gradient that its own part
+    makes (or that enters the region whole): that gradient, each device's share, would have
+    no sum on its way back, so `n` takes the whole sequence instead."""
+    for a in n.all_input_nodes:
+        i = infos.get(a.name)
+        if a not in marked and a.op != "get_attr" and i is not None and i.grad and (
+                a.op == "placeholder" or level.get(a) == level[n]):
+            return True
+    return False
 
 
 def _cut_whole_inputs(gm, n, marked, status, level, infos, grad_sum, reg: _Region) -> None:
     """A whole sequence made in an earlier part (the embeddings' sum, before the first
-    layer) and joined to slices is cut there; its gradient, each device's slice, is summed
-    on its way back to the part that made it."""
+    layer), or one needing no gradient (positions), joined to slices is cut there; the
+    gradient of the first, each device's slice, is summed on its way back to its part."""
     for a in list(dict.fromkeys(n.all_input_nodes)):
         i = infos.get(a.name)
-        if a in marked or a.op in ("get_attr", "placeholder") or status.get(a) != R \
-                or not _stream(i, reg.seq) or not i.floating:
+        if a in marked or a.op == "get_attr" or status.get(a) not in (R, None) \
+                or not _stream(i, reg.seq):
             continue
-        if level[a] == level[n] and i.grad:
-            raise PlanError(f"tensor_parallel: sequence_parallel=True: region {reg.name} joins "
-                            f"{a.name}, the whole sequence ({list(i.shape)}), to a slice of it "
-                            f"at {_op(n)} in the part that makes it, where its gradient cannot "
-                            "be summed; make it in a sharded layer or an earlier region, or "
-                            "drop sequence_parallel")
         cut = _insert(gm, a, narrow_sequence, reg.degree, after=a, users=[n])
         status[cut], level[cut] = R, level[n]
         infos[cut.name] = i
@@ -273,20 +280,38 @@ def _cut_whole_inputs(gm, n, marked, status, level, infos, grad_sum, reg: _Regio
             grad_sum.add(a.name)
 
 
-def _check_local(n: fx.Node, marked: set, infos: dict, reg: _Region) -> None:
-    """An op on slices must work token by token: no attention-like product over them, and
-    no whole sequence joined to a slice."""
-    if n.target in _MIXING:
-        raise PlanError(f"tensor_parallel: sequence_parallel=True: region {reg.name} runs "
-                        f"{_op(n)} on a slice of the sequence outside the sharded layers, "
-                        "which mixes tokens; put it between a colwise and a rowwise layer "
-                        "(the plan), or drop sequence_parallel")
-    for a in n.all_input_nodes:
-        if a not in marked and a.op != "get_attr" and _stream(infos.get(a.name), reg.seq):
-            raise PlanError(f"tensor_parallel: sequence_parallel=True: region {reg.name} joins "
-                            f"{a.name}, the whole sequence ({list(infos[a.name].shape)}), to a "
-                            f"slice of it at {_op(n)}; make {a.name} in a sharded layer or in "
-                            "an earlier sequence-parallel region, or drop sequence_parallel")
+def _token_by_token(gm, n: fx.Node, infos: dict, reg: _Region) -> bool:
+    """Whether op `n` can run on slices: it keeps the sequence where it was (its output is
+    [batch, sequence, ...]), reduces over no token and mixes none (an attention product)."""
+    if n.target in _MIXING or not _stream(infos.get(n.name), reg.seq):
+        return False
+    target, at = op_target(n) if n.op == "call_function" else (n.target, 0)
+    x = n.args[at] if len(n.args) > at else None
+    shape = infos[x.name].shape if isinstance(x, fx.Node) and x.name in infos else None
+    return shape is None or SEQ_DIM not in reduced_dims(gm, n, len(shape), target, at)
+
+
+def _gather_before(gm, n: fx.Node, marked: set, status, level, infos, reg: _Region) -> None:
+    """Op `n` needs the whole sequence (a loss's mean, a flattening of batch and sequence,
+    attention outside the sharded layers): its slices are laid back whole (padded, then
+    summed) in its part, and `n` with what follows it there moves to a new part after."""
+    k = level[n]
+    moved, todo = set(), [n]
+    while todo:
+        u = todo.pop()
+        if u not in moved and level.get(u) == k:
+            moved.add(u)
+            todo.extend(u.users)
+    for m in level:
+        if level[m] > k:
+            level[m] += 1
+    for m in moved:
+        level[m] = k + 1
+    for a in [a for a in dict.fromkeys(n.all_input_nodes) if a in marked]:
+        pad = _insert(gm, a, pad_sequence, reg.degree, after=a, users=[n])
+        status[pad], level[pad] = P, k
+        i = infos.get(a.name, Info(True, True))
+        infos[pad.name] = Info(True, i.grad, _whole(i.shape, reg), i.floating)
 
 
 def _pad_for_sharded(gm, marked, status, level, infos, grad_sum, reg: _Region) -> None:
@@ -336,24 +361,18 @@ def _replace_output(out: fx.Node, v: str, reg: _Region, new: fx.Node) -> None:
 
 
 def _alias_params(gm, marked, status, level, infos, grad_sum, reg: _Region) -> bool:
-    """A value needing a gradient that ops on slices read whole (a norm's weight) is read
-    through an alias made a part before, whose gradient share the group sums; -> whether
-    an alias needs a part before the first."""
+    """A value needing a gradient that ops on slices read whole (a norm's weight, a value
+    an earlier part made) is read through an alias (a parameter's copy) made a part before,
+    whose gradient share the group sums; -> whether an alias needs a part before the first."""
     g, prologue = gm.graph, False
     for n in list(g.nodes):
         users = [u for u in n.users if u in marked and u.target is not narrow_sequence]
         if n in marked or status.get(n) != R or not users or not _needs_grad(gm, n, infos):
             continue
-        if n.op != "get_attr":
-            raise PlanError(f"tensor_parallel: sequence_parallel=True: region {reg.name} "
-                            f"reads {n.name}, a whole value that needs a gradient, at "
-                            f"{_op(users[0])} on a slice of the sequence; its gradient "
-                            "would be each device's share: compute it from parameters only, "
-                            "or drop sequence_parallel")
-        part = min(level[u] for u in users) - 1
+        part = min(level[u] for u in users) - 1   # a value: made before (`_joins_own_part`)
         prologue |= part < 0
         with g.inserting_after(n):
-            al = g.call_function(_CLONE, (n,))
+            al = g.call_function(_CLONE if n.op == "get_attr" else _ALIAS, (n,))
         status[al], level[al] = R, part
         infos[al.name] = Info(True, True)
         for u in users:

@@ -24,7 +24,7 @@ from piper_nb.errors import PlanError
 from piper_nb.tp.fused import Origin, pick_parts, split_parts
 from piper_nb.tp.reductions import reduced_dims
 
-__all__ = ["localize"]
+__all__ = ["localize", "op_target"]
 
 _A = torch.ops.aten
 _SHAPE_OPS = {_A.view.default, _A.reshape.default, _A._unsafe_view.default, _A.expand.default,
@@ -102,7 +102,7 @@ class _Localizer(fx.Interpreter):
             if not came:
                 return
             self.origins[n.name] = came[0]
-        target, at = _target(n) if n.op != "call_module" else (None, 0)
+        target, at = op_target(n) if n.op != "call_module" else (None, 0)
         x = n.args[at] if len(n.args) > at else None
         if not isinstance(x, fx.Node) or self.full.get(x.name) is None:
             return
@@ -115,7 +115,7 @@ class _Localizer(fx.Interpreter):
 
     def _check_reduction(self, n: fx.Node) -> None:
         """A reduction over the dimension the input is cut along: PlanError."""
-        target, at = _target(n) if n.op == "call_function" else (n.target, 0)
+        target, at = op_target(n) if n.op == "call_function" else (n.target, 0)
         x = n.args[at] if len(n.args) > at else None
         d = self._sharded_dim(x) if isinstance(x, fx.Node) else None
         if d is None or d not in reduced_dims(self.module, n, len(self.full[x.name]), target, at):
@@ -141,7 +141,7 @@ class _Localizer(fx.Interpreter):
         return diff[0] if len(diff) == 1 and len(t.shape) == len(whole) else None
 
     def _fix(self, n: fx.Node) -> None:
-        target, at = _target(n)
+        target, at = op_target(n)
         if target in _CAT:
             self._fix_cat(n, at)
             return
@@ -226,7 +226,7 @@ class _Localizer(fx.Interpreter):
         n.args = (*n.args[:at], fixed, *n.args[at + 1:])
 
 
-def _target(n: fx.Node) -> tuple[object, int]:
+def op_target(n: fx.Node) -> tuple[object, int]:
     """An op's target and where its arguments start: `call_op("aten.expand.default", x,
     shape)` (`capture.region_code`) is `aten.expand.default(x, shape)`."""
     if n.target is call_op and n.args and isinstance(n.args[0], str):

@@ -70,15 +70,53 @@ def test_tp_with_sp_trains_like_one_process(request, t, ann):
     assert norms
 
 
-def test_layers_around_that_take_the_whole_sequence(cluster2):
+@pytest.mark.parametrize("ann", [LAYERS, ONE])
+def test_layers_around_that_take_the_whole_sequence(cluster2, ann):
     """TinyGPT with only its blocks sharded: the embeddings' sum is cut on entry to the
     first layer (its gradient summed on the way back) and the last layer's slices are laid
-    back whole for the head and its loss."""
+    back whole for the head and its loss, in their own region or in the layers' one."""
     model = pn.models.TinyGPT(vocab=32, dim=32, layers=2, heads=4, seq=8)
-    plan, result, ref = _train(model, LAYERS, [
+    plan, result, ref = _train(model, ann, [
         pn.tensor_parallel({}, [0, 1], sequence_parallel=True), pn.split({}, num=2)], cluster2)
     _same(result, ref)
-    assert plan.capture.tp.entry
+    assert plan.capture.tp.entry or ann is ONE
+
+
+class _Pooled(nn.Module):
+    """An MLP block whose replicated part subtracts the mean over the sequence (the whole
+    sequence laid back for it) and adds a learned offset made in the same part."""
+
+    def __init__(self):
+        super().__init__()
+        self.up, self.down = nn.Linear(8, 16), nn.Linear(16, 8)
+        self.offset = nn.Parameter(torch.linspace(-1, 1, 8))
+
+    def forward(self, x):
+        h = x + self.down(F.relu(self.up(x)))
+        return h - h.mean(dim=1, keepdim=True) + torch.tanh(self.offset * 2)
+
+
+class _PooledModel(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed, self.block, self.head = nn.Embedding(16, 8), _Pooled(), nn.Linear(8, 16)
+
+    def forward(self, ids):
+        return self.head(self.block(self.embed(ids)))
+
+    def loss_fn(self, logits, targets):
+        return F.cross_entropy(logits.reshape(-1, 16), targets.reshape(-1))
+
+
+def test_a_mean_over_the_sequence_between_the_layers(cluster2):
+    model = _PooledModel()
+    ids = torch.randint(0, 16, (4, 8), generator=torch.Generator().manual_seed(0))
+    ann = {"embed": {"PP": 0, "L": 0}, "block": {"PP": 0, "L": 1}, "head": {"PP": 0, "L": 2}}
+    _, result, ref = _train(model, ann, [pn.tensor_parallel(
+        {}, [0, 1], plan={"block.up": "colwise", "block.down": "rowwise"},
+        sequence_parallel=True), pn.split({}, num=2)], cluster2, batch=(ids, ids))
+    _same(result, ref)
 
 
 @pytest.mark.parametrize("schedule", ["1f1b", "dualpipev"])
