@@ -78,8 +78,6 @@ class Flow:
         # makes it the region's bit
         tp = getattr(getattr(plan, "capture", None), "tp", None)
         self.shared = tp.grad_sum if tp is not None else frozenset()
-        # a region input a sequence-parallel part cuts on entry: that part's contribution
-        self.entry = (tp.entry, frozenset(tp.parts)) if tp is not None else (frozenset(), ())
         self.shift = len(plan.regions)
         self.units = Units(plan, self._widths(plan), frozenset(plan.frozen))
         self.position: dict[tuple[int, int], int] = {}   # (device, region) -> replica
@@ -189,8 +187,7 @@ class Flow:
         for v in feeds:
             key = (v, mb)
             old = grads.get(key, 0)
-            share = v in self.shared or (v in self.entry[0] and ins.region in self.entry[1])
-            mine = bit << self.shift if share else bit
+            mine = bit << self.shift if v in self.shared else bit
             if old & mine:
                 raise self._twice(d, ins, key, mine)
             grads[key] = old | mine

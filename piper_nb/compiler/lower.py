@@ -278,6 +278,9 @@ def _emit(dag, d, seq, pulled_of, partner, tags, owned, regions) -> tuple[Instr,
                 for prior in reducing.get(n.attr("bucket"), ()):
                     wait(prior)
                 reducing.setdefault(n.attr("bucket"), []).append(n.id)
+            for e in dag.in_edges(n.id):   # a transfer of what another one delivers (a
+                if e.src in issued and e.kind == EdgeKind.DATA:   # summed gradient sent on)
+                    wait(e.src)
             issue(n)
             continue
         ci += 1

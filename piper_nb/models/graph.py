@@ -30,7 +30,8 @@ ACTIVATIONS = {"tanh": nn.Tanh, "relu": nn.ReLU, "gelu": nn.GELU, "sigmoid": nn.
 class GraphSpec:
     """What a StageGraph computes. Stage i adds the outputs of stage i-1 (the batch for
     stage 0) and of its `skips` sources, applies its Linear (its own weight, or stage a's
-    when tied), then its BatchNorm, constant scale buffer, activation and dropout."""
+    when tied), then its BatchNorm, constant scale buffer, self-attention (`attns`, on
+    sequences), MLP (`mlps`), activation and dropout."""
 
     stages: int = 4                              # stages.0 .. stages.{stages-1}
     dim: int = 8                                 # features everywhere
@@ -47,6 +48,7 @@ class GraphSpec:
     eval_stages: tuple[int, ...] = ()            # stages in eval mode (BatchNorm on running stats)
     eval_dropout: bool = False                   # the dropout module in eval mode (off)
     mlps: tuple[int, ...] = ()                   # stages adding an MLP x + down(tanh(up(x)))
+    attns: tuple[int, ...] = ()                  # stages adding self-attention (sequences)
     classes: int = 0                             # > 0: a classifier `head` and cross-entropy
     smoothing: float = 0.0                       # the cross-entropy's label smoothing
     seed: int = 0
@@ -66,7 +68,7 @@ class GraphSpec:
             raise ValueError(f"GraphSpec: acts needs one of {sorted(ACTIVATIONS)} per stage")
         if self.shared is not None and not 0 <= self.shared[0] < self.shared[1] < n:
             raise ValueError(f"GraphSpec: shared ({self.shared}) needs 0 <= a < b < {n}")
-        for name in ("functions", "eval_stages", "mlps"):
+        for name in ("functions", "eval_stages", "mlps", "attns"):
             bad = [i for i in getattr(self, name) if not 0 <= i < n]
             if bad:
                 raise ValueError(f"GraphSpec: {name} {bad} are not stages 0..{n - 1}")
@@ -119,10 +121,31 @@ class StraightClamp(torch.autograd.Function):
         return grad
 
 
+class _Attention(nn.Module):
+    """x + proj(softmax(q k^T / sqrt(d)) v) over 4 heads, on [batch, sequence, dim]."""
+
+    HEADS = 4
+
+    def __init__(self, dim: int):
+        super().__init__()
+        # no bias on q, k, v: a key's bias shifts every score of a query alike, so softmax
+        # gives it a zero gradient, which Adam-like optimizers would turn into steps of noise
+        self.qkv, self.proj = nn.Linear(dim, 3 * dim, bias=False), nn.Linear(dim, dim)
+        self.head_dim = dim // self.HEADS
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        b, s = h.shape[0], h.shape[1]   # heads as -1: a device's share under TP
+        q, k, v = (z.reshape(b, s, -1, self.head_dim).transpose(1, 2)
+                   for z in self.qkv(h).chunk(3, dim=-1))
+        att = torch.softmax(q @ k.transpose(-2, -1) / self.head_dim ** 0.5, dim=-1)
+        return h + self.proj((att @ v).transpose(1, 2).reshape(b, s, -1))
+
+
 class _Stage(nn.Module):
     def __init__(self, dim: int, norm: bool, scale: bool, mlp: bool = False,
-                 dropout: float = 0.0):
+                 dropout: float = 0.0, attn: bool = False):
         super().__init__()
+        self.attn = _Attention(dim) if attn else None
         self.lin = nn.Linear(dim, dim, bias=not norm)   # BatchNorm's shift makes a bias moot
         self.norm = nn.BatchNorm1d(dim) if norm else None
         if scale:
@@ -139,6 +162,8 @@ class _Stage(nn.Module):
         if self.norm is not None:
             h = self.norm(h)
         h = h * self.scale if self.scale is not None else h
+        if self.attn is not None:
+            h = self.attn(h)
         if self.up is None:
             return h
         hidden = torch.tanh(self.up(h))
@@ -158,7 +183,7 @@ class StageGraph(nn.Module):
         with seeded(spec.seed):
             self.stages = nn.ModuleList(
                 _Stage(spec.dim, i in spec.norms, i in spec.scales, i in spec.mlps,
-                       spec.dropout)
+                       spec.dropout, i in spec.attns)
                 for i in range(spec.stages))
             self.shared = nn.Linear(spec.dim, spec.dim) if spec.shared else None
             self.head = nn.Linear(spec.dim, spec.classes) if spec.classes else None
@@ -204,10 +229,13 @@ class StageGraph(nn.Module):
 
     @property
     def tp_plan(self) -> dict[str, str]:
-        """How `pn.tensor_parallel` shards it: each MLP's `up` by output, `down` by input;
-        the classifier head by class (its loss then vocabulary-parallel)."""
+        """How `pn.tensor_parallel` shards it: each MLP's `up` by output, `down` by input,
+        each attention's fused `qkv` by heads and `proj` by input; the classifier head by
+        class (its loss then vocabulary-parallel)."""
         plan = {k: v for i in self.spec.mlps
                 for k, v in ((f"stages.{i}.up", "colwise"), (f"stages.{i}.down", "rowwise"))}
+        plan |= {k: v for i in self.spec.attns for k, v in (
+            (f"stages.{i}.attn.qkv", "colwise:3"), (f"stages.{i}.attn.proj", "rowwise"))}
         return plan | ({"head": "colwise_gather_output"} if self.head is not None else {})
 
     def annotation(self) -> dict[str, dict[str, int]]:

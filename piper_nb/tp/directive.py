@@ -231,10 +231,6 @@ def insert_tp_collectives(dag: TrainingDAG, directives: Directives, ctx: Context
 def _summed(layout, a: Node, b: Node, e: Edge) -> list[str]:
     """The values on edge a -> b that an all-reduce sums: a sharded part's partial outputs
     (forward), or its inputs' gradient shares (backward)."""
-    if a.region in layout.parts and a.op in (Op.B, Op.BI) and layout.entry and (
-            b.op == Op.SEND or b.region not in layout.parts
-            or layout.parts[b.region][0] != layout.parts[a.region][0]):
-        return [v for v in e.values if v in layout.entry]   # cut on entry: the shares summed
     if a.region not in layout.parts or b.region not in layout.parts:
         return []
     if a.op == Op.F and b.op == Op.F:

@@ -80,8 +80,7 @@ class TPLayout:
     """What sharding a capture changed: per sharded parameter (dim, degree, blocks); the
     values all-reduced after a forward (partial sums) and those whose gradients are
     all-reduced (the inputs of sharded parts); per part region its original region and
-    part number; per original region its degree; the regions run sequence-parallel and
-    the region inputs they cut on entry, whose gradients the group sums on the way out
+    part number; per original region its degree; the regions run sequence-parallel
     (`tp.sequence`)."""
 
     params: Mapping[str, tuple[int, int, int]]
@@ -90,7 +89,6 @@ class TPLayout:
     parts: Mapping[int, tuple[int, int]]
     degree: Mapping[int, int]
     sequence: frozenset[int] = frozenset()
-    entry: frozenset[str] = frozenset()
 
 
 def shard_capture(capture, requests: list[TPRequest], batch: dict):
@@ -143,7 +141,7 @@ def shard_capture(capture, requests: list[TPRequest], batch: dict):
         _bind_local(gm, local, aliases)
     return _rebuilt(capture, regions, modules,
                     TPLayout(params, frozenset(partial), frozenset(grad_sum), parts, degree,
-                             frozenset(seq.regions), frozenset(seq.entry)),
+                             frozenset(seq.regions)),
                     local)
 
 
@@ -332,8 +330,8 @@ def _cut(gm0, info, req: TPRequest, recorded: tuple, names: set, aliases: dict,
         status[n], level[n] = status[by_name[was]], level[by_name[was]]
         infos[n.name] = infos[was] if n.op != "get_attr" else Info(True, False)
     for n in gm.graph.nodes:   # what localize added (sizes divided, caches cut): its user's part
-        if n not in before:
-            user = next(iter(n.users))
+        if n not in before and n not in status:
+            user = next(u for u in n.users if u in status)
             status[n], level[n] = status[user], level[user]
             infos[n.name] = Info(n.target is not operator.floordiv, False)
     return dataclasses.replace(

@@ -5,26 +5,23 @@ With `sequence_parallel=True`, what a replicated part computes from the residual
 (norms, dropout, residual sums, a rowwise layer's bias) holds `s/t` of the sequence on each
 device. The analysis marks those ops *sequence-sharded* (`seq`), from three sources: a
 region input that an earlier sequence-parallel region hands on as a slice, a region input
-whose whole sequence this region cuts on entry (`narrow_sequence`), and the sum of a
+whose whole sequence this region cuts on entry (`narrow_sequence`; from a copy made in a
+part before when it needs a gradient, so that its shares are summed), and the sum of a
 rowwise layer's (or a vocabulary embedding's) partial output, of which each device keeps
 its own slice. Going back into a sharded part, a slice is laid into zeros at its offset
 (`pad_sequence`) and summed over the group, which gives every device the whole sequence;
 a slice leaving for a region that is not sequence-parallel does the same on its way out.
 
-The sums are the tensor-parallel all-reduces already between the parts (`tp.directive`):
-the forward sum of a padded slice is an all-gather and the backward sum of a sliced
-partial a reduce-scatter, done as all-reduces of a tensor with zeros outside one device's
-slice (exact: each element is one device's value plus zeros). A parameter or value that
-needs a gradient and is read on slices (a norm's weight) goes through an alias made in a
-part before the one reading it, whose gradient, a per-device share, is summed on its way
-back; where the first part reads it, the region gets a part of its own before it.
+The sums are the all-reduces already between the parts (`tp.directive`): an all-gather
+or reduce-scatter done as the all-reduce of zeros outside one device's slice (exact). A
+parameter or value needing a gradient and read on slices (a norm's weight) goes through an
+alias made in a part before, whose gradient, a per-device share, is summed on its way back.
 
 An op that needs the whole sequence (a reduction over it such as a loss's mean, a
 flattening of batch and sequence, an attention product outside the sharded layers), or
 that would join slices to a whole value needing a gradient made in its own part, gets the
-slices laid back whole first, and it and what follows it there move to a part after: any
-model runs, and what runs on slices is what can. A sequence length the degree does not
-divide is a PlanError naming the sizes.
+slices laid back whole first, and it and what follows move to a part after: any model
+runs, and what can runs on slices. A length the degree does not divide is a PlanError.
 """
 
 from __future__ import annotations
@@ -50,6 +47,7 @@ from piper_nb.tp.vocab import tp_rank
 __all__ = ["SeqCut", "SeqPlan", "sequence_length", "shard_sequence"]
 _ALIAS = torch.ops.aten.alias.default
 _CLONE = torch.ops.aten.clone.default   # a parameter's: ZeRO-3 frees the gathered one
+_SIZES = {torch.ops.aten.sym_size.int, torch.ops.aten.size.default, torch.ops.aten.dim.default}
 _MIXING = {torch.ops.aten.matmul.default, torch.ops.aten.bmm.default,
            torch.ops.aten.scaled_dot_product_attention.default, torch.matmul, torch.bmm,
            torch.nn.functional.scaled_dot_product_attention}
@@ -75,38 +73,34 @@ def sequence_length(batch: dict, degree: int, region: str) -> int:
 @dataclass
 class SeqCut:
     """What the analysis found: the sequence-sharded ops, the values whose gradients are
-    summed (node names), the region inputs cut on entry whose gradients the group sums on
-    their way out of the region, and the region outputs handed on as slices."""
+    summed (node names), and the region outputs handed on as slices."""
 
     seq: set
     grad_sum: set
-    entry: set
     sliced_outputs: set
 
 
 class SeqPlan:
     """Sequence parallelism over a capture's regions, as `tp.rewrite` cuts them in order:
-    which values leave a region as slices, and which regions cut an input on entry."""
+    which values leave a region as slices, and which regions run on slices."""
 
     def __init__(self, capture, chosen: dict, batch: dict):
         self.capture, self.batch = capture, batch
         self.on = {r: q for r, q in chosen.items() if q.sequence_parallel}
         self.sliced: dict[str, int] = {}   # value handed on as slices -> its degree
         self.regions: set[int] = set()
-        self.entry: set[str] = set()
 
     def shard(self, gm, info, req, status, level, infos, streams) -> SeqCut:
         """`shard_sequence` for a region cut under `req`; nothing without sequence_parallel."""
         if not req.sequence_parallel:
             self.check_whole(info)
-            return SeqCut(set(), set(), set(), set())
+            return SeqCut(set(), set(), set())
         seq = sequence_length(self.batch, req.degree, info.name)
         keep = {v for v in info.outputs if self._takes_slices(v, req.degree)}
         sliced = {v for v in info.inputs if self.sliced.get(v) == req.degree}
         cut = shard_sequence(gm, status, level, infos, info, seq, req.degree, sliced,
                              streams, keep, set(self.batch))
         self.regions.add(info.index)
-        self.entry |= cut.entry
         self.sliced.update(dict.fromkeys(cut.sliced_outputs, req.degree))
         return cut
 
@@ -151,7 +145,7 @@ def shard_sequence(gm: fx.GraphModule, status: dict, level: dict, infos: dict, i
     g = gm.graph
     marked: set[fx.Node] = set()
     grad_sum: set[str] = set()
-    entry: set[str] = set()
+    before = False   # a part before the first, for copies whose gradient shares are summed
     phs = [n for n in g.nodes if n.op == "placeholder"]
     for ph, name in zip(phs, reg.inputs, strict=True):
         i = infos.get(ph.name)
@@ -159,12 +153,19 @@ def shard_sequence(gm: fx.GraphModule, status: dict, level: dict, infos: dict, i
             marked.add(ph)
         elif (i is not None and i.floating and _stream(i, seq) and name not in batch
               and any(status.get(u) == R for u in ph.users)):
-            cut = _insert(gm, ph, narrow_sequence, degree, after=phs[-1], users=list(ph.users))
+            users, src = list(ph.users), ph
+            if i.grad:   # cut from a copy made a part before, where its shares are summed
+                with g.inserting_after(phs[-1]):
+                    src = g.call_function(_CLONE, (ph,))
+                status[src], level[src], before = R, -1, True
+                infos[src.name] = Info(True, True, i.shape, True)
+                grad_sum.add(src.name)
+            cut = _insert(gm, src, narrow_sequence, degree, after=src, users=[])
+            for u in users:
+                u.replace_input_with(ph, cut)
             status[cut], level[cut] = R, 0
-            infos[cut.name] = Info(True, i.grad, i.shape)
+            infos[cut.name] = Info(True, i.grad, i.shape, True)
             marked.add(cut)
-            if i.grad:
-                entry.add(name)
     for p in [n for n in g.nodes if n in streams and _stream(infos.get(n.name), seq)]:
         users = [u for u in p.users if status.get(u) == R]
         if not users:
@@ -177,8 +178,7 @@ def shard_sequence(gm: fx.GraphModule, status: dict, level: dict, infos: dict, i
     for n in list(g.nodes):   # a replicated op reading a slice runs on slices
         if n not in marked and status.get(n) == R and n.op not in ("get_attr", "placeholder") \
                 and any(a in marked for a in n.all_input_nodes):
-            i = infos.get(n.name)
-            if i is not None and not i.tensor:   # a size: the whole sequence's, as traced
+            if _reads_size(n):   # a size: the whole sequence's, as traced
                 _whole_sizes(gm, n, marked, status, level, reg)
                 continue
             if not _token_by_token(gm, n, infos, reg) or _joins_own_part(n, marked, level, infos):
@@ -189,7 +189,7 @@ def shard_sequence(gm: fx.GraphModule, status: dict, level: dict, infos: dict, i
     _functional_modules(gm, marked, status, level, infos)
     _pad_for_sharded(gm, marked, status, level, infos, grad_sum, reg)
     _exits(gm, marked, status, level, infos, keep, reg)
-    prologue = _alias_params(gm, marked, status, level, infos, grad_sum, reg)
+    prologue = _alias_params(gm, marked, status, level, infos, grad_sum, reg) or before
     if prologue:   # a part of its own before the first, for the aliases it makes
         for n in level:
             level[n] += 1
@@ -197,7 +197,7 @@ def shard_sequence(gm: fx.GraphModule, status: dict, level: dict, infos: dict, i
     sliced_out = {v for v, a in zip(reg.outputs, outs, strict=True) if a in marked}
     g.lint()
     gm.recompile()
-    return SeqCut({n.name for n in marked}, grad_sum, entry, sliced_out)
+    return SeqCut({n.name for n in marked}, grad_sum, sliced_out)
 
 
 def _stream(i: Info | None, seq: int) -> bool:
@@ -214,6 +214,15 @@ def _insert(gm, x: fx.Node, fn, degree: int, after: fx.Node, users: list) -> fx.
     for u in users:
         u.replace_input_with(x, made)
     return made
+
+
+def _reads_size(n: fx.Node) -> bool:
+    """`x.size()`, `x.size(1)`, `x.shape`, `aten.sym_size`: an op reading a tensor's sizes."""
+    if n.op == "call_method":
+        return n.target in ("size", "dim")
+    if n.op == "call_function" and n.target is getattr:
+        return len(n.args) > 1 and n.args[1] in ("shape", "ndim")
+    return n.op == "call_function" and n.target in _SIZES
 
 
 def _whole_sizes(gm, n: fx.Node, marked: set, status: dict, level: dict, reg: _Region) -> None:

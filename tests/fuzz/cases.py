@@ -83,6 +83,7 @@ class Case:
     lengths: tuple[int, ...] = ()  # per step: a batch of sequences of that length (() : none)
     global_loss: bool = False     # loss_mean="global" over targets partly masked out (NaN)
     tp: int = 1                   # tensor-parallel degree over the stages' MLPs (spec.mlps)
+    sp: bool = False              # ... with sequence parallelism (sequences of `lengths`)
     grad_sync: str | None = None  # ZeRO-3: gradients reduced per "microbatch" or per "step"
     notes: list[str] = field(default_factory=list)
 
@@ -108,7 +109,8 @@ class Case:
         rc += ", bf16" if self.bf16 else ""
         rc += f", lengths {list(self.lengths)}" if self.lengths else ""
         rc += ", global loss over masked targets" if self.global_loss else ""
-        rc += f", TP {self.tp} over the MLPs of stages {list(s.mlps)}" if self.tp > 1 else ""
+        rc += (f", TP {self.tp}{' + SP' if self.sp else ''} over the MLPs of stages "
+               f"{list(s.mlps)}, attention in {list(s.attns)}" if self.tp > 1 else "")
         rc += f", gradients reduced per {self.grad_sync}" if self.grad_sync else ""
         rc += (f", a head of {s.classes} classes (label smoothing {s.smoothing})"
                if s.classes else "")
@@ -164,9 +166,11 @@ def draw(seed: int) -> Case:
 
 def _draw_tp(rng: random.Random, case: Case) -> None:
     """Tensor parallelism of degree 2 over MLPs added to some stages (each pipeline rank
-    and replica widened into a group of two devices, at most 4 devices in all); not with
-    BatchNorm, whose replicas' statistics sync over data-parallel groups only (drawn
-    last: earlier fields keep their draw)."""
+    and replica widened into a group of two devices, at most 4 devices in all), or of
+    degree 4 on one rank; half the time with sequence parallelism (over sequences), and
+    with sequences, self-attention on some stages; not with BatchNorm, whose replicas'
+    statistics sync over data-parallel groups only (drawn last: earlier fields keep their
+    draw)."""
     if case.spec.norms or case.ranks * case.dp > 2 or rng.random() >= 0.7:
         return
     stages = case.spec.stages
@@ -178,6 +182,17 @@ def _draw_tp(rng: random.Random, case: Case) -> None:
     if not case.global_loss and rng.random() < 0.5:
         case.spec = dataclasses.replace(case.spec, classes=rng.choice([4, 6]),
                                         smoothing=rng.choice([0.0, 0.1]))
+    # degree 4 on one pipeline rank without replicas (4 devices at most); sequence
+    # parallelism over sequences of a length the degree divides, attention on some stages
+    if case.ranks == 1 and rng.random() < 0.4:
+        case.tp, case.dp, case.zero, case.grad_sync = 4, 1, 0, None
+    if rng.random() < 0.5:
+        case.sp = True
+        length = case.tp * rng.choice([1, 2])
+        case.lengths = (length,) * case.steps
+    if case.lengths:
+        case.spec = dataclasses.replace(case.spec, attns=tuple(sorted(
+            rng.sample(range(stages), rng.randint(0, stages)))))
 
 
 def _draw_fidelity(rng: random.Random, case: Case) -> None:
@@ -253,11 +268,12 @@ def _random_grid(rng: random.Random, stages: int, ranks: int, micro: int,
 def program(case: Case) -> list:
     """The case's directives: the schedule's (with `place`), every pipeline rank r turned
     into the replica group [r, r + ranks, ...] and replicated with the case's ZeRO level;
-    under TP, each of those devices d leads the group [d, d + ranks x dp]."""
+    under TP, each of those devices d leads the group [d, d + ranks x dp, ...]."""
     out = _program(case)
     if case.tp > 1:
         lead = case.ranks * case.dp
-        out.append(pn.tensor_parallel({}, [[d, d + lead] for d in range(lead)]))
+        out.append(pn.tensor_parallel({}, [[d + k * lead for k in range(case.tp)]
+                                           for d in range(lead)], sequence_parallel=case.sp))
     return out
 
 

@@ -61,7 +61,8 @@ def main() -> int:
                                       ("eval", case.spec.eval_stages or case.spec.eval_dropout),
                                       ("lengths", len(set(case.lengths)) > 1),
                                       ("global-loss", case.global_loss),
-                                      ("tp2", case.tp > 1),
+                                      ("tp2", case.tp == 2), ("tp4", case.tp == 4),
+                                      ("sp", case.sp), ("attention", case.spec.attns),
                                       ("vocab-parallel-loss", case.spec.classes),
                                       (f"grad-sync-{case.grad_sync}", case.grad_sync)]
                        if v)

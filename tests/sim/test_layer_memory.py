@@ -12,8 +12,6 @@ from pathlib import Path
 
 import pytest
 
-import piper_nb as pn
-
 _PATH = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_layer_memory.py"
 _SPEC = importlib.util.spec_from_file_location("bench_layer_memory", _PATH)
 bench = importlib.util.module_from_spec(_SPEC)
