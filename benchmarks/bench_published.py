@@ -17,8 +17,10 @@ Corrections applied, all explicit below and in docs/analytic_model.md:
   all layers, about 3-4 min on CPU).
 
 Cases 3-5 plan torchtitan's tensor-parallel runs (70B FSDP 32 x TP 8 on 256 GPUs, 405B
-FSDP 8 x TP 8 x PP 8 on 512 under 1F1B and interleaved) and report throughput and memory
-ratios, with the seconds each plan takes to compile and simulate (`--case tp`).
+FSDP 8 x TP 8 x PP 8 on 512 under 1F1B and interleaved) without and with sequence
+parallelism, and report throughput and memory ratios, with the seconds each plan takes to
+compile and simulate (`--case tp`). The 8B runs' peaks (FSDP on 8 and 128 GPUs) print
+with no layer, one in four and every layer recomputed (`--case memory`).
 
 Run: .venv/bin/python benchmarks/bench_published.py [--case megatron|torchtitan|tp|all]
 """
@@ -195,9 +197,10 @@ TORCHTITAN = {
 # host on NVLink, 400 Gb/s RDMA per GPU, sequence 8192, full AC, torch.compile + Float8):
 # Table 4, Llama 3.1 70B, FSDP 32 x TP 8 on 256 GPUs, local batch 16: 829 tokens/s/GPU,
 # 71.9 GiB; Table 5, 405B, FSDP 8 x TP 8 x PP 8 on 512 GPUs, local batch 32: 1F1B 100
-# tokens/s/GPU and 82.5 GiB, interleaved 128 and 72.7 GiB. piper_nb has neither Float8 nor
-# sequence parallelism yet (both in the published runs), so these ratios say how far the
-# bf16, non-SP plan is from the published one, whatever they are. pn.models.Llama is
+# tokens/s/GPU and 82.5 GiB, interleaved 128 and 72.7 GiB. piper_nb has no Float8 yet, and
+# its full AC keeps each TP part's inputs, not the layer's (both differ from the published
+# runs), so these ratios say how far the bf16 plan, without and with sequence parallelism,
+# is from the published one, whatever they are. pn.models.Llama is
 # Llama 3's architecture (tests/models/test_llama.py), captured by torch.fx in seconds.
 TP_CASES = {
     "70b-fsdp32-tp8": dict(name="Llama 3.1 70B, 256x H100, FSDP 32 x TP 8, local batch 16",
@@ -216,7 +219,7 @@ TP_CASES = {
 }
 
 
-def tp_program(c: dict, layers: int) -> tuple[dict, list]:
+def tp_program(c: dict, layers: int, sp: bool = False) -> tuple[dict, list]:
     """(annotation, program): devices numbered TP innermost, then PP, then DP (torchtitan's
     and Megatron's order); each stage replicated over its DP replicas with ZeRO-3 (FSDP),
     each replica's device widened into its TP group; every stage recomputed (full AC)."""
@@ -232,7 +235,7 @@ def tp_program(c: dict, layers: int) -> tuple[dict, list]:
         program += [pn.place({"PP": s}, devs), pn.replicate({"PP": s}, devs, zero=3)]
     program.append(pn.tensor_parallel({"PP": "*"}, [[lead(r, k) + t for t in range(tp)]
                                                     for k in range(dp) for r in range(pp)],
-                                      plan=pn.models.Llama.tp_plan))
+                                      plan=pn.models.Llama.tp_plan, sequence_parallel=sp))
     if c["schedule"] is None:
         program.append(pn.split({}, "MB", c["micro"]))
     elif c["schedule"] == "1f1b":
@@ -242,14 +245,14 @@ def tp_program(c: dict, layers: int) -> tuple[dict, list]:
     return ann, [*program, pn.recompute({})]
 
 
-def run_tp_case(key: str) -> dict:
+def run_tp_case(key: str, sp: bool = False) -> dict:
     c, seq = TP_CASES[key], 8192
     t0 = time.perf_counter()
     with torch.device("meta"):
         model = pn.models.Llama(vocab=128256, layers=c["layers"], seq=seq, attention="flash",
                                 **c["dims"])
     ids = torch.zeros(c["dp"] * c["local"], seq, dtype=torch.long, device="meta")
-    ann, program = tp_program(c, c["layers"])
+    ann, program = tp_program(c, c["layers"], sp)
     t1 = time.perf_counter()
     plan = pn.compile(pn.annotate(model, ann), program, (ids, ids), precision="bf16")
     t2 = time.perf_counter()
@@ -264,12 +267,48 @@ def run_tp_case(key: str) -> dict:
             "tokens/s/GPU": round(rate, 1), "measured tokens/s/GPU": c["tokens_per_gpu_s"],
             "predicted/measured": round(rate / c["tokens_per_gpu_s"], 3),
             "peak GiB": round(gib, 1), "measured GiB": c["gib"],
+            "peak predicted/measured": round(gib / c["gib"], 2), "sequence_parallel": sp}
+
+
+# ---- the 8B runs' memory: torchtitan Table 1 (8 GPUs) and Table 3 (128 GPUs) -------------
+# FSDP over every GPU, local batch 2, sequence 8192, selective op AC, 82.4 and 67.0 GiB.
+# pn.models.Llama with flash attention (as torchtitan's sdpa runs); piper_nb has no op-level
+# AC, so the plan recomputes no layer and every layer (bounds around torchtitan's, which
+# saves all but every second matmul's output), and one layer in four as the throughput case.
+MEMORY_8B = {"8b-fsdp8": dict(gpus=8, gib=82.4), "8b-fsdp128": dict(gpus=128, gib=67.0)}
+_8B = dict(dim=4096, heads=32, kv_heads=8, hidden=14336)
+
+
+def run_8b_memory(key: str, every: int | None) -> dict:
+    """Peak memory of the 8B FSDP run, recomputing every `every`-th layer (None: none)."""
+    c, seq, layers = MEMORY_8B[key], 8192, 32
+    with torch.device("meta"):
+        model = pn.models.Llama(vocab=128256, layers=layers, seq=seq, attention="flash", **_8B)
+    ids = torch.zeros(c["gpus"] * 2, seq, dtype=torch.long, device="meta")
+    devices = list(range(c["gpus"]))
+    program = [pn.place({}, devices), pn.replicate({}, devices, zero=3)]
+    if every:
+        program += [pn.recompute({"AC": 1, "L": i}) for i in range(0, layers, every)]
+    ann = {"embed": {"PP": 0}, "head": {"PP": 0}} | {
+        f"blocks.{i}": {"PP": 0, "AC": 1, "L": i} for i in range(layers)}
+    t0 = time.perf_counter()
+    plan = pn.compile(pn.annotate(model, ann), program, (ids, ids), precision="bf16",
+                      reduce_dtype="fp32")
+    trace = pn.simulate(plan, pn.CostModel.analytic(plan, "H100"),
+                        memory=pn.MemorySettings(param_bytes=2, grad_bytes=2, optim_bytes=12))
+    gib = max(trace.peak_memory.values()) / 2**30
+    ac = "none" if not every else "full" if every == 1 else f"every {every}th layer"
+    return {"case": f"Llama 3.1 8B, {c['gpus']}x H100, FSDP {c['gpus']}, local batch 2",
+            "recompute": ac, "compile+simulate_s": round(time.perf_counter() - t0, 1),
+            "peak GiB": round(gib, 1), "measured GiB": c["gib"],
             "peak predicted/measured": round(gib / c["gib"], 2)}
 
 
-def run_case(key: str, layers: int | None) -> dict:
+def run_case(key: str, layers: int | None) -> dict | list[dict]:
     if key in TP_CASES:
-        return run_tp_case(key)
+        return [run_tp_case(key, sp) for sp in (False, True)]
+    if key in MEMORY_8B:
+        return [run_8b_memory(key, every) for every in (None, 4, 1)]
     case = {"megatron": MEGATRON, "torchtitan": TORCHTITAN}[key]
     r = scaled_step(case, layers or case["layers"])
     out = {"case": case["name"], "source": case["source"], "gpu": case["gpu"],
@@ -303,17 +342,30 @@ def run_case(key: str, layers: int | None) -> dict:
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--case", default="all",
-                    choices=["all", "megatron", "torchtitan", "tp", *TP_CASES])
+                    choices=["all", "megatron", "torchtitan", "tp", "memory", *TP_CASES,
+                             *MEMORY_8B])
     ap.add_argument("--layers", type=int, default=None,
                     help="model this many layers (and half as many) and extrapolate linearly")
     args = ap.parse_args()
-    keys = (["megatron", "torchtitan", *TP_CASES] if args.case == "all" else
-            list(TP_CASES) if args.case == "tp" else [args.case])
-    results = []
+    keys = (["megatron", "torchtitan", *TP_CASES, *MEMORY_8B] if args.case == "all" else
+            list(TP_CASES) if args.case == "tp" else
+            list(MEMORY_8B) if args.case == "memory" else [args.case])
+    results, peaks = [], []
     for k in keys:
         out = run_case(k, args.layers)
-        results.append(out)
+        if isinstance(out, list):
+            peaks += out
+        else:
+            results.append(out)
         print(json.dumps(out, indent=1, default=str), flush=True)
+    if peaks:
+        print("| case | plan | peak GiB | published GiB | predicted / published |")
+        print("|---|---|---|---|---|")
+        for o in peaks:
+            plan = (f"recompute {o['recompute']}" if "recompute" in o else
+                    "TP + SP, full AC" if o["sequence_parallel"] else "TP, full AC")
+            print(f"| {o['case']} | {plan} | {o['peak GiB']} | {o['measured GiB']} | "
+                  f"{o['peak predicted/measured']} |")
     print("| case | unit | measured | variant | predicted | predicted / measured |")
     print("|---|---|---|---|---|---|")
     for o in results:

@@ -5,7 +5,7 @@ makes its widget, reads the widget value from a row and writes a value back as
 `(fields to set, keys to drop)`. The table is the whole difference between a place, a
 replicate (ZeRO level), a shard, a split, an order (slots, one per line), a recompute
 (its filter), a schedule row (builder, ranks, microbatches, chunks, place stages) and a
-tensor-parallel row (its filter and device groups, `0, 1 | 2, 3`);
+tensor-parallel row (its filter, device groups `0, 1 | 2, 3` and sequence parallelism);
 rows of an unknown op are edited as raw JSON. Writes go through the panel's `on_edit` with `state.update_row`.
 """
 
@@ -119,6 +119,12 @@ PLACE = Field("place", lambda: W.Checkbox(description="place stages", indent=Fal
 GROUPS = Field("devices", _text("groups 0,1 | 2,3", "130px"),
                lambda r: groups_text(r.get("devices")),
                lambda v, r: ({"devices": parse_groups(v)}, ()))
+SEQUENCE = Field("sequence_parallel",
+                 lambda: W.Checkbox(description="sequence parallel", indent=False,
+                                    layout=W.Layout(width="140px")),
+                 lambda r: bool(r.get("sequence_parallel")),
+                 lambda v, r: ({"sequence_parallel": True}, ()) if v else
+                 ({}, ("sequence_parallel",)))
 RAW = Field("*", lambda: W.Textarea(continuous_update=False, rows=2, layout=W.Layout(width="300px")),
             lambda r: json.dumps(r), lambda v, r: _raw_write(v, r))
 
@@ -134,7 +140,7 @@ def _raw_write(value: str, row: dict) -> tuple[dict, tuple[str, ...]]:
 FIELDS = {"place": (FILTER, DEVICES, STREAM), "shard": (FILTER, DEVICES, STREAM),
           "replicate": (FILTER, DEVICES, ZERO), "split": (FILTER, DIM, NUM), "order": (SLOTS,),
           "schedule": (NAME, RANKS, MICRO, CHUNKS, PLACE), "recompute": (FILTER,),
-          "tensor_parallel": (FILTER, GROUPS)}
+          "tensor_parallel": (FILTER, GROUPS, SEQUENCE)}
 
 
 class DirectiveRow:

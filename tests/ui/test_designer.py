@@ -12,6 +12,7 @@ import pytest
 
 import piper_nb as pn
 from piper_nb.ui import Designer
+from piper_nb.ui.codegen import python_code
 from piper_nb.ui.views import TABS
 from piper_nb.ui.widgets import DagView, asset_dir
 
@@ -323,3 +324,21 @@ def test_launch_trains_with_the_optimizer_given_and_names_it(gpt):
         d.close()
     with pytest.raises(pn.PlanError):
         Designer(*gpt, debounce=None, optimizer="adam")
+
+
+def test_a_tensor_parallel_row_toggles_sequence_parallelism():
+    model = pn.models.Llama(vocab=32, dim=32, layers=2, heads=4, kv_heads=2, hidden=64, seq=8)
+    d = Designer(model, model.example_batch(batch_size=4, seed=0), debounce=None,
+                 program=[pn.tensor_parallel({}, [0, 1])])
+    try:
+        assert d.problems == [] and not d.plan.capture.tp.sequence
+        row = d.directives.rows[0]
+        assert not row.widget("sequence_parallel").value
+        row.widget("sequence_parallel").value = True
+        assert d.state.rows[0]["sequence_parallel"] is True
+        assert d.problems == [] and d.plan.capture.tp.sequence          # norms on slices
+        assert "sequence_parallel=True" in python_code(d.state)
+        row.widget("sequence_parallel").value = False
+        assert "sequence_parallel" not in d.state.rows[0] and not d.plan.capture.tp.sequence
+    finally:
+        d.close()
