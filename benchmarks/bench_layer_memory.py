@@ -187,9 +187,9 @@ def table(shape: dict) -> list[tuple[str, float | str, float, float]]:
     return rows
 
 
-def breakdown(shape: dict, t: int) -> list[str]:
+def breakdown(shape: dict, t: int, sp: bool = False) -> list[str]:
     """One layer's regions (TP parts): bytes autograd saves and values each reads, in sbh."""
-    plan = compile_layers(shape, 1, t)
+    plan = compile_layers(shape, 1, t, sp)
     sbh = shape["s"] * shape["b"] * shape["h"]
     out = []
     for r in plan.regions:
@@ -223,6 +223,9 @@ def main() -> None:
               "are held until the backward)\n")
         print("| region | saved by autograd | bf16 inputs held |\n|---|---|---|")
         print("\n".join(breakdown(shape, 2)))
+        print("\nTP 2 + SP: the same\n")
+        print("| region | saved by autograd | bf16 inputs held |\n|---|---|---|")
+        print("\n".join(breakdown(shape, 2, sp=True)))
 
 
 if __name__ == "__main__":
