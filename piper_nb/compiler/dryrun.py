@@ -14,11 +14,17 @@ from collections import Counter, defaultdict
 
 from piper_nb.compiler.gradflow import Flow
 from piper_nb.errors import PlanError
-from piper_nb.ir.kinds import COLLECTIVES, REDUCTIONS, Op
+from piper_nb.ir.kinds import COLLECTIVES, REDUCTIONS, Op, Purpose
 from piper_nb.ir.text import wait_text
 from piper_nb.plan.plan import Plan, columns_text
 
 __all__ = ["dry_run", "p2p_key", "who_orders"]
+
+
+def _moves_grads(ins) -> bool:
+    """A collective the gradient flow follows: reductions, and a tensor-parallel sum of any
+    kind (under sequence parallelism an all-gather of gradient slices)."""
+    return ins.kind in REDUCTIONS or ins.purpose == Purpose.TP
 
 
 def p2p_key(dev: int, ins) -> tuple:
@@ -85,7 +91,7 @@ class _Lockstep:
                 if ins.is_counted_dispatch and \
                         coll_posted[ins.data.group][coll_seq[(d, i)]] < need(ins.data.group):
                     break
-                if on and kind in REDUCTIONS:
+                if on and _moves_grads(ins):
                     flow.issued(d, i, ins)
             elif kind == Op.WAIT:
                 t = mine[ins.data.target]
@@ -98,7 +104,7 @@ class _Lockstep:
                 else:
                     if coll_posted[t.data.group][coll_seq[(d, ins.data.target)]] < need(t.data.group):
                         break
-                    if on and t.kind in REDUCTIONS:
+                    if on and _moves_grads(t):
                         flow.completed(d, ins.data.target, t)
             elif on:
                 if kind == Op.B or kind == Op.BI:

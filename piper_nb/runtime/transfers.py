@@ -12,11 +12,18 @@ from __future__ import annotations
 
 import torch
 
+from piper_nb.capture.sequence_ops import SEQ_DIM
 from piper_nb.ir.kinds import Op, Purpose
 from piper_nb.plan.streams import communicator
 from piper_nb.trace import Memory
 
 __all__ = ["Transfers"]
+
+
+def _slice(x: torch.Tensor, j: int, n: int) -> torch.Tensor:
+    """Member j's slice of `x` of n along the sequence (a view)."""
+    size = x.shape[SEQ_DIM] // n
+    return x.narrow(SEQ_DIM, j * size, size)
 
 
 class Transfers:
@@ -31,10 +38,8 @@ class Transfers:
         if ins.kind == Op.RECV:   # received act:/grad: buffers, as the simulator counts them
             t = comm.recv(self.recv_specs[idx], ins.data.peer, ins.data.tag, key)
             return t, Memory.ACTIVATIONS, t.bufs, None
-        if ins.kind == Op.ALL_REDUCE and ins.purpose == Purpose.TP:   # one flat copy
-            table = self.values.grads if ins.data.grad else self.values.acts
-            t = comm.all_reduce(torch.cat([table[(v, ins.mb)].detach().reshape(-1)
-                                           for v in ins.data.values]), key)
+        if ins.purpose == Purpose.TP:   # one flat copy, and what comes back
+            t = self._tp_sum(ins, key)
             return t, Memory.BUFFERS, t.bufs, None
         if ins.kind == Op.ALL_REDUCE:
             flat = (self.updater.norm_share() if ins.is_norm else self.count_share()
@@ -76,16 +81,44 @@ class Transfers:
             out.append(t)
         return out
 
+    def _tp_sum(self, ins, key: str):
+        """A tensor-parallel sum's transfer: an all-reduce of the values flat; under sequence
+        parallelism an all-gather of this member's slices of them (`SEQ_DIM`), or a
+        reduce-scatter of their slices in member order."""
+        table = self.values.grads if ins.data.grad else self.values.acts
+        xs = [table[(v, ins.mb)].detach() for v in ins.data.values]
+        n = len(ins.data.group)
+        if ins.kind == Op.ALL_REDUCE:
+            return self.comm.all_reduce(torch.cat([x.reshape(-1) for x in xs]), key)
+        if ins.kind == Op.ALL_GATHER:
+            i = ins.data.group.index(self.rank)
+            return self.comm.all_gather(torch.cat([_slice(x, i, n).reshape(-1) for x in xs]),
+                                        n, key)
+        return self.comm.reduce_scatter(torch.cat([_slice(x, j, n).reshape(-1)
+                                                   for j in range(n) for x in xs]), n, key)
+
     def _summed(self, src, flat: torch.Tensor) -> None:
-        """A tensor-parallel all-reduce's WAIT: each value becomes the group's sum, written
-        over this device's share in place (the producing pass's stash holds that tensor:
-        one buffer either way; autograd saved none of them, a rowwise layer's output)."""
+        """A tensor-parallel sum's WAIT: each value becomes the group's sum, written over
+        this device's share in place (the producing pass's stash holds that tensor: one
+        buffer either way; autograd saved none of them, a rowwise layer's output). An
+        all-gather fills every member's slice; a reduce-scatter this member's, the rest
+        zeros (what reads it reads that slice only)."""
         table = self.values.grads if src.data.grad else self.values.acts
-        at = 0
-        for v in src.data.values:
-            old = table[(v, src.mb)]
-            old.detach().copy_(flat[at:at + old.numel()].view(old.shape))
-            at += old.numel()
+        olds = [table[(v, src.mb)].detach() for v in src.data.values]
+        n, at = len(src.data.group), 0
+        if src.kind == Op.ALL_REDUCE:
+            for old in olds:
+                old.copy_(flat[at:at + old.numel()].view(old.shape))
+                at += old.numel()
+            return
+        mine = src.data.group.index(self.rank)
+        for j in range(n) if src.kind == Op.ALL_GATHER else (mine,):
+            for old in olds:
+                if src.kind == Op.REDUCE_SCATTER:
+                    old.zero_()
+                part = _slice(old, j, n)
+                part.copy_(flat[at:at + part.numel()].view(part.shape))
+                at += part.numel()
 
     def _to_reduce(self, b: int) -> torch.Tensor:
         """Bucket b's gradients as one flat buffer in the plan's reduction dtype."""

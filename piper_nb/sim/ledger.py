@@ -270,8 +270,10 @@ class Ledger:
             self.pending[i] = (_BUFFERS, NORM_BYTES)
             self.level[_BUFFERS] += NORM_BYTES
             return
-        if ins.purpose == Purpose.TP:   # one flat copy of the values it sums
-            nbytes = sum(self._vb(v, ins.mb) for v in ins.data.values)
+        if ins.purpose == Purpose.TP:   # one flat copy of the values it sums, and under
+            nbytes = sum(self._vb(v, ins.mb) for v in ins.data.values)   # SP a member's slices
+            if k != Op.ALL_REDUCE:
+                nbytes += sum(self._vb(v, ins.mb) // len(ins.data.group) for v in ins.data.values)
             self.pending[i] = (_BUFFERS, nbytes)
             self.level[_BUFFERS] += nbytes
             return

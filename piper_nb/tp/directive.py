@@ -12,7 +12,8 @@ nothing placed, the matched regions go to its first device.
 The capture cuts each sharded region into parts between its collectives
 (`tp.rewrite`); `insert_tp_collectives` puts the collectives between the
 parts' passes: after a sharded part's forward, the all-reduce of its partial sums; after
-its backward, the all-reduce of its inputs' gradient shares. The lowering then copies each
+its backward, the all-reduce of its inputs' gradient shares (under sequence parallelism,
+all-gathers of slices and reduce-scatters to slices, `_sum_kind`). The lowering copies each
 group's first device's instructions to the other members (`tp.widen`).
 """
 
@@ -165,7 +166,7 @@ def place_tensor_parallel(dag: TrainingDAG, directives: Directives, ctx: Context
 
 
 def insert_tp_collectives(dag: TrainingDAG, directives: Directives, ctx: Context) -> TrainingDAG:
-    """The all-reduces between the parts of sharded regions, per microbatch; checks each
+    """The collectives between the parts of sharded regions, per microbatch; checks each
     sharded pass runs on the first devices of groups of its degree."""
     layout = ctx.capture.tp
     if not directives or layout is None:
@@ -191,7 +192,7 @@ def insert_tp_collectives(dag: TrainingDAG, directives: Directives, ctx: Context
                                 f"leads no tensor-parallel group of {want}; add device {dev} "
                                 f"to the directive's devices", directive=idx, op="tensor_parallel")
     nodes, edges = list(dag.nodes), []
-    made: dict[tuple[str, bool], Node] = {}
+    made: dict[tuple[str, bool, Op], Node] = {}
     ar_ids: set[str] = set()
     for e in dag.edges:
         a, b = dag[e.src], dag[e.dst]
@@ -200,19 +201,22 @@ def insert_tp_collectives(dag: TrainingDAG, directives: Directives, ctx: Context
             edges.append(e)
             continue
         grad = a.op != Op.F
-        key = (a.id, grad)
-        if key not in made:
-            tags = {k: v for k, v in a.tags if k != "PASS"}
-            ar = Node(node_id(Op.ALL_REDUCE, tags, "#tpB" if grad else "#tpF"), Op.ALL_REDUCE,
-                      a.tags, a.region, a.devices, "tp",
-                      (("grad", grad), ("purpose", str(Purpose.TP)), ("values", ())))
-            made[key] = ar
-            ar_ids.add(ar.id)
-            nodes.append(ar)
-            edges.append(Edge(a.id, ar.id, EdgeKind.DATA, ()))
-        ar = made[key]
+        by_kind: dict[Op, list[str]] = {}
+        for v in summed:
+            by_kind.setdefault(_sum_kind(layout, v, grad), []).append(v)
+        for kind, values in by_kind.items():
+            key = (a.id, grad, kind)
+            if key not in made:
+                tags = {k: v for k, v in a.tags if k != "PASS"}
+                ar = Node(node_id(kind, tags, "#tpB" if grad else "#tpF"), kind, a.tags,
+                          a.region, a.devices, "tp",
+                          (("grad", grad), ("purpose", str(Purpose.TP)), ("values", ())))
+                made[key] = ar
+                ar_ids.add(ar.id)
+                nodes.append(ar)
+                edges.append(Edge(a.id, ar.id, EdgeKind.DATA, ()))
+            edges.append(Edge(made[key].id, b.id, EdgeKind.DATA, tuple(values)))
         rest = tuple(v for v in e.values if v not in summed)
-        edges.append(Edge(ar.id, b.id, EdgeKind.DATA, tuple(summed)))
         if rest:
             edges.append(Edge(e.src, e.dst, e.kind, rest, e.origin))
     out_values: dict[str, list[str]] = {}
@@ -225,7 +229,18 @@ def insert_tp_collectives(dag: TrainingDAG, directives: Directives, ctx: Context
              if e.dst in ar_ids and not e.values else e for e in edges]
     return dag.replace(nodes=final, edges=edges,
                        meta={"tp_groups": tuple(sorted(groups.items()))},
-                       step=f"{len(made)} all-reduces")
+                       step=f"{len(made)} collectives")
+
+
+_DUAL = {Op.ALL_GATHER: Op.REDUCE_SCATTER, Op.REDUCE_SCATTER: Op.ALL_GATHER}
+
+
+def _sum_kind(layout, v: str, grad: bool) -> Op:
+    """How the group sums `v` (`grad`: its gradient shares): an all-reduce, or under
+    sequence parallelism an all-gather of a padded slice or a reduce-scatter of a partial
+    cut to slices; the backward runs the forward's dual."""
+    kind = layout.sums.get(v, Op.ALL_REDUCE)
+    return _DUAL.get(kind, kind) if grad else kind
 
 
 def _summed(layout, a: Node, b: Node, e: Edge) -> list[str]:

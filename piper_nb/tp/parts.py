@@ -52,6 +52,7 @@ class Cut:
     partial: set
     grad_sum: set
     local: dict = dataclasses.field(default_factory=dict)
+    sums: dict = dataclasses.field(default_factory=dict)   # value -> its forward sum's kind
 
 
 def levels(gm, col: set, row: set, info) -> tuple[dict, dict]:
@@ -160,7 +161,8 @@ def _is_param(gm, target: str) -> bool:
         return False
 
 
-def build_parts(gm, info, status, level, infos, names: set, grad_sum: set, params, aliases) -> Cut:
+def build_parts(gm, info, status, level, infos, names: set, grad_sum: set, params, aliases,
+                sums: dict | None = None) -> Cut:
     nodes = [n for n in gm.graph.nodes if n.op not in ("placeholder", "output", "get_attr")]
     phs = [n for n in gm.graph.nodes if n.op == "placeholder"]
     out = next(n for n in gm.graph.nodes if n.op == "output")
@@ -192,7 +194,9 @@ def build_parts(gm, info, status, level, infos, names: set, grad_sum: set, param
             buffers=tuple(b for b in info.buffers if b in read),
             inputs=tuple(in_names), outputs=tuple(out_names))
         parts.append((pinfo, pgm))
-    return Cut(parts, params, partial, {value_of[n] for n in value_of if n.name in grad_sum})
+    sums = sums or {}
+    return Cut(parts, params, partial, {value_of[n] for n in value_of if n.name in grad_sum},
+               sums={value_of[n]: sums[n.name] for n in value_of if n.name in sums})
 
 
 def _order(gm):

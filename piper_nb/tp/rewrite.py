@@ -37,6 +37,7 @@ from torch import nn
 from piper_nb.capture.untouched import untouched
 from piper_nb.errors import PlanError
 from piper_nb.ir.filters import matches
+from piper_nb.ir.kinds import Op
 from piper_nb.tp.checks import check_heads, check_readers, check_tied
 from piper_nb.tp.dropout import shard_dropouts
 from piper_nb.tp.fused import Origin
@@ -89,6 +90,7 @@ class TPLayout:
     parts: Mapping[int, tuple[int, int]]
     degree: Mapping[int, int]
     sequence: frozenset[int] = frozenset()
+    sums: Mapping[str, Op] = dataclasses.field(default_factory=dict)   # SP: value -> AG/RS
 
 
 def shard_capture(capture, requests: list[TPRequest], batch: dict):
@@ -106,7 +108,7 @@ def shard_capture(capture, requests: list[TPRequest], batch: dict):
     regions, modules, parts, degree = [], [], {}, {}
     params: dict[str, tuple[int, int, int]] = {}
     local: dict[str, nn.Parameter] = {}   # device 0's shard of each sharded parameter
-    partial, grad_sum = set(), set()
+    partial, grad_sum, sums = set(), set(), {}
     names = {v for r in capture.regions for v in (*r.inputs, *r.outputs)}
     cut_of: dict[int, dict] = {}   # region -> the parameters its cut shards
     seq = SeqPlan(capture, {r: q for r, q in chosen.items()
@@ -127,6 +129,7 @@ def shard_capture(capture, requests: list[TPRequest], batch: dict):
         local.update(cut.local)
         partial |= cut.partial
         grad_sum |= cut.grad_sum
+        sums |= cut.sums
         for k, (pinfo, pgm) in enumerate(cut.parts):
             parts[len(regions)] = (info.index, k)
             regions.append(dataclasses.replace(pinfo, index=len(regions)))
@@ -141,7 +144,7 @@ def shard_capture(capture, requests: list[TPRequest], batch: dict):
         _bind_local(gm, local, aliases)
     return _rebuilt(capture, regions, modules,
                     TPLayout(params, frozenset(partial), frozenset(grad_sum), parts, degree,
-                             frozenset(seq.regions)),
+                             frozenset(seq.regions), sums),
                     local)
 
 
@@ -335,7 +338,8 @@ def _cut(gm0, info, req: TPRequest, recorded: tuple, names: set, aliases: dict,
             status[n], level[n] = status[user], level[user]
             infos[n.name] = Info(n.target is not operator.floordiv, False)
     return dataclasses.replace(
-        build_parts(gm, info, status, level, infos, names, grad_sum, params, aliases),
+        build_parts(gm, info, status, level, infos, names, grad_sum, params, aliases,
+                    on_slices.sums),
         local=local)
 
 

@@ -8,14 +8,11 @@ region input that an earlier sequence-parallel region hands on as a slice, a reg
 whose whole sequence this region cuts on entry (`narrow_sequence`; from a copy made in a
 part before when it needs a gradient, so that its shares are summed), and the sum of a
 rowwise layer's (or a vocabulary embedding's) partial output, of which each device keeps
-its own slice. Going back into a sharded part, a slice is laid into zeros at its offset
-(`pad_sequence`) and summed over the group, which gives every device the whole sequence;
-a slice leaving for a region that is not sequence-parallel does the same on its way out.
-
-The sums are the all-reduces already between the parts (`tp.directive`): an all-gather
-or reduce-scatter done as the all-reduce of zeros outside one device's slice (exact). A
-parameter or value needing a gradient and read on slices (a norm's weight) goes through an
-alias made in a part before, whose gradient, a per-device share, is summed on its way back.
+its own slice (a reduce-scatter). Going back into a sharded part, a slice is laid into
+zeros at its offset (`pad_sequence`) and all-gathered, which gives every device the whole
+sequence; a slice leaving for a region not sequence-parallel does the same on its way out.
+A value needing a gradient and read on slices (a norm's weight) goes through an alias made
+in a part before, whose gradient, a per-device share, is summed on its way back.
 
 An op that needs the whole sequence (a reduction over it such as a loss's mean, a
 flattening of batch and sequence, an attention product outside the sharded layers), or
@@ -26,7 +23,8 @@ runs, and what can runs on slices. A length the degree does not divide is a Plan
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections import namedtuple
+from dataclasses import dataclass, field
 
 import torch
 import torch.fx as fx
@@ -39,6 +37,7 @@ from piper_nb.capture.sequence_ops import (
     with_params,
 )
 from piper_nb.errors import PlanError
+from piper_nb.ir.kinds import Op
 from piper_nb.tp.parts import Info, P, R, S
 from piper_nb.tp.reductions import reduced_dims
 from piper_nb.tp.shapes import op_target
@@ -72,12 +71,15 @@ def sequence_length(batch: dict, degree: int, region: str) -> int:
 
 @dataclass
 class SeqCut:
-    """What the analysis found: the sequence-sharded ops, the values whose gradients are
-    summed (node names), and the region outputs handed on as slices."""
+    """What the analysis found (node names): the sequence-sharded ops, the values whose
+    gradients are summed, the region outputs handed on as slices, and the sums' kinds where
+    not all-reduces: all-gathers of padded slices, reduce-scatters of values only cut
+    (their gradients all-gathered)."""
 
     seq: set
     grad_sum: set
     sliced_outputs: set
+    sums: dict = field(default_factory=dict)
 
 
 class SeqPlan:
@@ -118,20 +120,14 @@ class SeqPlan:
         """A region that takes the whole sequence must not be handed slices."""
         got = [v for v in info.inputs if v in self.sliced]
         if got:
-            raise PlanError(f"tensor_parallel: sequence_parallel=True: region {info.name} "
-                            f"reads {', '.join(got)} as slices of the sequence but runs without "
-                            "sequence parallelism (it shards no layer, or its directive does "
-                            "not set sequence_parallel); shard a layer in it, or give it the "
-                            "same directive")
+            raise PlanError(
+                f"tensor_parallel: sequence_parallel=True: region {info.name} reads "
+                f"{', '.join(got)} as slices of the sequence but runs without sequence "
+                "parallelism (it shards no layer, or its directive does not set "
+                "sequence_parallel); shard a layer in it, or give it the same directive")
 
 
-@dataclass(frozen=True)
-class _Region:
-    name: str
-    inputs: tuple
-    outputs: tuple
-    seq: int
-    degree: int
+_Region = namedtuple("_Region", "name inputs outputs seq degree")   # one region's sizes
 
 
 def shard_sequence(gm: fx.GraphModule, status: dict, level: dict, infos: dict, info,
@@ -195,9 +191,13 @@ def shard_sequence(gm: fx.GraphModule, status: dict, level: dict, infos: dict, i
             level[n] += 1
     outs = next(n for n in g.nodes if n.op == "output").args[0]
     sliced_out = {v for v, a in zip(reg.outputs, outs, strict=True) if a in marked}
+    # a padded slice is all-gathered; a value read only as this device's slice, scattered
+    sums = {n.name: Op.ALL_GATHER if n.target is pad_sequence else Op.REDUCE_SCATTER
+            for n in g.nodes if n.target is pad_sequence or (n.op != "placeholder" and n.users
+                                    and all(u.target is narrow_sequence for u in n.users))}
     g.lint()
     gm.recompile()
-    return SeqCut({n.name for n in marked}, grad_sum, sliced_out)
+    return SeqCut({n.name for n in marked}, grad_sum, sliced_out, sums)
 
 
 def _stream(i: Info | None, seq: int) -> bool:

@@ -5,12 +5,15 @@ sequence-parallel issue). Training equality is in tests/runtime/test_sequence_pa
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 import piper_nb as pn
+from piper_nb.sim.cost import HARDWARE
 
 LAYERS = {"embed": {"PP": 0, "L": 0}, "blocks.0": {"PP": 0, "L": 1},
           "blocks.1": {"PP": 0, "L": 2}, "head": {"PP": 0, "L": 3}}
@@ -40,6 +43,14 @@ def test_the_replicated_parts_run_on_slices_and_the_sums_are_instructions():
     assert sum(not i.data.grad for i in tp) > sum(not i.data.grad for i in whole[1].instrs
                                                   if i.purpose == pn.Purpose.TP)
     assert all(i.data.group == (0, 1) for i in tp)
+    # the slices go back whole by all-gathers, the row-parallel sums to slices by
+    # reduce-scatters, each backward by the dual; all-reduces for the norm weights' copies
+    kinds = {(i.kind, i.data.grad): set(i.data.values) for i in tp}
+    assert all(v.startswith("pad_sequence") for v in kinds[(pn.Op.ALL_GATHER, False)])
+    assert kinds[(pn.Op.REDUCE_SCATTER, True)] <= {v for i in tp for v in i.data.values
+                                                    if v.startswith("pad_sequence")}
+    assert kinds[(pn.Op.REDUCE_SCATTER, False)] and kinds[(pn.Op.ALL_GATHER, True)]
+    assert plan.capture.tp.sums
     # the norm weights are read through copies made a part before, whose gradients the group
     # sums: a part of its own before each layer's first
     first = [r for r in plan.regions if dict(r.tags).get("PART") == 0 and dict(r.tags)["L"] == 1]
@@ -53,6 +64,17 @@ def test_the_plan_simulates_and_round_trips_through_json():
     plan = compile_sp(llama())
     trace = pn.simulate(plan, pn.CostModel.uniform())
     assert trace.step_time > 0
+    # a gather or a scatter moves half an all-reduce's bytes, so SP's pairs cost what TP's
+    # all-reduces do (Korthikanti et al.), not twice that (links without latency: these
+    # messages are tiny)
+    hw = dataclasses.replace(HARDWARE["H100"], nvlink_latency=0.0)
+    whole = pn.compile(pn.annotate(llama(), LAYERS), [pn.tensor_parallel({}, [0, 1])],
+                       llama().example_batch(batch_size=4, seed=0))
+
+    def comm(p):
+        t = pn.simulate(p, pn.CostModel.analytic(p, hw))
+        return sum(e.duration for e in t.events if e.device == 0 and e.stream == "tp")
+    assert comm(plan) < 1.05 * comm(whole)
     again = pn.Plan.from_json(plan.to_json())
     assert again.world == 2 and again.tp_groups == plan.tp_groups
 

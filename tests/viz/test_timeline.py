@@ -190,3 +190,15 @@ def test_the_legend_says_what_the_bar_text_means():
     assert "1c0: microbatch 1, first chunk" in chunked.layout.legend.title.text
     bars = [t for t in chunked.data if isinstance(t, go.Bar) and t.name == "F"]
     assert any("c1" in text for t in bars for text in t.text)
+
+
+def test_sequence_parallel_draws_its_all_gathers_and_reduce_scatters():
+    model = pn.models.TinyGPT(layers=2)
+    plan = pn.compile(pn.annotate(model, {"": {"PP": 0}}),
+                      [pn.tensor_parallel({}, [0, 1], sequence_parallel=True)],
+                      model.example_batch(batch_size=4, seed=0))
+    data = timeline_data(simulate(plan, CostModel.uniform(comm=0.5)))
+    gathers, scatters = data.bars["TP ALL_GATHER"], data.bars["TP REDUCE_SCATTER"]
+    assert {b["label"].split(":")[1][:4] for b in gathers} == {"AG_F", "AG_B"}
+    assert {b["label"].split(":")[1][:4] for b in scatters} == {"RS_F", "RS_B"}
+    assert all(b["row"].endswith(" tp") for b in gathers + scatters)
