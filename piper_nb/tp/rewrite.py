@@ -79,10 +79,10 @@ class TPRequest:
 @dataclass(frozen=True)
 class TPLayout:
     """What sharding a capture changed: per sharded parameter (dim, degree, blocks); the
-    values all-reduced after a forward (partial sums) and those whose gradients are
-    all-reduced (the inputs of sharded parts); per part region its original region and
+    values summed over the group after a forward (partial sums) and those whose gradients
+    are summed (the inputs of sharded parts); per part region its original region and
     part number; per original region its degree; the regions run sequence-parallel
-    (`tp.sequence`)."""
+    (`tp.sequence`) and the kind of each of their sums that is not an all-reduce."""
 
     params: Mapping[str, tuple[int, int, int]]
     partial: frozenset[str]
