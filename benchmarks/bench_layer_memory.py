@@ -94,10 +94,10 @@ class MegatronGPT(LanguageModel):
 
 
 def compile_layers(shape: dict, layers: int, t: int = 1, sp: bool = False,
-                   recompute: bool = False, keep_mask: bool = False):
+                   recompute: str | None = None, keep_mask: bool = False):
     """The model with `layers` layers on the meta device, compiled in bf16 on device 0 (TP:
     devices 0..t-1, sequence-parallel when `sp`), one microbatch; every layer recomputed
-    when `recompute`."""
+    in `recompute` mode ("full", "selective") when given."""
     with torch.device("meta"):
         model = MegatronGPT(layers, shape["h"], shape["a"], keep_mask=keep_mask)
     ids = torch.zeros(shape["b"], shape["s"], dtype=torch.long, device="meta")
@@ -107,7 +107,7 @@ def compile_layers(shape: dict, layers: int, t: int = 1, sp: bool = False,
     if t > 1:
         program.append(pn.tensor_parallel({"PP": 0}, list(range(t)), sequence_parallel=sp))
     if recompute:
-        program.append(pn.recompute({"AC": 1}))
+        program.append(pn.recompute({"AC": 1}, mode=recompute))
     return pn.compile(pn.annotate(model, ann), program, (ids, ids), loss_fn=model.loss_fn,
                       precision="bf16")
 
@@ -118,7 +118,7 @@ def peak_activations(plan) -> int:
     return max(m.activations for m in trace.memory if m.device == 0)
 
 
-def layer_bytes(shape: dict, t: int = 1, sp: bool = False, recompute: bool = False,
+def layer_bytes(shape: dict, t: int = 1, sp: bool = False, recompute: str | None = None,
                 keep_mask: bool = False) -> int:
     """Activation bytes one more layer costs on device 0, as the memory model predicts."""
     two, three = (peak_activations(compile_layers(shape, n, t, sp, recompute, keep_mask))
@@ -142,48 +142,33 @@ def closed_form(shape: dict, t: int = 1, sp: bool = False, recompute: str = "non
     return sbh * (8 + 2 * mask + 24 / t + att / t)
 
 
-# (case, what to compile or why piper_nb cannot express it yet, closed-form arguments).
-# SP cases are compiled: while `sequence_parallel=True` is refused they print "not yet".
-NOT_YET_SP = "not yet (sequence parallelism)"
-NOT_YET_SEL = "not yet (selective recompute)"
+# (case, what to compile, closed-form arguments).
+SEL, FULL = dict(recompute="selective"), dict(recompute="full")
 CASES = [
     ("no parallelism", dict(), dict()),
     *[(f"TP {t}", dict(t=t), dict(t=t)) for t in (2, 4, 8)],
     *[(f"TP {t} + SP", dict(t=t, sp=True), dict(t=t, sp=True)) for t in (2, 4, 8)],
-    *[(f"TP {t} + selective recompute", NOT_YET_SEL, dict(t=t, recompute="selective"))
-      for t in (2, 8)],
-    *[(f"TP {t} + SP + selective recompute", NOT_YET_SEL, dict(t=t, sp=True, recompute="selective"))
-      for t in (2, 8)],
-    ("full recompute", dict(recompute=True), dict(recompute="full")),
-    *[(f"TP {t} + full recompute", dict(t=t, recompute=True), dict(t=t, recompute="full"))
-      for t in (2, 4, 8)],
-    *[(f"TP {t} + SP + full recompute", dict(t=t, sp=True, recompute=True),
-       dict(t=t, sp=True, recompute="full")) for t in (2, 8)],
+    ("selective recompute", SEL, SEL),
+    *[(f"TP {t} + selective recompute", dict(t=t, **SEL), dict(t=t, **SEL)) for t in (2, 8)],
+    *[(f"TP {t} + SP + selective recompute", dict(t=t, sp=True, **SEL),
+       dict(t=t, sp=True, **SEL)) for t in (2, 8)],
+    ("full recompute", FULL, FULL),
+    *[(f"TP {t} + full recompute", dict(t=t, **FULL), dict(t=t, **FULL)) for t in (2, 4, 8)],
+    *[(f"TP {t} + SP + full recompute", dict(t=t, sp=True, **FULL),
+       dict(t=t, sp=True, **FULL)) for t in (2, 8)],
     ("no parallelism, 1-byte keep mask", dict(keep_mask=True), dict()),
-    ("full recompute, 1-byte keep mask", dict(keep_mask=True, recompute=True),
-     dict(recompute="full")),
+    ("full recompute, 1-byte keep mask", dict(keep_mask=True, **FULL), FULL),
 ]
 
 
-def table(shape: dict) -> list[tuple[str, float | str, float, float]]:
-    """(case, predicted bytes or why not yet, closed form with 1-byte masks, closed form with
-    the masks the layer saves: 1 byte for the keep mask, 2 for F.dropout in bf16) per case."""
+def table(shape: dict) -> list[tuple[str, float, float, float]]:
+    """(case, predicted bytes, closed form with 1-byte masks, closed form with the masks the
+    layer saves: 1 byte for the keep mask, 2 for F.dropout in bf16) per case."""
     rows = []
     for name, run, closed in CASES:
         want = closed_form(shape, **closed)
-        own = want if isinstance(run, str) or run.get("keep_mask") else \
-            closed_form(shape, **closed, mask=2)
-        if isinstance(run, str):
-            rows.append((name, run, want, own))
-            continue
-        try:
-            got = layer_bytes(shape, **run)
-        except pn.PlanError as err:
-            if not run.get("sp") or "sequence_parallel" not in str(err):
-                raise
-            rows.append((name, NOT_YET_SP, want, own))
-            continue
-        rows.append((name, got, want, own))
+        own = want if run.get("keep_mask") else closed_form(shape, **closed, mask=2)
+        rows.append((name, layer_bytes(shape, **run), want, own))
     return rows
 
 
@@ -213,11 +198,8 @@ def main() -> None:
           "| same, the layer's masks (sbh) | ratio |")
     print("|---|---|---|---|---|---|")
     for name, got, want, own in table(shape):
-        if isinstance(got, str):
-            print(f"| {name} | {got} | {want / sbh:.2f} | - | {own / sbh:.2f} | - |")
-        else:
-            print(f"| {name} | {got / sbh:.2f} | {want / sbh:.2f} | {got / want:.3f} "
-                  f"| {own / sbh:.2f} | {got / own:.3f} |")
+        print(f"| {name} | {got / sbh:.2f} | {want / sbh:.2f} | {got / want:.3f} "
+              f"| {own / sbh:.2f} | {got / own:.3f} |")
     if args.breakdown:
         print("\nTP 2: one layer's parts, in sbh (under full recompute only the inputs "
               "are held until the backward)\n")

@@ -1,7 +1,8 @@
 """The compile's passes, in three declared phases run by one runner.
 
-- **Capture passes** rewrite the captured regions: the stage-order check, and tensor
-  parallelism's cut of sharded regions into parts (later sequence and context parallelism).
+- **Capture passes** rewrite the captured regions: the stage-order check, tensor
+  parallelism's cut of sharded regions into parts, and selective recompute's attention
+  cores.
 - **DAG passes** (`DAG_PASSES`, also `PIPELINE`) make the placed, ordered training DAG in
   Piper's fixed order, whatever the order of the program: build, split, BI/BW split, place
   (and the placement replicate, shard and tensor_parallel imply), send/recv, the
@@ -45,7 +46,12 @@ from piper_nb.compiler.stage_order import check_stage_order
 from piper_nb.directives.base import CaptureContext, Context, Directive, Directives
 from piper_nb.directives.order import Order, apply_orders
 from piper_nb.directives.place import Place, apply_places
-from piper_nb.directives.recompute import Recompute, apply_recompute, check_recompute
+from piper_nb.directives.recompute import (
+    Recompute,
+    apply_recompute,
+    check_recompute,
+    recompute_attention,
+)
 from piper_nb.directives.replicate import Replicate, insert_grad_sync
 from piper_nb.directives.shard import Shard, apply_shards, insert_all_to_all, place_experts
 from piper_nb.directives.split import Split, apply_splits
@@ -94,6 +100,8 @@ CAPTURE_PASSES: tuple[Pass, ...] = (
     Pass("stage order check", _check_stage_order),                   # stages contiguous
     Pass("tensor-parallel sharding", shard_regions,                  # regions cut into parts,
          consumes=(TensorParallel,)),                                # layers sharded
+    Pass("selective recompute", recompute_attention,                 # attention cores run
+         reads=(Recompute,)),                                        # again in the backward
 )
 
 DAG_PASSES: tuple[Pass, ...] = (

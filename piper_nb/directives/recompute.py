@@ -1,8 +1,11 @@
 """`recompute`: keep only a region's inputs after its forward; re-run the forward before
-its backward (activation checkpointing).
+its backward (activation checkpointing), or, `mode="selective"`, only its attention cores.
 
-The value `Recompute` (JSON `{"op": "recompute", "filter": {...}}`), its constructor
-`pn.recompute`, and the rewrite. The filter picks regions (and, with `MB`, microbatches):
+The value `Recompute` (JSON `{"op": "recompute", "filter": {...}, "mode": "full"}`), its
+constructor `pn.recompute`, and the rewrites.
+
+Full recompute (Megatron's `--recompute-granularity full`, torchtitan's `mode = "full"`)
+is a DAG rewrite. The filter picks regions (and, with `MB`, microbatches):
 every F, B and BI of a matched (region, microbatch) gets the node attribute `recompute`
 (the directive's index), which the lowering copies into `Instr.recompute`. The runtime
 then runs the forward under `torch.no_grad()`, stashing its inputs only; B, or BI when the
@@ -13,22 +16,38 @@ the lowering frees the region's input activations after its backward, which read
 
 A region whose forward changes buffers (BatchNorm's running statistics) cannot be
 recomputed: the second forward would update them twice (`check_recompute`).
+
+Selective recompute (Megatron's `--recompute-granularity selective`, Korthikanti et al.
+2022) is a capture rewrite (`recompute_attention`): in each matched region, every
+attention core (scores, softmax, dropout, the product with v: `capture.attention_core`)
+keeps only its inputs and runs again in the backward; the rest of the region saves what
+autograd saves. Nothing else changes: the saved bytes the compile measures, the runtime
+and the simulator see the rewritten region as it is, and the analytic cost model charges
+the backward the cores' FLOPs once more (`sim.flops`). It applies to every microbatch, so
+its filter names no `MB`.
 """
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from piper_nb.directives.base import Context, Directive, Directives, call_code
+import torch.fx as fx
+
+from piper_nb.capture.attention_core import recompute_cores
+from piper_nb.directives.base import CaptureContext, Context, Directive, Directives, call_code
 from piper_nb.errors import PlanError
 from piper_nb.ir.dag import TrainingDAG
-from piper_nb.ir.filters import as_filter
+from piper_nb.ir.filters import as_filter, matches
 from piper_nb.ir.kinds import Op
 
-__all__ = ["Recompute", "recompute", "apply_recompute", "check_recompute"]
+__all__ = ["Recompute", "recompute", "apply_recompute", "check_recompute",
+           "recompute_attention", "MODES"]
 
+MODES = ("full", "selective")
 _MARKED = (Op.F, Op.B, Op.BI)     # the passes that run the forward (BW reuses BI's graph)
 
 
@@ -37,6 +56,7 @@ class Recompute(Directive):
     """Keep only the inputs of the matched regions' forwards; re-run them in the backward."""
 
     filter: Mapping[str, Any]
+    mode: str = "full"
     op = "recompute"
 
     def __post_init__(self):
@@ -44,6 +64,14 @@ class Recompute(Directive):
         if "PASS" in filt:
             raise PlanError(f"recompute filter {filt} names a PASS; a recompute applies to a "
                             "region's forward and backward together: drop PASS from the filter")
+        if self.mode not in MODES:
+            raise PlanError(f"recompute mode {self.mode!r} is not one of {', '.join(MODES)}: "
+                            "'full' keeps each region's inputs only, 'selective' its "
+                            "activations but the attention cores'")
+        if self.mode == "selective" and "MB" in filt:
+            raise PlanError(f"recompute filter {filt} names microbatches (MB), but selective "
+                            "recompute changes the regions themselves, for every microbatch: "
+                            "drop MB from the filter, or use mode='full'")
         object.__setattr__(self, "filter", filt)
 
     @classmethod
@@ -54,19 +82,60 @@ class Recompute(Directive):
         return call_code("pn.recompute", recompute, vars(self))
 
 
-def recompute(filter: Mapping[str, Any]) -> Recompute:
+def recompute(filter: Mapping[str, Any], mode: str = "full") -> Recompute:
     """Recompute the regions `filter` matches (all their microbatches, or those its `MB`
-    names): their forward keeps only its inputs, and their backward first runs the forward
-    again. Trades one more forward per backward for the activations autograd would save."""
-    return Recompute(filter)
+    names). `mode="full"`: their forward keeps only its inputs, and their backward first
+    runs the forward again, one more forward per backward for all the activations autograd
+    would save. `mode="selective"`: only the attention cores (scores, softmax, dropout,
+    probabilities times values) keep just their inputs and run again in the backward, a
+    few percent more FLOPs for the activations that grow with the sequence squared."""
+    return Recompute(filter, mode)
 
 
 def _key(n) -> tuple:
     return n.region, tuple((k, v) for k, v in n.tags if k != "PASS")
 
 
+def recompute_attention(capture, directives: Directives, ctx: CaptureContext):
+    """The capture pass of selective recompute: the attention cores of every region a
+    selective directive matches run again in the backward (`capture.attention_core`); each
+    changed region is a new module, the user's capture stays as it was."""
+    chosen = [(i, d) for i, d in directives if d.mode == "selective"]
+    if not chosen:
+        return capture
+    modules, done = list(capture.modules), set()
+    for idx, d in chosen:
+        hits = [r for r in capture.regions if matches(d.filter, dict(r.tags))]
+        if not hits:
+            raise PlanError(f"recompute filter {dict(d.filter)} matches no region; regions "
+                            "are " + ", ".join(r.name for r in capture.regions),
+                            directive=idx, op=d.op)
+        made = 0
+        for r in hits:
+            gm = modules[r.index]
+            if r.index in done or not hasattr(gm, "graph"):
+                made += r.index in done
+                continue
+            mine = fx.GraphModule(gm, copy.deepcopy(gm.graph), class_name=type(gm).__name__)
+            if recompute_cores(mine):
+                modules[r.index] = mine
+                done.add(r.index)
+                made += 1
+        if not made:
+            raise PlanError(
+                f"selective recompute: the regions {dict(d.filter)} matches ("
+                + ", ".join(r.name for r in hits[:4]) + (", ..." if len(hits) > 4 else "")
+                + ") hold no attention core (a product of two activations, what is computed "
+                "from it, and its product with the values; or a fused attention) to "
+                "recompute; use mode='full', or a filter that names attention layers",
+                directive=idx, op=d.op)
+    return dataclasses.replace(capture, modules=tuple(modules))
+
+
 def apply_recompute(dag: TrainingDAG, directives: Directives, ctx: Context) -> TrainingDAG:
-    """Mark every F, B and BI of the matched (region, microbatch) pairs `recompute=<index>`."""
+    """Mark every F, B and BI of the matched (region, microbatch) pairs `recompute=<index>`
+    (full recompute; selective recompute changed the regions already)."""
+    directives = tuple((i, d) for i, d in directives if d.mode == "full")
     if not directives:
         return dag
     chosen: dict[tuple, int] = {}

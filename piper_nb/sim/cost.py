@@ -19,7 +19,9 @@ Three ways to get one, all the same `CostModel` value:
   bytes / InfiniBand bandwidth across nodes (alpha-beta model, ring collectives).
 
 In every model the B or BI of a recomputed region (`pn.recompute`) costs one forward more:
-it runs the forward again first (`CostModel.compute`).
+it runs the forward again first (`CostModel.compute`). Under selective recompute the
+analytic model adds the attention cores' FLOPs to B, and to BI and BW, which each run them
+again (a profile times them as run).
 """
 
 from __future__ import annotations
@@ -128,7 +130,7 @@ class CostModel:
     def analytic(cls, plan, hardware: str | HardwareSpec = "H100") -> CostModel:
         """Roofline-style estimates from FLOPs on `hardware` (a name in HARDWARE or a spec),
         at the peak of the plan's precision (bf16 tensor cores, or fp32)."""
-        from piper_nb.sim.flops import region_flops
+        from piper_nb.sim.flops import region_flop_parts
         if isinstance(hardware, str):
             if hardware not in HARDWARE:
                 raise PlanError(f"unknown hardware {hardware!r}; use one of "
@@ -136,10 +138,10 @@ class CostModel:
             hardware = HARDWARE[hardware]
         rate = hardware.peak(plan.precision) * hardware.efficiency
         passes = {}
-        for r, flops in region_flops(plan).items():
-            f = flops / rate
-            passes[(r, Op.F)], passes[(r, Op.B)] = f, 2 * f
-            passes[(r, Op.BI)], passes[(r, Op.BW)] = f, f
+        for r, (flops, again) in region_flop_parts(plan).items():
+            f, a = flops / rate, again / rate   # a: attention cores run again (selective)
+            passes[(r, Op.F)], passes[(r, Op.B)] = f, 2 * f + a
+            passes[(r, Op.BI)], passes[(r, Op.BW)] = f + a, f + a
             nbytes = sum(math.prod(plan.params[p][0]) * element_size(plan.params[p][1])
                          for p in plan.regions[r].params if p in plan.params)
             passes[(r, Op.U)] = 4 * nbytes / hardware.hbm_bandwidth  # read p, g, state; write p

@@ -13,7 +13,7 @@ import torch
 from piper_nb.capture.meta_routing import balanced_routing
 from piper_nb.plan.sizes import random_value
 
-__all__ = ["region_flops", "region_inputs"]
+__all__ = ["region_flops", "region_flop_parts", "region_inputs"]
 
 
 def region_inputs(plan, r: int, seed: int = 0, device=None) -> list[torch.Tensor]:
@@ -35,6 +35,20 @@ def region_inputs(plan, r: int, seed: int = 0, device=None) -> list[torch.Tensor
 
 def region_flops(plan) -> dict[int, float]:
     """Region -> forward FLOPs on one microbatch slice (FlopCounterMode)."""
+    return {r: total for r, (total, _) in region_flop_parts(plan).items()}
+
+
+def _recomputed(counter) -> float:
+    """FLOPs counted inside selective recompute's attention cores (`capture.attention_core`),
+    which the backward runs again."""
+    from piper_nb.capture.attention_core import CORE_PREFIX
+    return float(sum(sum(ops.values()) for name, ops in counter.get_flop_counts().items()
+                     if name.rsplit(".", 1)[-1].startswith(CORE_PREFIX)))
+
+
+def region_flop_parts(plan) -> dict[int, tuple[float, float]]:
+    """Region -> (forward FLOPs, the share of them its backward runs again: selective
+    recompute's attention cores) on one microbatch slice (FlopCounterMode)."""
     from piper_nb.capture.annotate import flop_counter
     from piper_nb.capture.untouched import untouched
     out = {}
@@ -57,7 +71,7 @@ def region_flops(plan) -> dict[int, float]:
                 with (balanced_routing() if meta else contextlib.nullcontext(),
                       flop_counter() as counter):
                     module(*args)
-                out[r] = float(counter.get_total_flops())
+                out[r] = (float(counter.get_total_flops()), _recomputed(counter))
                 if key is not None:
                     seen[key] = out[r]
             else:

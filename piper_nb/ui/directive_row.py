@@ -125,6 +125,12 @@ SEQUENCE = Field("sequence_parallel",
                  lambda r: bool(r.get("sequence_parallel")),
                  lambda v, r: ({"sequence_parallel": True}, ()) if v else
                  ({}, ("sequence_parallel",)))
+MODE = Field("mode", lambda: W.Dropdown(options=[("full", "full"), ("selective", "selective")],
+                                        tooltip="full: keep each region's inputs; selective: "
+                                        "recompute only the attention cores",
+                                        layout=W.Layout(width="100px")),
+             lambda r: r.get("mode") if r.get("mode") in ("full", "selective") else "full",
+             lambda v, r: ({"mode": v}, ()) if v == "selective" else ({}, ("mode",)))
 RAW = Field("*", lambda: W.Textarea(continuous_update=False, rows=2, layout=W.Layout(width="300px")),
             lambda r: json.dumps(r), lambda v, r: _raw_write(v, r))
 
@@ -139,7 +145,7 @@ def _raw_write(value: str, row: dict) -> tuple[dict, tuple[str, ...]]:
 
 FIELDS = {"place": (FILTER, DEVICES, STREAM), "shard": (FILTER, DEVICES, STREAM),
           "replicate": (FILTER, DEVICES, ZERO), "split": (FILTER, DIM, NUM), "order": (SLOTS,),
-          "schedule": (NAME, RANKS, MICRO, CHUNKS, PLACE), "recompute": (FILTER,),
+          "schedule": (NAME, RANKS, MICRO, CHUNKS, PLACE), "recompute": (FILTER, MODE),
           "tensor_parallel": (FILTER, GROUPS, SEQUENCE)}
 
 

@@ -21,7 +21,7 @@ EXAMPLES = {
                   pn.replicate({"PP": 1}, [1, 3], zero=3, grad_sync="step")],
     "shard": [pn.shard({"PP": 0, "EP": "*"}, devices=[0, 2], stream="ep")],
     "split": [pn.split({"PP": "*"}, dim="CH", num=3)],
-    "recompute": [pn.recompute({"PP": 1, "MB": 0})],
+    "recompute": [pn.recompute({"PP": 1, "MB": 0}), pn.recompute({"PP": 1}, mode="selective")],
     "tensor_parallel": [pn.tensor_parallel({"PP": 0}, [[0, 1], [4, 5]],
                                            plan={"layers.*.up": "colwise:2",
                                                  "layers.*.down": "rowwise"},

@@ -85,6 +85,7 @@ class Case:
     tp: int = 1                   # tensor-parallel degree over the stages' MLPs (spec.mlps)
     sp: bool = False              # ... with sequence parallelism (sequences of `lengths`)
     grad_sync: str | None = None  # ZeRO-3: gradients reduced per "microbatch" or per "step"
+    selective: tuple[int, ...] = ()   # stages with attention recomputed selectively
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -112,6 +113,8 @@ class Case:
         rc += (f", TP {self.tp}{' + SP' if self.sp else ''} over the MLPs of stages "
                f"{list(s.mlps)}, attention in {list(s.attns)}" if self.tp > 1 else "")
         rc += f", gradients reduced per {self.grad_sync}" if self.grad_sync else ""
+        rc += (f", selective recompute of stages {list(self.selective)} (attention in "
+               f"{list(s.attns)})" if self.selective else "")
         rc += (f", a head of {s.classes} classes (label smoothing {s.smoothing})"
                if s.classes else "")
         return (f"seed {self.seed}: {self.schedule} x{self.ranks} ranks, DP {self.dp}, "
@@ -161,7 +164,24 @@ def draw(seed: int) -> Case:
                  and rng.random() < 0.4)
     _draw_fidelity(rng, case)
     _draw_tp(rng, case)
+    _draw_selective(case)
     return case
+
+
+def _draw_selective(case: Case) -> None:
+    """Selective recompute of some stages with attention (their attention cores run again
+    in the backward); over sequences without TP, attention added to some stages for it (a
+    batch of two samples at least: one is captured by torch.export, which specialises it).
+    Its own stream of draws: every other field keeps its draw."""
+    rng = random.Random(f"{case.seed}:selective")
+    stages, attns = case.spec.stages, case.spec.attns
+    if not attns and case.lengths and case.tp == 1 and case.batch_size >= 2:
+        if rng.random() < 0.5:
+            attns = tuple(sorted(rng.sample(range(stages), rng.randint(1, stages))))
+            case.spec = dataclasses.replace(case.spec, attns=attns)
+            case.selective = tuple(sorted(rng.sample(attns, rng.randint(1, len(attns)))))
+    elif attns and rng.random() < 0.5:
+        case.selective = tuple(sorted(rng.sample(attns, rng.randint(1, len(attns)))))
 
 
 def _draw_tp(rng: random.Random, case: Case) -> None:
@@ -280,6 +300,7 @@ def program(case: Case) -> list:
 def _program(case: Case) -> list:
     r, c = case.ranks, case.microbatches
     rc = [pn.recompute({"PP": s} if mb < 0 else {"PP": s, "MB": mb}) for s, mb in case.recompute]
+    rc += [pn.recompute({"PP": s}, mode="selective") for s in case.selective]
     if case.schedule == "none":
         devs = list(range(case.dp))
         return [pn.place({}, devs), _replicate({}, devs, case), pn.split({}, "MB", c), *rc]

@@ -69,6 +69,15 @@ def test_the_draw_covers_every_schedule_zero_level_and_feature():
     assert any(c.spec.classes and c.spec.smoothing for c in cases)
 
 
+def test_make_fuzz_draws_selective_recompute():
+    """Selective recompute of attention, with TP and SP and without, under split backwards
+    and DualPipe's copies, among the 500 cases of `make fuzz`."""
+    cases = [c for c in map(draw, range(500)) if c.selective]
+    assert any(c.sp for c in cases) and any(c.tp == 1 for c in cases)
+    assert any(c.schedule in ("zb1p", "dualpipev") for c in cases)
+    assert any(c.schedule == "dualpipe" for c in cases)
+
+
 def test_a_drawn_classifier_head_sends_per_token_numbers_not_its_logits():
     case = next(c for c in map(draw, range(500)) if c.spec.classes and not c.lengths)
     model = StageGraph(case.spec)

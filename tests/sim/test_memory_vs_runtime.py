@@ -171,21 +171,22 @@ def _recompute(kind: str):
     return model, pn.cut_stages(model, 2), program
 
 
-def _sequence_parallel(recompute: bool):
+def _sequence_parallel(recompute: str | None):
     """TP 2 with sequence parallelism (slices, the zeros they are laid in, copies of the
-    norm weights), recomputed or not."""
+    norm weights), recomputed (full, or selective: the attention cores) or not."""
     model = pn.models.Llama(vocab=32, dim=32, layers=2, heads=4, kv_heads=2, hidden=64, seq=8)
     ann = {"embed": {"PP": 0}, **{f"blocks.{i}": {"PP": 0, "L": i} for i in range(2)},
            "head": {"PP": 0, "L": 2}}
     program = [pn.tensor_parallel({}, [0, 1], sequence_parallel=True), pn.split({}, "MB", 2)]
-    return model, ann, program + ([pn.recompute({"L": 0})] if recompute else [])
+    return model, ann, program + ([pn.recompute({"L": 0}, mode=recompute)] if recompute else [])
 
 
 MORE = {**{f"tied-zero{z}-pp2-dp2": lambda z=z: _tied(z) for z in (1, 2, 3)},
         **{f"dualpipe-copies-zero{z}": lambda z=z: _dualpipe_zero(z) for z in (2, 3)},
         **{f"recompute-{k}": lambda k=k: _recompute(k) for k in ("zb1p", "zero3", "1f1b")},
         "frozen-zero3": _frozen_zero3,
-        **{f"tp2-sp{'-recompute' * r}": lambda r=r: _sequence_parallel(r) for r in (0, 1)},
+        **{f"tp2-sp{'-' + r if r else ''}": lambda r=r: _sequence_parallel(r)
+           for r in (None, "full", "selective")},
         "pp2-dp2-zero3-step-sync": lambda: _pp2_dp2_zero3(True, "step"),
         "pp2-dp2-zero3-noreshard-microbatch-sync": lambda: _pp2_dp2_zero3(False, "microbatch")}
 

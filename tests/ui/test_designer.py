@@ -342,3 +342,23 @@ def test_a_tensor_parallel_row_toggles_sequence_parallelism():
         assert "sequence_parallel" not in d.state.rows[0] and not d.plan.capture.tp.sequence
     finally:
         d.close()
+
+
+def test_a_recompute_row_picks_full_or_selective():
+    model = pn.models.TinyGPT(vocab=32, dim=32, layers=2, heads=4, seq=8)
+    d = Designer(model, model.example_batch(batch_size=4, seed=0), debounce=None,
+                 program=[pn.place({}, [0]), pn.recompute({})])
+    try:
+        row = d.directives.rows[1]
+        assert d.problems == [] and row.widget("mode").value == "full"
+        full = sum(d.plan.saved.values())
+        row.widget("mode").value = "selective"
+        assert d.state.rows[1]["mode"] == "selective" and d.problems == []
+        assert 'mode="selective"' in python_code(d.state)
+        assert any(str(n.target).startswith("recomputed_attention_")
+                   for m in d.plan.capture.modules for n in m.graph.nodes)
+        assert sum(d.plan.saved.values()) < full   # the attention keeps its inputs only
+        row.widget("mode").value = "full"
+        assert "mode" not in d.state.rows[1]
+    finally:
+        d.close()

@@ -1,0 +1,153 @@
+"""`pn.recompute(filter, mode="selective")`: only the attention cores (scores, softmax,
+dropout, probabilities times values) keep just their inputs and run again in the backward.
+It trains like one process, attention dropout included, under 1F1B, a split backward
+(ZB1P), ZeRO-3 (without dropout: see NO_DROPOUT) and TP 2 with SP; it keeps the layer's
+activations but the cores'; its backward costs the cores' FLOPs more; the user's capture
+is left as it was; bad filters are PlanErrors naming the fix."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import piper_nb as pn
+from piper_nb.capture.attention_core import CORE_PREFIX, cores
+from piper_nb.directives.recompute import Recompute
+from piper_nb.directives.spec import directive_from_json
+from piper_nb.models.gpt import LanguageModel
+
+SGD = pn.optim.SGD(lr=0.1)
+RTOL, ATOL = 1e-5, 4e-5
+LAYERS = {"embed": {"PP": 0, "L": 0}, "blocks.0": {"PP": 0, "L": 1},
+          "blocks.1": {"PP": 1, "L": 2}, "head": {"PP": 1, "L": 3}}
+
+
+class _Layer(nn.Module):
+    """Megatron's GPT layer, dropout on the attention probabilities too."""
+
+    def __init__(self, dim: int, heads: int, p: float):
+        super().__init__()
+        self.heads, self.p = heads, p
+        self.ln1, self.ln2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
+        self.qkv, self.out = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
+        self.fc1, self.fc2 = nn.Linear(dim, 4 * dim), nn.Linear(4 * dim, dim)
+
+    def forward(self, x):
+        b, s, d = x.shape
+        q, k, v = (z.reshape(b, s, -1, d // self.heads).transpose(1, 2)
+                   for z in self.qkv(self.ln1(x)).chunk(3, dim=-1))
+        att = torch.softmax(q @ k.transpose(-2, -1) / math.sqrt(d // self.heads), dim=-1)
+        y = (F.dropout(att, self.p, self.training) @ v).transpose(1, 2).reshape(b, s, -1)
+        x = x + F.dropout(self.out(y), self.p, self.training)
+        return x + F.dropout(self.fc2(F.gelu(self.fc1(self.ln2(x)))), self.p, self.training)
+
+
+class _GPT(LanguageModel):
+    tp_plan = {"blocks.*.qkv": "colwise:3", "blocks.*.out": "rowwise",
+               "blocks.*.fc1": "colwise", "blocks.*.fc2": "rowwise"}
+
+    def __init__(self, p: float = 0.25):
+        super().__init__()
+        torch.manual_seed(0)
+        self.config = dict(vocab=32, seq=8)
+        self.embed = nn.Embedding(32, 32)
+        self.blocks = nn.ModuleList([_Layer(32, 4, p) for _ in range(2)])
+        self.head = nn.Linear(32, 32, bias=False)
+
+
+SELECTIVE = pn.recompute({"L": "*"}, mode="selective")
+# Data parallelism draws each replica's masks for its share of the microbatch, which one
+# process does not (with or without recompute): the ZeRO-3 case runs without dropout.
+NO_DROPOUT = {"zero3"}
+PROGRAMS = {
+    "1f1b": lambda: [*pn.schedules.one_f_one_b(2, 4, place=True), SELECTIVE],
+    "zb1p": lambda: [*pn.schedules.zero_bubble(2, 4, place=True), SELECTIVE],
+    "zero3": lambda: [pn.place({}, [0, 1]), pn.replicate({}, [0, 1], zero=3),
+                      pn.split({}, "MB", 2), SELECTIVE],
+    "tp2-sp": lambda: [pn.tensor_parallel({}, [0, 1], sequence_parallel=True),
+                       pn.split({}, "MB", 2), SELECTIVE],
+}
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("name", sorted(PROGRAMS))
+def test_selective_recompute_trains_like_one_process(cluster2, one_thread, name):
+    model = _GPT(p=0.0 if name in NO_DROPOUT else 0.25)
+    batch = model.example_batch(batch_size=8, seed=0)
+    spec = pn.annotate(model, LAYERS)
+    plan = pn.compile(spec, PROGRAMS[name](), batch)
+    assert sum(str(n.target).startswith(CORE_PREFIX) for m in plan.capture.modules
+               for n in m.graph.nodes) == 2            # one core a layer
+    result = pn.train(plan, batch, 3, SGD, cluster=cluster2, seed=5)
+    ref = pn.reference_train(spec, batch, 3, plan.reference_microbatches, SGD, seed=5)
+    torch.testing.assert_close(torch.tensor(result.losses), torch.tensor(ref.losses),
+                               rtol=RTOL, atol=ATOL)
+    got = result.state_dict()
+    for k, v in ref.state_dict().items():
+        torch.testing.assert_close(got[k], v, rtol=RTOL, atol=ATOL, msg=lambda m, k=k: f"{k}: {m}")
+    assert result.leftover == []
+
+
+def _one_device(program_extra=(), model=None):
+    model = model or _GPT()
+    batch = model.example_batch(batch_size=4, seed=0)
+    spec = pn.annotate(model, {k: {**v, "PP": 0} for k, v in LAYERS.items()})
+    return spec, batch, pn.compile(spec, [pn.place({}, [0]), *program_extra], batch)
+
+
+def test_only_the_attention_cores_keep_nothing():
+    """The layer's saved bytes drop by exactly what the core's ops save, Table 2's 5as/h:
+    the softmax output, the dropout's noise and the dropped probabilities (b a s s fp32
+    each); q, k and v stay, as the core's inputs (views of the projection's output)."""
+    spec, batch, plain = _one_device()
+    *_, sel = _one_device([SELECTIVE])
+    b, s, a = 4, 8, 4
+    square = b * a * s * s * 4
+    region = next(r.index for r in plain.regions if dict(r.tags).get("L") == 1)
+    dropped = plain.saved[region] - sel.saved[region]
+    assert dropped > 0
+    assert len(cores(plain.capture.modules[region])) == 1
+    assert dropped == 3 * square
+    # the user's capture is untouched: the plain plan's module has no core call
+    assert not any(str(n.target).startswith(CORE_PREFIX)
+                   for n in plain.capture.modules[region].graph.nodes)
+
+
+def test_the_backward_costs_the_cores_flops_once_more():
+    *_, plain = _one_device()
+    *_, sel = _one_device([SELECTIVE])
+    a, b = (pn.CostModel.analytic(p, "H100").passes for p in (plain, sel))
+    region = next(r.index for r in plain.regions if dict(r.tags).get("L") == 1)
+    assert a[(region, "F")] == pytest.approx(b[(region, "F")])
+    extra = b[(region, "B")] - a[(region, "B")]
+    # the two products of b a s s d multiply-adds each, at the analytic rate
+    rate = pn.CostModel.analytic(plain, "H100").passes[(region, "F")] / \
+        pn.sim.flops.region_flops(plain)[region]
+    assert extra == pytest.approx(2 * 2 * 4 * 4 * 8 * 8 * 8 * rate, rel=1e-6)
+    assert b[(region, "BI")] - a[(region, "BI")] == pytest.approx(extra)
+
+
+def test_bad_filters_are_plan_errors_naming_the_fix():
+    with pytest.raises(pn.PlanError, match="drop MB from the filter"):
+        pn.recompute({"MB": 0}, mode="selective")
+    with pytest.raises(pn.PlanError, match="not one of full, selective"):
+        pn.recompute({}, mode="some")
+    mlp = pn.models.MLP(dim=16, depth=2)
+    batch = (torch.randn(4, 16), torch.randn(4, 16))
+    with pytest.raises(pn.PlanError, match=r"directive #1 \(recompute\).*hold no attention "
+                                           r"core.*use mode='full'"):
+        pn.compile(pn.annotate(mlp), [pn.place({}, [0]), pn.recompute({}, mode="selective")],
+                   batch, loss_fn=F.mse_loss)
+
+
+def test_json_code_and_row():
+    d = pn.recompute({"PP": 1}, mode="selective")
+    assert directive_from_json(d.to_json()) == d
+    assert d.code() == 'pn.recompute({"PP": 1}, mode="selective")'
+    assert pn.recompute({"PP": 1}).code() == 'pn.recompute({"PP": 1})'
+    assert directive_from_json({"op": "recompute", "filter": {}}) == pn.recompute({})
+    assert Recompute.row(2, 4)["op"] == "recompute"
