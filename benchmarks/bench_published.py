@@ -274,20 +274,24 @@ def run_tp_case(key: str, sp: bool = False) -> dict:
 # FSDP over every GPU, local batch 2, sequence 8192, selective op AC, 82.4 and 67.0 GiB.
 # pn.models.Llama with flash attention (as torchtitan's sdpa runs); piper_nb has no op-level
 # AC, so the plan recomputes no layer and every layer (bounds around torchtitan's, which
-# saves all but every second matmul's output), and one layer in four as the throughput case.
+# saves all but every second matmul's output), one layer in four as the throughput case,
+# and every layer's attention (Megatron's selective recompute, `mode="selective"`).
 MEMORY_8B = {"8b-fsdp8": dict(gpus=8, gib=82.4), "8b-fsdp128": dict(gpus=128, gib=67.0)}
 _8B = dict(dim=4096, heads=32, kv_heads=8, hidden=14336)
 
 
-def run_8b_memory(key: str, every: int | None) -> dict:
-    """Peak memory of the 8B FSDP run, recomputing every `every`-th layer (None: none)."""
+def run_8b_memory(key: str, every: int | str | None) -> dict:
+    """Peak memory of the 8B FSDP run, recomputing every `every`-th layer (None: none;
+    "selective": every layer's attention)."""
     c, seq, layers = MEMORY_8B[key], 8192, 32
     with torch.device("meta"):
         model = pn.models.Llama(vocab=128256, layers=layers, seq=seq, attention="flash", **_8B)
     ids = torch.zeros(c["gpus"] * 2, seq, dtype=torch.long, device="meta")
     devices = list(range(c["gpus"]))
     program = [pn.place({}, devices), pn.replicate({}, devices, zero=3)]
-    if every:
+    if every == "selective":
+        program.append(pn.recompute({"AC": 1}, mode="selective"))
+    elif every:
         program += [pn.recompute({"AC": 1, "L": i}) for i in range(0, layers, every)]
     ann = {"embed": {"PP": 0}, "head": {"PP": 0}} | {
         f"blocks.{i}": {"PP": 0, "AC": 1, "L": i} for i in range(layers)}
@@ -297,7 +301,8 @@ def run_8b_memory(key: str, every: int | None) -> dict:
     trace = pn.simulate(plan, pn.CostModel.analytic(plan, "H100"),
                         memory=pn.MemorySettings(param_bytes=2, grad_bytes=2, optim_bytes=12))
     gib = max(trace.peak_memory.values()) / 2**30
-    ac = "none" if not every else "full" if every == 1 else f"every {every}th layer"
+    ac = ("none" if not every else "full" if every == 1 else "selective (attention)"
+          if every == "selective" else f"every {every}th layer")
     return {"case": f"Llama 3.1 8B, {c['gpus']}x H100, FSDP {c['gpus']}, local batch 2",
             "recompute": ac, "compile+simulate_s": round(time.perf_counter() - t0, 1),
             "peak GiB": round(gib, 1), "measured GiB": c["gib"],
@@ -308,7 +313,7 @@ def run_case(key: str, layers: int | None) -> dict | list[dict]:
     if key in TP_CASES:
         return [run_tp_case(key, sp) for sp in (False, True)]
     if key in MEMORY_8B:
-        return [run_8b_memory(key, every) for every in (None, 4, 1)]
+        return [run_8b_memory(key, every) for every in (None, 4, "selective", 1)]
     case = {"megatron": MEGATRON, "torchtitan": TORCHTITAN}[key]
     r = scaled_step(case, layers or case["layers"])
     out = {"case": case["name"], "source": case["source"], "gpu": case["gpu"],

@@ -1,9 +1,9 @@
 """Shape propagation: run the regions once on one microbatch slice to learn what flows.
 
 For every value that crosses regions: shape, dtype, whether it carries a gradient. For
-every region: the bytes autograd saves for its backward (parameters excluded). The
-runtime counts saved bytes the same way (`saved_bytes`), so predicted and measured
-memory agree.
+every region: the bytes autograd saves for its backward (parameters excluded), and which
+of its inputs and outputs it saves (buffers counted as values). The runtime counts saved
+bytes the same way (`SavedBytes.split`), so predicted and measured memory agree.
 """
 
 from __future__ import annotations
@@ -48,8 +48,10 @@ def _described(batch: dict[str, torch.Tensor]) -> str:
 
 def propagate(capture, batch: dict[str, torch.Tensor]):
     """-> (values: name -> ValueInfo, saved: region -> bytes, loss value, changed: region ->
-    the buffers its forward changes, such as BatchNorm's running statistics), running the
-    regions on the named `batch`. Run inside `capture.untouched` so that the user's model
+    the buffers its forward changes, such as BatchNorm's running statistics, kept: region ->
+    (inputs, outputs) whose buffers autograd saves, which `saved` leaves out: the stash
+    holds them, counted once with the value's buffer), running the regions on the named
+    `batch`. Run inside `capture.untouched` so that the user's model
     keeps its buffers. On the meta device a router's tokens are assumed balanced over its
     experts (`capture.meta_routing`)."""
     meta = any(t.is_meta for t in batch.values())
@@ -61,13 +63,16 @@ def _propagate(capture, batch: dict[str, torch.Tensor]):
     vals: dict[str, torch.Tensor] = dict(batch)
     names = frozenset(batch)
     saved: dict[int, int] = {}
+    kept: dict[int, tuple[tuple[str, ...], tuple[str, ...]]] = {}
     changed: dict[int, tuple[str, ...]] = {}
     exclude = param_ptrs(capture)
     loss = None
     for info, mod in zip(capture.regions, capture.modules, strict=True):
         args = region_args(info, vals, names)
         before = {n: b.detach().clone() for n, b in mod.named_buffers()}
-        with SavedBytes(exclude | {storage_key(a) for a in args}) as counter:
+        batch_args = {storage_key(a) for v, a in zip(info.inputs, args, strict=True)
+                      if v in names}
+        with SavedBytes(exclude | batch_args) as counter:
             try:
                 outs = mod(*args)
             except PlanError:
@@ -75,7 +80,12 @@ def _propagate(capture, batch: dict[str, torch.Tensor]):
             except Exception as err:   # PyTorch's own words, with where and on what
                 raise PlanError(f"region {info.name} fails on the example batch "
                                 f"({_described(batch)}): {type(err).__name__}: {err}") from err
-        saved[info.index] = counter.bytes
+        own, ins, outs_kept = counter.split(
+            [None if v in names else a for v, a in zip(info.inputs, args, strict=True)], outs)
+        saved[info.index] = own
+        if ins or outs_kept:
+            kept[info.index] = (tuple(info.inputs[i] for i in ins),
+                                tuple(info.outputs[i] for i in outs_kept))
         moved = [n.removeprefix("model.") for n, b in mod.named_buffers()   # (meta: unknown)
                  if n in before and not b.is_meta and not torch.equal(b, before[n])]
         if moved:
@@ -103,4 +113,4 @@ def _propagate(capture, batch: dict[str, torch.Tensor]):
     for name, t in vals.items():
         values[name] = ValueInfo(name, tuple(t.shape), str(t.dtype).removeprefix("torch."),
                                  bool(t.requires_grad and t.is_floating_point()))
-    return values, saved, loss, changed
+    return values, saved, loss, changed, kept

@@ -10,8 +10,8 @@ affine expression in them (`128*u0 + 8*u1 + 37952`). The memory model then sizes
 buffers from a routing (`MemorySettings(tokens=...)`: the one a measured step made, or by
 default the captured one) instead of from the captured shapes.
 
-Saved bytes are counted the way `shapes.SavedBytes` counts them (distinct storages,
-parameters, buffers and the region's own inputs excluded), so at the captured routing the
+Saved bytes are counted the way `shapes.SavedBytes` counts them (distinct storages;
+parameters, buffers and the region's own inputs and outputs excluded), so at the captured routing the
 expression equals `propagate`'s figure; a region where it would not is left out (sized as
 captured).
 """
@@ -51,15 +51,21 @@ class _Saved:
     """Distinct storages autograd saves, by storage identity, as a symbolic byte count."""
 
     def __init__(self, exclude: set):
-        self.exclude, self.seen, self.total = exclude, set(), 0
+        self.exclude, self.seen = exclude, {}
         self.hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
 
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
         key = StorageWeakRef(t.untyped_storage())
         if key not in self.exclude and key not in self.seen:
-            self.seen.add(key)
-            self.total = self.total + _expr(t.untyped_storage().nbytes())
+            self.seen[key] = _expr(t.untyped_storage().nbytes())
         return t
+
+    def own(self, outputs) -> object:
+        """Bytes saved outside the region's outputs (`SavedBytes.split`: a saved output is a
+        value buffer the stash holds, counted as the value)."""
+        outs = {StorageWeakRef(o.untyped_storage()) for o in outputs
+                if isinstance(o, torch.Tensor)}
+        return sum((b for k, b in self.seen.items() if k not in outs), 0)
 
 
 def token_rows(capture, batch: dict[str, torch.Tensor], saved: dict[int, int], values: dict,
@@ -96,7 +102,7 @@ def token_rows(capture, batch: dict[str, torch.Tensor], saved: dict[int, int], v
                 if isinstance(first, sympy.Symbol) and not any(
                         isinstance(s, torch.SymInt) for s in out.shape[1:]):
                     rows[name] = str(first)
-            terms = _affine(_expr(counter.total))
+            terms = _affine(_expr(counter.own(outs)))
             if terms is not None and len(terms) > 1:
                 per_row[info.index] = terms
     hints = captured_rows(rows, values)

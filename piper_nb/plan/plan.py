@@ -98,6 +98,9 @@ class Plan:
     buckets: tuple[Bucket, ...] = ()
     values: dict[str, ValueInfo] = field(default_factory=dict)    # by value name
     saved: dict[int, int] = field(default_factory=dict)   # region -> saved activation bytes
+    # region -> (inputs, outputs) whose buffers autograd saves: held by the stash, counted
+    # once with the value's buffer (not in `saved`)
+    kept: dict[int, tuple[tuple[str, ...], tuple[str, ...]]] = field(default_factory=dict)
     rows: dict[str, str] = field(default_factory=dict)    # value -> symbol of its routed rows
     saved_rows: dict = field(default_factory=dict)    # region -> {symbol: saved bytes per row}
     params: dict[str, tuple] = field(default_factory=dict)   # name -> (shape, dtype)
@@ -228,6 +231,7 @@ class Plan:
             "values": {k: {"shape": list(v.shape), "dtype": v.dtype,
                            "requires_grad": v.requires_grad} for k, v in self.values.items()},
             "saved": {str(k): v for k, v in self.saved.items()},
+            "kept": {str(k): [list(i), list(o)] for k, (i, o) in self.kept.items()},
             "rows": self.rows,
             "saved_rows": {str(k): v for k, v in self.saved_rows.items()},
             "params": {k: {"shape": list(s), "dtype": d} for k, (s, d) in self.params.items()},
@@ -261,6 +265,7 @@ class Plan:
                    batch_size=obj["batch_size"], loss_scale=obj["loss_scale"], regions=regions,
                    buckets=buckets, values=values,
                    saved={int(k): v for k, v in obj["saved"].items()},
+                   kept={int(k): (tuple(i), tuple(o)) for k, (i, o) in obj.get("kept", {}).items()},
                    rows=obj.get("rows", {}),
                    saved_rows={int(k): v for k, v in obj.get("saved_rows", {}).items()},
                    params={k: (tuple(v["shape"]), v["dtype"]) for k, v in obj["params"].items()},

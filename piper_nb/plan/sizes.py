@@ -49,13 +49,19 @@ def storage_key(t: torch.Tensor):
 
 class SavedBytes(contextlib.AbstractContextManager):
     """Counts the distinct storages autograd saves inside the block, minus `exclude` keys
-    (`storage_key`: data pointers for real tensors)."""
+    (`storage_key`: data pointers for real tensors). `split` then tells the region's own
+    saved bytes from the storages of its inputs and outputs that autograd saved: those are
+    value buffers, held by the stash past their last reader and counted once with them."""
 
     def __init__(self, exclude: set[int]):
         self.exclude = exclude
-        self.seen: set[int] = set()
-        self.bytes = 0
+        self.seen: dict = {}   # storage key -> bytes
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
+
+    @property
+    def bytes(self) -> int:
+        """Bytes of every distinct storage saved (inputs and outputs included)."""
+        return sum(self.seen.values())
 
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
         try:
@@ -64,9 +70,34 @@ class SavedBytes(contextlib.AbstractContextManager):
         except (RuntimeError, NotImplementedError):
             return t
         if ptr not in self.exclude and ptr not in self.seen and size:
-            self.seen.add(ptr)
-            self.bytes += size
+            self.seen[ptr] = size
         return t
+
+    def split(self, inputs, outputs) -> tuple[int, tuple[int, ...], tuple[int, ...]]:
+        """(bytes saved in storages of neither an input nor an output; positions of the
+        `inputs` whose storage autograd saved; positions of the `outputs` whose storage it
+        saved and that no input shares). Each value is its own buffer, whichever storage
+        it shares here (a received value does not). An entry that is None or no tensor is
+        skipped (a batch input, which no stash holds: its storage goes in `exclude`)."""
+
+        def hits(tensors, seen) -> tuple[tuple[int, ...], set]:
+            out, keys = [], set()
+            for i, t in enumerate(tensors):
+                if not isinstance(t, torch.Tensor):
+                    continue
+                try:
+                    key = storage_key(t)
+                except (RuntimeError, NotImplementedError):
+                    continue
+                if key in seen:
+                    out.append(i)
+                    keys.add(key)
+            return tuple(out), keys
+
+        kept_in, used = hits(inputs, self.seen)
+        rest = {k: b for k, b in self.seen.items() if k not in used}
+        kept_out, more = hits(outputs, rest)
+        return sum(b for k, b in rest.items() if k not in more), kept_in, kept_out
 
     def __enter__(self):
         self._hooks.__enter__()

@@ -106,11 +106,11 @@ class _Bench:
     def _out_grads(self, ins) -> None:
         """Gradients for the outputs forward `ins` just made, shaped like them: an expert
         region's token count depends on the routing, not on the plan's captured shapes."""
-        made = self.w.values.stash[(ins.region, ins.mb)].outputs
+        made = self.w.values.acts
         for v in self.plan.regions[ins.region].outputs:
             info = self.plan.values.get(v)
             if v != "loss" and info is not None and info.requires_grad:
-                out = made.get(v)
+                out = made.get((v, ins.mb))
                 self.w.values.grads[(v, ins.mb)] = (
                     torch.ones_like(out) if out is not None else
                     torch.ones(info.shape, dtype=getattr(torch, info.dtype)))

@@ -1,9 +1,11 @@
 """A worker's compute instructions: F, B, BI, BW and U (`ComputePasses`, a part of
 `worker.Worker`).
 
-F runs a region's GraphModule on detached input leaves (the batch's slice for this
-microbatch and replica, or the activations received) and stashes the autograd state; B
-runs autograd from the stashed outputs with the received output gradients (the loss's
+F runs a region's GraphModule on its inputs (the batch's slice for this microbatch and
+replica, or the activations received), those needing gradients entered through
+`runtime.entries` so that the stash holds only what autograd saved, and stashes the
+autograd state; B runs autograd from the stashed outputs' gradient edges with the received
+output gradients (the loss's
 gradient is `plan.loss_scale`) and hands input gradients upstream; BI computes the input
 gradients only and keeps the graph for BW, which then computes the parameters'. U applies
 the optimizer to full parameters and to this device's bucket shards. A recomputed region
@@ -18,6 +20,7 @@ import torch
 from piper_nb.ir.kinds import Op
 from piper_nb.ir.loss_outputs import LOSS, is_loss_output
 from piper_nb.plan.sizes import SavedBytes
+from piper_nb.runtime.entries import Entries, roots
 from piper_nb.runtime.layout import batch_part
 from piper_nb.runtime.stores import Stash
 
@@ -57,26 +60,29 @@ class ComputePasses:
 
     def _forward(self, ins) -> None:
         plan, info, mb = self.plan, self.plan.regions[ins.region], ins.mb
-        args, leaves = [], []
-        for v in info.inputs:
+        args, raw, entering = [], [], []
+        for k, v in enumerate(info.inputs):
             if v in self.batch:
                 t = self._batch_part(v, mb, ins.replica, ins.replicas)
+                raw.append(None)
             else:
                 t = self.values.acts.get((v, mb))
                 if t is None:
                     raise RuntimeError(f"input {v}@{mb} of region {ins.region} is not on device "
                                        f"{self.rank}: no RECV or forward produced it before {ins}")
+                raw.append(t)
                 vi = plan.values.get(v)
                 if t.is_floating_point() and (vi is None or vi.requires_grad):
-                    t = t.detach().requires_grad_(True)
-                    leaves.append((v, t))
+                    t = t.detach()
+                    entering.append(k)
             args.append(t)
         start = self.rng.start(self.seed, self.step_no, ins)
         if ins.data.recompute:   # keep the inputs only: the backward runs this forward again
             with torch.no_grad():
-                outputs, _ = self._run_region(ins, args, count=False)
+                outputs, _, _ = self._run_region(ins, args, raw, count=False)
         else:
-            outputs, saved = self._run_region(ins, args, count=self.tracing)
+            entries = self._enter(info, args, entering)
+            outputs, saved, kept = self._run_region(ins, args, raw, count=self.tracing)
         self.rng.end(self.step_no, ins)
         for name, out in outputs.items():
             if name == LOSS:
@@ -85,33 +91,51 @@ class ComputePasses:
                 self.ends.setdefault(name, []).append(out.detach())
             else:   # a size crossing regions is made on the host (`pack_size`): move it
                 self.values.acts[(name, mb)] = on_device(out, self.device)
-        if ins.data.recompute:
-            self.values.stash[(ins.region, mb)] = Stash(leaves, outputs, 0, args=args,
-                                                        rng=start)
+        if ins.data.recompute:   # the inputs, detached, are what the stash holds
+            held = [None if r is None else a for a, r in zip(args, raw, strict=True)]
+            self.values.stash[(ins.region, mb)] = Stash(
+                None, {}, 0, [a for a in held if a is not None], args=args, rng=start,
+                entering=entering, raw=held)
         else:
-            self.values.stash[(ins.region, mb)] = Stash(leaves, outputs, saved)
+            self.values.stash[(ins.region, mb)] = Stash(entries, roots(outputs), saved, kept)
 
-    def _run_region(self, ins, args: list, count: bool) -> tuple[dict, int]:
+    def _enter(self, info, args: list, entering: list[int]) -> Entries | None:
+        """The inputs at `entering` made `Entries` views (in place in `args`)."""
+        if not entering:
+            return None
+        entries = Entries(args[entering[0]].device)
+        for k in entering:
+            args[k] = entries.enter(info.inputs[k], args[k])
+        return entries
+
+    def _run_region(self, ins, args: list, raw: list, count: bool) -> tuple[dict, int, list]:
         """Run the region on `args` (its random state set by the caller): its outputs by
-        name and (`count`) the bytes autograd saved, parameters and inputs excluded."""
-        saved = 0
-        if count:
-            exclude = {p.untyped_storage().data_ptr() for p in self.store.params.values()}
-            exclude |= {a.untyped_storage().data_ptr() for a in args}
-            with SavedBytes(exclude) as counter:
-                outs = self.modules[ins.region](*args)
-            saved = counter.bytes
-        else:
+        name and (`count`) the bytes autograd saved outside parameters, inputs and outputs
+        (`SavedBytes.split`) and the input (`raw`: the buffers, None for the batch's) and
+        output buffers it saved, which the stash then holds."""
+        if not count:
             outs = self.modules[ins.region](*args)
-        return dict(zip(self.plan.regions[ins.region].outputs, outs, strict=True)), saved
+            return dict(zip(self.plan.regions[ins.region].outputs, outs, strict=True)), 0, []
+        exclude = {p.untyped_storage().data_ptr() for p in self.store.params.values()}
+        exclude |= {a.untyped_storage().data_ptr() for a, t in zip(args, raw, strict=True)
+                    if t is None and isinstance(a, torch.Tensor)}
+        with SavedBytes(exclude) as counter:
+            outs = self.modules[ins.region](*args)
+        saved, kin, kout = counter.split(raw, outs)
+        kept = [raw[i] for i in kin] + [outs[j] for j in kout]
+        return dict(zip(self.plan.regions[ins.region].outputs, outs, strict=True)), saved, kept
 
     def _recompute(self, ins, st: Stash) -> None:
         """B or BI of a recomputed region: its forward again, with autograd, on the stashed
         inputs and the forward's random state; the stash then holds that graph."""
         self.rng.restore(st.rng)
+        args = list(st.args)
+        st.inputs = self._enter(self.plan.regions[ins.region], args, st.entering)
         with torch.enable_grad():
-            st.outputs, st.saved = self._run_region(ins, st.args, count=self.tracing)
-        st.args = st.rng = None
+            outputs, st.saved, st.kept = self._run_region(ins, args, st.raw,
+                                                          count=self.tracing)
+        st.roots = roots(outputs)
+        st.args = st.rng = st.raw = None
 
     def _batch_part(self, v: str, mb: int, replica: int, replicas: int) -> torch.Tensor:
         """`batch_part` of batch input `v`, from views cut once per step (one split per
@@ -127,12 +151,12 @@ class ComputePasses:
 
     def _out_grads(self, st: Stash, mb: int) -> tuple[list, list]:
         outs, grads = [], []
-        for name, out in st.outputs.items():
+        for name, (edge, shape, dtype, device) in st.roots.items():
             if name == LOSS:
-                outs.append(out)
-                grads.append(torch.full_like(out, self.plan.loss_scale))
-            elif out.requires_grad and (name, mb) in self.values.grads:
-                outs.append(out)
+                outs.append(edge)
+                grads.append(torch.full(shape, self.plan.loss_scale, dtype=dtype, device=device))
+            elif (name, mb) in self.values.grads:
+                outs.append(edge)
                 grads.append(self.values.grads[(name, mb)])
         return outs, grads
 
@@ -157,15 +181,26 @@ class ComputePasses:
         if ins.kind == Op.B:
             if outs:
                 torch.autograd.backward(outs, grads)
-            for v, leaf in st.leaves:
-                if leaf.grad is not None:
-                    self.values.add_grad(v, ins.mb, leaf.grad)
+            self._input_grads(st, ins.mb, grads)
             del self.values.stash[key]
             return
-        leaves = [leaf for _, leaf in st.leaves]  # BI: input gradients only, keep the graph
-        if outs and leaves:
-            got = torch.autograd.grad(outs, leaves, grads, retain_graph=True, allow_unused=True)
-            for (v, _), g in zip(st.leaves, got, strict=True):
-                if g is not None:
-                    self.values.add_grad(v, ins.mb, g)
+        if outs and st.inputs is not None:   # BI: input gradients only, keep the graph
+            torch.autograd.grad(outs, [st.inputs.anchor], grads, retain_graph=True,
+                                allow_unused=True)
+        self._input_grads(st, ins.mb, grads)
         st.out_grads = (outs, grads)
+
+    def _input_grads(self, st: Stash, mb: int, given: list) -> None:
+        """Hand on the input gradients a B or BI computed (`Entries.grads`), each a buffer
+        of its own: autograd passes one tensor on unchanged (a sum's operands, an input
+        returned as is), which a leaf's accumulator would have copied."""
+        if st.inputs is None:
+            return
+        seen = {g.untyped_storage().data_ptr() for g in given}
+        for v, g in st.inputs.grads.items():
+            ptr = g.untyped_storage().data_ptr()
+            if ptr in seen:
+                g = g.clone()
+            seen.add(ptr)
+            self.values.add_grad(v, mb, g)
+        st.inputs.grads.clear()

@@ -14,14 +14,16 @@ Memory is counted by the rule `sim.memory` predicts: bytes actually held, in log
 tensor bytes, each tensor once. Parameters held (full, or the ZeRO-3 shard plus gathered
 buckets); gradients while they exist, plus reduced shards; optimizer state; activations =
 the bytes autograd saved per stash (`SavedBytes`, as `pn.compile` measures them) + each
-act:/grad: buffer once while the store or a stash still holds it (a stash keeps its input
-leaves, its outputs and, between BI and BW, the output gradients) + receive buffers in
-flight; buffers = reduce/gather buffers in flight and ZeRO-1/2 shards awaiting their gather.
+act:/grad: buffer once while the store or a stash still holds it (a stash keeps the input
+and output buffers autograd saved, a recomputed forward's inputs until its backward and,
+between BI and BW, the output gradients) + receive buffers in flight; buffers =
+reduce/gather buffers in flight and ZeRO-1/2 shards awaiting their gather.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
@@ -191,14 +193,17 @@ class ParamStore:
 
 @dataclass
 class Stash:
-    """The autograd state of one forward, kept until its backward."""
+    """The autograd state of one forward, kept until its backward (`runtime.entries`)."""
 
-    leaves: list[tuple[str, torch.Tensor]]      # (value, detached input leaf)
-    outputs: dict[str, torch.Tensor]            # value -> output (LOSS included)
-    saved: int                                  # bytes autograd saved (SavedBytes)
-    out_grads: list | None = None               # BI keeps (outputs, grads) for BW
+    inputs: Any                                 # `Entries`: the inputs' gradient sink, or None
+    roots: dict                                 # output -> (gradient edge, shape, dtype, device)
+    saved: int                                  # bytes autograd saved (SavedBytes.split)
+    kept: list[torch.Tensor]                    # input and output buffers autograd saved
+    out_grads: list | None = None               # BI keeps (roots, grads) for BW
     args: list | None = None                    # a recomputed forward's inputs, until B/BI
     rng: tuple | None = None                    # and the random state it started from
+    entering: list[int] = field(default_factory=list)   # the inputs that need gradients
+    raw: list | None = None                     # its inputs as buffers (None: the batch's)
 
 
 @dataclass
@@ -224,8 +229,7 @@ class ValueStore:
         """Saved bytes of every stash + each value buffer once, while anything holds it."""
         held = [*self.acts.values(), *self.grads.values()]
         for s in self.stash.values():
-            held += [leaf for _, leaf in s.leaves]
-            held += s.outputs.values()
+            held += s.kept
             held += s.out_grads[1] if s.out_grads else ()
         return sum(s.saved for s in self.stash.values()) + _distinct_bytes(held)
 

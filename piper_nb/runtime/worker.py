@@ -1,7 +1,7 @@
 """The worker: executes one device's instruction list, once per training step.
 
 The runtime knows nothing of ZeRO, 1F1B or DualPipe: it runs `plan.devices[rank].instrs`
-in order. F runs a region's GraphModule on detached input leaves and stashes the autograd
+in order. F runs a region's GraphModule on its inputs (`entries`) and stashes the autograd
 state; B (or BI then BW) runs autograd from the stashed outputs with the received output
 gradients (the loss's gradient is `plan.loss_scale`) and hands input gradients upstream;
 U applies the optimizer to full parameters and to this device's bucket shards (these

@@ -47,10 +47,11 @@ class _Buf:
 
 
 class _Stash:
-    __slots__ = ("saved", "leaves", "refs", "out_grads")
+    __slots__ = ("saved", "leaves", "refs", "out_grads", "inputs")
 
-    def __init__(self, saved: int, leaves: list[str], refs: list[_Buf]):
+    def __init__(self, saved: int, leaves: list[str], refs: list[_Buf], inputs: dict | None):
         self.saved, self.leaves, self.refs, self.out_grads = saved, leaves, refs, []
+        self.inputs = inputs   # a recomputed forward's input buffers, until its backward
 
 
 class Ledger:
@@ -137,11 +138,9 @@ class Ledger:
             self.level[_ACTIVATIONS] += buf.nbytes
 
     def _let_go(self, buf: _Buf | None) -> None:
-        if buf is None:
-            return
-        buf.holders -= 1
-        if buf.holders == 0:
-            self.level[_ACTIVATIONS] -= buf.nbytes
+        if buf is not None:
+            buf.holders -= 1
+            self.level[_ACTIVATIONS] -= buf.nbytes if buf.holders == 0 else 0
 
     def _put(self, table: dict, key: tuple[str, int], buf: _Buf) -> None:
         self._hold(buf)
@@ -186,24 +185,28 @@ class Ledger:
 
     # -- compute (the worker's `run`) --
     def _forward(self, i: int, ins) -> None:
-        """F: the outputs' buffers, and a stash holding what autograd saved, the leaves and
-        the outputs until the last backward."""
-        leaves = self._leaves(ins.region, ins.mb)
-        refs = [self.acts[(v, ins.mb)] for v in leaves]
-        expert = ins.region in self.routing.experts
+        """F: the outputs' buffers, and a stash holding what autograd saved (the input and
+        output buffers among it counted as those values: `plan.kept`) until the last
+        backward; a recomputed forward's stash holds its inputs instead."""
+        again, expert = ins.data.recompute, ins.region in self.routing.experts
+        kept_in, kept_out = self.plan.kept.get(ins.region, ((), ()))
+        held = self.plan.regions[ins.region].inputs if again else kept_in
+        inputs = {v: self.acts[(v, ins.mb)] for v in held if (v, ins.mb) in self.acts}
+        refs = list(inputs.values())
         for v in self.plan.regions[ins.region].outputs:
             buf = _Buf(self._vb(v, ins.mb, expert))
-            refs.append(buf)
+            refs += [buf] if v in kept_out and not again else []
             if not is_loss_output(v):
                 self._put(self.acts, (v, ins.mb), buf)
         for buf in refs:
             self._hold(buf)
-        saved = 0 if ins.data.recompute else self.routing.saved(ins.region, ins.mb, self.d)
+        saved = 0 if again else self.routing.saved(ins.region, ins.mb, self.d)
         self.level[_ACTIVATIONS] += saved
         key = (ins.region, ins.mb)
         if key in self.stash:
             self._drop_stash(key)
-        self.stash[key] = _Stash(saved, leaves, refs)
+        self.stash[key] = _Stash(saved, self._leaves(ins.region, ins.mb), refs,
+                                 inputs if again else None)
 
     def _out_grads(self, ins) -> list[_Buf]:
         """The output gradients a BI keeps until its BW (and a fresh loss gradient), held."""
@@ -231,20 +234,21 @@ class Ledger:
                 self._recomputed(ins, st)
             st.out_grads = self._out_grads(ins)
         if ins.kind != Op.BW:
-            expert = ins.region in self.routing.experts
             for v in st.leaves:
-                self._add_grad(v, ins.mb, expert)
+                self._add_grad(v, ins.mb, ins.region in self.routing.experts)
 
     def _recomputed(self, ins, st: _Stash) -> None:
         """A recomputed region's BI ran its forward again: the stash now holds what autograd
-        saved and the new outputs in place of the forward's (a B drops the stash at once)."""
+        saved, the input buffers among it and new output buffers (a B drops it at once)."""
         expert = ins.region in self.routing.experts
-        outs = [_Buf(self._vb(v, ins.mb, expert)) for v in self.plan.regions[ins.region].outputs]
-        for buf in outs:
+        kept_in, kept_out = self.plan.kept.get(ins.region, ((), ()))
+        refs = [st.inputs[v] for v in kept_in if v in st.inputs]
+        refs += [_Buf(self._vb(v, ins.mb, expert)) for v in kept_out]
+        for buf in refs:
             self._hold(buf)
-        for buf in st.refs[len(st.leaves):]:
+        for buf in st.refs:
             self._let_go(buf)
-        st.refs = st.refs[:len(st.leaves)] + outs
+        st.refs, st.inputs = refs, None
         st.saved = self.routing.saved(ins.region, ins.mb, self.d)
         self.level[_ACTIVATIONS] += st.saved
 

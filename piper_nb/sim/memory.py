@@ -18,14 +18,15 @@ sample by sample (`tests/sim/test_memory_vs_runtime.py` checks they are equal). 
 - optim: the optimizer state of what this device updates (full parameters, or its bucket
   shards); it persists across steps, so a steady-state step holds it throughout
   (`MemorySettings(first_step=True)`: only from the update on, as in a first step);
-- activations: for each forward stash (region, microbatch) the bytes autograd saved
-  (`plan.saved[region]`, as `pn.compile` measured them) from its F until its last backward
-  (B, or BW when split), or for a recomputed region (`pn.recompute`) none until its BI ran
-  the forward again (that BI's new outputs replace the forward's in the stash; a B runs
-  and drops it within the instruction); each value buffer (a forward's outputs, received activations and
+- activations: for each forward stash (region, microbatch) the bytes autograd saved outside
+  the region's inputs and outputs (`plan.saved[region]`, as `pn.compile` measured them)
+  from its F until its last backward (B, or BW when split), or for a recomputed region
+  (`pn.recompute`) none until its BI ran the forward again (a B runs and drops it within
+  the instruction); each value buffer (a forward's outputs, received activations and
   gradients, input gradients a backward makes) from its creation until it is freed *and*
-  no live stash still refers to it (a stash keeps its inputs, its outputs and, between BI
-  and BW, the output gradients); received buffers count from their RECV's issue;
+  no live stash still refers to it (a stash keeps the input and output buffers autograd
+  saved, `plan.kept`; a recomputed forward's stash its inputs until its backward; between
+  BI and BW, the output gradients); received buffers count from their RECV's issue;
 - buffers: communication buffers in flight from issue to WAIT (an all-reduce's flat copy,
   a reduce-scatter's flat input and output shard, a ZeRO-1/2 gather's output) and the
   updated ZeRO-1/2 shards waiting for their gather.

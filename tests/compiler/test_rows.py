@@ -3,7 +3,7 @@
 TinyMoE (top-1 over two experts) compiled as PP 2 x DP 2 x EP 2: every value that carries
 an expert's tokens has a symbol for its first dimension, and every region's saved bytes are
 an affine function of those symbols that reproduces the captured figure, and a real run at
-another row count.
+another row count (or what it saves of the rows are its routed outputs, counted as values).
 """
 
 from __future__ import annotations
@@ -38,7 +38,11 @@ def test_routed_values_share_their_experts_symbol():
 def test_saved_bytes_reproduce_the_captured_figure():
     plan = _plan()
     hints = captured_rows(plan.rows, plan.values)
-    assert set(plan.saved_rows) == {r.index for r in plan.regions}  # every MoE block region
+    # every MoE block region: its own saved bytes follow the rows, or (the router's region)
+    # what it saves of the rows is its routed outputs, value buffers sized by the routing
+    routed_out = {r for r, (_, outs) in plan.kept.items() if set(outs) & set(plan.rows)}
+    assert set(plan.saved_rows) | routed_out == {r.index for r in plan.regions}
+    assert not set(plan.saved_rows) & routed_out
     for r, coef in plan.saved_rows.items():
         assert all(c > 0 for c in coef.values())
         assert saved_at(plan.saved[r], coef, hints, hints) == plan.saved[r]

@@ -2,8 +2,8 @@
 Table 2 (benchmarks/bench_layer_memory.py, at a small size: every term scales with sbh).
 
 What matches within 5% is asserted. What misses today is an xfail(strict=True) naming
-why, so the change that fixes it (sequence parallelism, recompute under TP keeping only the
-layer input) turns it into a failure to flip into an assertion."""
+why, so the change that fixes it (SP's sharded parts keeping slices, recompute under TP
+keeping only the layer input) turns it into a failure to flip into an assertion."""
 
 from __future__ import annotations
 
@@ -44,14 +44,9 @@ def test_selective_recompute_keeps_34_sbh():
         pytest.approx(1.0, rel=0.05)
 
 
-# Each TP part's stash keeps its inputs: the all-reduced attention and MLP outputs (2sbh
-# each, where Megatron's dropout keeps only its mask), and the residual sum LayerNorm 2
-# saves is counted again as the buffer its part hands to the last one (2sbh): +6sbh a layer.
-# (With the TP dropout being written, the attention's noise is also a slice of the whole
-# tensor's and keeps it all: +2(1 - 1/t)as/h.)
-@pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="TP parts keep the all-reduced outputs and count the "
-                   "residual twice: +6sbh a layer (benchmarks/DETAILS.md)")
+# A TP layer runs as five parts; each part's stash holds only the input and output
+# buffers autograd saved (`runtime.entries`, `plan.kept`), each counted once with its value,
+# so the parts keep what the whole layer keeps: Table 2's 10 + 24/t (+ 5as/(ht)).
 @pytest.mark.parametrize("t", [2, 4])
 @pytest.mark.parametrize("recompute", [None, "selective"])
 def test_a_tensor_parallel_layer_keeps_10_plus_24_over_t(t, recompute):
@@ -68,13 +63,13 @@ def test_a_recomputed_tensor_parallel_layer_keeps_its_input():
     assert ratio(dict(t=2, recompute="full"), t=2, recompute="full") == pytest.approx(1.0, rel=0.05)
 
 
-# Sequence parallelism lays slices back whole with all-reduces of zero-padded tensors (the
-# all-gather and reduce-scatter still to come): the parts hold the whole-sequence inputs of
-# the sharded parts and the summed rowwise outputs (1.24 at t 2), and recompute keeps each
-# part's inputs, those included (10x the 2sbh/t of the layer input).
+# Under SP the sharded parts keep their all-gathered inputs whole (the QKV and first MLP
+# linear save them), where Megatron keeps each device's slice and gathers it again in the
+# backward: +(4 - 4/t)sbh a layer. Full recompute keeps each part's inputs (12sbh whatever
+# t) where Megatron keeps the layer input alone (2sbh/t).
 @pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="SP's sums are all-reduces of whole-sequence tensors the parts "
-                   "hold; recompute keeps every part's inputs (issue 52, items 1-2)")
+                   reason="the sharded parts keep their gathered inputs whole; recompute "
+                   "keeps every part's inputs (issue 52, items 1-2)")
 @pytest.mark.parametrize("recompute", [False, True])
 def test_a_sequence_parallel_layer_divides_by_t(recompute):
     closed = dict(t=2, sp=True, recompute="full" if recompute else "none")
