@@ -30,11 +30,11 @@ __all__ = ["cores", "recompute_cores", "CORE_PREFIX"]
 CORE_PREFIX = "recomputed_attention_"
 _A = torch.ops.aten
 _PRODUCTS = {torch.matmul, torch.bmm, operator.matmul, _A.matmul.default, _A.bmm.default}
-_FUSED = {F.scaled_dot_product_attention, _A.scaled_dot_product_attention.default,
-          _A._scaled_dot_product_flash_attention_for_cpu.default,
-          _A._scaled_dot_product_flash_attention.default,
-          _A._scaled_dot_product_efficient_attention.default,
-          _A._scaled_dot_product_cudnn_attention.default}
+_FUSED = {F.scaled_dot_product_attention, _A.scaled_dot_product_attention,
+          _A._scaled_dot_product_flash_attention_for_cpu,
+          _A._scaled_dot_product_flash_attention,
+          _A._scaled_dot_product_efficient_attention,
+          _A._scaled_dot_product_cudnn_attention}   # ops as packets: any overload
 _RANDOM_WORDS = ("dropout", "rand", "bernoulli", "normal", "multinomial")
 
 
@@ -56,8 +56,18 @@ def _product(gm: fx.GraphModule, n: fx.Node) -> bool:
     return all(isinstance(a, fx.Node) and not _is_param(gm, a) for a in n.args[:2])
 
 
-def _fused(n: fx.Node) -> bool:
-    return n.op == "call_function" and n.target in _FUSED
+def _fused(n: fx.Node) -> list[fx.Node] | None:
+    """A fused attention's core: the op, and the `[0]` of a kernel returning a tuple (the
+    output; its log-sum-exp and the rest unread), else None."""
+    if n.op != "call_function" or getattr(n.target, "overloadpacket", n.target) not in _FUSED:
+        return None
+    users = list(n.users)
+    if F.scaled_dot_product_attention is n.target or \
+            n.target in (_A.scaled_dot_product_attention, _A.scaled_dot_product_attention.default):
+        return [n]
+    if len(users) == 1 and users[0].target is operator.getitem and users[0].args[1] == 0:
+        return [n, users[0]]
+    return None
 
 
 def _mutates(n: fx.Node) -> bool:
@@ -91,8 +101,9 @@ def cores(gm: fx.GraphModule) -> list[list[fx.Node]]:
     for a in gm.graph.nodes:
         if a in taken:
             continue
-        if _fused(a):
-            core = [a]
+        fused = _fused(a)
+        if fused:
+            core = fused
         elif _product(gm, a):
             down, todo = set(), [a]
             while todo:                      # everything computed from the scores

@@ -151,3 +151,39 @@ def test_json_code_and_row():
     assert pn.recompute({"PP": 1}).code() == 'pn.recompute({"PP": 1})'
     assert directive_from_json({"op": "recompute", "filter": {}}) == pn.recompute({})
     assert Recompute.row(2, 4)["op"] == "recompute"
+
+
+@pytest.mark.parametrize("attention", ["sdpa", "flash"])
+def test_a_fused_attention_is_a_core_of_its_own(attention):
+    """`scaled_dot_product_attention`, and a flash kernel's output (its log-sum-exp unread),
+    keep only q, k and v: one core a layer, and fewer saved bytes."""
+    model = pn.models.Llama(vocab=32, dim=32, layers=2, heads=4, kv_heads=2, hidden=64, seq=8,
+                            attention=attention)
+    batch = model.example_batch(4, seed=0)
+    spec = pn.annotate(model, {"embed": {"PP": 0}, "blocks": {"PP": 0, "L": 1},
+                               "head": {"PP": 0}})
+    plain = pn.compile(spec, [pn.place({}, [0])], batch)
+    sel = pn.compile(spec, [pn.place({}, [0]), pn.recompute({"L": 1}, mode="selective")], batch)
+    region = next(r.index for r in sel.regions if dict(r.tags).get("L") == 1)
+    calls = [n for n in sel.capture.modules[region].graph.nodes
+             if str(n.target).startswith(CORE_PREFIX)]
+    assert len(calls) == 2
+    assert sel.saved[region] < plain.saved[region]
+
+
+@pytest.mark.dist
+def test_a_flash_llama_with_tp_and_sp_trains_like_one_process(cluster2, one_thread):
+    model = pn.models.Llama(vocab=32, dim=32, layers=2, heads=4, kv_heads=2, hidden=64, seq=8,
+                            attention="flash")
+    batch = model.example_batch(batch_size=8, seed=0)
+    spec = pn.annotate(model, {"embed": {"PP": 0}, "blocks.0": {"PP": 0, "L": 1},
+                               "blocks.1": {"PP": 0, "L": 2}, "head": {"PP": 0}})
+    plan = pn.compile(spec, [pn.tensor_parallel({}, [0, 1], sequence_parallel=True),
+                             pn.split({}, "MB", 2), SELECTIVE], batch)
+    result = pn.train(plan, batch, 2, SGD, cluster=cluster2)
+    ref = pn.reference_train(spec, batch, 2, plan.reference_microbatches, SGD)
+    torch.testing.assert_close(torch.tensor(result.losses), torch.tensor(ref.losses),
+                               rtol=RTOL, atol=ATOL)
+    got = result.state_dict()
+    for k, v in ref.state_dict().items():
+        torch.testing.assert_close(got[k], v, rtol=RTOL, atol=ATOL, msg=lambda m, k=k: f"{k}: {m}")
