@@ -13,7 +13,7 @@ microbatch, h hidden, a heads, t TP degree):
   total       34 + 5as/h; under TP everything but the LayerNorms' inputs, the QKV and first
               linear's inputs and the two dropout masks (10) divides by t.
 
-`MegatronLayer` is that layer (pre-LayerNorm, fused QKV, softmax attention with dropout, 4h
+`pn.models.MegatronLayer` is that layer (pre-LayerNorm, fused QKV, softmax attention with dropout, 4h
 GeLU MLP, dropout after the attention and the MLP), so the constants are the paper's but
 for the masks: its dropout is `F.dropout`, the one dropout piper_nb shards under TP, which
 on CPU and on the meta device multiplies by a noise tensor of the input's dtype and saves
@@ -38,59 +38,14 @@ import argparse
 import math
 
 import torch
-import torch.nn.functional as F
-from torch import nn
 
 import piper_nb as pn
-from piper_nb.models.gpt import LanguageModel
+from piper_nb.models import MegatronGPT
 
-__all__ = ["MegatronLayer", "MegatronGPT", "PUBLISHED", "layer_bytes", "closed_form", "CASES"]
+__all__ = ["PUBLISHED", "layer_bytes", "closed_form", "CASES"]
 
 # GPT-3 175B's layer as Korthikanti et al. evaluate it (their Table 3): s 2048, h 12288, a 96
 PUBLISHED = dict(s=2048, b=1, h=12288, a=96)
-
-
-def keep_mask_dropout(x: torch.Tensor, p: float, training: bool) -> torch.Tensor:
-    """Dropout that saves a 1-byte keep mask for the backward (Megatron's CUDA dropout)."""
-    if not training or p == 0:
-        return x
-    keep = torch.rand_like(x) >= p            # bool: autograd saves it, 1 byte per element
-    return x * keep * (1.0 / (1.0 - p))       # the scalar multiply saves nothing
-
-
-class MegatronLayer(nn.Module):
-    """Megatron-LM's GPT layer: x + drop(out(attn(ln1 x))), then + drop(fc2(gelu(fc1(ln2 x))))."""
-
-    def __init__(self, dim: int, heads: int, p: float = 0.1, keep_mask: bool = False):
-        super().__init__()
-        self.head_dim, self.p = dim // heads, p
-        self.drop = keep_mask_dropout if keep_mask else F.dropout
-        self.ln1, self.ln2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
-        self.qkv, self.out = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
-        self.fc1, self.fc2 = nn.Linear(dim, 4 * dim), nn.Linear(4 * dim, dim)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, s = x.shape[0], x.shape[1]   # heads as -1: a device's share under TP
-        q, k, v = self.qkv(self.ln1(x)).chunk(3, dim=-1)
-        q, k, v = (z.reshape(b, s, -1, self.head_dim).transpose(1, 2) for z in (q, k, v))
-        scores = torch.matmul(q, k.transpose(-2, -1)) * (1.0 / math.sqrt(self.head_dim))
-        probs = self.drop(torch.softmax(scores, dim=-1), self.p, self.training)
-        y = torch.matmul(probs, v).transpose(1, 2).reshape(b, s, -1)
-        x = x + self.drop(self.out(y), self.p, self.training)
-        return x + self.drop(self.fc2(F.gelu(self.fc1(self.ln2(x)))), self.p, self.training)
-
-
-class MegatronGPT(LanguageModel):
-    """embed -> MegatronLayer x layers -> head; a tiny vocabulary keeps embed and head small."""
-
-    tp_plan = {"blocks.*.qkv": "colwise:3", "blocks.*.out": "rowwise",
-               "blocks.*.fc1": "colwise", "blocks.*.fc2": "rowwise"}
-
-    def __init__(self, layers: int, dim: int, heads: int, vocab: int = 64, **layer):
-        super().__init__()
-        self.embed = nn.Embedding(vocab, dim)
-        self.blocks = nn.ModuleList([MegatronLayer(dim, heads, **layer) for _ in range(layers)])
-        self.head = nn.Linear(dim, vocab, bias=False)
 
 
 def compile_layers(shape: dict, layers: int, t: int = 1, sp: bool = False,
@@ -99,7 +54,8 @@ def compile_layers(shape: dict, layers: int, t: int = 1, sp: bool = False,
     devices 0..t-1, sequence-parallel when `sp`), one microbatch; every layer recomputed
     in `recompute` mode ("full", "selective") when given."""
     with torch.device("meta"):
-        model = MegatronGPT(layers, shape["h"], shape["a"], keep_mask=keep_mask)
+        model = MegatronGPT(vocab=64, dim=shape["h"], layers=layers, heads=shape["a"],
+                            seq=shape["s"], keep_mask=keep_mask)
     ids = torch.zeros(shape["b"], shape["s"], dtype=torch.long, device="meta")
     ann = {"embed": {"PP": 0}, "head": {"PP": 0},
            **{f"blocks.{i}": {"PP": 0, "AC": 1, "L": i} for i in range(layers)}}

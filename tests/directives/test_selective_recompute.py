@@ -7,18 +7,14 @@ is left as it was; bad filters are PlanErrors naming the fix."""
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 import piper_nb as pn
 from piper_nb.capture.attention_core import CORE_PREFIX, cores
 from piper_nb.directives.recompute import Recompute
 from piper_nb.directives.spec import directive_from_json
-from piper_nb.models.gpt import LanguageModel
 
 SGD = pn.optim.SGD(lr=0.1)
 RTOL, ATOL = 1e-5, 4e-5
@@ -26,37 +22,9 @@ LAYERS = {"embed": {"PP": 0, "L": 0}, "blocks.0": {"PP": 0, "L": 1},
           "blocks.1": {"PP": 1, "L": 2}, "head": {"PP": 1, "L": 3}}
 
 
-class _Layer(nn.Module):
+def _GPT(p: float = 0.25):
     """Megatron's GPT layer, dropout on the attention probabilities too."""
-
-    def __init__(self, dim: int, heads: int, p: float):
-        super().__init__()
-        self.heads, self.p = heads, p
-        self.ln1, self.ln2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
-        self.qkv, self.out = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
-        self.fc1, self.fc2 = nn.Linear(dim, 4 * dim), nn.Linear(4 * dim, dim)
-
-    def forward(self, x):
-        b, s, d = x.shape
-        q, k, v = (z.reshape(b, s, -1, d // self.heads).transpose(1, 2)
-                   for z in self.qkv(self.ln1(x)).chunk(3, dim=-1))
-        att = torch.softmax(q @ k.transpose(-2, -1) / math.sqrt(d // self.heads), dim=-1)
-        y = (F.dropout(att, self.p, self.training) @ v).transpose(1, 2).reshape(b, s, -1)
-        x = x + F.dropout(self.out(y), self.p, self.training)
-        return x + F.dropout(self.fc2(F.gelu(self.fc1(self.ln2(x)))), self.p, self.training)
-
-
-class _GPT(LanguageModel):
-    tp_plan = {"blocks.*.qkv": "colwise:3", "blocks.*.out": "rowwise",
-               "blocks.*.fc1": "colwise", "blocks.*.fc2": "rowwise"}
-
-    def __init__(self, p: float = 0.25):
-        super().__init__()
-        torch.manual_seed(0)
-        self.config = dict(vocab=32, seq=8)
-        self.embed = nn.Embedding(32, 32)
-        self.blocks = nn.ModuleList([_Layer(32, 4, p) for _ in range(2)])
-        self.head = nn.Linear(32, 32, bias=False)
+    return pn.models.MegatronGPT(vocab=32, dim=32, layers=2, heads=4, seq=8, p=p)
 
 
 SELECTIVE = pn.recompute({"L": "*"}, mode="selective")
