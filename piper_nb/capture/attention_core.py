@@ -59,12 +59,12 @@ def _product(gm: fx.GraphModule, n: fx.Node) -> bool:
 def _fused(n: fx.Node) -> list[fx.Node] | None:
     """A fused attention's core: the op, and the `[0]` of a kernel returning a tuple (the
     output; its log-sum-exp and the rest unread), else None."""
-    if n.op != "call_function" or getattr(n.target, "overloadpacket", n.target) not in _FUSED:
+    op = getattr(n.target, "overloadpacket", n.target)
+    if n.op != "call_function" or op not in _FUSED:
         return None
+    if op in (F.scaled_dot_product_attention, _A.scaled_dot_product_attention):
+        return [n]   # returns the output itself
     users = list(n.users)
-    if F.scaled_dot_product_attention is n.target or \
-            n.target in (_A.scaled_dot_product_attention, _A.scaled_dot_product_attention.default):
-        return [n]
     if len(users) == 1 and users[0].target is operator.getitem and users[0].args[1] == 0:
         return [n, users[0]]
     return None
@@ -77,7 +77,7 @@ def _mutates(n: fx.Node) -> bool:
     return isinstance(op, torch._ops.OpOverload) and op._schema.is_mutable
 
 
-def _random(gm: fx.GraphModule, n: fx.Node) -> bool:
+def _random(n: fx.Node) -> bool:
     if n.op == "call_module":
         return True   # dropout modules; a module without parameters, conservatively
     name = getattr(n.target, "__name__", str(n.target)).lower()
@@ -136,7 +136,7 @@ def cores(gm: fx.GraphModule) -> list[list[fx.Node]]:
 def recompute_cores(gm: fx.GraphModule) -> int:
     """Each attention core of `gm` made one call of a `Recomputed` submodule (in place);
     how many were made."""
-    made = 0
+    made, index = 0, 0
     for core in cores(gm):
         inside = set(core)
         inputs = list(dict.fromkeys(x for n in core for x in n.all_input_nodes
@@ -147,11 +147,10 @@ def recompute_cores(gm: fx.GraphModule) -> int:
             env[n] = sub.node_copy(n, env.__getitem__)
         sub.output(env[core[-1]])
         piece = fx.GraphModule(gm, sub)
-        name = f"{CORE_PREFIX}{made}"
-        while hasattr(gm, name):
-            made += 1
-            name = f"{CORE_PREFIX}{made}"
-        gm.add_module(name, Recomputed(piece, any(_random(gm, n) for n in core)))
+        while hasattr(gm, f"{CORE_PREFIX}{index}"):
+            index += 1
+        name = f"{CORE_PREFIX}{index}"
+        gm.add_module(name, Recomputed(piece, any(_random(n) for n in core)))
         last = core[-1]
         with gm.graph.inserting_before(last):
             call = gm.graph.call_module(name, tuple(inputs))

@@ -110,18 +110,15 @@ def recompute_attention(capture, directives: Directives, ctx: CaptureContext):
             raise PlanError(f"recompute filter {dict(d.filter)} matches no region; regions "
                             "are " + ", ".join(r.name for r in capture.regions),
                             directive=idx, op=d.op)
-        made = 0
         for r in hits:
             gm = modules[r.index]
             if r.index in done or not hasattr(gm, "graph"):
-                made += r.index in done
                 continue
             mine = fx.GraphModule(gm, copy.deepcopy(gm.graph), class_name=type(gm).__name__)
             if recompute_cores(mine):
                 modules[r.index] = mine
                 done.add(r.index)
-                made += 1
-        if not made:
+        if not any(r.index in done for r in hits):
             raise PlanError(
                 f"selective recompute: the regions {dict(d.filter)} matches ("
                 + ", ".join(r.name for r in hits[:4]) + (", ..." if len(hits) > 4 else "")
