@@ -23,7 +23,7 @@ from piper_nb.compiler.p2p import in_send_order
 from piper_nb.compiler.replica_stamps import Stamper, classes_of
 from piper_nb.errors import PlanError
 from piper_nb.ir.dag import TrainingDAG
-from piper_nb.ir.kinds import BACKWARDS, COLLECTIVES, COMPUTE, PASSES, EdgeKind, Op, Purpose
+from piper_nb.ir.kinds import BACKWARDS, COLLECTIVES, COMPUTE, PASSES, EdgeKind, Op, Purpose, Unit
 from piper_nb.ir.node import Node
 from piper_nb.plan.instr import Collective, Free, Instr, Message, Pass, Update, Wait
 from piper_nb.plan.plan import DevicePlan, StampedDevicePlan
@@ -228,7 +228,8 @@ def _instr(n: Node, d: int, partner, tags, owned) -> Instr:
     if n.op in COMPUTE:
         full, bks = owned.get(n.region, ((), ())) if n.op == Op.U else ((), ())
         data = (Update(tuple(full), tuple(bks)) if n.op == Op.U else
-                Pass(n.attr("overlap", -1), n.attr("recompute") is not None))
+                Pass(n.attr("overlap", -1), n.attr("recompute") is not None
+                     and not n.attr("unit"), Unit(n.attr("unit", "")), n.attr("keep", ())))
         return Instr(n.op, n.id, "compute", n.region, mb, pos, len(n.devices), data)
     if n.op in (Op.SEND, Op.RECV):
         other = partner[n.id]
@@ -330,7 +331,10 @@ def _gathered(dag) -> dict[str, list[str]]:
 
 
 def _add_frees(instrs: list[Instr], regions, dag) -> tuple[Instr, ...]:
-    """Insert FREE after the last reader of every buffer the device holds."""
+    """Insert FREE after the last reader of every buffer the device holds; a second run
+    of a layer recomputed as one unit (`Unit.AGAIN`) writes its kept values again, so each
+    is freed after its last reader before that write too, and after the write itself when
+    nothing reads it later."""
     last: dict[str, int] = {}
     now: dict[int, list[str]] = defaultdict(list)
     grad_values = _grad_values(dag)
@@ -341,6 +345,11 @@ def _add_frees(instrs: list[Instr], regions, dag) -> tuple[Instr, ...]:
         if ins.kind == Op.F:
             reads = [f"act:{v}@{ins.mb}" for v in regions[ins.region].inputs
                      if v in made]
+            for v in ins.data.keep:   # written again: the first run's buffer is done
+                k = f"act:{v}@{ins.mb}"
+                if k in last:
+                    now[last.pop(k)].append(k)
+            reads += [f"act:{v}@{ins.mb}" for v in ins.data.keep]
         elif ins.kind in (Op.B, Op.BI):
             reads = [f"grad:{v}@{ins.mb}" for v in regions[ins.region].outputs if v in grad_values]
             if ins.data.recompute:   # the forward runs again on its inputs

@@ -7,7 +7,8 @@
   Piper's fixed order, whatever the order of the program: build, split, BI/BW split, place
   (and the placement replicate, shard and tensor_parallel imply), send/recv, the
   tensor-parallel collectives, gradient sync (replicate, tied and doubled parameters),
-  shard (all-to-all), order, recompute, and the checks of the result.
+  shard (all-to-all), order, recompute (tensor-parallel layers as one unit), and the checks
+  of the result.
 - **Plan passes** (`compiler.plan_passes`) lower it to a checked `Plan`: lowering,
   tensor-parallel widening, the global loss, clipping, the static checks.
 
@@ -32,6 +33,7 @@ from typing import Any
 from piper_nb.compiler.backward_split import split_backwards
 from piper_nb.compiler.base_dag import base_dag
 from piper_nb.compiler.buffers import check_buffers
+from piper_nb.compiler.layer_recompute import recompute_layers
 from piper_nb.compiler.placement import check_placement, place_replicas
 from piper_nb.compiler.plan_passes import (
     add_clipping,
@@ -122,6 +124,7 @@ DAG_PASSES: tuple[Pass, ...] = (
     Pass("all-to-all", insert_all_to_all),                           # dispatch and combine
     Pass("order", apply_orders, consumes=(Order,)),                  # temporal edges, slots
     Pass("recompute", apply_recompute, consumes=(Recompute,)),       # recomputed passes
+    Pass("layer recompute", recompute_layers),                       # TP layers as units
     Pass("checks", _check_buffers),                                  # buffers, recompute, DAG
 )
 PIPELINE = DAG_PASSES

@@ -13,7 +13,7 @@ from enum import StrEnum
 
 from piper_nb.trace import Memory
 
-__all__ = ["Op", "Purpose", "Held", "EdgeKind", "Memory", "PASSES", "BACKWARDS", "COMPUTE",
+__all__ = ["Op", "Purpose", "Held", "EdgeKind", "Unit", "Memory", "PASSES", "BACKWARDS", "COMPUTE",
            "P2P", "COLLECTIVES", "COMM", "REDUCTIONS", "BUCKET_COLLECTIVES", "PASS_ORDER",
            "PASS_NAMES", "LETTER", "PASS_OF_LETTER", "SHORT"]
 
@@ -60,6 +60,18 @@ class Held(StrEnum):
     ACT = "act"                      # `act:x@1`: activation x of microbatch 1
     GRAD = "grad"                    # `grad:x@1`: the gradient of x, microbatch 1
     PARAM = "param"                  # `param:0`: bucket 0's gathered parameters (ZeRO-3)
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class Unit(StrEnum):
+    """A forward's part in recomputing a tensor-parallel layer as one unit (`Pass.unit`,
+    `compiler.layer_recompute`): its parts keep nothing but the layer's input."""
+
+    NONE = ""                        # an ordinary forward (or one recomputed alone)
+    FIRST = "first"                  # a part's forward: no autograd, nothing kept
+    AGAIN = "again"                  # the part's forward again, before the layer's backward
 
     def __str__(self) -> str:
         return self.value

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields, replace
 
-from piper_nb.ir.kinds import COLLECTIVES, COMM, COMPUTE, P2P, PASSES, Held, Op, Purpose
+from piper_nb.ir.kinds import COLLECTIVES, COMM, COMPUTE, P2P, PASSES, Held, Op, Purpose, Unit
 from piper_nb.ir.text import instr_text
 
 __all__ = ["Instr", "Pass", "Update", "Message", "Collective", "Wait", "Free", "Payload",
@@ -29,6 +29,8 @@ class Pass:
 
     overlap: int = -1               # passes sharing an overlap slot (F&B)
     recompute: bool = False         # a pass of a recomputed region (`pn.recompute`)
+    unit: Unit = Unit.NONE          # a forward of a layer recomputed as one unit
+    keep: tuple[str, ...] = ()      # the outputs such a forward's second run stores
 
 
 @dataclass(frozen=True, slots=True)
@@ -181,7 +183,7 @@ class Instr:
                 v = getattr(obj, f.name)
                 if v != f.default:
                     out[f.name] = list(v) if isinstance(v, tuple) else str(v) if isinstance(
-                        v, (Op, Purpose)) else v
+                        v, (Op, Purpose, Unit)) else v
         return out
 
     @classmethod
@@ -189,6 +191,8 @@ class Instr:
         kw = {k: tuple(v) if isinstance(v, list) else v for k, v in obj.items()}
         if "purpose" in kw:
             kw["purpose"] = Purpose(kw["purpose"])
+        if "unit" in kw:
+            kw["unit"] = Unit(kw["unit"])
         return cls.of(**kw)
 
 

@@ -24,7 +24,7 @@ import time
 
 import torch
 
-from piper_nb.ir.kinds import BUCKET_COLLECTIVES, PASSES, Op
+from piper_nb.ir.kinds import BUCKET_COLLECTIVES, PASSES, Op, Unit
 from piper_nb.plan.sizes import random_value
 from piper_nb.runtime.bundle import load_bundle, make_bundle
 from piper_nb.runtime.worker import Worker
@@ -89,8 +89,8 @@ class _Bench:
         self.first = {}
         for ins in w.instrs:   # timed without recompute: the cost model adds the forward
             if ins.is_compute:
-                self.first.setdefault((ins.region, ins.kind), ins.with_data(recompute=False)
-                                      if ins.kind in PASSES else ins)
+                self.first.setdefault((ins.region, ins.kind), ins.with_data(
+                    recompute=False, unit=Unit.NONE, keep=()) if ins.kind in PASSES else ins)
 
     def _gather(self, r: int) -> None:
         st = self.w.store

@@ -10,14 +10,18 @@ gradient is `plan.loss_scale`) and hands input gradients upstream; BI computes t
 gradients only and keeps the graph for BW, which then computes the parameters'. U applies
 the optimizer to full parameters and to this device's bucket shards. A recomputed region
 (`Instr.recompute`, `pn.recompute`) runs its F under `torch.no_grad()` and stashes its
-inputs; its B or BI first runs the forward again, seeded as F was, with autograd.
+inputs; its B or BI first runs the forward again, seeded as F was, with autograd. The
+parts of a tensor-parallel layer recomputed as one unit (`compiler.layer_recompute`) run
+their first forward without autograd and keep nothing (`Unit.FIRST`); their second
+(`Unit.AGAIN`) is an ordinary forward that stores only the outputs the layer's other
+second runs read.
 """
 
 from __future__ import annotations
 
 import torch
 
-from piper_nb.ir.kinds import Op
+from piper_nb.ir.kinds import Op, Unit
 from piper_nb.ir.loss_outputs import LOSS, is_loss_output
 from piper_nb.plan.sizes import SavedBytes
 from piper_nb.runtime.entries import Entries, roots
@@ -77,7 +81,8 @@ class ComputePasses:
                     entering.append(k)
             args.append(t)
         start = self.rng.start(self.seed, self.step_no, ins)
-        if ins.data.recompute:   # keep the inputs only: the backward runs this forward again
+        unit = ins.data.unit
+        if ins.data.recompute or unit == Unit.FIRST:   # the backward runs it again
             with torch.no_grad():
                 outputs, _, _ = self._run_region(ins, args, raw, count=False)
         else:
@@ -85,6 +90,8 @@ class ComputePasses:
             outputs, saved, kept = self._run_region(ins, args, raw, count=self.tracing)
         self.rng.end(self.step_no, ins)
         for name, out in outputs.items():
+            if unit == Unit.AGAIN and name not in ins.data.keep:
+                continue   # a second run: what the layer's other second runs read, only
             if name == LOSS:
                 self.losses.append(out.detach())
             elif is_loss_output(name):   # the count, a metric: reported, not sent
@@ -96,7 +103,7 @@ class ComputePasses:
             self.values.stash[(ins.region, mb)] = Stash(
                 None, {}, 0, [a for a in held if a is not None], args=args, rng=start,
                 entering=entering, raw=held)
-        else:
+        elif unit != Unit.FIRST:   # a first run of a unit keeps nothing
             self.values.stash[(ins.region, mb)] = Stash(entries, roots(outputs), saved, kept)
 
     def _enter(self, info, args: list, entering: list[int]) -> Entries | None:

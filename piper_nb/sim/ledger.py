@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 
-from piper_nb.ir.kinds import BACKWARDS, BUCKET_COLLECTIVES, COMM, PASSES, Held, Memory, Op, Purpose
+from piper_nb.ir.kinds import BACKWARDS, BUCKET_COLLECTIVES, COMM, PASSES, Held, Memory, Op, Purpose, Unit
 from piper_nb.ir.loss_outputs import LOSS, is_loss_output
 from piper_nb.plan.instr import parse_free
 from piper_nb.plan.sizes import NORM_BYTES, element_size, value_bytes
@@ -187,8 +187,10 @@ class Ledger:
     def _forward(self, i: int, ins) -> None:
         """F: the outputs' buffers, and a stash holding what autograd saved (the input and
         output buffers among it counted as those values: `plan.kept`) until the last
-        backward; a recomputed forward's stash holds its inputs instead."""
+        backward; a recomputed forward's stash holds its inputs instead, a unit's first run
+        (`Unit.FIRST`) none, its second run's outputs are only those it keeps."""
         again, expert = ins.data.recompute, ins.region in self.routing.experts
+        unit = ins.data.unit
         kept_in, kept_out = self.plan.kept.get(ins.region, ((), ()))
         held = self.plan.regions[ins.region].inputs if again else kept_in
         inputs = {v: self.acts[(v, ins.mb)] for v in held if (v, ins.mb) in self.acts}
@@ -196,8 +198,10 @@ class Ledger:
         for v in self.plan.regions[ins.region].outputs:
             buf = _Buf(self._vb(v, ins.mb, expert))
             refs += [buf] if v in kept_out and not again else []
-            if not is_loss_output(v):
+            if not is_loss_output(v) and (unit != Unit.AGAIN or v in ins.data.keep):
                 self._put(self.acts, (v, ins.mb), buf)
+        if unit == Unit.FIRST:
+            return
         for buf in refs:
             self._hold(buf)
         saved = 0 if again else self.routing.saved(ins.region, ins.mb, self.d)
@@ -339,7 +343,7 @@ class Ledger:
         """An all-reduce's WAIT: the gradients become views of the reduced flat bucket."""
         self._param_grads(self.buckets[b].params)
 
-    def _add_grad_shard(self, b: int) -> None:
+    def _add_grad_shard(self, b: int) -> None:   # a reduce-scatter's WAIT
         shard = self._shard(b, self.rb)
         self.level[_GRADS] += shard - self.grad_shards.get(b, 0)
         self.grad_shards[b] = shard
@@ -380,11 +384,7 @@ class Ledger:
             if dispatch or mine:
                 self._let_go(table.pop(key, None))
             if mine or not dispatch:   # the owner gets the group's rows, each member its own
-                buf = _Buf(self._vb(v, ins.mb, expert=dispatch))
-                if ins.data.grad:
-                    self._put(self.vgrads, key, buf)
-                else:
-                    self._put(self.acts, key, buf)
+                self._put(table, key, _Buf(self._vb(v, ins.mb, expert=dispatch)))
 
     # -- the step loop --
     def run(self, times: list[float], device: int, extra: float = 0.0) -> list[MemorySample]:

@@ -2,8 +2,8 @@
 Table 2 (benchmarks/bench_layer_memory.py, at a small size: every term scales with sbh).
 
 What matches within 5% is asserted. What misses today is an xfail(strict=True) naming
-why, so the change that fixes it (SP's sharded parts keeping slices, recompute under TP
-keeping only the layer input) turns it into a failure to flip into an assertion."""
+why, so the change that fixes it (SP's sharded parts keeping slices) turns it into a
+failure to flip into an assertion."""
 
 from __future__ import annotations
 
@@ -54,27 +54,23 @@ def test_a_tensor_parallel_layer_keeps_10_plus_24_over_t(t, recompute):
     assert ratio(closed, t=t, recompute=recompute) == pytest.approx(1.0, rel=0.05)
 
 
-# Full recompute under TP recomputes each TP part from its own inputs: 6 inputs of 2sbh
-# are held (12sbh) where Megatron keeps the layer input alone (2sbh).
-@pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="recompute under TP keeps every part's inputs, 12sbh, "
-                   "not the layer input (issue 52, item 2)")
-def test_a_recomputed_tensor_parallel_layer_keeps_its_input():
-    assert ratio(dict(t=2, recompute="full"), t=2, recompute="full") == pytest.approx(1.0, rel=0.05)
+# Full recompute under TP runs the layer's parts again as one unit before its backwards
+# (`compiler.layer_recompute`): the layer keeps its input alone, 2sbh, over t under SP.
+@pytest.mark.parametrize("t", [2, 4])
+@pytest.mark.parametrize("sp", [False, True])
+def test_a_recomputed_tensor_parallel_layer_keeps_its_input(t, sp):
+    closed = dict(t=t, sp=sp, recompute="full")
+    assert ratio(closed, t=t, sp=sp, recompute="full") == pytest.approx(1.0, rel=0.05)
 
 
 # Under SP the sharded parts keep their all-gathered inputs whole (the QKV and first MLP
 # linear save them), where Megatron keeps each device's slice and gathers it again in the
-# backward: +(4 - 4/t)sbh a layer. Full recompute keeps each part's inputs (12sbh whatever
-# t) where Megatron keeps the layer input alone (2sbh/t).
+# backward: +(4 - 4/t)sbh a layer.
 @pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="the sharded parts keep their gathered inputs whole; recompute "
-                   "keeps every part's inputs (issue 52, items 1-2)")
-@pytest.mark.parametrize("recompute", [False, True])
-def test_a_sequence_parallel_layer_divides_by_t(recompute):
-    closed = dict(t=2, sp=True, recompute="full" if recompute else "none")
-    got = ratio(closed, t=2, sp=True, recompute="full" if recompute else None)
-    assert got == pytest.approx(1.0, rel=0.05)
+                   reason="the sharded parts keep their gathered inputs whole "
+                   "(issue 52, item 1)")
+def test_a_sequence_parallel_layer_divides_by_t():
+    assert ratio(dict(t=2, sp=True), t=2, sp=True) == pytest.approx(1.0, rel=0.05)
 
 
 # torch's F.dropout on CPU and meta saves a noise tensor of the activation dtype (2 bytes

@@ -181,12 +181,24 @@ def _sequence_parallel(recompute: str | None):
     return model, ann, program + ([pn.recompute({"L": 0}, mode=recompute)] if recompute else [])
 
 
+def _units(sp: bool):
+    """TP 2 layers recomputed as one unit (`compiler.layer_recompute`) under 1F1B's order:
+    one layer for every microbatch, the other for its second only."""
+    model = pn.models.Llama(vocab=32, dim=32, layers=2, heads=4, kv_heads=2, hidden=64, seq=8)
+    ann = {"embed": {"PP": 0}, **{f"blocks.{i}": {"PP": 0, "L": i} for i in range(2)},
+           "head": {"PP": 0, "L": 2}}
+    return model, ann, [pn.tensor_parallel({}, [0, 1], sequence_parallel=sp),
+                        pn.split({}, "MB", 2), pn.recompute({"L": 0}),
+                        pn.recompute({"L": 1, "MB": 1})]
+
+
 MORE = {**{f"tied-zero{z}-pp2-dp2": lambda z=z: _tied(z) for z in (1, 2, 3)},
         **{f"dualpipe-copies-zero{z}": lambda z=z: _dualpipe_zero(z) for z in (2, 3)},
         **{f"recompute-{k}": lambda k=k: _recompute(k) for k in ("zb1p", "zero3", "1f1b")},
         "frozen-zero3": _frozen_zero3,
         **{f"tp2-sp{'-' + r if r else ''}": lambda r=r: _sequence_parallel(r)
            for r in (None, "full", "selective")},
+        **{f"tp2{'-sp' if sp else ''}-units": lambda sp=sp: _units(sp) for sp in (True,)},
         "pp2-dp2-zero3-step-sync": lambda: _pp2_dp2_zero3(True, "step"),
         "pp2-dp2-zero3-noreshard-microbatch-sync": lambda: _pp2_dp2_zero3(False, "microbatch")}
 
