@@ -222,13 +222,15 @@ TP_CASES = {
 def tp_program(c: dict, layers: int, sp: bool = False) -> tuple[dict, list]:
     """(annotation, program): devices numbered TP innermost, then PP, then DP (torchtitan's
     and Megatron's order); each stage replicated over its DP replicas with ZeRO-3 (FSDP),
-    each replica's device widened into its TP group; every stage recomputed (full AC)."""
+    each replica's device widened into its TP group; every layer a region of its own,
+    recomputed in full (torchtitan's full AC wraps each transformer block)."""
     dp, tp, pp = c["dp"], c["tp"], c["pp"]
     lead = lambda r, k: (k * pp + r) * tp   # noqa: E731 - first device of rank r, replica k
     stages = pp if c["schedule"] in (None, "1f1b") else 2 * pp
     per = -(-layers // stages)
-    ann = {"embed": {"PP": 0}, "head": {"PP": stages - 1}} | {
-        f"blocks.{i}": {"PP": min(i // per, stages - 1)} for i in range(layers)}
+    ann = {"embed": {"PP": 0}, "head": {"PP": stages - 1}} | {   # a region per layer, as
+        f"blocks.{i}": {"PP": min(i // per, stages - 1), "L": i, "AC": 1}   # torchtitan wraps
+        for i in range(layers)}                                 # each block (FSDP, AC)
     program = []
     for s in range(stages):
         devs = [lead(s % pp, k) for k in range(dp)]
@@ -242,7 +244,7 @@ def tp_program(c: dict, layers: int, sp: bool = False) -> tuple[dict, list]:
         program += pn.schedules.one_f_one_b(pp, c["micro"])
     else:
         program += pn.schedules.interleaved_1f1b(pp, c["micro"], chunks=2)
-    return ann, [*program, pn.recompute({})]
+    return ann, [*program, pn.recompute({"AC": 1})]
 
 
 def run_tp_case(key: str, sp: bool = False) -> dict:

@@ -24,8 +24,9 @@ A second run stores only the outputs another second run reads (`Pass.keep`); the
 frees each value between the parts after its last reader in the first forward and again
 after the second. Each second run draws the random numbers its first run drew
 (`runtime.rng` seeds part 0 as the region, and part k from where part k - 1 ended), so
-dropout masks match. A part whose value also leaves the layer, a filter that names some
-parts only or a microbatch only of some parts: those parts recompute alone, as before.
+dropout masks match. Where a value between the parts also leaves the layer, the filter
+names some parts only, or the parts are a segment an order left out (`floating`, placed by
+`compiler.floating_passes`), the parts recompute alone, each keeping its inputs.
 """
 
 from __future__ import annotations
@@ -59,7 +60,8 @@ def recompute_layers(dag: TrainingDAG, _: Directives, ctx: Context) -> TrainingD
     done = 0
     for (orig, _), forwards in sorted(units.items(), key=lambda kv: str(kv[0])):
         if len(forwards) != count[orig] or len(forwards) < 2 or not all(
-                f.attrs and f.attr("recompute") is not None for f in forwards.values()):
+                f.attrs and f.attr("recompute") is not None and not f.attr("floating")
+                for f in forwards.values()):
             continue
         unit = _Unit(dag, forwards)
         if unit.leaks():

@@ -93,6 +93,11 @@ class Case:
         return self.ranks * self.dp * self.tp
 
     @property
+    def units(self) -> bool:
+        """A tensor-parallel stage recomputed in full: its parts run again as one unit."""
+        return self.tp > 1 and any(s in self.spec.mlps for s, _ in self.recompute)
+
+    @property
     def batch_size(self) -> int:
         return self.microbatches * self.dp * self.per_part
 

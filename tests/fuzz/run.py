@@ -64,6 +64,7 @@ def main() -> int:
                                       ("tp2", case.tp == 2), ("tp4", case.tp == 4),
                                       ("sp", case.sp), ("attention", case.spec.attns),
                                       ("selective", case.selective),
+                                      ("tp-recompute-units", case.units),
                                       ("vocab-parallel-loss", case.spec.classes),
                                       (f"grad-sync-{case.grad_sync}", case.grad_sync)]
                        if v)

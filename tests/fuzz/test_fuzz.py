@@ -18,7 +18,7 @@ import piper_nb as pn
 from piper_nb.models import StageGraph
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from cases import check, draw, program  # noqa: E402
+from cases import batches, check, draw, program  # noqa: E402
 
 pytestmark = [pytest.mark.dist, pytest.mark.usefixtures("one_thread")]
 
@@ -76,6 +76,20 @@ def test_make_fuzz_draws_selective_recompute():
     assert any(c.sp for c in cases) and any(c.tp == 1 for c in cases)
     assert any(c.schedule in ("zb1p", "dualpipev") for c in cases)
     assert any(c.schedule == "dualpipe" for c in cases)
+
+
+def test_make_fuzz_draws_tensor_parallel_layers_recomputed_as_units():
+    """Full recompute of a TP stage (its parts run again as one unit), with SP and without,
+    under split backwards and DualPipe's copies, among the 500 cases of `make fuzz`."""
+    cases = [c for c in map(draw, range(500)) if c.units]
+    assert any(c.sp for c in cases) and any(not c.sp for c in cases)
+    assert any(c.schedule in ("zb1p", "dualpipev") for c in cases)
+    case = next(c for c in cases if c.sp)
+    model = StageGraph(case.spec)
+    plan = pn.compile(pn.annotate(model, model.annotation()), program(case),
+                      batches(case, model)[0])
+    assert any(i.kind == pn.Op.F and i.data.unit == pn.ir.kinds.Unit.AGAIN
+               for d in plan.devices for i in d.instrs)
 
 
 def test_a_drawn_classifier_head_sends_per_token_numbers_not_its_logits():
