@@ -264,12 +264,21 @@ def run_tp_case(key: str, sp: bool = False) -> dict:
     gpus = c["dp"] * c["tp"] * c["pp"]
     rate = c["dp"] * c["local"] * seq / trace.step_time / gpus
     gib = max(trace.peak_memory.values()) / 2**30
-    return {"case": c["name"], "world": plan.world, "build_s": round(t1 - t0, 1),
+    return {"case": c["name"], "world": plan.world, "at the peak, GiB": peak_kinds(trace),
+            "build_s": round(t1 - t0, 1),
             "compile_s": round(t2 - t1, 1), "simulate_s": round(t3 - t2, 1),
             "tokens/s/GPU": round(rate, 1), "measured tokens/s/GPU": c["tokens_per_gpu_s"],
             "predicted/measured": round(rate / c["tokens_per_gpu_s"], 3),
             "peak GiB": round(gib, 1), "measured GiB": c["gib"],
             "peak predicted/measured": round(gib / c["gib"], 2), "sequence_parallel": sp}
+
+
+def peak_kinds(trace) -> dict:
+    """The memory kinds held at the highest sample of the highest device, in GiB."""
+    top = max(trace.memory, key=lambda m: m.params + m.grads + m.optim + m.activations
+              + m.buffers)
+    return {k: round(getattr(top, k) / 2**30, 1)
+            for k in ("params", "grads", "optim", "activations", "buffers")}
 
 
 # ---- the 8B runs' memory: torchtitan Table 1 (8 GPUs) and Table 3 (128 GPUs) -------------

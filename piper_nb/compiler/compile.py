@@ -188,7 +188,8 @@ def _shapes(capture, directives, named: Batch, part: int) -> dict:
     torch.set_num_threads(1)  # tiny tensors: worker threads only get in each other's way
     try:
         with untouched(capture.model):   # the user's buffers and random state stay as they are
-            values, saved, _, changed, kept = propagate(capture, named.slice(slice(part)))
+            values, saved, _, changed, kept, aliases = propagate(capture,
+                                                                 named.slice(slice(part)))
             rows, saved_rows = {}, {}
             if routes_tokens(directives):  # routed rows: symbolic
                 rows, saved_rows = token_rows(capture, named.slice(slice(part)), saved,
@@ -199,8 +200,8 @@ def _shapes(capture, directives, named: Batch, part: int) -> dict:
     if not any(p.requires_grad for p in params):
         raise PlanError(f"nothing to train: all {len(params)} parameters are frozen "
                         "(requires_grad=False); unfreeze some before compiling")
-    return {"values": values, "saved": saved, "kept": kept, "changed": changed, "rows": rows,
-            "saved_rows": saved_rows}
+    return {"values": values, "saved": saved, "kept": kept, "aliases": aliases,
+            "changed": changed, "rows": rows, "saved_rows": saved_rows}
 
 
 def _flat(devices) -> list[int]:

@@ -31,7 +31,7 @@ names some parts only, or the parts are a segment an order left out (`floating`,
 
 from __future__ import annotations
 
-from collections import defaultdict
+from collections import Counter, defaultdict
 
 from piper_nb.directives.base import Context, Directives
 from piper_nb.ir.dag import TrainingDAG
@@ -45,52 +45,53 @@ AGAIN = "#again"   # the id suffix of a second run and of its collectives' copie
 
 def recompute_layers(dag: TrainingDAG, _: Directives, ctx: Context) -> TrainingDAG:
     """The DAG with each fully recomputed tensor-parallel (region, microbatch) run again as
-    one unit (the module docstring)."""
+    one unit (the module docstring). One pass over the nodes and edges for all of them: a
+    405B plan has thousands of units."""
     layout = ctx.capture.tp
     if layout is None:
         return dag
-    units: dict[tuple, dict[int, Node]] = defaultdict(dict)
+    forwards: dict[tuple, dict[int, Node]] = defaultdict(dict)
+    by_part: dict[tuple, list[Node]] = defaultdict(list)   # (region, mb) -> its nodes
     for n in dag.nodes:
+        by_part[(n.region, n.mb)].append(n)
         if n.op == Op.F and n.region in layout.parts:
             orig, k = layout.parts[n.region]
-            units[(orig, n.mb)][k] = n
-    count = {orig: sum(1 for o, _ in layout.parts.values() if o == orig)
-             for orig, _ in units}
-    nodes, edges = list(dag.nodes), list(dag.edges)
-    done = 0
-    for (orig, _), forwards in sorted(units.items(), key=lambda kv: str(kv[0])):
-        if len(forwards) != count[orig] or len(forwards) < 2 or not all(
-                f.attrs and f.attr("recompute") is not None and not f.attr("floating")
-                for f in forwards.values()):
-            continue
-        unit = _Unit(dag, forwards)
-        if unit.leaks():
-            continue
-        nodes, edges = unit.rewrite(nodes, edges)
-        done += 1
-    if not done:
+            forwards[(orig, n.mb)][k] = n
+    count = Counter(orig for orig, _ in layout.parts.values())
+    units = [u for key, fs in sorted(forwards.items(), key=lambda kv: str(kv[0]))
+             if len(fs) == count[key[0]] > 1 and all(
+                 f.attrs and f.attr("recompute") is not None and not f.attr("floating")
+                 for f in fs.values())
+             and not (u := _Unit(dag, fs, by_part)).leaks()]
+    if not units:
         return dag
-    return dag.replace(nodes=nodes, edges=edges, step=f"{done} layers as units")
+    nodes, gathers = _nodes(dag, units)
+    return dag.replace(nodes=nodes, edges=_edges(dag, units) + gathers,
+                       step=f"{len(units)} layers as units")
 
 
 class _Unit:
-    """One (region, microbatch) whose parts are recomputed together."""
+    """One (region, microbatch) whose parts are recomputed together: its first forwards
+    (`fids`), the forward collectives between them, its backwards, and `keep`, what each
+    forward hands another part (its second run stores those)."""
 
-    def __init__(self, dag: TrainingDAG, forwards: dict[int, Node]):
-        self.dag, self.forwards = dag, forwards
+    def __init__(self, dag: TrainingDAG, forwards: dict[int, Node], by_part: dict):
+        self.dag = dag
         self.fids = fids = frozenset(f.id for f in forwards.values())
-        regions = {f.region for f in forwards.values()}
-        mb = next(iter(forwards.values())).mb
+        mine = [n for f in forwards.values() for n in by_part[(f.region, f.mb)]]
         self.collectives = {n.id for f in fids for e in dag.out_edges(f)
                             if (n := dag[e.dst]).attr("purpose") == Purpose.TP
                             and not n.attr("grad")}
         self.copied = fids | self.collectives            # what runs again, by its copy
-        self.backwards = {n.id for n in dag.nodes if n.op in BACKWARDS
-                          and n.region in regions and n.mb == mb}
+        self.backwards = {n.id for n in mine if n.op in BACKWARDS}
         self.inside = self.copied | self.backwards | {
-            n.id for n in dag.nodes if n.region in regions and n.mb == mb
-            and n.attr("purpose") == Purpose.TP}
-        self.first = forwards[min(forwards)]
+            n.id for n in mine if n.attr("purpose") == Purpose.TP}
+        self.first = forwards[min(forwards)].id
+        self.keep: dict[str, list[str]] = defaultdict(list)
+        for f in fids:
+            for e in dag.out_edges(f):
+                if e.kind == EdgeKind.DATA and e.dst in self.copied:
+                    self.keep[f] += e.values
 
     def leaks(self) -> bool:
         """Does a value between the parts also leave the layer (then it would be stored
@@ -102,52 +103,68 @@ class _Unit:
                     (inner if e.dst in self.copied else outer).update(e.values)
         return bool(inner & outer)
 
-    def rewrite(self, nodes: list[Node], edges: list[Edge]) -> tuple[list[Node], list[Edge]]:
-        dag, copy, fids = self.dag, {i: i + AGAIN for i in self.copied}, self.fids
-        keep: dict[str, list[str]] = defaultdict(list)
-        out_edges: list[Edge] = []
-        for e in edges:
-            if e.src in self.copied and e.dst in self.backwards:   # the stash: the 2nd run's
-                out_edges.append(Edge(copy[e.src], e.dst, e.kind, e.values, e.origin))
-                continue
-            out_edges.append(e)
-            if e.dst not in self.copied or e.kind != EdgeKind.DATA:
-                continue
-            if e.src in self.copied:
-                out_edges.append(Edge(copy[e.src], copy[e.dst], e.kind, e.values, e.origin))
-                if dag[e.src].op == Op.F:
-                    keep[e.src] += e.values
-            elif dag[e.dst].op == Op.F and not _pulled_gather(dag[e.src]):
-                out_edges.append(Edge(e.src, copy[e.dst], e.kind, e.values, e.origin))
-        waits = fids | {e.src for b in self.backwards if dag[b].op != Op.BW   # BW: later
-                        for e in dag.in_edges(b)
-                        if e.src not in self.inside and not _pulled_gather(dag[e.src])}
-        out_edges += [Edge(w, copy[self.first.id], EdgeKind.TEMPORAL) for w in sorted(waits)]
-        out_nodes: list[Node] = []
-        for n in nodes:
-            if n.id in fids:
-                n = n.with_attrs(unit=Unit.FIRST)
-            elif n.id in self.backwards and n.attrs and n.attr("recompute") is not None:
-                n = n.with_attrs(recompute=None)
-            elif _pulled_gather(n) and set(n.attr("consumers") or ()) & fids:
-                mine = tuple(copy[c] for c in n.attr("consumers") if c in fids)
+
+def _nodes(dag: TrainingDAG, units: list[_Unit]) -> tuple[list[Node], list[Edge]]:
+    """The units' first forwards marked, their backwards no longer recomputing, the second
+    runs and collective copies added, and the ZeRO-3 gathers for the second runs (with
+    their edges)."""
+    unit_of = {f: u for u in units for f in u.fids}
+    backwards = set().union(*(u.backwards for u in units))
+    nodes, edges = [], []
+    for n in dag.nodes:
+        if n.id in unit_of:
+            n = n.with_attrs(unit=Unit.FIRST)
+        elif n.id in backwards and n.attrs and n.attr("recompute") is not None:
+            n = n.with_attrs(recompute=None)
+        elif _pulled_gather(n) and n.attr("consumers"):   # kept for the step: one more use
+            mine = tuple(c + AGAIN for c in n.attr("consumers") if c in unit_of)
+            if mine:
                 n = n.with_attrs(consumers=(*n.attr("consumers"), *mine))
-                out_edges += [Edge(n.id, c, EdgeKind.DATA, ()) for c in mine]
-            elif _pulled_gather(n) and not n.attr("consumers") and n.attr("before") in fids:
-                again = copy[n.attr("before")]
-                g = Node(n.id + AGAIN, n.op, n.tags, n.region, n.devices, n.stream,
-                         tuple(sorted({**dict(n.attrs), "before": again}.items())))
-                out_nodes.append(g)
-                out_edges.append(Edge(g.id, again, EdgeKind.DATA, ()))
-            out_nodes.append(n)
-        for i in sorted(self.copied):
+                edges += [Edge(n.id, c, EdgeKind.DATA, ()) for c in mine]
+        elif _pulled_gather(n) and n.attr("before") in unit_of:   # its own gather
+            again = n.attr("before") + AGAIN
+            g = Node(n.id + AGAIN, n.op, n.tags, n.region, n.devices, n.stream,
+                     tuple(sorted({**dict(n.attrs), "before": again}.items())))
+            nodes.append(g)
+            edges.append(Edge(g.id, again, EdgeKind.DATA, ()))
+        nodes.append(n)
+    for u in units:
+        for i in sorted(u.copied):
             n = dag[i]
             attrs = {k: v for k, v in n.attrs if k not in ("overlap", "floating", "recompute")}
             if n.op == Op.F:
-                attrs.update(unit=Unit.AGAIN, keep=tuple(dict.fromkeys(keep[i])))
-            out_nodes.append(Node(copy[i], n.op, n.tags, n.region, n.devices, n.stream,
-                                  tuple(sorted(attrs.items()))))
-        return out_nodes, out_edges
+                attrs.update(unit=Unit.AGAIN, keep=tuple(dict.fromkeys(u.keep[i])))
+            nodes.append(Node(i + AGAIN, n.op, n.tags, n.region, n.devices, n.stream,
+                              tuple(sorted(attrs.items()))))
+    return nodes, edges
+
+
+def _edges(dag: TrainingDAG, units: list[_Unit]) -> list[Edge]:
+    """The DAG's edges with the stash edges from the second runs, the second runs' inputs
+    (from the copies, or from the layer's producers), and each unit's first second run
+    after what its backwards wait on."""
+    unit_of = {i: u for u in units for i in u.copied}
+    back_of = {b: u for u in units for b in u.backwards}
+    out: list[Edge] = []
+    for e in dag.edges:
+        u = unit_of.get(e.src)
+        if u is not None and back_of.get(e.dst) is u:   # the stash: the second run's
+            out.append(Edge(e.src + AGAIN, e.dst, e.kind, e.values, e.origin))
+            continue
+        out.append(e)
+        v = unit_of.get(e.dst)
+        if v is None or e.kind != EdgeKind.DATA:
+            continue
+        if u is v:
+            out.append(Edge(e.src + AGAIN, e.dst + AGAIN, e.kind, e.values, e.origin))
+        elif dag[e.dst].op == Op.F and not _pulled_gather(dag[e.src]):
+            out.append(Edge(e.src, e.dst + AGAIN, e.kind, e.values, e.origin))
+    for u in units:
+        waits = u.fids | {e.src for b in u.backwards if dag[b].op != Op.BW   # BW: later
+                          for e in dag.in_edges(b)
+                          if e.src not in u.inside and not _pulled_gather(dag[e.src])}
+        out += [Edge(w, u.first + AGAIN, EdgeKind.TEMPORAL) for w in sorted(waits)]
+    return out
 
 
 def _pulled_gather(n: Node) -> bool:

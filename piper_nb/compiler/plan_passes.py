@@ -62,7 +62,8 @@ def lower_plan(plan: None, directives: Directives, ctx: PlanContext) -> Plan:
         world=ctx.world, devices=lower(dag, buckets, ctx.world), microbatches=ctx.microbatches,
         batch_size=ctx.batch_size, loss_scale=1.0 / (ctx.microbatches * loss_width),
         regions=capture.regions, buckets=buckets, values=shapes["values"],
-        saved=shapes["saved"], kept=shapes["kept"], rows=shapes["rows"],
+        saved=shapes["saved"], kept=shapes["kept"], aliases=shapes["aliases"],
+        rows=shapes["rows"],
         saved_rows=shapes["saved_rows"],
         params={k: (tuple(p.shape), str(p.dtype).removeprefix("torch."))
                 for k, p in capture.named_parameters()},

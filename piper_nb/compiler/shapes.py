@@ -50,7 +50,8 @@ def propagate(capture, batch: dict[str, torch.Tensor]):
     """-> (values: name -> ValueInfo, saved: region -> bytes, loss value, changed: region ->
     the buffers its forward changes, such as BatchNorm's running statistics, kept: region ->
     (inputs, outputs) whose buffers autograd saves, which `saved` leaves out: the stash
-    holds them, counted once with the value's buffer), running the regions on the named
+    holds them, counted once with the value's buffer; aliases: region -> the (output, input)
+    pairs that are one buffer), running the regions on the named
     `batch`. Run inside `capture.untouched` so that the user's model
     keeps its buffers. On the meta device a router's tokens are assumed balanced over its
     experts (`capture.meta_routing`)."""
@@ -64,6 +65,7 @@ def _propagate(capture, batch: dict[str, torch.Tensor]):
     names = frozenset(batch)
     saved: dict[int, int] = {}
     kept: dict[int, tuple[tuple[str, ...], tuple[str, ...]]] = {}
+    aliases: dict[int, tuple[tuple[str, str], ...]] = {}
     changed: dict[int, tuple[str, ...]] = {}
     exclude = param_ptrs(capture)
     loss = None
@@ -86,6 +88,9 @@ def _propagate(capture, batch: dict[str, torch.Tensor]):
         if ins or outs_kept:
             kept[info.index] = (tuple(info.inputs[i] for i in ins),
                                 tuple(info.outputs[i] for i in outs_kept))
+        same = _aliases(info, args, outs, names)
+        if same:
+            aliases[info.index] = same
         moved = [n.removeprefix("model.") for n, b in mod.named_buffers()   # (meta: unknown)
                  if n in before and not b.is_meta and not torch.equal(b, before[n])]
         if moved:
@@ -113,4 +118,18 @@ def _propagate(capture, batch: dict[str, torch.Tensor]):
     for name, t in vals.items():
         values[name] = ValueInfo(name, tuple(t.shape), str(t.dtype).removeprefix("torch."),
                                  bool(t.requires_grad and t.is_floating_point()))
-    return values, saved, loss, changed, kept
+    return values, saved, loss, changed, kept, aliases
+
+
+def _aliases(info, args, outs, names) -> tuple[tuple[str, str], ...]:
+    """(output, input) pairs of a region whose output is its input's buffer (an alias, a
+    view of all of it): one buffer however many values name it, as the worker counts."""
+    def buffer(t):
+        return (storage_key(t), t.storage_offset(), t.numel() * t.element_size())
+
+    mine = {}
+    for v, a in zip(info.inputs, args, strict=True):
+        if v not in names and isinstance(a, torch.Tensor):
+            mine.setdefault(buffer(a), v)
+    return tuple((o, mine[buffer(t)]) for o, t in zip(info.outputs, outs, strict=True)
+                 if isinstance(t, torch.Tensor) and buffer(t) in mine)

@@ -101,6 +101,8 @@ class Plan:
     # region -> (inputs, outputs) whose buffers autograd saves: held by the stash, counted
     # once with the value's buffer (not in `saved`)
     kept: dict[int, tuple[tuple[str, ...], tuple[str, ...]]] = field(default_factory=dict)
+    # region -> (output, input) pairs that are one buffer (an alias): counted once
+    aliases: dict[int, tuple[tuple[str, str], ...]] = field(default_factory=dict)
     rows: dict[str, str] = field(default_factory=dict)    # value -> symbol of its routed rows
     saved_rows: dict = field(default_factory=dict)    # region -> {symbol: saved bytes per row}
     params: dict[str, tuple] = field(default_factory=dict)   # name -> (shape, dtype)
@@ -232,6 +234,7 @@ class Plan:
                            "requires_grad": v.requires_grad} for k, v in self.values.items()},
             "saved": {str(k): v for k, v in self.saved.items()},
             "kept": {str(k): [list(i), list(o)] for k, (i, o) in self.kept.items()},
+            "aliases": {str(k): [list(p) for p in v] for k, v in self.aliases.items()},
             "rows": self.rows,
             "saved_rows": {str(k): v for k, v in self.saved_rows.items()},
             "params": {k: {"shape": list(s), "dtype": d} for k, (s, d) in self.params.items()},
@@ -266,6 +269,8 @@ class Plan:
                    buckets=buckets, values=values,
                    saved={int(k): v for k, v in obj["saved"].items()},
                    kept={int(k): (tuple(i), tuple(o)) for k, (i, o) in obj.get("kept", {}).items()},
+                   aliases={int(k): tuple(tuple(p) for p in v)
+                            for k, v in obj.get("aliases", {}).items()},
                    rows=obj.get("rows", {}),
                    saved_rows={int(k): v for k, v in obj.get("saved_rows", {}).items()},
                    params={k: (tuple(v["shape"]), v["dtype"]) for k, v in obj["params"].items()},

@@ -115,3 +115,20 @@ def test_a_filter_naming_some_parts_recomputes_them_alone():
                       model.example_batch(batch_size=8, seed=0))
     assert not _passes(plan, Unit.AGAIN)
     assert any(i.data.recompute for i in plan[0].instrs if i.kind == Op.F)
+
+
+def test_tp2_sp_units_in_bf16(cluster2):
+    """bf16 at the bf16 tolerance of the other SP tests: the second runs compute what the
+    first ones did, in the same order."""
+    model = llama()
+    batch = model.example_batch(batch_size=8, seed=0)
+    spec = pn.annotate(model, LAYERS)
+    plan = pn.compile(spec, [pn.tensor_parallel({}, [0, 1], sequence_parallel=True),
+                             pn.split({}, num=2), pn.recompute({"L": 1})], batch,
+                      precision="bf16")
+    result = pn.train(plan, batch, 3, SGD, cluster=cluster2)
+    ref = pn.reference_train(spec, batch, 3, plan.reference_microbatches, SGD,
+                             precision="bf16")
+    torch.testing.assert_close(torch.tensor(result.losses), torch.tensor(ref.losses),
+                               rtol=1.6e-2, atol=1e-3)
+    assert _passes(plan, Unit.AGAIN)

@@ -198,7 +198,7 @@ MORE = {**{f"tied-zero{z}-pp2-dp2": lambda z=z: _tied(z) for z in (1, 2, 3)},
         "frozen-zero3": _frozen_zero3,
         **{f"tp2-sp{'-' + r if r else ''}": lambda r=r: _sequence_parallel(r)
            for r in (None, "full", "selective")},
-        **{f"tp2{'-sp' if sp else ''}-units": lambda sp=sp: _units(sp) for sp in (True,)},
+        **{f"tp2{'-sp' if sp else ''}-units": lambda sp=sp: _units(sp) for sp in (False, True)},
         "pp2-dp2-zero3-step-sync": lambda: _pp2_dp2_zero3(True, "step"),
         "pp2-dp2-zero3-noreshard-microbatch-sync": lambda: _pp2_dp2_zero3(False, "microbatch")}
 
