@@ -7,8 +7,8 @@ the transfer overlaps the previous pass (a gather kept for the whole step is iss
 start, so every member of its group issues it at one point). Every issue gets a WAIT right
 before its first consumer (sends: at the end of the step, as PyTorch's pipelining does:
 waiting for a send earlier can deadlock deep DualPipe schedules; a ZeRO-2/3 microbatch's
-gradient reduce-scatter before the bucket's next one is issued, as FSDP2 does, so the
-unsharded gradients of one microbatch at a time wait to be reduced), and FREE instructions
+gradient reduce-scatter before its group's next one is issued, as FSDP2 does, so the
+unsharded gradients of one bucket and microbatch at a time wait to be reduced), and FREE instructions
 release each buffer after its last reader. Last, every device posts its receives from a
 peer in the order that peer sends (`p2p.in_send_order`), as NCCL needs.
 """
@@ -270,15 +270,16 @@ def _emit(dag, d, seq, pulled_of, partner, tags, owned, regions) -> tuple[Instr,
         for p in pulled_of.get(computes[0].id, ()):
             issue(p)
     ci = 0
-    reducing: dict[int, list[str]] = {}   # bucket -> its microbatches' reduce-scatters
+    reducing: dict[tuple, list[str]] = {}   # group -> its per-microbatch reduce-scatters
     for n in seq:
         if n.op not in COMPUTE:
             if _per_microbatch_reduce(n):
-                # ZeRO-2/3 under microbatches, as FSDP2: the previous reduce-scatter of the
-                # bucket is waited for before the next is issued, so one is in flight
-                for prior in reducing.get(n.attr("bucket"), ()):
+                # ZeRO-2/3 under microbatches, as FSDP2: the group's previous reduce-scatter
+                # is waited for before the next is issued, so one is in flight (its flat
+                # copy of the unsharded gradients with it)
+                for prior in reducing.get(n.devices, ()):
                     wait(prior)
-                reducing.setdefault(n.attr("bucket"), []).append(n.id)
+                reducing.setdefault(n.devices, []).append(n.id)
             for e in dag.in_edges(n.id):   # a transfer of what another one delivers (a
                 if e.src in issued and e.kind == EdgeKind.DATA:   # summed gradient sent on)
                     wait(e.src)
