@@ -197,10 +197,10 @@ TORCHTITAN = {
 # host on NVLink, 400 Gb/s RDMA per GPU, sequence 8192, full AC, torch.compile + Float8):
 # Table 4, Llama 3.1 70B, FSDP 32 x TP 8 on 256 GPUs, local batch 16: 829 tokens/s/GPU,
 # 71.9 GiB; Table 5, 405B, FSDP 8 x TP 8 x PP 8 on 512 GPUs, local batch 32: 1F1B 100
-# tokens/s/GPU and 82.5 GiB, interleaved 128 and 72.7 GiB. piper_nb has no Float8 yet, and
-# its full AC keeps each TP part's inputs, not the layer's (both differ from the published
-# runs), so these ratios say how far the bf16 plan, without and with sequence parallelism,
-# is from the published one, whatever they are. pn.models.Llama is
+# tokens/s/GPU and 82.5 GiB, interleaved 128 and 72.7 GiB. piper_nb has no Float8 yet (and
+# counts bytes in use, where the published figures are the allocator's reserve), so these
+# ratios say how far the bf16 plan, without and with sequence parallelism, is from the
+# published one, whatever they are. pn.models.Llama is
 # Llama 3's architecture (tests/models/test_llama.py), captured by torch.fx in seconds.
 TP_CASES = {
     "70b-fsdp32-tp8": dict(name="Llama 3.1 70B, 256x H100, FSDP 32 x TP 8, local batch 16",
@@ -234,7 +234,10 @@ def tp_program(c: dict, layers: int, sp: bool = False) -> tuple[dict, list]:
     program = []
     for s in range(stages):
         devs = [lead(s % pp, k) for k in range(dp)]
-        program += [pn.place({"PP": s}, devs), pn.replicate({"PP": s}, devs, zero=3)]
+        # torchtitan's default: no resharding after the forward under PP (one gather of a
+        # stage's weights a step), and gradients reduced once, after the last microbatch
+        program += [pn.place({"PP": s}, devs),
+                    pn.replicate({"PP": s}, devs, zero=3, reshard=pp == 1)]
     program.append(pn.tensor_parallel({"PP": "*"}, [[lead(r, k) + t for t in range(tp)]
                                                     for k in range(dp) for r in range(pp)],
                                       plan=pn.models.Llama.tp_plan, sequence_parallel=sp))
