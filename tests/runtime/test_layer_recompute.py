@@ -32,13 +32,17 @@ def _train(model, ann, program, cluster, steps=3, seed=None):
     spec = pn.annotate(model, ann)
     plan = pn.compile(spec, program, batch)
     result = pn.train(plan, batch, steps, SGD, cluster=cluster, seed=seed)
-    ref = pn.reference_train(spec, batch, steps, plan.reference_microbatches, SGD, seed=seed)
+    _same(result, pn.reference_train(spec, batch, steps, plan.reference_microbatches, SGD,
+                                     seed=seed))
+    return plan, result
+
+
+def _same(result, ref) -> None:
     torch.testing.assert_close(torch.tensor(result.losses), torch.tensor(ref.losses),
                                rtol=RTOL, atol=ATOL)
     got = result.state_dict()
     for k, v in ref.state_dict().items():
         torch.testing.assert_close(got[k], v, rtol=RTOL, atol=ATOL, msg=lambda m, k=k: f"{k}: {m}")
-    return plan, result
 
 
 def _passes(plan, unit: Unit):
@@ -132,3 +136,25 @@ def test_tp2_sp_units_in_bf16(cluster2):
     torch.testing.assert_close(torch.tensor(result.losses), torch.tensor(ref.losses),
                                rtol=1.6e-2, atol=1e-3)
     assert _passes(plan, Unit.AGAIN)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_transformers_layers_recomputed_as_units_with_sp(cluster2, family):
+    transformers = pytest.importorskip("transformers")
+    common = dict(vocab_size=32, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, pad_token_id=0,
+                  bos_token_id=1, eos_token_id=2)
+    torch.manual_seed(0)
+    model = (transformers.LlamaForCausalLM(transformers.LlamaConfig(**common))
+             if family == "llama" else
+             transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**common, head_dim=8)))
+    ids = torch.randint(3, 32, (8, 8), generator=torch.Generator().manual_seed(0))
+    batch = {"input_ids": ids, "labels": ids}
+    ann = {"model.embed_tokens": {"PP": 0},
+           **{f"model.layers.{i}": {"PP": 0, "L": i} for i in range(2)}}
+    spec = pn.annotate(model, ann)
+    plan = pn.compile(spec, [pn.tensor_parallel({}, [0, 1], sequence_parallel=True),
+                             pn.split({}, num=2), pn.recompute({"L": "*"})], batch)
+    _same(pn.train(plan, batch, 2, SGD, cluster=cluster2),
+          pn.reference_train(spec, batch, 2, plan.reference_microbatches, SGD))
+    assert len(_passes(plan, Unit.AGAIN)) == len(_passes(plan, Unit.FIRST)) > 0
