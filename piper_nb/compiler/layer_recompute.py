@@ -13,9 +13,9 @@ after the recompute pass, recomputes them together:
 - each part's forward runs once without autograd and keeps nothing (`Unit.FIRST`);
 - a second forward of every part (`Unit.AGAIN`, node id `...#again`) and a copy of each
   forward collective between the parts run before the layer's backwards: the first of them
-  after whatever any of those backwards waits on from outside the layer (the gradients
-  received or made, the schedule's order), each reading the layer's inputs from their
-  producers and the other parts' values from the copies;
+  after the parts' first runs and whatever any of those backwards (BW aside) waits on from
+  outside the layer (the gradients received or made, the schedule's order), each reading
+  the layer's inputs from their producers and the other parts' values from the copies;
 - a ZeRO-3 gather before a part's forward gets a copy before its second run (or, kept for
   the step, that run as one more consumer);
 - the parts' backwards are plain backwards of the second runs' stashes.
@@ -79,9 +79,10 @@ class _Unit:
         self.dag = dag
         self.fids = fids = frozenset(f.id for f in forwards.values())
         mine = [n for f in forwards.values() for n in by_part[(f.region, f.mb)]]
-        self.collectives = {n.id for f in fids for e in dag.out_edges(f)
+        self.collectives = {n.id for f in fids for e in dag.out_edges(f)   # to a part
                             if (n := dag[e.dst]).attr("purpose") == Purpose.TP
-                            and not n.attr("grad")}
+                            and not n.attr("grad")
+                            and any(x.dst in fids for x in dag.out_edges(n.id))}
         self.copied = fids | self.collectives            # what runs again, by its copy
         self.backwards = {n.id for n in mine if n.op in BACKWARDS}
         self.inside = self.copied | self.backwards | {

@@ -8,9 +8,9 @@ start, so every member of its group issues it at one point). Every issue gets a 
 before its first consumer (sends: at the end of the step, as PyTorch's pipelining does:
 waiting for a send earlier can deadlock deep DualPipe schedules; a ZeRO-2/3 microbatch's
 gradient reduce-scatter before its group's next one is issued, as FSDP2 does, so the
-unsharded gradients of one bucket and microbatch at a time wait to be reduced), and FREE instructions
-release each buffer after its last reader. Last, every device posts its receives from a
-peer in the order that peer sends (`p2p.in_send_order`), as NCCL needs.
+unsharded gradients of one bucket and microbatch at a time wait to be reduced), and FREE
+instructions release each buffer after its last reader. Last, every device posts its
+receives from a peer in the order that peer sends (`p2p.in_send_order`), as NCCL needs.
 """
 
 from __future__ import annotations

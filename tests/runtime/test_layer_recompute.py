@@ -75,6 +75,8 @@ def test_the_parts_run_again_as_one_unit_before_the_layers_backward():
     copies = [i for i in plan[0].instrs if i.kind in (Op.ALL_GATHER, Op.REDUCE_SCATTER)
               and i.node.endswith(AGAIN)]
     assert copies   # SP's gathers and reduce-scatters between the parts run again
+    again = pn.Plan.from_json(plan.to_json())   # the plan file keeps what the runs are
+    assert again[0].instrs == plan[0].instrs
 
 
 @pytest.mark.parametrize("sp", [False, True])
