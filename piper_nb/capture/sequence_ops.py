@@ -9,6 +9,7 @@ worker.
 from __future__ import annotations
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 
 __all__ = ["SEQ_DIM", "narrow_sequence", "pad_sequence", "whole_like", "with_params"]
 
@@ -19,8 +20,7 @@ def narrow_sequence(x: torch.Tensor, degree: int, rank: torch.Tensor) -> torch.T
     """This device's slice of `x`'s sequence (`rank` of `degree`), a copy: a view would keep
     the whole alive, and the memory model counts the slice alone."""
     n = x.shape[SEQ_DIM] // degree
-    first = 0 if rank.is_meta else int(rank) * n   # planning on meta: any slice's shape
-    return x.narrow(SEQ_DIM, first, n).clone()
+    return x.narrow(SEQ_DIM, _first(rank, n), n).clone()
 
 
 def pad_sequence(x: torch.Tensor, degree: int, rank: torch.Tensor) -> torch.Tensor:
@@ -29,9 +29,17 @@ def pad_sequence(x: torch.Tensor, degree: int, rank: torch.Tensor) -> torch.Tens
     n = x.shape[SEQ_DIM]
     shape = list(x.shape)
     shape[SEQ_DIM] = n * degree
-    first = 0 if rank.is_meta else int(rank) * n
+    first = _first(rank, n)
     return torch.cat([x.new_zeros(_with(shape, first)), x,
                       x.new_zeros(_with(shape, n * degree - first - n))], SEQ_DIM)
+
+
+def _first(rank: torch.Tensor, n: int) -> int:
+    """Where this device's slice of `n` starts; planning on meta or fake tensors (the
+    routed rows' symbolic pass, `compiler.token_rows`), which has no rank: any slice's."""
+    if rank.is_meta or isinstance(rank, FakeTensor):
+        return 0
+    return int(rank) * n
 
 
 def _with(shape: list, size: int) -> list:

@@ -14,6 +14,7 @@ import torch
 import piper_nb as pn
 from piper_nb.compiler.layer_recompute import AGAIN
 from piper_nb.ir.kinds import Op, Unit
+from piper_nb.strategies import moe_annotation
 
 pytestmark = pytest.mark.dist
 S = pn.schedules
@@ -160,3 +161,16 @@ def test_transformers_layers_recomputed_as_units_with_sp(cluster2, family):
     _same(pn.train(plan, batch, 2, SGD, cluster=cluster2),
           pn.reference_train(spec, batch, 2, plan.reference_microbatches, SGD))
     assert len(_passes(plan, Unit.AGAIN)) == len(_passes(plan, Unit.FIRST)) > 0
+
+
+@pytest.mark.parametrize("sp, recompute", [(True, False), (False, True), (True, True)])
+def test_tp2_with_expert_parallel_moe_sp_and_units(cluster4, sp, recompute):
+    """TP 2 x EP 2 on TinyMoE: with SP (its routed rows planned on fake tensors, where a
+    slice's offset is any), and its TP layers recomputed as units around the all-to-alls."""
+    model = pn.models.TinyMoE(vocab=32, dim=32, layers=2, experts=2, top_k=1, heads=2, seq=8)
+    program = [pn.place({"PP": 0}, [0, 2]), pn.replicate({"PP": 0}, [0, 2]),
+               pn.shard({"PP": 0, "EP": "*"}, [0, 2]),
+               pn.tensor_parallel({"PP": 0}, [[0, 1], [2, 3]], sequence_parallel=sp),
+               pn.split({}, num=2), *([pn.recompute({"PP": 0})] if recompute else [])]
+    plan, _ = _train(model, moe_annotation(2, 2, 1), program, cluster4, steps=2)
+    assert bool(_passes(plan, Unit.AGAIN)) == recompute
