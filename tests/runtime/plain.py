@@ -1,5 +1,6 @@
 """What the fidelity tests compare with: a plain PyTorch loop, a result against its losses
-and state dict, and the tiny Llama they train (random weights, ids inside its vocabulary)."""
+and state dict, and the tiny transformers models they train (random weights, ids inside
+their vocabulary)."""
 
 from __future__ import annotations
 
@@ -29,6 +30,25 @@ def tiny_llama(transformers):
                                       eos_token_id=2)
     torch.manual_seed(0)
     return transformers.LlamaForCausalLM(config)
+
+
+def tiny_family(transformers, family: str):
+    """A 2-layer model of a transformers family (llama, qwen3, mixtral, qwen3moe): 32
+    tokens, hidden 32, 4 heads sharing 2 key/value heads, random weights (seeded)."""
+    common = dict(vocab_size=32, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, pad_token_id=0, bos_token_id=1,
+                  eos_token_id=2)
+    moe = dict(num_experts_per_tok=2)
+    made = {"llama": lambda: transformers.LlamaForCausalLM(transformers.LlamaConfig(**common)),
+            "qwen3": lambda: transformers.Qwen3ForCausalLM(
+                transformers.Qwen3Config(**common, head_dim=8)),
+            "mixtral": lambda: transformers.MixtralForCausalLM(
+                transformers.MixtralConfig(**common, num_local_experts=4, **moe)),
+            "qwen3moe": lambda: transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(
+                **common, head_dim=8, num_experts=4, moe_intermediate_size=32,
+                decoder_sparse_step=1, mlp_only_layers=[], **moe))}
+    torch.manual_seed(0)
+    return made[family]()
 
 
 def chunks(batch, n: int) -> list:

@@ -8,6 +8,9 @@ bytes a layer keeps in tests/sim/test_layer_memory.py."""
 
 from __future__ import annotations
 
+import os
+import sys
+
 import pytest
 import torch
 
@@ -15,6 +18,9 @@ import piper_nb as pn
 from piper_nb.compiler.layer_recompute import AGAIN
 from piper_nb.ir.kinds import Op, Unit
 from piper_nb.strategies import moe_annotation
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from plain import tiny_family  # noqa: E402
 
 pytestmark = pytest.mark.dist
 S = pn.schedules
@@ -143,14 +149,7 @@ def test_tp2_sp_units_in_bf16(cluster2):
 
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
 def test_transformers_layers_recomputed_as_units_with_sp(cluster2, family):
-    transformers = pytest.importorskip("transformers")
-    common = dict(vocab_size=32, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, pad_token_id=0,
-                  bos_token_id=1, eos_token_id=2)
-    torch.manual_seed(0)
-    model = (transformers.LlamaForCausalLM(transformers.LlamaConfig(**common))
-             if family == "llama" else
-             transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**common, head_dim=8)))
+    model = tiny_family(pytest.importorskip("transformers"), family)
     ids = torch.randint(3, 32, (8, 8), generator=torch.Generator().manual_seed(0))
     batch = {"input_ids": ids, "labels": ids}
     ann = {"model.embed_tokens": {"PP": 0},

@@ -8,6 +8,8 @@ order than one matmul does."""
 from __future__ import annotations
 
 import math
+import os
+import sys
 
 import pytest
 import torch
@@ -16,6 +18,9 @@ from torch import nn
 
 import piper_nb as pn
 from piper_nb.models.gpt import LanguageModel
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from plain import tiny_family  # noqa: E402
 
 pytestmark = pytest.mark.dist
 S = pn.schedules
@@ -208,14 +213,7 @@ def test_sp_with_dropout_on_slices_draws_one_process_masks(cluster2):
 
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
 def test_transformers_models_with_sp(request, family):
-    transformers = pytest.importorskip("transformers")
-    common = dict(vocab_size=32, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, pad_token_id=0,
-                  bos_token_id=1, eos_token_id=2)
-    torch.manual_seed(0)
-    model = (transformers.LlamaForCausalLM(transformers.LlamaConfig(**common))
-             if family == "llama" else
-             transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**common, head_dim=8)))
+    model = tiny_family(pytest.importorskip("transformers"), family)
     ids = torch.randint(3, 32, (8, 8), generator=torch.Generator().manual_seed(0))
     batch = {"input_ids": ids, "labels": ids}
     program = [pn.place({"PP": 0}, [0]), pn.place({"PP": 1}, [2]),

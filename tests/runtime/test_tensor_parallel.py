@@ -22,7 +22,7 @@ from piper_nb.strategies import moe_annotation
 from piper_nb.tp.styles import model_tp_plan
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from plain import plain_loop  # noqa: E402
+from plain import plain_loop, tiny_family  # noqa: E402
 
 pytestmark = pytest.mark.dist
 S = pn.schedules
@@ -178,7 +178,7 @@ def test_vocab_parallel_embedding(request, layout):
 
 def test_vocab_parallel_embedding_keeps_the_padding_row_out_of_training(cluster2):
     transformers = pytest.importorskip("transformers")
-    model = _hf(transformers, "llama")
+    model = tiny_family(transformers, "llama")
     assert model.model.embed_tokens.padding_idx == 0
     ids = torch.randint(0, 32, (8, 8), generator=torch.Generator().manual_seed(1))
     ids[:, :2] = 0   # padding tokens: they look up row 0, which gets no gradient
@@ -243,28 +243,11 @@ def test_a_vocab_parallel_loss_never_gathers_the_logits(cluster2, style, loss_fn
     assert _head_reduce(plan) == {(4 * 8, 3 + (loss_fn is _smoothed))}
 
 
-def _hf(transformers, family: str):
-    common = dict(vocab_size=32, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, pad_token_id=0, bos_token_id=1,
-                  eos_token_id=2)
-    moe = dict(num_experts_per_tok=2)
-    made = {"llama": lambda: transformers.LlamaForCausalLM(transformers.LlamaConfig(**common)),
-            "qwen3": lambda: transformers.Qwen3ForCausalLM(
-                transformers.Qwen3Config(**common, head_dim=8)),
-            "mixtral": lambda: transformers.MixtralForCausalLM(
-                transformers.MixtralConfig(**common, num_local_experts=4, **moe)),
-            "qwen3moe": lambda: transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(
-                **common, head_dim=8, num_experts=4, moe_intermediate_size=32,
-                decoder_sparse_step=1, mlp_only_layers=[], **moe))}
-    torch.manual_seed(0)
-    return made[family]()
-
-
 @pytest.mark.parametrize("family", ["llama", "qwen3", "mixtral", "qwen3moe"])
 @pytest.mark.parametrize("layout", ["tp2", "pp2-tp2"])
 def test_transformers_models_on_their_own_tp_plans(request, family, layout):
     transformers = pytest.importorskip("transformers")
-    model = _hf(transformers, family)
+    model = tiny_family(transformers, family)
     ids = torch.randint(3, 32, (8, 8), generator=torch.Generator().manual_seed(0))
     batch = {"input_ids": ids, "labels": ids}
     if layout == "tp2":
