@@ -76,7 +76,6 @@ class _Unit:
     forward hands another part (its second run stores those)."""
 
     def __init__(self, dag: TrainingDAG, forwards: dict[int, Node], by_part: dict):
-        self.dag = dag
         self.fids = fids = frozenset(f.id for f in forwards.values())
         mine = [n for f in forwards.values() for n in by_part[(f.region, f.mb)]]
         self.collectives = {n.id for f in fids for e in dag.out_edges(f)   # to a part
@@ -89,20 +88,19 @@ class _Unit:
             n.id for n in mine if n.attr("purpose") == Purpose.TP}
         self.first = forwards[min(forwards)].id
         self.keep: dict[str, list[str]] = defaultdict(list)
-        for f in fids:
-            for e in dag.out_edges(f):
-                if e.kind == EdgeKind.DATA and e.dst in self.copied:
-                    self.keep[f] += e.values
+        inner, outer = set(), set()   # values handed between the parts, and out of the layer
+        for c in self.copied:
+            for e in dag.out_edges(c):
+                if e.kind == EdgeKind.DATA:
+                    (inner if e.dst in self.copied else outer).update(e.values)
+                    if e.dst in self.copied and c in fids:
+                        self.keep[c] += e.values
+        self.leaked = inner & outer
 
     def leaks(self) -> bool:
         """Does a value between the parts also leave the layer (then it would be stored
         twice, or freed while a later reader outside still needs it)?"""
-        inner, outer = set(), set()
-        for f in self.copied:
-            for e in self.dag.out_edges(f):
-                if e.kind == EdgeKind.DATA:
-                    (inner if e.dst in self.copied else outer).update(e.values)
-        return bool(inner & outer)
+        return bool(self.leaked)
 
 
 def _nodes(dag: TrainingDAG, units: list[_Unit]) -> tuple[list[Node], list[Edge]]:

@@ -91,6 +91,7 @@ class Ledger:
         self.acts: dict[tuple[str, int], _Buf] = {}
         self.vgrads: dict[tuple[str, int], _Buf] = {}
         self.stash: dict[tuple[int, int], _Stash] = {}
+        self.aliases = {r: dict(pairs) for r, pairs in plan.aliases.items()}   # out -> in
         # decoded once, as the worker does: each instruction's handler (None: nothing held)
         self.handlers = self._handlers()
 
@@ -189,16 +190,14 @@ class Ledger:
         saved (input and output buffers among it counted as those values: `plan.kept`)
         until the last backward; a recomputed forward's stash holds its inputs instead, a
         unit's first run (`Unit.FIRST`) none; a second run stores what it keeps."""
-        again, expert = ins.data.recompute, ins.region in self.routing.experts
-        unit = ins.data.unit
+        again, expert, unit = ins.data.recompute, ins.region in self.routing.experts, ins.data.unit
         kept_in, kept_out = self.plan.kept.get(ins.region, ((), ()))
         held = self.plan.regions[ins.region].inputs if again else kept_in
         inputs = {v: self.acts[(v, ins.mb)] for v in held if (v, ins.mb) in self.acts}
         refs = list(inputs.values())
-        same = self.plan.aliases.get(ins.region, ())   # (output, input): one buffer
+        same = self.aliases.get(ins.region, {})   # an output that is its input's buffer
         for v in self.plan.regions[ins.region].outputs:
-            buf = next((self.acts.get((i, ins.mb)) for o, i in same if o == v), None)
-            buf = buf or _Buf(self._vb(v, ins.mb, expert))
+            buf = self.acts.get((same.get(v), ins.mb)) or _Buf(self._vb(v, ins.mb, expert))
             refs += [buf] if v in kept_out and not again else []
             if not is_loss_output(v) and (unit != Unit.AGAIN or v in ins.data.keep):
                 self._put(self.acts, (v, ins.mb), buf)
@@ -346,8 +345,9 @@ class Ledger:
         self._param_grads(self.buckets[b].params)
 
     def _add_grad_shard(self, b: int) -> None:   # a reduce-scatter's WAIT
-        self.level[_GRADS] += self._shard(b, self.rb) - self.grad_shards.get(b, 0)
-        self.grad_shards[b] = self._shard(b, self.rb)
+        shard = self._shard(b, self.rb)
+        self.level[_GRADS] += shard - self.grad_shards.get(b, 0)
+        self.grad_shards[b] = shard
 
     def _acquire(self, b: int) -> None:
         """A ZeRO-3 gather's WAIT: the full bucket, one buffer however many gathers overlap."""

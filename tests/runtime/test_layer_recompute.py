@@ -20,12 +20,11 @@ from piper_nb.ir.kinds import Op, Unit
 from piper_nb.strategies import moe_annotation
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from plain import tiny_family  # noqa: E402
+from plain import assert_like, tiny_family  # noqa: E402
 
 pytestmark = pytest.mark.dist
 S = pn.schedules
 SGD = pn.optim.SGD(lr=0.1)
-RTOL, ATOL = 1e-5, 4e-5
 LAYERS = {"embed": {"PP": 0, "L": 0}, "blocks.0": {"PP": 0, "L": 1},
           "blocks.1": {"PP": 0, "L": 2}, "head": {"PP": 0, "L": 3}}
 
@@ -44,12 +43,8 @@ def _train(model, ann, program, cluster, steps=3, seed=None):
     return plan, result
 
 
-def _same(result, ref) -> None:
-    torch.testing.assert_close(torch.tensor(result.losses), torch.tensor(ref.losses),
-                               rtol=RTOL, atol=ATOL)
-    got = result.state_dict()
-    for k, v in ref.state_dict().items():
-        torch.testing.assert_close(got[k], v, rtol=RTOL, atol=ATOL, msg=lambda m, k=k: f"{k}: {m}")
+def _same(result, ref) -> None:   # plain.assert_like: rtol 1e-5, atol 4e-5
+    assert_like(result, ref.losses, ref.state_dict())
 
 
 def _passes(plan, unit: Unit):
