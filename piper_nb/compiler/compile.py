@@ -178,7 +178,7 @@ def _placed(capture, directives, named: Batch, bsz: int, micro: int,
 
 
 def _context(capture, shapes: dict, frozen: frozenset[str]) -> Context:
-    return Context(capture, shapes["values"], frozen, shapes["changed"])
+    return Context(capture, shapes["values"], frozen, shapes["changed"], shapes["kept"])
 
 
 def _shapes(capture, directives, named: Batch, part: int) -> dict:

@@ -38,7 +38,7 @@ from piper_nb.ir.dag import TrainingDAG
 from piper_nb.ir.kinds import BACKWARDS, EdgeKind, Op, Purpose, Unit
 from piper_nb.ir.node import Edge, Node
 
-__all__ = ["recompute_layers", "AGAIN"]
+__all__ = ["recompute_layers", "pulled_gather", "AGAIN"]
 
 AGAIN = "#again"   # the id suffix of a second run and of its collectives' copies
 
@@ -115,12 +115,12 @@ def _nodes(dag: TrainingDAG, units: list[_Unit]) -> tuple[list[Node], list[Edge]
             n = n.with_attrs(unit=Unit.FIRST)
         elif n.id in backwards and n.attrs and n.attr("recompute") is not None:
             n = n.with_attrs(recompute=None)
-        elif _pulled_gather(n) and n.attr("consumers"):   # kept for the step: one more use
+        elif pulled_gather(n) and n.attr("consumers"):   # kept for the step: one more use
             mine = tuple(c + AGAIN for c in n.attr("consumers") if c in unit_of)
             if mine:
                 n = n.with_attrs(consumers=(*n.attr("consumers"), *mine))
                 edges += [Edge(n.id, c, EdgeKind.DATA, ()) for c in mine]
-        elif _pulled_gather(n) and n.attr("before") in unit_of:   # its own gather
+        elif pulled_gather(n) and n.attr("before") in unit_of:   # its own gather
             again = n.attr("before") + AGAIN
             g = Node(n.id + AGAIN, n.op, n.tags, n.region, n.devices, n.stream,
                      tuple(sorted({**dict(n.attrs), "before": again}.items())))
@@ -156,16 +156,16 @@ def _edges(dag: TrainingDAG, units: list[_Unit]) -> list[Edge]:
             continue
         if u is v:
             out.append(Edge(e.src + AGAIN, e.dst + AGAIN, e.kind, e.values, e.origin))
-        elif dag[e.dst].op == Op.F and not _pulled_gather(dag[e.src]):
+        elif dag[e.dst].op == Op.F and not pulled_gather(dag[e.src]):
             out.append(Edge(e.src, e.dst + AGAIN, e.kind, e.values, e.origin))
     for u in units:
         waits = u.fids | {e.src for b in u.backwards if dag[b].op != Op.BW   # BW: later
                           for e in dag.in_edges(b)
-                          if e.src not in u.inside and not _pulled_gather(dag[e.src])}
+                          if e.src not in u.inside and not pulled_gather(dag[e.src])}
         out += [Edge(w, u.first + AGAIN, EdgeKind.TEMPORAL) for w in sorted(waits)]
     return out
 
 
-def _pulled_gather(n: Node) -> bool:
+def pulled_gather(n: Node) -> bool:
     """A ZeRO-3 gather pulled before a pass (its own, not something the unit waits on)."""
     return n.op == Op.ALL_GATHER and n.attr("before") is not None

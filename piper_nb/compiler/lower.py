@@ -25,7 +25,7 @@ from piper_nb.errors import PlanError
 from piper_nb.ir.dag import TrainingDAG
 from piper_nb.ir.kinds import BACKWARDS, COLLECTIVES, COMPUTE, PASSES, EdgeKind, Op, Purpose, Unit
 from piper_nb.ir.node import Node
-from piper_nb.plan.instr import Collective, Free, Instr, Message, Pass, Update, Wait
+from piper_nb.plan.instr import Collective, Free, Instr, Message, Pass, Update, Wait, slice_name
 from piper_nb.plan.plan import DevicePlan, StampedDevicePlan
 
 __all__ = ["lower", "owned_params"]
@@ -229,7 +229,8 @@ def _instr(n: Node, d: int, partner, tags, owned) -> Instr:
         full, bks = owned.get(n.region, ((), ())) if n.op == Op.U else ((), ())
         data = (Update(tuple(full), tuple(bks)) if n.op == Op.U else
                 Pass(n.attr("overlap", -1), n.attr("recompute") is not None
-                     and not n.attr("unit"), Unit(n.attr("unit", "")), n.attr("keep", ())))
+                     and not n.attr("unit"), Unit(n.attr("unit", "")), n.attr("keep", ()),
+                     n.attr("slices", ())))
         return Instr(n.op, n.id, "compute", n.region, mb, pos, len(n.devices), data)
     if n.op in (Op.SEND, Op.RECV):
         other = partner[n.id]
@@ -241,7 +242,7 @@ def _instr(n: Node, d: int, partner, tags, owned) -> Instr:
     return Instr(n.op, n.id, n.stream, n.region, mb, pos, len(n.devices), Collective(
         n.devices, Purpose(n.attr("purpose", "")), n.attr("bucket", -1), values,
         bool(n.attr("grad", False)), tuple(owners[v] for v in values) if owners else (),
-        tuple(split_by[v] for v in values) if split_by else ()))
+        tuple(split_by[v] for v in values) if split_by else (), bool(n.attr("regather"))))
 
 
 def _emit(dag, d, seq, pulled_of, partner, tags, owned, regions) -> tuple[Instr, ...]:
@@ -333,9 +334,10 @@ def _gathered(dag) -> dict[str, list[str]]:
 
 def _add_frees(instrs: list[Instr], regions, dag) -> tuple[Instr, ...]:
     """Insert FREE after the last reader of every buffer the device holds; a second run
-    of a layer recomputed as one unit (`Unit.AGAIN`) writes its kept values again, so each
-    is freed after its last reader before that write too, and after the write itself when
-    nothing reads it later."""
+    of a layer recomputed as one unit (`Unit.AGAIN`) writes its kept values again, and so
+    does a sequence-parallel input's gather before its backward (`compiler.regather`), so
+    each is freed after its last reader before that write too, and after the write itself
+    when nothing reads it later."""
     last: dict[str, int] = {}
     now: dict[int, list[str]] = defaultdict(list)
     grad_values = _grad_values(dag)
@@ -343,21 +345,31 @@ def _add_frees(instrs: list[Instr], regions, dag) -> tuple[Instr, ...]:
     made = {v for r in regions for v in r.outputs}     # not the batch: regions make these
     for i, ins in enumerate(instrs):
         reads: list[str] = []
+        again: tuple[str, ...] = ()   # values written again
         if ins.kind == Op.F:
             reads = [f"act:{v}@{ins.mb}" for v in regions[ins.region].inputs
                      if v in made]
-            for v in ins.data.keep:   # written again: the first run's buffer is done
-                k = f"act:{v}@{ins.mb}"
-                if k in last:
-                    now[last.pop(k)].append(k)
-            reads += [f"act:{v}@{ins.mb}" for v in ins.data.keep]
-        elif ins.kind in (Op.B, Op.BI):
-            reads = [f"grad:{v}@{ins.mb}" for v in regions[ins.region].outputs if v in grad_values]
-            if ins.data.recompute:   # the forward runs again on its inputs
+            reads += [f"act:{slice_name(v)}@{ins.mb}" for v in ins.data.slices]
+            again = ins.data.keep
+        elif ins.kind in BACKWARDS:
+            reads = [f"act:{v}@{ins.mb}" for v in ins.data.slices]
+            if ins.kind != Op.BW:
+                reads += [f"grad:{v}@{ins.mb}" for v in regions[ins.region].outputs
+                          if v in grad_values]
+            if ins.kind != Op.BW and ins.data.recompute:   # the forward runs again on its inputs
                 reads += [f"act:{v}@{ins.mb}" for v in regions[ins.region].inputs if v in made]
+        elif ins.is_regather:
+            reads = [f"act:{slice_name(v)}@{ins.mb}" for v in ins.data.values]
         elif ins.kind == Op.WAIT and instrs[ins.data.target].kind == Op.SEND:
             s = instrs[ins.data.target]
             reads = [f"{'grad' if s.data.grad else 'act'}:{v}@{s.mb}" for v in s.data.values]
+        elif ins.kind == Op.WAIT and instrs[ins.data.target].is_regather:
+            again = instrs[ins.data.target].data.values   # the gathered input, whole again
+        for v in again:   # written again: the earlier buffer is done after its last reader
+            k = f"act:{v}@{ins.mb if ins.kind == Op.F else instrs[ins.data.target].mb}"
+            if k in last:
+                now[last.pop(k)].append(k)
+            reads.append(k)
         if ins.kind in PASSES:
             reads += gathered.get(ins.node, ())
         for k in reads:

@@ -7,8 +7,8 @@
   Piper's fixed order, whatever the order of the program: build, split, BI/BW split, place
   (and the placement replicate, shard and tensor_parallel imply), send/recv, the
   tensor-parallel collectives, gradient sync (replicate, tied and doubled parameters),
-  shard (all-to-all), order, recompute (tensor-parallel layers as one unit), and the checks
-  of the result.
+  shard (all-to-all), order, recompute (tensor-parallel layers as one unit), the inputs
+  sequence parallelism keeps as slices, and the checks of the result.
 - **Plan passes** (`compiler.plan_passes`) lower it to a checked `Plan`: lowering,
   tensor-parallel widening, the global loss, clipping, the static checks.
 
@@ -43,6 +43,7 @@ from piper_nb.compiler.plan_passes import (
     lower_plan,
     widen_tensor_parallel,
 )
+from piper_nb.compiler.regather import regather_inputs
 from piper_nb.compiler.send_recv import insert_send_recv
 from piper_nb.compiler.stage_order import check_stage_order
 from piper_nb.directives.base import CaptureContext, Context, Directive, Directives
@@ -125,6 +126,7 @@ DAG_PASSES: tuple[Pass, ...] = (
     Pass("order", apply_orders, consumes=(Order,)),                  # temporal edges, slots
     Pass("recompute", apply_recompute, consumes=(Recompute,)),       # recomputed passes
     Pass("layer recompute", recompute_layers),                       # TP layers as units
+    Pass("sequence regather", regather_inputs),                      # SP inputs kept as slices
     Pass("checks", _check_buffers),                                  # buffers, recompute, DAG
 )
 PIPELINE = DAG_PASSES

@@ -15,6 +15,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from piper_nb.capture.sequence_ops import SEQ_DIM
 from piper_nb.compiler.buffers import check_buffer_order
 from piper_nb.compiler.checks import check_plan
 from piper_nb.compiler.clip import add_grad_clipping
@@ -23,7 +24,9 @@ from piper_nb.compiler.lower import lower
 from piper_nb.directives.base import Directives
 from piper_nb.ir.dag import TrainingDAG
 from piper_nb.ir.kinds import Op
+from piper_nb.plan.instr import slice_name
 from piper_nb.plan.plan import Plan
+from piper_nb.plan.sizes import ValueInfo
 from piper_nb.tp import tp_groups, widen_plan
 
 __all__ = ["PlanContext", "lower_plan", "widen_tensor_parallel", "add_global_loss",
@@ -61,7 +64,7 @@ def lower_plan(plan: None, directives: Directives, ctx: PlanContext) -> Plan:
     return Plan(
         world=ctx.world, devices=lower(dag, buckets, ctx.world), microbatches=ctx.microbatches,
         batch_size=ctx.batch_size, loss_scale=1.0 / (ctx.microbatches * loss_width),
-        regions=capture.regions, buckets=buckets, values=shapes["values"],
+        regions=capture.regions, buckets=buckets, values=_with_slices(shapes["values"], dag),
         saved=shapes["saved"], kept=shapes["kept"], aliases=shapes["aliases"],
         rows=shapes["rows"],
         saved_rows=shapes["saved_rows"],
@@ -72,6 +75,18 @@ def lower_plan(plan: None, directives: Directives, ctx: PlanContext) -> Plan:
         reduce_dtype=ctx.precision[1],
         pieces={p: tuple(v[:3]) for p, v in capture.pieces.items()},
         dag=dag, program=ctx.program, capture=capture)
+
+
+def _with_slices(values: Mapping[str, ValueInfo], dag: TrainingDAG) -> dict:
+    """`values` and the sequence slices forwards keep of their inputs (`compiler.regather`):
+    each input's shape with the sequence over the tensor-parallel degree."""
+    out = dict(values)
+    for v, degree in dag.get_meta("slices", ()):
+        info = values[v]
+        shape = list(info.shape)
+        shape[SEQ_DIM] //= degree
+        out[slice_name(v)] = ValueInfo(slice_name(v), tuple(shape), info.dtype, False)
+    return out
 
 
 def widen_tensor_parallel(plan: Plan, directives: Directives, ctx: PlanContext) -> Plan:

@@ -27,13 +27,15 @@ __all__ = ["Directive", "Context", "CaptureContext", "Directives", "each", "chec
 class Context:
     """What a rewrite may read besides the DAG and its directives: the captured model (its
     regions, parameters and the values between regions), the values' shapes and dtypes
-    (`ValueInfo` by name), the frozen parameters and the buffers each region's forward
-    changes. The same for every pass of one compile."""
+    (`ValueInfo` by name), the frozen parameters, the buffers each region's forward
+    changes, and the inputs and outputs whose buffers autograd saves (`shapes.propagate`).
+    The same for every pass of one compile."""
 
     capture: Any
     values: Mapping[str, Any]
     frozen: frozenset[str] = frozenset()
     changed: Mapping[int, tuple[str, ...]] = field(default_factory=dict)   # region -> buffers
+    kept: Mapping[int, tuple] = field(default_factory=dict)   # region -> (inputs, outputs) saved
 
 
 @dataclass(frozen=True, slots=True)

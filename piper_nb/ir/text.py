@@ -38,6 +38,8 @@ always a microbatch.
     r1:AR_F0        tensor parallelism: all-reduce of the partial sums region 1 (a sharded
                     part) made in its forward of microbatch 0, over its TP group
     r1:AR_B0        the all-reduce of the gradient shares of region 1's inputs, backward
+    r1:AG_R0        sequence parallelism: the all-gather again, before the backward, of
+                    the slices region 1's forward kept of an input (`compiler.regather`)
     r0:DISPATCH_F1  all-to-all sending microbatch 1's tokens from region 0 to the experts
     r3:COMBINE_F1   all-to-all bringing the experts' outputs back to region 3
     r3:DISPATCH_B1  r0:COMBINE_B1   the same two exchanges carrying gradients, backwards
@@ -113,8 +115,9 @@ def instr_text(ins: Any) -> str:
         return f"{scope}{k}_{'B' if ins.data.grad else 'F'}{_mb(ins)}{arrow}{ins.data.peer}"
     if k == Op.ALL_TO_ALL and ins.purpose in (Purpose.DISPATCH, Purpose.COMBINE):
         return f"{scope}{ins.purpose.upper()}_{'B' if ins.data.grad else 'F'}{_mb(ins)}"
-    if k in SHORT and ins.purpose == Purpose.TP:   # tensor parallelism, between parts
-        return f"{scope}{SHORT[k]}_{'B' if ins.data.grad else 'F'}{_mb(ins)}"
+    if k in SHORT and ins.purpose == Purpose.TP:   # tensor parallelism, between parts; R:
+        phase = "R" if ins.data.regather else "B" if ins.data.grad else "F"   # gathered again
+        return f"{scope}{SHORT[k]}_{phase}{_mb(ins)}"
     if k in SHORT and ins.purpose in (Purpose.NORM, Purpose.COUNT):   # clipping's norm, the
         return f"{ins.purpose}:{SHORT[k]}"                            # global loss's count
     if k in SHORT:
@@ -129,7 +132,7 @@ def instr_text(ins: Any) -> str:
     return k
 
 
-TP_LABEL = re.compile(r"r\d+:(?:AR|RS|AG)_[FB]\d*$")   # r1:AR_F0: a tensor-parallel collective
+TP_LABEL = re.compile(r"r\d+:(?:AR|RS|AG)_[FBR]\d*$")   # r1:AR_F0: a tensor-parallel collective
 
 
 def wait_text(target: Any) -> str:

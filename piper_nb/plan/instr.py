@@ -20,7 +20,7 @@ from piper_nb.ir.kinds import COLLECTIVES, COMM, COMPUTE, P2P, PASSES, Held, Op,
 from piper_nb.ir.text import instr_text
 
 __all__ = ["Instr", "Pass", "Update", "Message", "Collective", "Wait", "Free", "Payload",
-           "PAYLOADS", "free_key", "parse_free"]
+           "PAYLOADS", "free_key", "parse_free", "slice_name"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,6 +31,8 @@ class Pass:
     recompute: bool = False         # a pass of a recomputed region (`pn.recompute`)
     unit: Unit = Unit.NONE          # a forward of a layer recomputed as one unit
     keep: tuple[str, ...] = ()      # the outputs such a forward's second run stores
+    slices: tuple[str, ...] = ()    # SP: inputs kept as this device's slice (F), gathered
+                                    # again and read by the backwards (`compiler.regather`)
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,6 +65,7 @@ class Collective:
     owners: tuple[int, ...] = ()    # ALL_TO_ALL: per value, the device holding its expert
     split_by: tuple[str, ...] = ()  # ALL_TO_ALL: per value, the dispatched value whose
                                     # per-replica token counts size its pieces
+    regather: bool = False          # TP ALL_GATHER of the slices a forward kept (`slice_name`)
 
 
 @dataclass(frozen=True, slots=True)
@@ -157,6 +160,12 @@ class Instr:
         return self.data.bucket if self.kind in COLLECTIVES else -1
 
     @property
+    def is_regather(self) -> bool:
+        """Sequence parallelism's all-gather, before a backward, of the slices its forward
+        kept of an input (`compiler.regather`)."""
+        return self.kind == Op.ALL_GATHER and self.data.regather
+
+    @property
     def is_norm(self) -> bool:
         """Clipping's all-reduce of this device's share of the squared gradient norm."""
         return self.kind == Op.ALL_REDUCE and self.data.purpose == Purpose.NORM
@@ -194,6 +203,12 @@ class Instr:
         if "unit" in kw:
             kw["unit"] = Unit(kw["unit"])
         return cls.of(**kw)
+
+
+def slice_name(value: str) -> str:
+    """The value a forward stores for input `value` it keeps as its sequence slice
+    (`Pass.slices`): s/t of the sequence, gathered again before the backward."""
+    return f"{value}#slice"
 
 
 def free_key(held: Held, name: str | int, mb: int | None = None) -> str:

@@ -49,14 +49,16 @@ def storage_key(t: torch.Tensor):
 
 class SavedBytes(contextlib.AbstractContextManager):
     """Counts the distinct storages autograd saves inside the block, minus `exclude` keys
-    (`storage_key`: data pointers for real tensors). `split` then tells the region's own
-    saved bytes from the storages of its inputs and outputs that autograd saved: those are
-    value buffers, held by the stash past their last reader and counted once with them."""
+    (`storage_key`: data pointers for real tensors) and what `pack` saves otherwise (which
+    `unpack` then gives back). `split` then tells the region's own saved bytes from the
+    storages of its inputs and outputs that autograd saved: those are value buffers, held
+    by the stash past their last reader and counted once with them."""
 
-    def __init__(self, exclude: set[int]):
+    def __init__(self, exclude: set[int], pack=None, unpack=None):
         self.exclude = exclude
         self.seen: dict = {}   # storage key -> bytes
-        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
+        self.first = pack      # what saves a tensor otherwise (-> None: counted as it is)
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, unpack or (lambda t: t))
 
     @property
     def bytes(self) -> int:
@@ -64,6 +66,9 @@ class SavedBytes(contextlib.AbstractContextManager):
         return sum(self.seen.values())
 
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
+        other = self.first(t) if self.first is not None else None
+        if other is not None:   # saved some other way (`runtime.seq_slices`): not counted
+            return other
         try:
             ptr = storage_key(t)
             size = t.untyped_storage().nbytes()

@@ -90,7 +90,7 @@ class _Bench:
         for ins in w.instrs:   # timed without recompute: the cost model adds the forward
             if ins.is_compute:
                 self.first.setdefault((ins.region, ins.kind), ins.with_data(
-                    recompute=False, unit=Unit.NONE, keep=()) if ins.kind in PASSES else ins)
+                    recompute=False, unit=Unit.NONE, keep=(), slices=()) if ins.kind in PASSES else ins)
 
     def _gather(self, r: int) -> None:
         st = self.w.store

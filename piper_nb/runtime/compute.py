@@ -19,13 +19,18 @@ second runs read.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
+from piper_nb.capture.sequence_ops import SEQ_DIM
 from piper_nb.ir.kinds import Op, Unit
 from piper_nb.ir.loss_outputs import LOSS, is_loss_output
+from piper_nb.plan.instr import slice_name
 from piper_nb.plan.sizes import SavedBytes
 from piper_nb.runtime.entries import Entries, roots
 from piper_nb.runtime.layout import batch_part
+from piper_nb.runtime.seq_slices import SliceSaver, unpack
 from piper_nb.runtime.stores import Stash
 
 __all__ = ["ComputePasses", "on_device"]
@@ -42,7 +47,7 @@ class ComputePasses:
     """The compute instructions of a `Worker`, which holds what they use: `plan`, `rank`,
     `device`, `modules` (region -> module), `store` (parameters), `values` (activations,
     gradients, stashes), `needs` (region -> ZeRO-3 buckets), `updater`, `rng`, `seed`,
-    `step_no`, `tracing`, and per step `batch`, `parts`, `losses` and `ends` (the count and
+    `tp_rank`, `step_no`, `tracing`, and per step `batch`, `parts`, `losses` and `ends` (the count and
     metrics each forward of the loss region returned, by name)."""
 
     def run(self, ins) -> None:
@@ -87,7 +92,8 @@ class ComputePasses:
                 outputs, _, _ = self._run_region(ins, args, raw, count=False)
         else:
             entries = self._enter(info, args, entering)
-            outputs, saved, kept = self._run_region(ins, args, raw, count=self.tracing)
+            outputs, saved, kept = self._run_region(ins, args, raw, count=self.tracing,
+                                                    slices=self._slices(ins, raw))
         self.rng.end(self.step_no, ins)
         for name, out in outputs.items():
             if unit == Unit.AGAIN and name not in ins.data.keep:
@@ -115,18 +121,30 @@ class ComputePasses:
             args[k] = entries.enter(info.inputs[k], args[k])
         return entries
 
-    def _run_region(self, ins, args: list, raw: list, count: bool) -> tuple[dict, int, list]:
+    def _slices(self, ins, raw: list) -> SliceSaver | None:
+        """The inputs the forward keeps as this device's sequence slices (`Pass.slices`)."""
+        if not ins.data.slices:
+            return None
+        names = self.plan.regions[ins.region].inputs
+        whole = {v: raw[names.index(v)] for v in ins.data.slices}
+        lengths = {v: self.plan.values[slice_name(v)].shape[SEQ_DIM] for v in whole}
+        return SliceSaver(self.values.acts, ins.mb, whole, self.tp_rank, lengths, str(ins))
+
+    def _run_region(self, ins, args: list, raw: list, count: bool,
+                    slices: SliceSaver | None = None) -> tuple[dict, int, list]:
         """Run the region on `args` (its random state set by the caller): its outputs by
         name and (`count`) the bytes autograd saved outside parameters, inputs and outputs
         (`SavedBytes.split`) and the input (`raw`: the buffers, None for the batch's) and
-        output buffers it saved, which the stash then holds."""
+        output buffers it saved, which the stash then holds; `slices`: inputs whose saved
+        views are kept as sequence slices instead."""
         if not count:
-            outs = self.modules[ins.region](*args)
+            with slices.hooks() if slices is not None else contextlib.nullcontext():
+                outs = self.modules[ins.region](*args)
             return dict(zip(self.plan.regions[ins.region].outputs, outs, strict=True)), 0, []
         exclude = {p.untyped_storage().data_ptr() for p in self.store.params.values()}
         exclude |= {a.untyped_storage().data_ptr() for a, t in zip(args, raw, strict=True)
                     if t is None and isinstance(a, torch.Tensor)}
-        with SavedBytes(exclude) as counter:
+        with SavedBytes(exclude, slices and slices.pack, unpack) as counter:
             outs = self.modules[ins.region](*args)
         saved, kin, kout = counter.split(raw, outs)
         kept = [raw[i] for i in kin] + [outs[j] for j in kout]

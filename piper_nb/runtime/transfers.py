@@ -14,6 +14,7 @@ import torch
 
 from piper_nb.capture.sequence_ops import SEQ_DIM
 from piper_nb.ir.kinds import Op, Purpose
+from piper_nb.plan.instr import slice_name
 from piper_nb.plan.streams import communicator
 from piper_nb.trace import Memory
 
@@ -83,11 +84,15 @@ class Transfers:
 
     def _tp_sum(self, ins, key: str):
         """A tensor-parallel sum's transfer: an all-reduce of the values flat; under sequence
-        parallelism an all-gather of this member's slices of them (`SEQ_DIM`), or a
-        reduce-scatter of their slices in member order."""
+        parallelism an all-gather of this member's slices of them (`SEQ_DIM`; of the slices
+        a forward kept, for a regather), or a reduce-scatter of their slices in member
+        order."""
         table = self.values.grads if ins.data.grad else self.values.acts
-        xs = [table[(v, ins.mb)].detach() for v in ins.data.values]
         n = len(ins.data.group)
+        if ins.is_regather:   # the slices a forward kept, gathered whole again
+            xs = [table[(slice_name(v), ins.mb)] for v in ins.data.values]
+            return self.comm.all_gather(torch.cat([x.reshape(-1) for x in xs]), n, key)
+        xs = [table[(v, ins.mb)].detach() for v in ins.data.values]
         if ins.kind == Op.ALL_REDUCE:
             return self.comm.all_reduce(torch.cat([x.reshape(-1) for x in xs]), key)
         if ins.kind == Op.ALL_GATHER:
@@ -102,8 +107,11 @@ class Transfers:
         this device's share in place (the producing pass's stash holds that tensor: one
         buffer either way; autograd saved none of them, a rowwise layer's output). An
         all-gather fills every member's slice; a reduce-scatter this member's, the rest
-        zeros (what reads it reads that slice only)."""
+        zeros (what reads it reads that slice only). A regather fills a new buffer."""
         table = self.values.grads if src.data.grad else self.values.acts
+        if src.is_regather:   # a new whole buffer per value (the slices may be gone)
+            for v in src.data.values:
+                table[(v, src.mb)] = flat.new_empty(self.plan.values[v].shape)
         olds = [table[(v, src.mb)].detach() for v in src.data.values]
         n, at = len(src.data.group), 0
         if src.kind == Op.ALL_REDUCE:

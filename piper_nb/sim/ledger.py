@@ -6,35 +6,34 @@ so a sample costs O(1). Its step loop dispatches each instruction by kind, as th
 does, to a handler of the same name: `_forward`, `_backward` and `_update` (the worker's
 `run`), `_issue`, `_wait` and `_free`; a WAIT's completion then calls the ledger's
 counterpart of the store method the worker calls (`_set_grads`, `_add_grad_shard`,
-`_acquire`, `_write_params`, `_release`, `_exchange_done`). The rule it follows, kind by
-kind, is `sim.memory`'s (its docstring); `sim.memory.memory_samples` drives it.
+`_acquire`, `_write_params` and `_release`, in `sim.ledger_params`; `_exchange_done`).
+The rule it follows, kind by kind, is `sim.memory`'s (its docstring);
+`sim.memory.memory_samples` drives it.
 """
 
 from __future__ import annotations
 
-import math
-
-from piper_nb.ir.kinds import BACKWARDS, BUCKET_COLLECTIVES, COMM, PASSES, Held, Memory, Op, Purpose, Unit
+from piper_nb.ir.kinds import BACKWARDS, BUCKET_COLLECTIVES, COMM, PASSES, Held, Op, Purpose, Unit
 from piper_nb.ir.loss_outputs import LOSS, is_loss_output
-from piper_nb.plan.instr import parse_free
+from piper_nb.plan.instr import parse_free, slice_name
 from piper_nb.plan.sizes import NORM_BYTES, element_size, value_bytes
+from piper_nb.sim.ledger_params import (
+    ACTIVATIONS,
+    BUFFERS,
+    GRADS,
+    OPTIM,
+    PARAMS,
+    ParamLedger,
+    param_numel,
+)
 from piper_nb.sim.memory_settings import MemorySettings
 from piper_nb.sim.tokens import Routing
 from piper_nb.sim.update_state import update_states
 from piper_nb.trace import MemorySample
 
-# the memory kinds as plain ints: indexing `level` with an IntEnum member costs six times an
-# int in this loop, which runs once per instruction of every device
-_PARAMS, _GRADS, _OPTIM, _ACTIVATIONS, _BUFFERS = (int(m) for m in Memory)
-
 # how the step loop dispatches an instruction: kind -> handler (the worker's names)
 _HANDLERS = {Op.F: "_forward", **dict.fromkeys(BACKWARDS, "_backward"), Op.U: "_update",
              **dict.fromkeys(COMM, "_issue"), Op.WAIT: "_wait", Op.FREE: "_free"}
-
-
-def param_numel(plan, p: str) -> int:
-    """Elements of parameter `p` of `plan`."""
-    return math.prod(plan.params[p][0])
 
 
 class _Buf:
@@ -54,7 +53,7 @@ class _Stash:
         self.inputs = inputs   # a recomputed forward's input buffers, until its backward
 
 
-class Ledger:
+class Ledger(ParamLedger):
     """Bytes held on device `d`, instruction by instruction: the worker's bookkeeping
     (`runtime.worker`, `runtime.stores`) over sizes instead of tensors, with running totals
     so a sample costs O(1)."""
@@ -95,14 +94,6 @@ class Ledger:
         # decoded once, as the worker does: each instruction's handler (None: nothing held)
         self.handlers = self._handlers()
 
-    def _params_held(self) -> float:
-        """Parameter bytes held throughout: full parameters and ZeRO-3 bucket shards."""
-        zero3 = [b for b in self.buckets.values() if b.zero == 3]
-        sharded = {n for b in zero3 for n in b.params}
-        base = sum(param_numel(self.plan, n) * (self.pb if self.pb is not None else self.elem(n))
-                   for n in self.names if n not in sharded)
-        return base + sum(self._shard(b.index, self.pb) for b in zero3)
-
     def _handlers(self) -> list:
         """Each instruction's handler, looked up once (None: nothing to count)."""
         by_kind = {kind: getattr(self, name) for kind, name in _HANDLERS.items()}
@@ -111,20 +102,6 @@ class Ledger:
                 else by_kind.get(ins.kind) for ins in self.instrs]
 
     # -- sizes --
-    def elem(self, name: str) -> int:
-        """Bytes per element of parameter `name`."""
-        return element_size(self.plan.params[name][1])
-
-    def _shard(self, b: int, per: float | None) -> float:
-        """Bytes of one padded shard of bucket b (`per` bytes per element, None: dtype)."""
-        bk = self.plan.buckets[b]
-        total = sum(param_numel(self.plan, n) for n in bk.params)
-        per = per if per is not None else self.elem(bk.params[0])
-        return -(-total // len(bk.group)) * per
-
-    def _padded(self, b: int, per: float | None) -> float:
-        return self._shard(b, per) * len(self.plan.buckets[b].group)
-
     def _vb(self, v: str, mb: int, expert: bool = False) -> int:
         """Bytes of value v's buffer for microbatch mb; routed rows per `self.routing`
         (`expert`: made inside an expert, on its owner, so with the group's rows)."""
@@ -136,12 +113,12 @@ class Ledger:
     def _hold(self, buf: _Buf) -> None:
         buf.holders += 1
         if buf.holders == 1:
-            self.level[_ACTIVATIONS] += buf.nbytes
+            self.level[ACTIVATIONS] += buf.nbytes
 
     def _let_go(self, buf: _Buf | None) -> None:
         if buf is not None:
             buf.holders -= 1
-            self.level[_ACTIVATIONS] -= buf.nbytes if buf.holders == 0 else 0
+            self.level[ACTIVATIONS] -= buf.nbytes if buf.holders == 0 else 0
 
     def _put(self, table: dict, key: tuple[str, int], buf: _Buf) -> None:
         self._hold(buf)
@@ -165,35 +142,26 @@ class Ledger:
 
     def _drop_stash(self, key: tuple[int, int]) -> None:
         st = self.stash.pop(key)
-        self.level[_ACTIVATIONS] -= st.saved
+        self.level[ACTIVATIONS] -= st.saved
         for buf in st.refs:
             self._let_go(buf)
         for buf in st.out_grads:
             self._let_go(buf)
 
-    # -- parameter gradients (runtime.stores.ParamStore) --
-    def _param_grads(self, names) -> None:
-        for n in names:
-            if n in self.names and n not in self.grads and n not in self.frozen:
-                self.grads[n] = None
-                self.level[_GRADS] += self.gsize[n]
-
-    def _drop_grads(self, names) -> None:
-        for n in names:
-            if n in self.grads:
-                del self.grads[n]
-                self.level[_GRADS] -= self.gsize[n]
-
     # -- compute (the worker's `run`) --
     def _forward(self, i: int, ins) -> None:
         """F: the outputs' buffers (an alias: its input's), and a stash holding what autograd
         saved (input and output buffers among it counted as those values: `plan.kept`)
-        until the last backward; a recomputed forward's stash holds its inputs instead, a
-        unit's first run (`Unit.FIRST`) none; a second run stores what it keeps."""
+        until the last backward, inputs kept as sequence slices as those; a recomputed
+        forward's stash holds its inputs instead, a unit's first run (`Unit.FIRST`) none; a
+        second run stores what it keeps."""
         again, expert, unit = ins.data.recompute, ins.region in self.routing.experts, ins.data.unit
         kept_in, kept_out = self.plan.kept.get(ins.region, ((), ()))
         held = self.plan.regions[ins.region].inputs if again else kept_in
-        inputs = {v: self.acts[(v, ins.mb)] for v in held if (v, ins.mb) in self.acts}
+        inputs = {v: self.acts[(v, ins.mb)] for v in held
+                  if (v, ins.mb) in self.acts and v not in ins.data.slices}
+        for v in ins.data.slices:   # kept as this device's slice instead
+            self._put(self.acts, (slice_name(v), ins.mb), _Buf(self._vb(slice_name(v), ins.mb)))
         refs = list(inputs.values())
         same = self.aliases.get(ins.region, {})   # an output that is its input's buffer
         for v in self.plan.regions[ins.region].outputs:
@@ -206,7 +174,7 @@ class Ledger:
         for buf in refs:
             self._hold(buf)
         saved = 0 if again else self.routing.saved(ins.region, ins.mb, self.d)
-        self.level[_ACTIVATIONS] += saved
+        self.level[ACTIVATIONS] += saved
         key = (ins.region, ins.mb)
         if key in self.stash:
             self._drop_stash(key)
@@ -255,7 +223,7 @@ class Ledger:
             self._let_go(buf)
         st.refs, st.inputs = refs, None
         st.saved = self.routing.saved(ins.region, ins.mb, self.d)
-        self.level[_ACTIVATIONS] += st.saved
+        self.level[ACTIVATIONS] += st.saved
 
     def _update(self, i: int, ins) -> None:
         """U (`ParamStore.update`): gradients consumed, updated ZeRO-1/2 shards held until
@@ -264,10 +232,10 @@ class Ledger:
         for b in ins.data.buckets:
             if b in self.buckets and self.buckets[b].zero != 3 and b not in self.zero_shards:
                 self.zero_shards[b] = self._shard(b, self.pb)
-                self.level[_BUFFERS] += self.zero_shards[b]
-            self.level[_GRADS] -= self.grad_shards.pop(b, 0)
+                self.level[BUFFERS] += self.zero_shards[b]
+            self.level[GRADS] -= self.grad_shards.pop(b, 0)
         for key, nbytes in self.ustate[i].items():
-            self.level[_OPTIM] += nbytes - self.optim_state.get(key, 0)
+            self.level[OPTIM] += nbytes - self.optim_state.get(key, 0)
             self.optim_state[key] = nbytes
 
     # -- communication --
@@ -276,30 +244,30 @@ class Ledger:
         already counted); a reduce-scatter takes the gradients at issue."""
         k, b = ins.kind, ins.bucket
         if ins.is_scalar:   # clipping's squared-norm share, the global loss's count
-            self.pending[i] = (_BUFFERS, NORM_BYTES)
-            self.level[_BUFFERS] += NORM_BYTES
+            self.pending[i] = (BUFFERS, NORM_BYTES)
+            self.level[BUFFERS] += NORM_BYTES
             return
         if ins.purpose == Purpose.TP:   # one flat copy of the values it sums, and under
             nbytes = sum(self._vb(v, ins.mb) for v in ins.data.values)   # SP a member's slices
             if k != Op.ALL_REDUCE:
                 nbytes += sum(self._vb(v, ins.mb) // len(ins.data.group) for v in ins.data.values)
-            self.pending[i] = (_BUFFERS, nbytes)
-            self.level[_BUFFERS] += nbytes
+            self.pending[i] = (BUFFERS, nbytes)
+            self.level[BUFFERS] += nbytes
             return
         if k == Op.SEND or (k in BUCKET_COLLECTIVES and b not in self.buckets):
             return
         if k == Op.RECV:
-            kind, nbytes = _ACTIVATIONS, sum(self._vb(v, ins.mb) for v in ins.data.values)
+            kind, nbytes = ACTIVATIONS, sum(self._vb(v, ins.mb) for v in ins.data.values)
         elif k == Op.ALL_REDUCE:
-            kind, nbytes = _BUFFERS, self._padded(b, self.rb)
+            kind, nbytes = BUFFERS, self._padded(b, self.rb)
         elif k == Op.REDUCE_SCATTER:  # a flat copy of the gradients and the output shard
-            kind, nbytes = _BUFFERS, self._padded(b, self.rb) + self._shard(b, self.rb)
+            kind, nbytes = BUFFERS, self._padded(b, self.rb) + self._shard(b, self.rb)
             self._drop_grads(self.buckets[b].params)
         elif k == Op.ALL_GATHER:      # a gathered ZeRO-3 bucket counts as parameters
-            kind = _PARAMS if self.buckets[b].zero == 3 else _BUFFERS
+            kind = PARAMS if self.buckets[b].zero == 3 else BUFFERS
             nbytes = self._padded(b, self.pb)
         else:                         # ALL_TO_ALL: what it sends and what it gets
-            kind, nbytes = _BUFFERS, self._exchanged(ins)
+            kind, nbytes = BUFFERS, self._exchanged(ins)
         self.pending[i] = (kind, nbytes)
         self.level[kind] += nbytes
 
@@ -309,6 +277,9 @@ class Ledger:
         self.level[kind] -= nbytes
         src = self.instrs[ins.data.target]
         k, b = src.kind, src.bucket
+        if src.is_regather:   # an input kept as slices, whole again
+            for v in src.data.values:
+                self._put(self.acts, (v, src.mb), _Buf(self._vb(v, src.mb)))
         if k in BUCKET_COLLECTIVES and b not in self.buckets:
             return
         if k == Op.RECV:
@@ -338,34 +309,6 @@ class Ledger:
             else:
                 table = self.acts if kind == Held.ACT else self.vgrads
                 self._let_go(table.pop(what, None))
-
-    # -- what a WAIT or FREE does to the parameter store (runtime.stores.ParamStore) --
-    def _set_grads(self, b: int) -> None:
-        """An all-reduce's WAIT: the gradients become views of the reduced flat bucket."""
-        self._param_grads(self.buckets[b].params)
-
-    def _add_grad_shard(self, b: int) -> None:   # a reduce-scatter's WAIT
-        shard = self._shard(b, self.rb)
-        self.level[_GRADS] += shard - self.grad_shards.get(b, 0)
-        self.grad_shards[b] = shard
-
-    def _acquire(self, b: int) -> None:
-        """A ZeRO-3 gather's WAIT: the full bucket, one buffer however many gathers overlap."""
-        self.refs[b] = self.refs.get(b, 0) + 1
-        if self.refs[b] == 1:
-            self.level[_PARAMS] += self._padded(b, self.pb)
-
-    def _write_params(self, b: int) -> None:
-        """A ZeRO-1/2 gather's WAIT: the updated shard waiting for it goes."""
-        if b in self.zero_shards:
-            self.level[_BUFFERS] -= self.zero_shards.pop(b)
-
-    def _release(self, b: int) -> None:
-        """`free(param:b)`: the full bucket goes with its last use."""
-        if self.refs.get(b, 0) > 0:
-            self.refs[b] -= 1
-            if self.refs[b] == 0:
-                self.level[_PARAMS] -= self._padded(b, self.pb)
 
     # -- the token exchange (runtime.exchange) --
     def _exchanged(self, ins) -> int:

@@ -56,7 +56,8 @@ from dataclasses import dataclass
 from piper_nb.ir.kinds import COMM, COMPUTE
 from piper_nb.plan.sizes import element_size
 from piper_nb.plan.streams import communicator
-from piper_nb.sim.ledger import Ledger, param_numel
+from piper_nb.sim.ledger import Ledger
+from piper_nb.sim.ledger_params import param_numel
 from piper_nb.sim.memory_settings import (
     DEFAULT_SETTINGS,
     MIXED_PRECISION_ADAM,

@@ -66,15 +66,23 @@ def test_the_plan_simulates_and_round_trips_through_json():
     assert trace.step_time > 0
     # a gather or a scatter moves half an all-reduce's bytes, so SP's pairs cost what TP's
     # all-reduces do (Korthikanti et al.), not twice that (links without latency: these
-    # messages are tiny)
+    # messages are tiny); the inputs kept as slices are gathered once more before the
+    # backward (`compiler.regather`), each as its forward's gather
     hw = dataclasses.replace(HARDWARE["H100"], nvlink_latency=0.0)
     whole = pn.compile(pn.annotate(llama(), LAYERS), [pn.tensor_parallel({}, [0, 1])],
                        llama().example_batch(batch_size=4, seed=0))
 
-    def comm(p):
+    def comm(p, again=False):
         t = pn.simulate(p, pn.CostModel.analytic(p, hw))
-        return sum(e.duration for e in t.events if e.device == 0 and e.stream == "tp")
-    assert comm(plan) < 1.05 * comm(whole)
+        return sum(e.duration for e in t.events if e.device == 0 and e.stream == "tp"
+                   and ("AG_R" in e.label) == again)
+    assert 0.95 * comm(whole) < comm(plan) < 1.05 * comm(whole)
+    gathers = [i for i in plan[0].instrs
+               if i.purpose == pn.Purpose.TP and i.kind == pn.Op.ALL_GATHER]
+    again = [i for i in gathers if i.data.regather]
+    assert len(again) == 2 * 2 + 1   # QKV's and the MLP's input in each layer, the head's
+    assert comm(plan, again=True) == pytest.approx(
+        comm(plan) * len(again) / (len(gathers) - len(again)) / 2, rel=0.3)
     again = pn.Plan.from_json(plan.to_json())
     assert again.world == 2 and again.tp_groups == plan.tp_groups
 

@@ -124,15 +124,16 @@ def test_a_mean_over_the_sequence_between_the_layers(cluster2):
     _same(result, ref)
 
 
-@pytest.mark.parametrize("schedule", ["1f1b", "dualpipev"])
+@pytest.mark.parametrize("schedule", ["1f1b", "zb1p", "dualpipev"])
 def test_pp2_tp2_sp(cluster4, schedule):
-    if schedule == "1f1b":
+    if schedule != "dualpipev":   # zb1p: the input gathered again is read until BW
         model = llama()
         ann = pn.cut_stages(model, 2)
+        build = S.one_f_one_b if schedule == "1f1b" else S.zero_bubble
         program = [pn.place({"PP": 0}, [0]), pn.place({"PP": 1}, [2]),
                    pn.tensor_parallel({"PP": 0}, [0, 1], sequence_parallel=True),
                    pn.tensor_parallel({"PP": 1}, [2, 3], sequence_parallel=True),
-                   *S.one_f_one_b(2, 4)]
+                   *build(2, 4)]
     else:
         model = llama(layers=4)
         ann = pn.cut_stages(model, 4)

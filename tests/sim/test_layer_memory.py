@@ -1,9 +1,8 @@
 """The memory model's activation bytes per GPT layer against Korthikanti et al. 2022,
 Table 2 (benchmarks/bench_layer_memory.py, at a small size: every term scales with sbh).
 
-What matches within 5% is asserted. What misses today is an xfail(strict=True) naming
-why, so the change that fixes it (SP's sharded parts keeping slices) turns it into a
-failure to flip into an assertion."""
+What matches within 5% is asserted. What misses is an xfail(strict=True) naming why, so
+the change that fixes it turns it into a failure to flip into an assertion."""
 
 from __future__ import annotations
 
@@ -63,14 +62,15 @@ def test_a_recomputed_tensor_parallel_layer_keeps_its_input(t, sp):
     assert ratio(closed, t=t, sp=sp, recompute="full") == pytest.approx(1.0, rel=0.05)
 
 
-# Under SP the sharded parts keep their all-gathered inputs whole (the QKV and first MLP
-# linear save them), where Megatron keeps each device's slice and gathers it again in the
-# backward: +(4 - 4/t)sbh a layer.
-@pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="the sharded parts keep their gathered inputs whole "
-                   "(issue 52, item 1)")
-def test_a_sequence_parallel_layer_divides_by_t():
-    assert ratio(dict(t=2, sp=True), t=2, sp=True) == pytest.approx(1.0, rel=0.05)
+# Under SP the sharded parts keep each device's slice of their all-gathered inputs (the QKV
+# and first MLP linear save them) and gather them again before the backward, as Megatron
+# does (`compiler.regather`): the layer keeps sbh(34 + 5as/h)/t, or 34sbh/t under
+# selective recompute.
+@pytest.mark.parametrize("t", [2, 4])
+@pytest.mark.parametrize("recompute", [None, "selective"])
+def test_a_sequence_parallel_layer_divides_by_t(t, recompute):
+    closed = dict(t=t, sp=True, recompute=recompute or "none")
+    assert ratio(closed, t=t, sp=True, recompute=recompute) == pytest.approx(1.0, rel=0.05)
 
 
 # torch's F.dropout on CPU and meta saves a noise tensor of the activation dtype (2 bytes
