@@ -15,9 +15,9 @@ autograd (not recomputed, not a floating segment):
   `slice_name(v)`, s/t of the sequence) and autograd's saved copies of the input refer to
   the whole one gathered again (`runtime.compute`);
 - an all-gather of those slices (`Collective.regather`, node id `...#regather`) runs before
-  the part's backward (B, or BI), after the forward and after whatever that backward waits
-  on (the gradients received or made, the schedule's order), so the whole input is held from
-  there to the backward that last reads it (B, or BW) and not from the forward on;
+  the part's backward (B, or BI): after the forward, while the backward of the sharded
+  part before it computes, so the whole input is held from there to the backward that
+  last reads it (B, or BW), not from the forward on;
 - the backwards read it (`Pass.slices`), which the lowering's frees follow.
 
 An input gathered for several readers, or that the forward does not save, is left as it
@@ -63,6 +63,8 @@ def regather_inputs(dag: TrainingDAG, _: Directives, ctx: Context) -> TrainingDA
                 found[f"{g.id}{REGATHER}:{f.id}"] = (g, f, values)
     if not found:
         return dag
+    light = {r for r in layout.parts if not set(ctx.capture.regions[r].params) & set(layout.params)}
+    heavy = {n.region for n in dag.nodes if n.region >= 0} - light   # with sharded matmuls
     slices: dict[str, tuple[str, ...]] = defaultdict(tuple)   # pass id -> its sliced inputs
     nodes, edges, degree = [], [], {}
     for rid, (g, f, values) in found.items():
@@ -74,9 +76,7 @@ def regather_inputs(dag: TrainingDAG, _: Directives, ctx: Context) -> TrainingDA
                           tuple(sorted({"grad": False, "purpose": str(Purpose.TP),
                                         "values": values, "regather": True}.items()))))
         edges.append(Edge(rid, first.id, EdgeKind.DATA, values))
-        waits = {f.id} | {e.src for e in dag.in_edges(first.id)
-                          if not pulled_gather(dag[e.src])}
-        edges += [Edge(w, rid, EdgeKind.TEMPORAL) for w in sorted(waits)]
+        edges += [Edge(w, rid, EdgeKind.TEMPORAL) for w in sorted(_waits(dag, f, first, heavy))]
         degree.update(dict.fromkeys(values, layout.degree[layout.parts[f.region][0]]))
     marked = [n.with_attrs(slices=tuple(dict.fromkeys(slices[n.id]))) if n.id in slices else n
               for n in dag.nodes]
@@ -91,3 +91,24 @@ def _plain(f: Node) -> bool:
     return (f.op == Op.F and f.attr("recompute") is None and not f.attr("unit")
             and not f.attr("floating"))
 
+
+def _waits(dag: TrainingDAG, f: Node, first: Node, heavy: set[int]) -> set[str]:
+    """What the gather before backward `first` waits on: forward `f`, and what the backward
+    of the sharded part before it waits on, found back through the collectives and the
+    replicated parts' backwards (norms, sums: no matmul to hide it behind) on the same
+    devices, so that it runs while that backward's matmuls do (Megatron overlaps it with
+    the layer's other matmuls). A forward, or a transfer from elsewhere, is waited on."""
+    waits, seen = {f.id}, set()
+    todo = [e.src for e in dag.in_edges(first.id) if e.src != f.id]
+    while todo:
+        x = dag[todo.pop()]
+        if x.id in seen or pulled_gather(x):
+            continue
+        seen.add(x.id)
+        if x.devices != first.devices or x.op not in BACKWARDS and x.attr("purpose") != Purpose.TP:
+            waits.add(x.id)
+        elif x.op not in BACKWARDS or x.region not in heavy:   # walked back through
+            todo += [e.src for e in dag.in_edges(x.id)]
+        else:
+            waits |= {e.src for e in dag.in_edges(x.id) if not pulled_gather(dag[e.src])}
+    return waits

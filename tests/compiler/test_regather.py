@@ -39,6 +39,8 @@ def _frees(instrs) -> dict[str, list[int]]:
 
 def test_each_sliced_input_is_gathered_again_before_its_backward():
     plan = compile_sp(pn.split({}, num=2))
+    sharded = set(plan.tp_params)
+    head = max(i.region for i in plan[0].instrs if i.kind == Op.F and i.data.slices)
     for dp in plan.devices:
         instrs = dp.instrs
         frees = _frees(instrs)
@@ -57,6 +59,11 @@ def test_each_sliced_input_is_gathered_again_before_its_backward():
             assert k < r < b and instrs[b].data.slices == v
             wait = next(j for j, x in enumerate(instrs) if x.kind == Op.WAIT and x.data.target == r)
             assert r < wait < b
+            # issued before the backward of the sharded part before it, to run while that
+            # one's matmuls do (the head's has none before it: issued after the forwards)
+            between = {instrs[j].region for j in range(r, wait) if instrs[j].kind == Op.B}
+            assert f.region == head or any(set(plan.regions[x].params) & sharded
+                                           for x in between)
             whole, part = f"act:{v[0]}@{f.mb}", f"act:{slice_name(v[0])}@{f.mb}"
             # the whole input goes after the forward, its slice after the gather, and the
             # gathered one after the backward that last reads it
