@@ -98,6 +98,13 @@ class Case:
         return self.tp > 1 and any(s in self.spec.mlps for s, _ in self.recompute)
 
     @property
+    def regathers(self) -> bool:
+        """A sequence-parallel MLP not recomputed in full for every microbatch: its first
+        linear keeps its slice of the gathered input, gathered again before its backward."""
+        whole = {s for s, mb in self.recompute if mb < 0}
+        return self.sp and any(s not in whole for s in self.spec.mlps)
+
+    @property
     def batch_size(self) -> int:
         return self.microbatches * self.dp * self.per_part
 

@@ -65,6 +65,7 @@ def main() -> int:
                                       ("sp", case.sp), ("attention", case.spec.attns),
                                       ("selective", case.selective),
                                       ("tp-recompute-units", case.units),
+                                      ("sp-regather", case.regathers),
                                       ("vocab-parallel-loss", case.spec.classes),
                                       (f"grad-sync-{case.grad_sync}", case.grad_sync)]
                        if v)

@@ -92,6 +92,20 @@ def test_make_fuzz_draws_tensor_parallel_layers_recomputed_as_units():
                for d in plan.devices for i in d.instrs)
 
 
+def test_make_fuzz_draws_sequence_parallel_inputs_gathered_again():
+    """A sharded MLP under SP keeps its slice of the gathered input and the plan gathers it
+    again before the backward (`compiler.regather`): drawn with pipelines, data
+    parallelism and split backwards among the 500 cases of `make fuzz`."""
+    cases = [c for c in map(draw, range(500)) if c.regathers]
+    assert any(c.ranks > 1 for c in cases) and any(c.dp > 1 for c in cases)
+    assert any(c.schedule in ("zb1p", "dualpipev") for c in cases)
+    case = next(c for c in cases if c.ranks > 1)
+    model = StageGraph(case.spec)
+    plan = pn.compile(pn.annotate(model, model.annotation()), program(case),
+                      batches(case, model)[0])
+    assert any(i.is_regather for d in plan.devices for i in d.instrs)
+
+
 def test_a_drawn_classifier_head_sends_per_token_numbers_not_its_logits():
     case = next(c for c in map(draw, range(500)) if c.spec.classes and not c.lengths)
     model = StageGraph(case.spec)
