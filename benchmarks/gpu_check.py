@@ -529,13 +529,13 @@ def probe_matmul() -> list[Row]:
     end.synchronize()
     rate = 2 * n**3 * reps / (start.elapsed_time(end) / 1e3)
     hw = HARDWARE["H200"]
-    assumed = hw.peak("bf16") * hw.efficiency
+    assumed = hw.peak("bf16") * hw.matmul_efficiency
     ok = rate >= assumed
     return [("matmul-bf16", "pass" if ok else "FAIL",
              f"{rate / 1e12:.0f} TFLOP/s on a {n}^3 bf16 matmul ({torch.cuda.get_device_name()}), "
              f"{rate / hw.peak('bf16'):.0%} of H200's bf16 peak; the analytic model assumes "
              f"{assumed / 1e12:.0f} (peak {hw.peak('bf16') / 1e12:.0f} x efficiency "
-             f"{hw.efficiency:g}): measured / assumed {rate / assumed:.2f} (pass: >= 1)")]
+             f"{hw.matmul_efficiency:g}): measured / assumed {rate / assumed:.2f} (pass: >= 1)")]
 
 
 def trained(plan, batch, steps: int) -> tuple[float, int]:

@@ -13,15 +13,16 @@ Three ways to get one, all the same `CostModel` value:
   (`sim.host_model.HostModel`): host-synchronous (`sync`: a CPU worker waits for each
   pass), sharing `cores` among the devices computing at once, with what time-slicing costs
   on top where they outnumber the cores (`sim/time_slicing.py`);
-- `CostModel.analytic(plan, "H100")`: FLOPs per region counted by
-  `torch.utils.flop_counter.FlopCounterMode`, divided by the hardware's peak and an
-  efficiency factor; messages cost bytes / NVLink bandwidth inside a node of 8 devices and
-  bytes / InfiniBand bandwidth across nodes (alpha-beta model, ring collectives).
+- `CostModel.analytic(plan, "H100")`: each pass the sum of its aten operators' roofline
+  times, counted by dispatch (`sim.roofline`, `sim.op_counts`), with one table of sourced
+  constants per GPU (`sim.gpus`); messages cost bytes / NVLink bandwidth inside a node of 8
+  devices and bytes / InfiniBand bandwidth across nodes (alpha-beta model, ring
+  collectives).
 
 In every model the B or BI of a recomputed region (`pn.recompute`) costs one forward more:
 it runs the forward again first (`CostModel.compute`). Under selective recompute the
-analytic model adds the attention cores' FLOPs to B, and to BI and BW, which each run them
-again (a profile times them as run).
+attention cores run again inside B, BI and BW, which the analytic model counts as they run
+(a profile times them so).
 """
 
 from __future__ import annotations
@@ -31,58 +32,12 @@ from dataclasses import dataclass, field
 
 from piper_nb.errors import PlanError
 from piper_nb.ir.kinds import P2P, Op
-from piper_nb.plan.sizes import element_size, message_bytes
+from piper_nb.plan.sizes import message_bytes
+from piper_nb.sim.gpus import HARDWARE, HardwareSpec
 from piper_nb.sim.host_model import HostModel
 
 __all__ = ["CostModel", "HardwareSpec", "HARDWARE"]
 
-
-
-@dataclass(frozen=True, kw_only=True)
-class HardwareSpec:
-    """One accelerator and its links; bandwidths in bytes/s per direction, latency in s."""
-
-    name: str
-    peak_flops: float           # dense bf16 FLOP/s of one device (tensor cores)
-    fp32_flops: float = 0.0     # dense fp32 FLOP/s (no TF32, PyTorch's default for fp32
-                                # matmuls); 0: peak_flops / 16, about the A100/H100 ratio
-    efficiency: float = 0.5     # fraction of peak a pass reaches (MFU)
-    hbm_bandwidth: float        # bytes/s; the optimizer update is memory-bound
-    nvlink_bandwidth: float     # inside a node
-    ib_bandwidth: float         # across nodes, per device
-    node_size: int = 8          # devices per node
-    nvlink_latency: float = 5e-6
-    ib_latency: float = 15e-6
-    memory: float = math.inf    # bytes of device memory (HBM); a plan fits when its peak does
-
-    def peak(self, precision: str = "bf16") -> float:
-        """Dense FLOP/s for a plan in `precision` ("bf16" or "fp32")."""
-        if precision == "fp32":
-            return self.fp32_flops or self.peak_flops / 16
-        return self.peak_flops
-
-    def __post_init__(self):
-        if not 0 < self.efficiency <= 1:
-            raise PlanError(f"HardwareSpec {self.name}: efficiency {self.efficiency} must be in "
-                            "(0, 1]; it is the fraction of peak FLOP/s a pass reaches")
-        if min(self.peak_flops, self.hbm_bandwidth, self.nvlink_bandwidth,
-               self.ib_bandwidth, self.memory) <= 0 or self.node_size < 1:
-            raise PlanError(f"HardwareSpec {self.name}: rates and node_size must be positive")
-
-
-_GiB = 2**30
-HARDWARE = {       # memory: the vendor's figure (A100 40/80 GB, H100 80 GB, H200 141 GB) in GiB
-    "A100": HardwareSpec(name="A100", peak_flops=312e12, fp32_flops=19.5e12,
-                         hbm_bandwidth=2.0e12, nvlink_bandwidth=300e9, ib_bandwidth=25e9,
-                         memory=80 * _GiB),
-    "A100-40GB": HardwareSpec(name="A100-40GB", peak_flops=312e12, fp32_flops=19.5e12,
-                              hbm_bandwidth=1.555e12, nvlink_bandwidth=300e9, ib_bandwidth=25e9,
-                              memory=40 * _GiB),
-    "H100": HardwareSpec(name="H100", peak_flops=989e12, fp32_flops=67e12, hbm_bandwidth=3.35e12,
-                         nvlink_bandwidth=450e9, ib_bandwidth=50e9, memory=80 * _GiB),
-    "H200": HardwareSpec(name="H200", peak_flops=989e12, fp32_flops=67e12, hbm_bandwidth=4.8e12,
-                         nvlink_bandwidth=450e9, ib_bandwidth=50e9, memory=141 * _GiB),
-}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -128,24 +83,18 @@ class CostModel:
 
     @classmethod
     def analytic(cls, plan, hardware: str | HardwareSpec = "H100") -> CostModel:
-        """Roofline-style estimates from FLOPs on `hardware` (a name in HARDWARE or a spec),
-        at the peak of the plan's precision (bf16 tensor cores, or fp32)."""
-        from piper_nb.sim.flops import region_flop_parts
+        """Per-operator times on `hardware` (a name in HARDWARE or a spec): each pass the
+        sum of its aten operators' roofline times, counted by dispatch (`sim.roofline`),
+        eager; messages by the alpha-beta ring model over NVLink inside a node and
+        InfiniBand across nodes."""
+        from piper_nb.sim.roofline import passes_of
         if isinstance(hardware, str):
             if hardware not in HARDWARE:
                 raise PlanError(f"unknown hardware {hardware!r}; use one of "
                                 f"{', '.join(HARDWARE)} or a HardwareSpec(...)")
             hardware = HARDWARE[hardware]
-        rate = hardware.peak(plan.precision) * hardware.efficiency
-        passes = {}
-        for r, (flops, again) in region_flop_parts(plan).items():
-            f, a = flops / rate, again / rate   # a: attention cores run again (selective)
-            passes[(r, Op.F)], passes[(r, Op.B)] = f, 2 * f + a
-            passes[(r, Op.BI)], passes[(r, Op.BW)] = f + a, f + a
-            nbytes = sum(math.prod(plan.params[p][0]) * element_size(plan.params[p][1])
-                         for p in plan.regions[r].params if p in plan.params)
-            passes[(r, Op.U)] = 4 * nbytes / hardware.hbm_bandwidth  # read p, g, state; write p
-        return cls(name=f"analytic({hardware.name})", unit="s", passes=passes,
+        return cls(name=f"analytic({hardware.name})", unit="s",
+                   passes=passes_of(plan, hardware),
                    latency=hardware.nvlink_latency, bandwidth=hardware.nvlink_bandwidth,
                    inter_latency=hardware.ib_latency, inter_bandwidth=hardware.ib_bandwidth,
                    node_size=hardware.node_size,

@@ -1,7 +1,8 @@
 """FLOPs per region, counted by running each region once on one microbatch slice under
-`FlopCounterMode` (the analytic cost model; `capture.annotate.flop_counter` also counts the
-`_grouped_mm` of Hugging Face's stacked experts). Pure: no process, and the user's model
-keeps its buffers and random state (`capture.untouched`).
+`FlopCounterMode` (`capture.annotate.flop_counter` also counts the `_grouped_mm` of
+Hugging Face's stacked experts). `each_region` runs every region so for any counter (the
+per-operator one of `sim.op_counts` too). Pure: no process, and the user's model keeps its
+buffers and random state (`capture.untouched`).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import torch
 from piper_nb.capture.meta_routing import balanced_routing
 from piper_nb.plan.sizes import random_value
 
-__all__ = ["region_flops", "region_flop_parts", "region_inputs"]
+__all__ = ["region_flops", "region_inputs", "each_region", "signature"]
 
 
 def region_inputs(plan, r: int, seed: int = 0, device=None) -> list[torch.Tensor]:
@@ -35,51 +36,49 @@ def region_inputs(plan, r: int, seed: int = 0, device=None) -> list[torch.Tensor
 
 def region_flops(plan) -> dict[int, float]:
     """Region -> forward FLOPs on one microbatch slice (FlopCounterMode)."""
-    return {r: total for r, (total, _) in region_flop_parts(plan).items()}
-
-
-def _recomputed(counter) -> float:
-    """FLOPs counted inside selective recompute's attention cores (`capture.attention_core`),
-    which the backward runs again."""
-    from piper_nb.capture.attention_core import CORE_PREFIX
-    return float(sum(sum(ops.values()) for name, ops in counter.get_flop_counts().items()
-                     if name.rsplit(".", 1)[-1].startswith(CORE_PREFIX)))
-
-
-def region_flop_parts(plan) -> dict[int, tuple[float, float]]:
-    """Region -> (forward FLOPs, the share of them its backward runs again: selective
-    recompute's attention cores) on one microbatch slice (FlopCounterMode)."""
     from piper_nb.capture.annotate import flop_counter
+
+    def count(module, args) -> float:
+        with flop_counter() as counter:
+            module(*args)
+        return float(counter.get_total_flops())
+    return each_region(plan, count)
+
+
+def each_region(plan, count, grad: bool = False) -> dict:
+    """Region -> `count(module, args)` for every region of `plan`, run on one microbatch
+    slice of its inputs where its parameters live (a region without any of its own, such as
+    a residual add between tensor-parallel parts, where the model does), the user's model
+    keeping its buffers and random state; with autograd where `grad` (the inputs that need
+    a gradient require one). On the meta device, where only shapes matter, a model's
+    repeated layers (one `signature`) are counted once; with values, routing to experts can
+    differ layer by layer."""
     from piper_nb.capture.untouched import untouched
-    out = {}
+    out, seen = {}, {}
     home = next((p.device for p in plan.capture.model.parameters()), torch.device("cpu"))
-    seen: dict = {}
-    with untouched(plan.capture.model), torch.no_grad():
+    with untouched(plan.capture.model), torch.enable_grad() if grad else torch.no_grad():
         for r in range(len(plan.regions)):
             module = plan.capture.modules[r]
-            # a region without parameters of its own (a residual add between tensor-parallel
-            # parts) runs where the model lives: on the meta device, shapes only
             device = next((p.device for p in module.parameters()), None) or home
-            # detached: FLOPs need no gradient, and FlopCounterMode's module tracker trips
-            # over an output aliasing an input that needs one (a part that only sums)
+            # detached: FlopCounterMode's module tracker trips over an output aliasing an
+            # input that needs a gradient (a part that only sums)
             args = [a.to(device).detach() for a in region_inputs(plan, r, device=device)]
-            # on the meta device FLOPs follow from shapes: a model's repeated layers are
-            # counted once (with values, routing to experts can differ layer by layer)
+            for a, v in zip(args, plan.regions[r].inputs, strict=True):
+                if grad and a.is_floating_point() and plan.values[v].requires_grad:
+                    a.requires_grad_(True)
             meta = torch.device(device).type == "meta"
-            key = _signature(module, args) if meta else None
-            if key is None or key not in seen:
-                with (balanced_routing() if meta else contextlib.nullcontext(),
-                      flop_counter() as counter):
-                    module(*args)
-                out[r] = (float(counter.get_total_flops()), _recomputed(counter))
-                if key is not None:
-                    seen[key] = out[r]
-            else:
+            key = signature(module, args) if meta else None
+            if key is not None and key in seen:
                 out[r] = seen[key]
+                continue
+            with balanced_routing() if meta else contextlib.nullcontext():
+                out[r] = count(module, args)
+            if key is not None:
+                seen[key] = out[r]
     return out
 
 
-def _signature(module, args) -> tuple | None:
+def signature(module, args) -> tuple | None:
     """What a region's FLOPs depend on: its graph's ops with their constant arguments, the
     classes, settings and parameter shapes of the modules it calls, and its inputs' shapes
     and dtypes. Two regions with one signature (a model's repeated layers) count alike;

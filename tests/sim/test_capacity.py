@@ -19,7 +19,7 @@ GiB = 2**30
 
 def test_the_hardware_knows_its_memory():
     assert {k: v.memory / GiB for k, v in HARDWARE.items()} == {
-        "A100": 80, "A100-40GB": 40, "H100": 80, "H200": 141}
+        "A100": 80, "A100-40GB": 40, "H100": 80, "H100-96GB": 96, "H200": 141}
 
 
 def meta_llama(vocab: int):

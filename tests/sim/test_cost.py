@@ -1,5 +1,5 @@
-"""Cost models: uniform unit costs and FLOP-based analytic estimates (the measured profile:
-tests/profile)."""
+"""Cost models: uniform unit costs and the per-operator analytic model (the measured
+profile: tests/profile)."""
 
 from __future__ import annotations
 
@@ -32,17 +32,30 @@ def test_uniform_costs_split_b_into_bi_and_bw_and_overlap_into_fb():
         CostModel.uniform(B=2, W=3)
 
 
-def test_analytic_costs_come_from_flops_over_peak_and_links():
+def test_analytic_costs_sum_each_kernel_of_a_pass_and_price_links():
+    """Two stages of Linear(8, 8) -> Tanh -> Linear(8, 8) -> Tanh in fp32: on a GPU whose
+    memory and launches are free, each pass costs its matmuls' FLOPs at the fp32 peak
+    times the matmul efficiency. Stage 0's input is the batch (no gradient): its backward
+    runs three matmuls (both weight gradients, the second layer's input gradient), BI none;
+    stage 1's four (B), two (BI, the input gradients) and three (BW: the weights', through
+    the second layer's input gradient)."""
     plan = plan2()
-    hw = HardwareSpec(name="toy", peak_flops=16e9, fp32_flops=1e9, efficiency=0.5,
-                      hbm_bandwidth=1e9,
+    hw = HardwareSpec(name="toy", peak_flops=16e9, fp32_flops=1e9, matmul_efficiency=0.5,
+                      hbm_bandwidth=1e30, launch_overhead=0.0,
                       nvlink_bandwidth=1e6, ib_bandwidth=1e5, node_size=1,
                       nvlink_latency=0.0, ib_latency=0.0)
     cost = CostModel.analytic(plan, hw)
-    slice_rows = plan.values["inputs"].shape[0]
-    flops = 2 * slice_rows * 8 * 8 * 2          # two Linear(8, 8) per stage, 2 FLOPs per MAC
-    assert cost.compute(Instr.of("F", region=0)) == pytest.approx(flops / 0.5e9)   # fp32 peak
-    assert cost.compute(Instr.of("B", region=0)) == pytest.approx(2 * flops / 0.5e9)
+    rows = plan.values["inputs"].shape[0]
+    mm = 2 * rows * 8 * 8 / 0.5e9           # one Linear(8, 8)'s matmul at 0.5 x fp32 peak
+    for region, (f, b, bi, bw) in enumerate([(2, 3, 0, 3), (2, 4, 2, 3)]):
+        got = [cost.compute(Instr.of(k, region=region)) for k in ("F", "B", "BI", "BW")]
+        assert got == pytest.approx([f * mm, b * mm, bi * mm, bw * mm]), region
+    # the optimizer step streams its state: 28 bytes per parameter element
+    assert cost.compute(Instr.of("U", region=0)) == pytest.approx(0.0)
+    slow = CostModel.analytic(plan, HardwareSpec(name="toy2", peak_flops=16e9, hbm_bandwidth=1e6,
+                                                 nvlink_bandwidth=1e6, ib_bandwidth=1e5))
+    assert slow.compute(Instr.of("U", region=0)) == pytest.approx(
+        2 * (8 * 8 + 8) * 28 / (1e6 * 0.85))
     send = next(i for i in plan[0].instrs if i.kind == "SEND")
     nbytes = message_bytes(plan, send)
     assert nbytes == value_bytes(plan.values[send.data.values[0]])
@@ -50,6 +63,23 @@ def test_analytic_costs_come_from_flops_over_peak_and_links():
     assert CostModel.analytic(plan, "H100").meta["hardware"] == "H100"
     with pytest.raises(PlanError, match="unknown hardware"):
         CostModel.analytic(plan, "TPU9")
+
+
+def test_a_kernel_costs_its_roofline_and_at_least_a_launch():
+    from piper_nb.sim.op_counts import Kind, OpTally
+    from piper_nb.sim.roofline import kernel_time
+    hw = pn.sim.HARDWARE["H200"]
+    big = OpTally(Kind.MATMUL, "bfloat16", 2 * 8192**3, 3 * 2 * 8192**2, 1)
+    assert kernel_time(big, hw) == pytest.approx(2 * 8192**3 / (989e12 * 0.8))
+    # a matmul of one row is bounded by the bytes of its weight, not its FLOPs
+    thin = OpTally(Kind.MATMUL, "bfloat16", 2 * 8192**2, 2 * (8192**2 + 2 * 8192), 1)
+    assert kernel_time(thin, hw) == pytest.approx(thin.nbytes / (4.8e12 * 0.85))
+    add = OpTally(Kind.MEMORY, "float32", 0, 3 * 4 * 2**24, 1)   # 3 tensors of 16 Mi floats
+    assert kernel_time(add, hw) == pytest.approx(add.nbytes / (4.8e12 * 0.85))
+    tiny = OpTally(Kind.MEMORY, "float32", 0, 12, 1)
+    assert kernel_time(tiny, hw) == hw.launch_overhead
+    flash = OpTally(Kind.ATTENTION, "bfloat16", 1e12, 1e6, 1)
+    assert kernel_time(flash, hw) == pytest.approx(1e12 / (989e12 * 0.35))
 
 
 def test_ring_collectives_move_their_share_of_the_bucket():
