@@ -82,19 +82,22 @@ class CostModel:
 
 
     @classmethod
-    def analytic(cls, plan, hardware: str | HardwareSpec = "H100") -> CostModel:
+    def analytic(cls, plan, hardware: str | HardwareSpec = "H100",
+                 compiled: bool = False) -> CostModel:
         """Per-operator times on `hardware` (a name in HARDWARE or a spec): each pass the
         sum of its aten operators' roofline times, counted by dispatch (`sim.roofline`),
-        eager; messages by the alpha-beta ring model over NVLink inside a node and
-        InfiniBand across nodes."""
+        eager or (`compiled`) with the element-wise work between matmuls fused as
+        `torch.compile` does; messages by the alpha-beta ring model over NVLink inside a
+        node and InfiniBand across nodes."""
         from piper_nb.sim.roofline import passes_of
         if isinstance(hardware, str):
             if hardware not in HARDWARE:
                 raise PlanError(f"unknown hardware {hardware!r}; use one of "
                                 f"{', '.join(HARDWARE)} or a HardwareSpec(...)")
             hardware = HARDWARE[hardware]
-        return cls(name=f"analytic({hardware.name})", unit="s",
-                   passes=passes_of(plan, hardware),
+        mode = ", compiled" if compiled else ""
+        return cls(name=f"analytic({hardware.name}{mode})", unit="s",
+                   passes=passes_of(plan, hardware, compiled),
                    latency=hardware.nvlink_latency, bandwidth=hardware.nvlink_bandwidth,
                    inter_latency=hardware.ib_latency, inter_bandwidth=hardware.ib_bandwidth,
                    node_size=hardware.node_size,

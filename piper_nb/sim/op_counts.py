@@ -30,6 +30,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from piper_nb.ir.kinds import Op
+from piper_nb.plan.sizes import storage_key
 
 __all__ = ["Kind", "OpTally", "OpCounter", "region_ops"]
 
@@ -76,6 +77,9 @@ class OpCounter(TorchDispatchMode):
         from piper_nb.capture.annotate import flop_counter
         self.formulas = flop_counter().flop_registry
         self.seen: Counter = Counter()   # (kind, dtype, flops, bytes) -> kernels
+        self.trace: list[_Kernel] = []   # in order, with the buffers each reads and writes
+        self.alive: list = []            # what it wrote: no buffer is reused while counting
+        self.saved: set = set()          # buffers autograd saved for the backward
         self.paused = False
         self._attention = _FusedAttention()
 
@@ -100,8 +104,12 @@ class OpCounter(TorchDispatchMode):
         finally:
             self.paused = was
 
-    def add(self, kind: Kind, dtype: torch.dtype, flops: float, nbytes: float) -> None:
-        self.seen[(kind, str(dtype).removeprefix("torch."), float(flops), float(nbytes))] += 1
+    def add(self, kind: Kind, dtype: torch.dtype, flops: float, nbytes: float,
+            reads: tuple = (), writes: tuple = ()) -> None:
+        key = (kind, str(dtype).removeprefix("torch."), float(flops), float(nbytes))
+        self.seen[key] += 1
+        self.trace.append(_Kernel(key, _buffers(reads), _buffers(writes)))
+        self.alive += writes
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -122,12 +130,73 @@ class OpCounter(TorchDispatchMode):
         kind = (Kind.ATTENTION if "attention" in name else
                 Kind.MATMUL if name in _MATMULS or flops else Kind.MEMORY)
         first = next(iter(tensors.values()), None)
-        dtype = str(first.dtype).removeprefix("torch.") if first is not None else "float32"
-        self.seen[(kind, dtype, flops, nbytes)] += 1
+        writes = tuple(t for t in tree_leaves(out) if isinstance(t, torch.Tensor))
+        ids = {id(t) for t in writes}
+        reads = tuple(t for t in tensors.values() if id(t) not in ids)
+        self.add(kind, first.dtype if first is not None else torch.float32, flops, nbytes,
+                 reads, writes)
         return out
 
     def tallies(self) -> tuple[OpTally, ...]:
+        """The kernels as eager PyTorch runs them, one per operator."""
         return tuple(OpTally(k, d, f, b, n) for (k, d, f, b), n in sorted(self.seen.items()))
+
+    def saving(self):
+        """Note what autograd saves under it (the fused kernels write it)."""
+        def pack(t):
+            with contextlib.suppress(RuntimeError, NotImplementedError):
+                self.saved.add(storage_key(t))
+            return t
+        return torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
+
+    def fused(self) -> tuple[OpTally, ...]:
+        """The kernels as `torch.compile` runs them: each run of memory-bound kernels between
+        two matmuls or attention kernels is one, reading what it takes from outside the run
+        and writing what is read after it, saved for the backward (`saving`), or read by
+        nothing later in the pass (an output); matmuls and attention as they are."""
+        readers: dict = {}
+        for i, k in enumerate(self.trace):
+            for b, _ in k.reads:
+                readers.setdefault(b, []).append(i)
+        seen: Counter = Counter()
+        run: list[int] = []
+        for i, k in enumerate([*self.trace, None]):
+            if k is not None and k.key[0] == Kind.MEMORY:
+                run.append(i)
+                continue
+            if run:
+                seen[self._fused_key(run, readers)] += 1
+                run = []
+            if k is not None:
+                seen[k.key] += 1
+        return tuple(OpTally(k, d, f, b, n) for (k, d, f, b), n in sorted(seen.items()))
+
+    def _fused_key(self, run: list[int], readers: dict) -> tuple:
+        made, moved, last = {}, {}, run[-1]
+        for i in run:
+            k = self.trace[i]
+            for b, n in k.reads:
+                if b not in made:
+                    moved[("r", b)] = n
+            for b, n in k.writes:
+                made[b] = n
+        for b, n in made.items():
+            later = readers.get(b, ())
+            if not later or later[-1] > last or b in self.saved:
+                moved[("w", b)] = n
+        return (Kind.MEMORY, self.trace[run[0]].key[1], 0.0, float(sum(moved.values())))
+
+
+@dataclass(frozen=True)
+class _Kernel:
+    key: tuple                  # (kind, dtype, flops, bytes)
+    reads: tuple                # ((buffer, bytes), ...)
+    writes: tuple
+
+
+def _buffers(tensors) -> tuple:
+    """(buffer, bytes) of each tensor: its storage (what a view of it shares), its bytes."""
+    return tuple((storage_key(t), t.numel() * t.element_size()) for t in tensors)
 
 
 def _nbytes(*ts) -> float:
@@ -162,7 +231,7 @@ class _Attention(torch.autograd.Function):
         ctx.flops, ctx.nbytes = flops, _nbytes(q, k, v, out)
         ctx.shapes = [(t.shape, t.dtype, t.device) for t in (q, k, v)]
         ctx.extra = len(rest)
-        counter.add(Kind.ATTENTION, q.dtype, flops, ctx.nbytes)
+        counter.add(Kind.ATTENTION, q.dtype, flops, ctx.nbytes, (q, k, v), (out,))
         return out
 
     @staticmethod
@@ -172,28 +241,30 @@ class _Attention(torch.autograd.Function):
             grads = [torch.zeros(s, dtype=d, device=dev) for s, d, dev in ctx.shapes]
         if counter is not None:   # reads q, k, v, out, its gradient; writes dq, dk, dv
             counter.add(Kind.ATTENTION, grad.dtype, 2.5 * ctx.flops,
-                        ctx.nbytes + _nbytes(grad, *grads))
+                        ctx.nbytes + _nbytes(grad, *grads), (grad,), tuple(grads))
         return (None, None, *grads, *([None] * ctx.extra))
 
 
-def region_ops(plan) -> dict[int, dict[Op, tuple[OpTally, ...]]]:
+def region_ops(plan, compiled: bool = False) -> dict[int, dict[Op, tuple[OpTally, ...]]]:
     """Region -> {F, B, BI, BW: its kernels} on one microbatch slice (the module
-    docstring); regions of one signature counted once."""
+    docstring), eager or as `torch.compile` fuses them (`OpCounter.fused`); regions of one
+    signature counted once."""
     from piper_nb.sim.flops import each_region
-    return each_region(plan, _count, grad=True)
+    return {r: {op: pair[compiled] for op, pair in ops.items()}
+            for r, ops in each_region(plan, _count, grad=True).items()}
 
 
-def _count(module, args: list) -> dict[Op, tuple[OpTally, ...]]:
-    with OpCounter() as fwd:
+def _count(module, args: list) -> dict[Op, tuple]:
+    with OpCounter() as fwd, fwd.saving():
         outs = module(*args)
     roots = [o for o in tree_leaves(outs) if isinstance(o, torch.Tensor) and o.requires_grad]
     inputs = [a for a in args if a.requires_grad]
     params = [p for p in module.parameters() if p.requires_grad]
     grads = [torch.ones_like(o) for o in roots]
-    got = {Op.F: fwd.tallies()}
+    got = {Op.F: (fwd.tallies(), fwd.fused())}
     for op, wrt in ((Op.BI, inputs), (Op.BW, params), (Op.B, inputs + params)):
         with OpCounter() as bwd:
             if roots and wrt:
                 torch.autograd.grad(roots, wrt, grads, retain_graph=True, allow_unused=True)
-        got[op] = bwd.tallies()
+        got[op] = (bwd.tallies(), bwd.fused())
     return got

@@ -14,8 +14,10 @@ source.
   (`launch_overhead`): a GPU fed faster than that waits for the host.
 - The **optimizer step** reads and writes `OPTIMIZER_BYTES` per parameter element.
 
-The plan runs eagerly: what `torch.compile` changes (fewer launches, element-wise work
-fused) is not modelled yet.
+A plan runs eager unless the model is told it is compiled (`compiled=True`): then each run
+of memory-bound kernels between two matmuls or attention kernels is one fused kernel, as
+`torch.compile`'s Inductor makes it, moving only what it reads from outside the run and
+what is read after it, with one launch (`OpCounter.fused`).
 """
 
 from __future__ import annotations
@@ -57,11 +59,12 @@ def update_time(plan, region: int, gpu: HardwareSpec) -> float:
     return numel * OPTIMIZER_BYTES / (gpu.hbm_bandwidth * gpu.hbm_efficiency)
 
 
-def passes_of(plan, gpu: HardwareSpec) -> dict:
-    """(region, pass) -> duration for every region of `plan` (`sim.op_counts.region_ops`)."""
+def passes_of(plan, gpu: HardwareSpec, compiled: bool = False) -> dict:
+    """(region, pass) -> duration for every region of `plan` (`sim.op_counts.region_ops`),
+    its kernels eager or as `torch.compile` fuses them."""
     from piper_nb.sim.op_counts import region_ops
     out = {}
-    for r, ops in region_ops(plan).items():
+    for r, ops in region_ops(plan, compiled).items():
         for kind in (Op.F, Op.B, Op.BI, Op.BW):
             out[(r, kind)] = pass_time(ops[kind], gpu)
         out[(r, Op.U)] = update_time(plan, r, gpu)

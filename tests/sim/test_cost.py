@@ -114,3 +114,19 @@ def test_jitter_is_each_pass_over_its_own_median_in_quantiles():
     assert jitter_quantiles({}, n=8) == ()
 
 
+
+
+def test_compiled_is_a_setting_that_fuses_the_element_wise_work():
+    """The same plan priced compiled costs no more per pass, and less over the step (the
+    backward's element-wise kernels between its matmuls fuse); eager is the default."""
+    plan = plan2()
+    eager, fused = CostModel.analytic(plan, "H100"), CostModel.analytic(plan, "H100",
+                                                                          compiled=True)
+    assert fused.name == "analytic(H100, compiled)" and eager.name == "analytic(H100)"
+    totals = [0.0, 0.0]   # compiled, eager
+    for region in (0, 1):
+        for kind in ("F", "B", "BI", "BW"):
+            got, was = (c.compute(Instr.of(kind, region=region)) for c in (fused, eager))
+            assert got <= was, (region, kind)
+            totals = [totals[0] + got, totals[1] + was]
+    assert totals[0] < totals[1]

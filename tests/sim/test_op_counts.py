@@ -1,0 +1,74 @@
+"""What the per-operator model counts (`sim.op_counts`): kernels by kind with their FLOPs and
+bytes, on the meta device; `scaled_dot_product_attention` as one attention kernel; and the
+kernels `torch.compile` would run, element-wise runs fused between matmuls."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from piper_nb.ir.kinds import Op
+from piper_nb.sim.op_counts import Kind, OpCounter, _count
+
+MB4 = 1024 * 1024 * 4   # one [1024, 1024] fp32 tensor
+
+
+def meta(*shape, dtype=torch.float32, grad=False):
+    return torch.empty(*shape, dtype=dtype, device="meta", requires_grad=grad)
+
+
+def test_element_wise_ops_are_one_kernel_each_eager_and_one_run_fused():
+    x = meta(1024, 1024)
+    with OpCounter() as c:
+        ((x * 2 + 1).relu()).view(-1)         # three kernels; the view is free
+    eager = c.tallies()
+    assert [(t.kind, t.count, t.nbytes) for t in eager] == [(Kind.MEMORY, 3, 2 * MB4)]
+    # fused: reads x, writes the result (read by nothing after: an output)
+    assert [(t.kind, t.count, t.nbytes) for t in c.fused()] == [(Kind.MEMORY, 1, 2 * MB4)]
+    assert sum(t.count for t in c.fused()) < sum(t.count for t in eager)
+
+
+def test_a_matmul_ends_a_run_and_what_crosses_it_is_written():
+    x, w = meta(1024, 1024), meta(1024, 1024)
+    with OpCounter() as c:
+        h = torch.tanh(x * 2)                # run 1: reads x, writes h (the matmul reads it)
+        y = h @ w                            # a matmul of 2 x 1024^3 FLOPs
+        (y + h).sum()                        # run 2: reads y and h, writes the sum
+    kinds = [(t.kind, t.count) for t in c.fused()]
+    assert (Kind.MATMUL, 1) in kinds and sum(n for k, n in kinds if k == Kind.MEMORY) == 2
+    mm = next(t for t in c.fused() if t.kind == Kind.MATMUL)
+    assert mm.flops == 2 * 1024**3 and mm.nbytes == 3 * MB4
+    runs = sorted(t.nbytes for t in c.fused() if t.kind == Kind.MEMORY)
+    assert runs == [2 * MB4, 2 * MB4 + 4]   # x in, h out; y and h in, a scalar out
+
+
+def test_what_autograd_saves_is_written_by_the_fused_run():
+    x = meta(1024, 1024, grad=True)
+
+    class Block(torch.nn.Module):
+        def forward(self, x):
+            return torch.tanh(x * 2) * 3     # tanh saves its output for the backward
+
+    got = _count(Block(), [x])
+    fused = got[Op.F][1]
+    # reads x, writes tanh's output (saved) and the result: three tensors, not two
+    assert [(t.kind, t.count, t.nbytes) for t in fused] == [(Kind.MEMORY, 1, 3 * MB4)]
+    assert sum(t.count for t in got[Op.F][0]) == 3       # eager: mul, tanh, mul
+    assert got[Op.BW] == ((), ())                         # no parameters
+    assert got[Op.B][0] and got[Op.BI][0] == got[Op.B][0]
+
+
+def test_scaled_dot_product_attention_is_the_one_kernel_a_gpu_runs():
+    b, h, s, d = 2, 4, 256, 64
+    q, k, v = (meta(b, h, s, d, dtype=torch.bfloat16, grad=True) for _ in range(3))
+    with OpCounter() as c:
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    [t] = c.tallies()
+    causal = 4 * b * h * s * s * d / 2
+    assert (t.kind, t.dtype, t.count, t.flops) == (Kind.ATTENTION, "bfloat16", 1, causal)
+    assert t.nbytes == 4 * b * h * s * d * 2          # q, k, v and the output
+    with OpCounter() as c:
+        torch.autograd.grad(out, [q, k, v], torch.ones_like(out))
+    attention = [t for t in c.tallies() if t.kind == Kind.ATTENTION]
+    assert [(t.count, t.flops) for t in attention] == [(1, 2.5 * causal)]
+    assert all(t.kind != Kind.MATMUL for t in c.tallies())   # not the math path's products
