@@ -44,7 +44,10 @@ The probes, and what each proves on real hardware:
   (`pn.reference_train`): fp32 at rtol/atol 1e-4, bf16 at the project's bf16 tolerance
   (tests/runtime/test_precision.py).
 - matmul-bf16: a large bf16 matmul timed with CUDA events, against the FLOP/s the analytic
-  model assumes for an H200 (peak x efficiency).
+  model assumes for an H200 (peak x matmul_efficiency).
+- matmul-fp32, hbm-stream: a 4096^3 fp32 matmul (TF32 off) and a streaming add, against
+  the fractions of the fp32 peak and of HBM bandwidth the analytic model assumes
+  (`HardwareSpec.matmul_efficiency`, `hbm_efficiency`) and no run has measured yet.
 - gpt-mid step, gpt-mid memory: a mid-size GPT trained on one rank; its measured step
   against `CostModel.analytic(plan, "H200")`, and `torch.cuda.max_memory_allocated`
   against the memory model's peak under `MemorySettings.for_cuda(nccl=False)`: NCCL
@@ -538,6 +541,45 @@ def probe_matmul() -> list[Row]:
              f"{hw.matmul_efficiency:g}): measured / assumed {rate / assumed:.2f} (pass: >= 1)")]
 
 
+def _timed(fn, reps: int) -> float:
+    """Seconds per call of `fn` on the GPU (CUDA events, after 5 warm-up calls)."""
+    for _ in range(5):
+        fn()
+    start, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
+    start.record()
+    for _ in range(reps):
+        fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / 1e3 / reps
+
+
+def probe_kernel_rates() -> list[Row]:
+    """What the analytic model assumes and no run has measured: an fp32 matmul's fraction of
+    the fp32 peak (TF32 off, PyTorch's default) and a streaming kernel's fraction of HBM
+    bandwidth. Each is printed measured / assumed; informational (pass within 2x)."""
+    hw = HARDWARE["H200"]
+    torch.backends.cuda.matmul.allow_tf32 = False
+    n = 4096
+    a = torch.randn(n, n, device="cuda")
+    c = torch.empty_like(a)
+    fp32 = 2 * n**3 / _timed(lambda: torch.matmul(a, a, out=c), 20)
+    assumed = hw.peak("fp32") * hw.matmul_efficiency
+    x = torch.randn(1 << 28, device="cuda")
+    y = torch.empty_like(x)
+    stream = 3 * x.numel() * 4 / _timed(lambda: torch.add(x, x, out=y), 20)
+    bw = hw.hbm_bandwidth * hw.hbm_efficiency
+    return [("matmul-fp32", "pass" if 0.5 <= fp32 / assumed <= 2 else "FAIL",
+             f"{fp32 / 1e12:.1f} TFLOP/s on a {n}^3 fp32 matmul (TF32 off), {fp32 / hw.peak('fp32'):.0%} "
+             f"of the fp32 peak; the analytic model assumes {assumed / 1e12:.1f}: measured / "
+             f"assumed {fp32 / assumed:.2f} (informational: pass within 2x)"),
+            ("hbm-stream", "pass" if 0.5 <= stream / bw <= 2 else "FAIL",
+             f"{stream / 1e12:.2f} TB/s by an add of 2^28 fp32 elements (read 2, write 1), "
+             f"{stream / hw.hbm_bandwidth:.0%} of the HBM peak; the analytic model assumes "
+             f"{bw / 1e12:.2f}: measured / assumed {stream / bw:.2f} (informational: pass "
+             "within 2x)")]
+
+
 def trained(plan, batch, steps: int) -> tuple[float, int]:
     """Train `plan` on one CUDA rank over NCCL for `steps` steps with AdamW: (the median
     step, s, of steps 2 to steps - 1: warm and untraced; torch.cuda.max_memory_allocated
@@ -662,7 +704,11 @@ def probes() -> list[Probe]:
               "capture), 1 rank on NCCL, against the CPU reference at rtol/atol 1e-4"),),
               lambda: against_reference("hf-llama", hf_llama()), lambda: [hf_llama()[2]]),
         Probe("matmul-bf16", (("matmul-bf16", "an 8192^3 bf16 matmul timed with CUDA events, "
-              "TFLOP/s against the analytic model's H200 peak x efficiency"),), probe_matmul),
+              "TFLOP/s against the analytic model's H200 peak x matmul_efficiency"),), probe_matmul),
+        Probe("kernel-rates", (("matmul-fp32", "a 4096^3 fp32 matmul (TF32 off) against "
+              "the analytic model's fp32 peak x matmul_efficiency"),
+              ("hbm-stream", "an add of 2^28 fp32 elements against the model's HBM "
+              "bandwidth x hbm_efficiency")), probe_kernel_rates),
         Probe("gpt-mid", (("gpt-mid step", "a mid-size GPT's measured step against "
               "CostModel.analytic(plan, 'H200')"),
               ("gpt-mid memory", "its torch.cuda.max_memory_allocated against the memory "
