@@ -195,8 +195,16 @@ class _Kernel:
 
 
 def _buffers(tensors) -> tuple:
-    """(buffer, bytes) of each tensor: its storage (what a view of it shares), its bytes."""
-    return tuple((storage_key(t), t.numel() * t.element_size()) for t in tensors)
+    """(buffer, bytes) of each tensor: its storage (what a view of it shares; the tensor
+    itself where it has none to ask), its bytes."""
+    out = []
+    for t in tensors:
+        try:
+            key = storage_key(t)
+        except (RuntimeError, NotImplementedError):
+            key = id(t)
+        out.append((key, t.numel() * t.element_size()))
+    return tuple(out)
 
 
 def _nbytes(*ts) -> float:
