@@ -19,6 +19,7 @@ signature (`sim.flops.signature`) are counted once.
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections import Counter
 from dataclasses import dataclass
 from enum import StrEnum
@@ -68,12 +69,14 @@ class OpTally:
 
 
 class OpCounter(TorchDispatchMode):
-    """Counts the kernels the operators under it run (see the module docstring)."""
+    """Counts the kernels the operators under it run (see the module docstring); with `fuse`
+    it also keeps their order and buffers, for `fused`."""
 
     active: list[OpCounter] = []   # the counters entered, innermost last
 
-    def __init__(self):
+    def __init__(self, fuse: bool = True):
         super().__init__()
+        self.fuse = fuse
         from piper_nb.capture.annotate import flop_counter
         self.formulas = flop_counter().flop_registry
         self.seen: Counter = Counter()   # (kind, dtype, flops, bytes) -> kernels
@@ -108,8 +111,9 @@ class OpCounter(TorchDispatchMode):
             reads: tuple = (), writes: tuple = ()) -> None:
         key = (kind, str(dtype).removeprefix("torch."), float(flops), float(nbytes))
         self.seen[key] += 1
-        self.trace.append(_Kernel(key, _buffers(reads), _buffers(writes)))
-        self.alive += writes
+        if self.fuse:
+            self.trace.append(_Kernel(key, _buffers(reads), _buffers(writes)))
+            self.alive += writes
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -258,21 +262,21 @@ def region_ops(plan, compiled: bool = False) -> dict[int, dict[Op, tuple[OpTally
     docstring), eager or as `torch.compile` fuses them (`OpCounter.fused`); regions of one
     signature counted once."""
     from piper_nb.sim.flops import each_region
-    return {r: {op: pair[compiled] for op, pair in ops.items()}
-            for r, ops in each_region(plan, _count, grad=True).items()}
+    return each_region(plan, functools.partial(_count, compiled=compiled), grad=True)
 
 
-def _count(module, args: list) -> dict[Op, tuple]:
-    with OpCounter() as fwd, fwd.saving():
+def _count(module, args: list, compiled: bool = False) -> dict[Op, tuple[OpTally, ...]]:
+    """A region's kernels, forward and backwards, eager or fused (`compiled`)."""
+    with OpCounter(fuse=compiled) as fwd, fwd.saving():
         outs = module(*args)
     roots = [o for o in tree_leaves(outs) if isinstance(o, torch.Tensor) and o.requires_grad]
     inputs = [a for a in args if a.requires_grad]
     params = [p for p in module.parameters() if p.requires_grad]
     grads = [torch.ones_like(o) for o in roots]
-    got = {Op.F: (fwd.tallies(), fwd.fused())}
+    got = {Op.F: fwd.fused() if compiled else fwd.tallies()}
     for op, wrt in ((Op.BI, inputs), (Op.BW, params), (Op.B, inputs + params)):
-        with OpCounter() as bwd:
+        with OpCounter(fuse=compiled) as bwd:
             if roots and wrt:
                 torch.autograd.grad(roots, wrt, grads, retain_graph=True, allow_unused=True)
-        got[op] = (bwd.tallies(), bwd.fused())
+        got[op] = bwd.fused() if compiled else bwd.tallies()
     return got
