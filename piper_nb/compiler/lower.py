@@ -345,28 +345,29 @@ def _add_frees(instrs: list[Instr], regions, dag) -> tuple[Instr, ...]:
     made = {v for r in regions for v in r.outputs}     # not the batch: regions make these
     for i, ins in enumerate(instrs):
         reads: list[str] = []
-        again: tuple[str, ...] = ()   # values written again
+        again: list[str] = []   # values written again
         if ins.kind == Op.F:
             reads = [f"act:{v}@{ins.mb}" for v in regions[ins.region].inputs
                      if v in made]
             reads += [f"act:{slice_name(v)}@{ins.mb}" for v in ins.data.slices]
-            again = ins.data.keep
+            again = [f"act:{v}@{ins.mb}" for v in ins.data.keep]
         elif ins.kind in BACKWARDS:
             reads = [f"act:{v}@{ins.mb}" for v in ins.data.slices]
             if ins.kind != Op.BW:
                 reads += [f"grad:{v}@{ins.mb}" for v in regions[ins.region].outputs
                           if v in grad_values]
-            if ins.kind != Op.BW and ins.data.recompute:   # the forward runs again on its inputs
-                reads += [f"act:{v}@{ins.mb}" for v in regions[ins.region].inputs if v in made]
+                if ins.data.recompute:   # the forward runs again on its inputs
+                    reads += [f"act:{v}@{ins.mb}" for v in regions[ins.region].inputs
+                              if v in made]
         elif ins.is_regather:
             reads = [f"act:{slice_name(v)}@{ins.mb}" for v in ins.data.values]
-        elif ins.kind == Op.WAIT and instrs[ins.data.target].kind == Op.SEND:
+        elif ins.kind == Op.WAIT:
             s = instrs[ins.data.target]
-            reads = [f"{'grad' if s.data.grad else 'act'}:{v}@{s.mb}" for v in s.data.values]
-        elif ins.kind == Op.WAIT and instrs[ins.data.target].is_regather:
-            again = instrs[ins.data.target].data.values   # the gathered input, whole again
-        for v in again:   # written again: the earlier buffer is done after its last reader
-            k = f"act:{v}@{ins.mb if ins.kind == Op.F else instrs[ins.data.target].mb}"
+            if s.kind == Op.SEND:
+                reads = [f"{'grad' if s.data.grad else 'act'}:{v}@{s.mb}" for v in s.data.values]
+            elif s.is_regather:   # the gathered input, whole again
+                again = [f"act:{v}@{s.mb}" for v in s.data.values]
+        for k in again:   # written again: the earlier buffer is done after its last reader
             if k in last:
                 now[last.pop(k)].append(k)
             reads.append(k)
