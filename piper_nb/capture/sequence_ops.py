@@ -11,7 +11,8 @@ from __future__ import annotations
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
 
-__all__ = ["SEQ_DIM", "narrow_sequence", "pad_sequence", "whole_like", "with_params"]
+__all__ = ["SEQ_DIM", "member_slice", "narrow_sequence", "pad_sequence", "whole_like",
+           "with_params"]
 
 SEQ_DIM = 1          # [batch, sequence, ...]: the dimension the slices cut
 
@@ -21,6 +22,12 @@ def narrow_sequence(x: torch.Tensor, degree: int, rank: torch.Tensor) -> torch.T
     the whole alive, and the memory model counts the slice alone."""
     n = x.shape[SEQ_DIM] // degree
     return x.narrow(SEQ_DIM, _first(rank, n), n).clone()
+
+
+def member_slice(x: torch.Tensor, j: int, n: int) -> torch.Tensor:
+    """Member j's slice of `x`'s sequence, of n members (a view)."""
+    size = x.shape[SEQ_DIM] // n
+    return x.narrow(SEQ_DIM, j * size, size)
 
 
 def pad_sequence(x: torch.Tensor, degree: int, rank: torch.Tensor) -> torch.Tensor:

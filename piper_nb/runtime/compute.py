@@ -127,8 +127,9 @@ class ComputePasses:
             return None
         names = self.plan.regions[ins.region].inputs
         whole = {v: raw[names.index(v)] for v in ins.data.slices}
-        lengths = {v: self.plan.values[slice_name(v)].shape[SEQ_DIM] for v in whole}
-        return SliceSaver(self.values.acts, ins.mb, whole, self.tp_rank, lengths, str(ins))
+        degree = {v: x.shape[SEQ_DIM] // self.plan.values[slice_name(v)].shape[SEQ_DIM]
+                  for v, x in whole.items()}
+        return SliceSaver(self.values.acts, ins.mb, whole, self.tp_rank, degree, str(ins))
 
     def _run_region(self, ins, args: list, raw: list, count: bool,
                     slices: SliceSaver | None = None) -> tuple[dict, int, list]:

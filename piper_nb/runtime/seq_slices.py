@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from piper_nb.capture.sequence_ops import SEQ_DIM
+from piper_nb.capture.sequence_ops import member_slice
 from piper_nb.plan.instr import slice_name
 from piper_nb.plan.sizes import storage_key
 
@@ -47,20 +47,19 @@ def unpack(p):
 
 class SliceSaver:
     """The forward `where` of microbatch `mb` keeps `inputs` (name -> the whole tensor it
-    reads) as this device's slice (the `rank`-th of `lengths[name]` tokens): the slices are
-    stored in `acts` now, and `pack` turns autograd's saves of the inputs into `_Saved`
-    (None for any other tensor)."""
+    reads) as this device's slice (member `rank` of `degree[name]`): the slices are stored
+    in `acts` now, and `pack` turns autograd's saves of the inputs into `_Saved` (None for
+    any other tensor)."""
 
     def __init__(self, acts: dict, mb: int, inputs: dict[str, torch.Tensor], rank: int,
-                 lengths: dict[str, int], where: str):
+                 degree: dict[str, int], where: str):
         self.acts, self.mb, self.where = acts, mb, where
         self.mine: dict = {}
         for v, x in inputs.items():
             if not x.is_contiguous():
                 raise RuntimeError(f"{where}: input {v}@{mb}, kept as a sequence slice, is not "
                                    "contiguous; its gathered copy would not match its views")
-            n = lengths[v]
-            acts[(slice_name(v), mb)] = x.narrow(SEQ_DIM, rank * n, n).clone()
+            acts[(slice_name(v), mb)] = member_slice(x, rank, degree[v]).clone()
             self.mine[storage_key(x)] = (v, x.storage_offset())
 
     def pack(self, t: torch.Tensor) -> _Saved | None:

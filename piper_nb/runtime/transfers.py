@@ -12,19 +12,13 @@ from __future__ import annotations
 
 import torch
 
-from piper_nb.capture.sequence_ops import SEQ_DIM
+from piper_nb.capture.sequence_ops import member_slice
 from piper_nb.ir.kinds import Op, Purpose
 from piper_nb.plan.instr import slice_name
 from piper_nb.plan.streams import communicator
 from piper_nb.trace import Memory
 
 __all__ = ["Transfers"]
-
-
-def _slice(x: torch.Tensor, j: int, n: int) -> torch.Tensor:
-    """Member j's slice of `x` of n along the sequence (a view)."""
-    size = x.shape[SEQ_DIM] // n
-    return x.narrow(SEQ_DIM, j * size, size)
 
 
 class Transfers:
@@ -97,9 +91,9 @@ class Transfers:
             return self.comm.all_reduce(torch.cat([x.reshape(-1) for x in xs]), key)
         if ins.kind == Op.ALL_GATHER:
             i = ins.data.group.index(self.rank)
-            return self.comm.all_gather(torch.cat([_slice(x, i, n).reshape(-1) for x in xs]),
+            return self.comm.all_gather(torch.cat([member_slice(x, i, n).reshape(-1) for x in xs]),
                                         n, key)
-        return self.comm.reduce_scatter(torch.cat([_slice(x, j, n).reshape(-1)
+        return self.comm.reduce_scatter(torch.cat([member_slice(x, j, n).reshape(-1)
                                                    for j in range(n) for x in xs]), n, key)
 
     def _summed(self, src, flat: torch.Tensor) -> None:
@@ -124,7 +118,7 @@ class Transfers:
             for old in olds:
                 if src.kind == Op.REDUCE_SCATTER:
                     old.zero_()
-                part = _slice(old, j, n)
+                part = member_slice(old, j, n)
                 part.copy_(flat[at:at + part.numel()].view(part.shape))
                 at += part.numel()
 
