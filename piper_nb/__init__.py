@@ -27,7 +27,7 @@ from piper_nb.metrics import StepMetrics
 from piper_nb.plan.instr import Instr
 from piper_nb.plan.plan import DevicePlan, Plan
 from piper_nb.profile import CostModel, simulate
-from piper_nb.sim import HardwareSpec, HostModel, MemorySettings, Trace
+from piper_nb.sim import HardwareSpec, HostModel, MemorySettings, Topology, Trace
 from piper_nb.sim.memory import MIXED_PRECISION_ADAM, device_model_states, zero_model_states
 from piper_nb.tp import tensor_parallel
 from piper_nb.train import Result, reference_train, train
@@ -36,7 +36,8 @@ __all__ = ["annotate", "cut_stages", "expert_slices", "region", "compile", "Plan
            "Instr", "Program", "place", "replicate", "shard", "split", "order", "recompute",
            "tensor_parallel", "PlanError",
            "RuntimeFailure", "WorkerLost", "TrainingDAG", "Node", "Edge", "Op", "Purpose", "validate",
-           "models", "schedules", "CostModel", "HostModel", "HardwareSpec", "MemorySettings",
+           "models", "schedules", "CostModel", "HostModel", "HardwareSpec", "Topology",
+           "MemorySettings",
            "Trace", "simulate", "train", "reference_train", "LocalCluster", "IPyParallelCluster",
            "optim", "Result", "StepMetrics", "Designer", "profile", "extras",
            # the memory model's accounting, for tutorials that check it against the ZeRO paper

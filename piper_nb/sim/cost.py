@@ -15,9 +15,10 @@ Three ways to get one, all the same `CostModel` value:
   on top where they outnumber the cores (`sim/time_slicing.py`);
 - `CostModel.analytic(plan, "H100")`: each pass the sum of its aten operators' roofline
   times, counted by dispatch (`sim.roofline`, `sim.op_counts`), with one table of sourced
-  constants per GPU (`sim.gpus`); messages cost bytes / NVLink bandwidth inside a node of 8
-  devices and bytes / InfiniBand bandwidth across nodes (alpha-beta model, ring
-  collectives).
+  constants per GPU (`sim.gpus`); collectives and messages as NCCL runs them over a
+  `Topology` (`sim.collectives`: ring or tree by size, NVLink inside a node and the
+  network across nodes), and compute slowed by the communication it overlaps
+  (`contention`, `sim.contention`).
 
 In every model the B or BI of a recomputed region (`pn.recompute`) costs one forward more:
 it runs the forward again first (`CostModel.compute`). Under selective recompute the
@@ -33,10 +34,12 @@ from dataclasses import dataclass, field
 from piper_nb.errors import PlanError
 from piper_nb.ir.kinds import P2P, Op
 from piper_nb.plan.sizes import message_bytes
-from piper_nb.sim.gpus import HARDWARE, HardwareSpec
+from piper_nb.sim.collectives import collective_time, p2p_time
+from piper_nb.sim.gpus import HARDWARE, HardwareSpec, spec_of
 from piper_nb.sim.host_model import HostModel
+from piper_nb.sim.topology import Topology
 
-__all__ = ["CostModel", "HardwareSpec", "HARDWARE"]
+__all__ = ["CostModel", "HardwareSpec", "HARDWARE", "Topology"]
 
 
 
@@ -47,8 +50,10 @@ class CostModel:
     `passes` maps (region, pass) to a duration, region -1 being the default for every
     region; `fb` is the cost of an overlapped F&B slot (None: F + B, the sum of its
     members); messages cost `comm` each when it is set, else the fit in `links` for their
-    kind and group size ("p2p" for SEND/RECV; latency + full bytes / bandwidth), else the
-    alpha-beta ring formula with `latency` and `bandwidth`.
+    kind and group size ("p2p" for SEND/RECV; latency + full bytes / bandwidth), else
+    NCCL's algorithms over `topology` (`sim.collectives`) when it is set, else the
+    alpha-beta ring formula with `latency` and `bandwidth`. A compute pass runs `1 +
+    contention` times slower while communication is in flight on its device.
 
     `host` is the CPU host's own costs around those (`HostModel`: per-instruction
     overhead, issue calls, host-synchronous passes, cores shared among the devices); only
@@ -66,6 +71,8 @@ class CostModel:
     inter_bandwidth: float | None = None
     node_size: int = 1 << 30                       # devices per node
     links: dict = field(default_factory=dict)      # (kind | "p2p", group size) -> (lat, bw)
+    topology: Topology | None = None               # NCCL's collectives over it (analytic)
+    contention: float = 0.0                        # compute slowdown beside communication
     host: HostModel | None = None                  # CPU host costs (profiled plans)
     meta: dict = field(default_factory=dict)
 
@@ -83,25 +90,33 @@ class CostModel:
 
     @classmethod
     def analytic(cls, plan, hardware: str | HardwareSpec = "H100",
-                 compiled: bool = False) -> CostModel:
+                 compiled: bool = False, topology: Topology | None = None) -> CostModel:
         """Per-operator times on `hardware` (a name in HARDWARE or a spec): each pass the
         sum of its aten operators' roofline times, counted by dispatch (`sim.roofline`),
         eager or (`compiled`) with the element-wise work between matmuls fused as
-        `torch.compile` does; messages by the alpha-beta ring model over NVLink inside a
-        node and InfiniBand across nodes."""
+        `torch.compile` does; collectives and messages as NCCL runs them over `topology`
+        (default `Topology.of(hardware)`: the GPU's node of 8, its NVLink, one network
+        adapter per GPU), and compute slowed by the communication it overlaps by the
+        topology's `contention`."""
         from piper_nb.sim.roofline import passes_of
-        if isinstance(hardware, str):
-            if hardware not in HARDWARE:
-                raise PlanError(f"unknown hardware {hardware!r}; use one of "
-                                f"{', '.join(HARDWARE)} or a HardwareSpec(...)")
-            hardware = HARDWARE[hardware]
+        hardware = spec_of(hardware)
+        if topology is None:
+            topology = Topology.of(hardware)
+        elif not isinstance(topology, Topology):
+            raise PlanError(f"CostModel.analytic: topology is a pn.Topology, not "
+                            f"{type(topology).__name__}; e.g. pn.Topology.of('H100', "
+                            "gpus_per_node=8)")
         mode = ", compiled" if compiled else ""
         return cls(name=f"analytic({hardware.name}{mode})", unit="s",
                    passes=passes_of(plan, hardware, compiled),
-                   latency=hardware.nvlink_latency, bandwidth=hardware.nvlink_bandwidth,
-                   inter_latency=hardware.ib_latency, inter_bandwidth=hardware.ib_bandwidth,
-                   node_size=hardware.node_size,
-                   meta={"hardware": hardware.name, "memory_capacity": hardware.memory})
+                   latency=topology.nvlink_latency,
+                   bandwidth=topology.nvlink_bandwidth * topology.nvlink_efficiency,
+                   inter_latency=topology.network_latency,
+                   inter_bandwidth=topology.network_bandwidth * topology.network_efficiency,
+                   node_size=topology.gpus_per_node, topology=topology,
+                   contention=topology.contention,
+                   meta={"hardware": hardware.name, "memory_capacity": hardware.memory,
+                         "topology": topology.name})
 
     # ---- durations ----------------------------------------------------------------
     def compute(self, ins) -> float:
@@ -160,6 +175,10 @@ class CostModel:
                 fit = self.links[(kind, min(sizes, key=lambda g: abs(g - n)))] if sizes else None
             if fit is not None:
                 return fit[0] + nbytes / fit[1]
+        if self.topology is not None:
+            if kind == "p2p":
+                return p2p_time(members[0], members[1], nbytes, self.topology)
+            return collective_time(kind, members, nbytes, self.topology).seconds
         lat, bw = self.latency, self.bandwidth
         if self.inter_bandwidth is not None and len({d // self.node_size for d in members}) > 1:
             lat = self.inter_latency if self.inter_latency is not None else lat

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from piper_nb.errors import PlanError
 
-__all__ = ["HardwareSpec", "HARDWARE"]
+__all__ = ["HardwareSpec", "HARDWARE", "spec_of"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -28,8 +28,8 @@ class HardwareSpec:
     nvlink_bandwidth: float     # inside a node
     ib_bandwidth: float         # across nodes, per device
     node_size: int = 8          # devices per node
-    nvlink_latency: float = 5e-6
-    ib_latency: float = 15e-6
+    nvlink_latency: float = 3.4e-6   # one hop (NCCL's Simple ring: `sim.topology`)
+    ib_latency: float = 9.6e-6
     memory: float = math.inf    # bytes of device memory (HBM); a plan fits when its peak does
     matmul_efficiency: float = 0.8      # fraction of peak a large matmul reaches
     attention_efficiency: float = 0.35  # fraction of peak an attention kernel reaches
@@ -74,6 +74,8 @@ _HBM = ("an assumption, not yet measured here: a large streaming kernel reaches 
         "the HBM peak; gpu_check.py is where its measurement goes")
 _LAUNCH = ("PyTorch's 'Accelerating PyTorch with CUDA Graphs' (2021): an eager operator "
            "costs the host a few microseconds to launch; 4 us")
+_HOP = ("NCCL's tuning model (src/graph/tuning.cc): one hop of its Simple ring, 3.4 us over "
+        "NVLink and 9.6 us over the network")
 _IB = ("one 200 Gb/s HDR (A100) or 400 Gb/s NDR (H100, H200) InfiniBand adapter per GPU, "
        "as in DGX systems: 25 and 50 GB/s")
 
@@ -83,7 +85,8 @@ def _spec(name: str, chip: str, attention: float, attention_source: str, **kw) -
                ("hbm_bandwidth", kw.pop("hbm_source", _DATASHEET[chip])),
                ("memory", kw.pop("memory_source", _DATASHEET[chip])),
                ("nvlink_bandwidth", _DATASHEET[chip] + ": half per direction"),
-               ("ib_bandwidth", _IB), ("matmul_efficiency", _MATMUL),
+               ("ib_bandwidth", _IB), ("nvlink_latency", _HOP), ("ib_latency", _HOP),
+               ("matmul_efficiency", _MATMUL),
                ("attention_efficiency", attention_source), ("hbm_efficiency", _HBM),
                ("launch_overhead", _LAUNCH))
     return HardwareSpec(name=name, attention_efficiency=attention, sources=sources, **kw)
@@ -111,3 +114,13 @@ HARDWARE = {spec.name: spec for spec in (
           hbm_bandwidth=4.8e12, nvlink_bandwidth=450e9, ib_bandwidth=50e9,
           memory=141 * _GiB),
 )}
+
+
+def spec_of(hardware) -> HardwareSpec:
+    """`hardware` as a spec: a name in HARDWARE, or a `HardwareSpec` as it is."""
+    if isinstance(hardware, HardwareSpec):
+        return hardware
+    if hardware not in HARDWARE:
+        raise PlanError(f"unknown hardware {hardware!r}; use one of {', '.join(HARDWARE)} "
+                        "or a HardwareSpec(...)")
+    return HARDWARE[hardware]

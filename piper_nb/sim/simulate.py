@@ -25,6 +25,9 @@ compute stream and one stream per communication stream name:
   devices computing at once share the cores (processor sharing, found by re-simulating
   with stretched durations until the step time settles, and time-slicing's jitter where
   devices outnumber cores: `sim.core_sharing`).
+- contention (`cost.contention` > 0, GPU models): a pass runs slower while communication
+  is in flight on its device, found the same way, by re-simulating with stretched
+  durations until they settle (`sim.contention`).
 
 Ops live in a heap keyed by ready time (ties: the smallest (template device, instruction
 index) among the op's members, see `sim.replicas`), devices are indices and instructions
@@ -44,6 +47,7 @@ from dataclasses import dataclass
 from piper_nb.errors import PlanError
 from piper_nb.ir.kinds import COMM, COMPUTE, P2P, Op
 from piper_nb.plan.plan import Plan
+from piper_nb.sim.contention import contended
 from piper_nb.sim.core_sharing import jittered, shared_cores
 from piper_nb.sim.cost import CostModel
 from piper_nb.sim.host_model import NO_HOST
@@ -274,16 +278,18 @@ def run_timing(plan: Plan, cost: CostModel, runs: list[bool] | None = None) -> T
     sim = _Sim(plan, cost, runs=runs)
     sim.run()
     host = cost.host or NO_HOST
-    if host.shares_cores(plan.world):   # the sharing pass finds whether the load exceeds them
-        counting = sim.counting
+    counting = sim.counting
 
-        def resimulate(stretch: list[dict[int, float]]) -> _Sim:
-            new = _Sim(plan, cost, stretch, counting)
-            new.run()
-            return new
+    def resimulate(stretch: list[dict[int, float]]) -> _Sim:
+        new = _Sim(plan, cost, stretch, counting, runs)
+        new.run()
+        return new
+    if host.shares_cores(plan.world):   # the sharing pass finds whether the load exceeds them
         sim = shared_cores(plan, host, sim, resimulate)
         if host.jitter and plan.world > host.cores:
             sim = jittered(host, sim, resimulate)
+    elif cost.contention > 0:   # GPUs: compute slowed by the communication beside it
+        sim = contended(cost, sim, resimulate)
     return Timing(plan, sim.posted, sim.start, sim.end, list(sim.t))
 
 

@@ -59,7 +59,9 @@ def test_analytic_costs_sum_each_kernel_of_a_pass_and_price_links():
     send = next(i for i in plan[0].instrs if i.kind == "SEND")
     nbytes = message_bytes(plan, send)
     assert nbytes == value_bytes(plan.values[send.data.values[0]])
-    assert cost.message(plan, send, 0) == pytest.approx(nbytes / 1e5)   # two nodes of one
+    # two nodes of one GPU: one network hop (NCCL's base latency, 8.4 us, and the hop's,
+    # none here) and the bytes at the network's line rate x its efficiency (0.9)
+    assert cost.message(plan, send, 0) == pytest.approx(8.4e-6 + nbytes / (1e5 * 0.9))
     assert CostModel.analytic(plan, "H100").meta["hardware"] == "H100"
     with pytest.raises(PlanError, match="unknown hardware"):
         CostModel.analytic(plan, "TPU9")

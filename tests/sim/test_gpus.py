@@ -10,18 +10,21 @@ from pathlib import Path
 
 import pytest
 
-from piper_nb.sim import HARDWARE, HardwareSpec
+from piper_nb.sim import HARDWARE, HardwareSpec, Topology
+from piper_nb.sim.topology import TOPOLOGY_SOURCES
 
 BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
-# what a benchmark could tune: every rate and fraction of the model
-TUNABLE = {f.name for f in dataclasses.fields(HardwareSpec)} - {"name", "memory", "sources"}
+# what a benchmark could tune: every rate and fraction of the model and of the topology
+TUNABLE = ({f.name for f in dataclasses.fields(HardwareSpec)} - {"name", "memory", "sources"}) \
+    | ({f.name for f in dataclasses.fields(Topology)} - {"name", "gpus_per_node"})
 
 
 def test_every_shipped_gpu_sources_each_number():
     for name, hw in HARDWARE.items():
         sources = dict(hw.sources)
-        assert TUNABLE - {"node_size", "nvlink_latency", "ib_latency"} <= set(sources) | \
-            {"memory"}, name
+        sources |= dict(TOPOLOGY_SOURCES)
+        assert TUNABLE - {"node_size", "nvlink_bandwidth", "network_bandwidth"} <= \
+            set(sources) | {"memory"}, name
         assert all(len(text) > 20 for text in sources.values()), name
 
 
