@@ -47,6 +47,7 @@ from piper_nb.compiler.regather import regather_inputs
 from piper_nb.compiler.send_recv import insert_send_recv
 from piper_nb.compiler.stage_order import check_stage_order
 from piper_nb.directives.base import CaptureContext, Context, Directive, Directives
+from piper_nb.directives.float8 import Float8, apply_float8
 from piper_nb.directives.order import Order, apply_orders
 from piper_nb.directives.place import Place, apply_places
 from piper_nb.directives.recompute import (
@@ -105,6 +106,7 @@ CAPTURE_PASSES: tuple[Pass, ...] = (
          consumes=(TensorParallel,)),                                # layers sharded
     Pass("selective recompute", recompute_attention,                 # attention cores run
          reads=(Recompute,)),                                        # again in the backward
+    Pass("float8", apply_float8, consumes=(Float8,)),                # linears in Float8
 )
 
 DAG_PASSES: tuple[Pass, ...] = (

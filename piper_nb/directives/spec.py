@@ -3,8 +3,8 @@
 Each directive is a frozen dataclass in its own module (value type, JSON fields, rewrite,
 Designer row defaults and code generation together; see `base.py`); `REGISTRY` maps each
 JSON `op` to its class. The `op` and field names in JSON are Piper's (`place`, `replicate`,
-`shard`, `split`, `order`), plus our `schedule` op that names a builder, `recompute` and
-`tensor_parallel`. A directive defined above this floor (`tensor_parallel`, in its own
+`shard`, `split`, `order`), plus our `schedule` op that names a builder, `recompute`,
+`float8` and `tensor_parallel`. A directive defined above this floor (`tensor_parallel`, in its own
 package) adds itself with `register`.
 """
 
@@ -15,6 +15,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from piper_nb.directives.base import Directive
+from piper_nb.directives.float8 import Float8, float8
 from piper_nb.directives.order import Order, order
 from piper_nb.directives.place import Place, place
 from piper_nb.directives.recompute import Recompute, recompute
@@ -25,12 +26,13 @@ from piper_nb.directives.split import Split, split
 from piper_nb.errors import PlanError
 
 __all__ = ["Directive", "Place", "Replicate", "Shard", "Split", "Order", "Schedule", "Recompute",
-           "Program", "place", "replicate", "shard", "split", "order", "recompute",
+           "Float8", "Program", "place", "replicate", "shard", "split", "order", "recompute",
+           "float8",
            "directive_from_json", "REGISTRY", "register"]
 
 REGISTRY: dict[str, type[Directive]] = {cls.op: cls for cls in
                                         (Place, Replicate, Shard, Split, Order, Schedule,
-                                         Recompute)}
+                                         Recompute, Float8)}
 
 
 def register(cls: type[Directive]) -> type[Directive]:

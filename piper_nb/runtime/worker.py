@@ -19,6 +19,7 @@ import os
 import torch
 
 from piper_nb.capture.batch import Batch
+from piper_nb.capture.float8 import check_training as check_float8
 from piper_nb.ir.kinds import P2P, PASSES, Held, Memory, Op, Purpose
 from piper_nb.ir.loss_outputs import COUNT, metric_name
 from piper_nb.optim import check_optimizer
@@ -71,6 +72,7 @@ class Worker(ComputePasses, Transfers):
         self.store = ParamStore(list(names), self.init, self.layouts, rank, device,
                                 frozenset(plan.frozen))
         self.modules = {}
+        check_float8([bundle.modules[r] for r in regions], plan.tp_groups, device)
         for r in regions:
             mod = to_device(bundle.modules[r], device, region=f"{r} ({plan.regions[r].name})")
             rank_of = getattr(mod, TP_RANK, None)   # a vocabulary-parallel part's own range

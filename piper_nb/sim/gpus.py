@@ -24,6 +24,7 @@ class HardwareSpec:
     peak_flops: float           # dense bf16/fp16 FLOP/s of one device (tensor cores)
     fp32_flops: float = 0.0     # dense fp32 FLOP/s (no TF32, PyTorch's default for fp32
                                 # matmuls); 0: peak_flops / 16, about the A100/H100 ratio
+    fp8_flops: float = 0.0      # dense FP8 FLOP/s (tensor cores); 0: none (pn.float8 is refused)
     hbm_bandwidth: float        # bytes/s of device memory
     nvlink_bandwidth: float     # inside a node
     ib_bandwidth: float         # across nodes, per device
@@ -38,10 +39,16 @@ class HardwareSpec:
     sources: tuple = ()                 # (field, where its value comes from)
 
     def peak(self, precision: str = "bf16") -> float:
-        """Dense FLOP/s for `precision` ("bf16"/"fp32", or a dtype's name: tensor cores for
-        bfloat16 and float16, the CUDA cores otherwise)."""
+        """Dense FLOP/s for `precision` ("bf16"/"fp32"/"fp8", or a dtype's name: tensor cores
+        for bfloat16, float16 and the float8 formats, the CUDA cores otherwise)."""
         if precision in ("bf16", "bfloat16", "float16", "fp16"):
             return self.peak_flops
+        if precision == "fp8" or precision.startswith("float8"):
+            if not self.fp8_flops:
+                raise PlanError(f"{self.name} has no FP8 tensor cores, so the plan's Float8 "
+                                "matmuls (pn.float8) cannot run there; drop pn.float8 from "
+                                "the program, or plan for a GPU with them (H100, H200)")
+            return self.fp8_flops
         return self.fp32_flops or self.peak_flops / 16
 
     def __post_init__(self):
@@ -51,7 +58,7 @@ class HardwareSpec:
                                 "(0, 1]; it is the fraction of the peak a kernel reaches")
         if min(self.peak_flops, self.hbm_bandwidth, self.nvlink_bandwidth,
                self.ib_bandwidth, self.memory) <= 0 or self.node_size < 1 \
-                or self.launch_overhead < 0:
+                or self.launch_overhead < 0 or self.fp8_flops < 0:
             raise PlanError(f"HardwareSpec {self.name}: rates and node_size must be positive")
 
 
@@ -60,12 +67,14 @@ _DATASHEET = {"A100": "NVIDIA A100 Tensor Core GPU datasheet (dense bf16 312 TFL
                       "19.5; 40 GB at 1,555 GB/s, 80 GB SXM at 2,039 GB/s; NVLink 600 GB/s "
                       "bidirectional)",
               "H100": "NVIDIA H100 Tensor Core GPU datasheet, SXM (dense bf16 989 TFLOP/s, "
-                      "fp32 67; 80 GB at 3.35 TB/s; NVLink 900 GB/s bidirectional)",
+                      "FP8 1,979, fp32 67; 80 GB at 3.35 TB/s; NVLink 900 GB/s "
+                      "bidirectional)",
               "H200": "NVIDIA H200 Tensor Core GPU datasheet, SXM (dense bf16 989 TFLOP/s, "
-                      "fp32 67; 141 GB at 4.8 TB/s; NVLink 900 GB/s bidirectional)"}
+                      "FP8 1,979, fp32 67; 141 GB at 4.8 TB/s; NVLink 900 GB/s "
+                      "bidirectional)"}
 _MATMUL = ("gpu_check.py on one H200 (2026-11): a 8192^3 bf16 matmul at 788 TFLOP/s, 0.80 "
            "of the dense peak (benchmarks/RESULTS.md); the A100's and H100's cuBLAS are taken "
-           "to reach the same fraction, and fp32 matmuls too (none measured yet)")
+           "to reach the same fraction, and fp32 and FP8 matmuls too (none measured yet)")
 _FA2_H = ("FlashAttention-3 (Shah et al. 2024, sec. 1): FlashAttention-2, the kernel behind "
           "PyTorch's flash attention, reaches about 35% of the H100's peak")
 _FA2_A = ("FlashAttention-2 (Dao 2023, sec. 4): 50-73% of the A100's peak forward, less "
@@ -74,6 +83,11 @@ _HBM = ("an assumption, not yet measured here: a large streaming kernel reaches 
         "the HBM peak; gpu_check.py is where its measurement goes")
 _LAUNCH = ("PyTorch's 'Accelerating PyTorch with CUDA Graphs' (2021): an eager operator "
            "costs the host a few microseconds to launch; 4 us")
+_TITAN_PEAK = ("torchtitan, benchmarks/llama3_h100_202412_torchtitan.md: 'the actual peak "
+               "TFLOPs number is between SXM and NVL, and we don't know its exact value' (HBM2e, "
+               "500 W): the midpoint of the H100 SXM's and NVL's dense datasheet peaks, bf16 "
+               "(989 + 835) / 2 = 912 TFLOP/s, FP8 (1,979 + 1,671) / 2 = 1,825, fp32 "
+               "(67 + 60) / 2 = 63.5")
 _HOP = ("NCCL's tuning model (src/graph/tuning.cc): one hop of its Simple ring, 3.4 us over "
         "NVLink and 9.6 us over the network")
 _IB = ("one 200 Gb/s HDR (A100) or 400 Gb/s NDR (H100, H200) InfiniBand adapter per GPU, "
@@ -81,7 +95,10 @@ _IB = ("one 200 Gb/s HDR (A100) or 400 Gb/s NDR (H100, H200) InfiniBand adapter 
 
 
 def _spec(name: str, chip: str, attention: float, attention_source: str, **kw) -> HardwareSpec:
-    sources = (("peak_flops", _DATASHEET[chip]), ("fp32_flops", _DATASHEET[chip]),
+    peak = kw.pop("peak_source", _DATASHEET[chip])
+    fp8 = ("the A100 has no FP8 tensor cores (its datasheet lists none): 0" if chip == "A100"
+           else peak)
+    sources = (("peak_flops", peak), ("fp32_flops", peak), ("fp8_flops", fp8),
                ("hbm_bandwidth", kw.pop("hbm_source", _DATASHEET[chip])),
                ("memory", kw.pop("memory_source", _DATASHEET[chip])),
                ("nvlink_bandwidth", _DATASHEET[chip] + ": half per direction"),
@@ -99,18 +116,18 @@ HARDWARE = {spec.name: spec for spec in (
     _spec("A100-40GB", "A100", 0.5, _FA2_A, peak_flops=312e12, fp32_flops=19.5e12,
           hbm_bandwidth=1.555e12, nvlink_bandwidth=300e9, ib_bandwidth=25e9,
           memory=40 * _GiB),
-    _spec("H100", "H100", 0.35, _FA2_H, peak_flops=989e12, fp32_flops=67e12,
+    _spec("H100", "H100", 0.35, _FA2_H, peak_flops=989e12, fp32_flops=67e12, fp8_flops=1979e12,
           hbm_bandwidth=3.35e12, nvlink_bandwidth=450e9, ib_bandwidth=50e9,
           memory=80 * _GiB),
     # the H100s torchtitan's Llama 3.1 runs used (Grand Teton): 96 GB of HBM2e at 2.4 TB/s,
-    # a 500 W power limit (what it costs in clock is not modelled)
-    _spec("H100-96GB", "H100", 0.35, _FA2_H, peak_flops=989e12, fp32_flops=67e12,
-          hbm_bandwidth=2.4e12, nvlink_bandwidth=450e9, ib_bandwidth=50e9,
-          memory=96 * _GiB,
+    # a 500 W power limit, peaks between the SXM's and the NVL's (torchtitan's words)
+    _spec("H100-96GB", "H100", 0.35, _FA2_H, peak_flops=912e12, fp32_flops=63.5e12,
+          fp8_flops=1825e12, hbm_bandwidth=2.4e12, nvlink_bandwidth=450e9, ib_bandwidth=50e9,
+          memory=96 * _GiB, peak_source=_TITAN_PEAK,
           hbm_source="torchtitan, benchmarks/llama3_h100_202412_torchtitan.md: 96 GB HBM2e "
                      "at 2.4 TB/s per GPU, 500 W",
           memory_source="torchtitan, benchmarks/llama3_h100_202412_torchtitan.md"),
-    _spec("H200", "H200", 0.35, _FA2_H, peak_flops=989e12, fp32_flops=67e12,
+    _spec("H200", "H200", 0.35, _FA2_H, peak_flops=989e12, fp32_flops=67e12, fp8_flops=1979e12,
           hbm_bandwidth=4.8e12, nvlink_bandwidth=450e9, ib_bandwidth=50e9,
           memory=141 * _GiB),
 )}

@@ -9,6 +9,7 @@ from collections.abc import Callable
 import torch
 
 from piper_nb.capture.batch import Batch
+from piper_nb.capture.float8 import check_training as check_float8
 from piper_nb.cluster.checkpoint import Checkpointer
 from piper_nb.cluster.local import LocalCluster
 from piper_nb.compiler.clip import with_grad_clipping
@@ -71,6 +72,7 @@ def train(plan, batch_or_loader, steps: int, optimizer, cluster=None, *,
     ckpt = Checkpointer.for_train(plan, spec, checkpoint_dir, checkpoint_every, resume)
     run = _Run(plan, steps, spec, seed, drop_last, progress, log_dir)
     own = cluster is None
+    check_float8(plan.capture.modules, plan.tp_groups, getattr(cluster, "device", None))
     cluster = LocalCluster(plan.world) if own else cluster
     try:
         cluster.reset(plan, spec, seed)

@@ -146,6 +146,7 @@ def _raw_write(value: str, row: dict) -> tuple[dict, tuple[str, ...]]:
 FIELDS = {"place": (FILTER, DEVICES, STREAM), "shard": (FILTER, DEVICES, STREAM),
           "replicate": (FILTER, DEVICES, ZERO), "split": (FILTER, DIM, NUM), "order": (SLOTS,),
           "schedule": (NAME, RANKS, MICRO, CHUNKS, PLACE), "recompute": (FILTER, MODE),
+          "float8": (FILTER,),
           "tensor_parallel": (FILTER, GROUPS, SEQUENCE)}
 
 

@@ -22,6 +22,7 @@ EXAMPLES = {
     "shard": [pn.shard({"PP": 0, "EP": "*"}, devices=[0, 2], stream="ep")],
     "split": [pn.split({"PP": "*"}, dim="CH", num=3)],
     "recompute": [pn.recompute({"PP": 1, "MB": 0}), pn.recompute({"PP": 1}, mode="selective")],
+    "float8": [pn.float8({"PP": 1})],
     "tensor_parallel": [pn.tensor_parallel({"PP": 0}, [[0, 1], [4, 5]],
                                            plan={"layers.*.up": "colwise:2",
                                                  "layers.*.down": "rowwise"},
@@ -104,7 +105,7 @@ def test_print_program_is_its_json_one_directive_per_line():
     ({"op": "order"}, "order: missing field 'filters'"),
     ({"op": "split", "filter": {}, "num_microbatches": 0},
      "split: num (JSON num_microbatches) must be a positive integer"),
-    ({"op": "checkpoint"}, "unknown op 'checkpoint'; the ops are order, place, recompute"),
+    ({"op": "checkpoint"}, "unknown op 'checkpoint'; the ops are float8, order, place, recompute"),
     ({"op": "recompute"}, "recompute: missing field 'filter'"),
     ({"op": "recompute", "filter": {"PASS": "F"}}, "recompute filter {'PASS': 'F'} names a PASS"),
 ])

@@ -18,7 +18,9 @@ backward is not its forward's gradient), stages and the dropout module in eval m
 (compared with the reference then), batches of sequences whose length changes from step to
 step (each new length compiled once), and the global-batch loss (`loss_mean="global"`)
 over targets partly masked out (NaN: the padded labels of a regression), whose
-microbatches count different numbers of valid elements. The
+microbatches count different numbers of valid elements. Some stages' linears multiply in
+Float8 (`pn.float8`, width 16), compared with one process running the same Float8
+linears. The
 check: the losses and every entry of the trained `state_dict()` equal the single-process
 reference's (rtol 1e-5, atol 4e-5, PyTorch's pipelining tests' tolerance), with clipping
 the gradient norms too, and the plan leaves no buffer behind. With dropout, the
@@ -86,6 +88,7 @@ class Case:
     sp: bool = False              # ... with sequence parallelism (sequences of `lengths`)
     grad_sync: str | None = None  # ZeRO-3: gradients reduced per "microbatch" or per "step"
     selective: tuple[int, ...] = ()   # stages with attention recomputed selectively
+    float8: tuple[int, ...] = ()      # stages whose linears multiply in Float8 (pn.float8)
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -127,6 +130,7 @@ class Case:
         rc += f", gradients reduced per {self.grad_sync}" if self.grad_sync else ""
         rc += (f", selective recompute of stages {list(self.selective)} (attention in "
                f"{list(s.attns)})" if self.selective else "")
+        rc += f", Float8 in stages {list(self.float8)}" if self.float8 else ""
         rc += (f", a head of {s.classes} classes (label smoothing {s.smoothing})"
                if s.classes else "")
         return (f"seed {self.seed}: {self.schedule} x{self.ranks} ranks, DP {self.dp}, "
@@ -177,7 +181,36 @@ def draw(seed: int) -> Case:
     _draw_fidelity(rng, case)
     _draw_tp(rng, case)
     _draw_selective(case)
+    _draw_float8(case)
     return case
+
+
+def _draw_float8(case: Case) -> None:
+    """Float8 linears in some stages (`pn.float8`), not under TP (refused there: per-shard
+    scales) nor with BatchNorm under data parallelism (the one process it equals then runs
+    whole microbatches, where each replica scales its share by its own amax); the model's
+    width becomes 16, what Float8 matmuls take. A module two stages call (`shared`) is
+    Float8 in both or neither, as one process runs it. Its own stream of draws: every other
+    field keeps its draw."""
+    rng = random.Random(f"{case.seed}:float8")
+    if case.tp > 1 or (case.spec.norms and case.dp > 1) or rng.random() >= 0.25:
+        return
+    stages = set(rng.sample(range(case.stages), rng.randint(1, case.stages)))
+    if case.spec.shared and stages & set(case.spec.shared):
+        stages |= set(case.spec.shared)
+    case.float8 = tuple(sorted(stages))
+    case.spec = dataclasses.replace(case.spec, dim=16)
+
+
+def reference_model(case: Case, model: StageGraph):
+    """The one process a case equals: `model`, with the Float8 stages' linears Float8 (the
+    head's too where the last stage is, the shared module's where its stages are)."""
+    if not case.float8:
+        return model
+    from piper_nb.capture.float8 import Float8Linear
+    owner = model.annotation()
+    return Float8Linear.swap(model, [path for path, tags in owner.items()
+                                     if tags["PP"] in case.float8])
 
 
 def _draw_selective(case: Case) -> None:
@@ -313,6 +346,7 @@ def _program(case: Case) -> list:
     r, c = case.ranks, case.microbatches
     rc = [pn.recompute({"PP": s} if mb < 0 else {"PP": s, "MB": mb}) for s, mb in case.recompute]
     rc += [pn.recompute({"PP": s}, mode="selective") for s in case.selective]
+    rc += [pn.float8({"PP": s}) for s in case.float8]
     if case.schedule == "none":
         devs = list(range(case.dp))
         return [pn.place({}, devs), _replicate({}, devs, case), pn.split({}, "MB", c), *rc]
@@ -419,7 +453,8 @@ def check(case: Case, cluster, streams: bool = False) -> str:
                                  seed=case.seed, **recipe(case))
                 _equal(result, again, exact=True)
                 if case.dp == 1:   # each forward sees its whole microbatch: the seeded reference
-                    ref = pn.reference_train(pn.annotate(model, model.annotation()),
+                    ref = pn.reference_train(pn.annotate(reference_model(case, model),
+                                                         model.annotation()),
                                              iter(steps), case.steps, plan.microbatches, opt,
                                              precision="bf16" if case.bf16 else "fp32",
                                              seed=case.seed, **recipe(case), **loss)
@@ -439,7 +474,8 @@ def check(case: Case, cluster, streams: bool = False) -> str:
         # which normalizes each whole microbatch, the plan's own microbatches (the MSE of
         # equal slices averages the same either way)
         micro = case.microbatches if case.spec.norms else plan.reference_microbatches
-        ref = pn.reference_train(model, iter(steps), case.steps, micro, opt,
+        ref = pn.reference_train(reference_model(case, model), iter(steps), case.steps, micro,
+                                 opt,
                                  precision="bf16" if case.bf16 else "fp32", **recipe(case),
                                  **loss)
         rtol, atol = BF16 if case.bf16 else (RTOL, ATOL)

@@ -58,6 +58,8 @@ def test_the_draw_covers_every_schedule_zero_level_and_feature():
     assert any(c.spec.eval_dropout for c in cases)
     assert any(len(set(c.lengths)) > 1 and c.ranks > 1 for c in cases)
     assert any(c.global_loss and c.dp > 1 for c in cases)
+    assert any(c.float8 and c.zero >= 1 for c in cases)   # Float8 linears (pn.float8)
+    assert any(c.float8 and c.schedule in ("dualpipe", "dualpipev") for c in cases)
     assert any(c.global_loss and c.schedule == "dualpipev" for c in cases)
     # tensor parallelism over MLPs, with a pipeline, with data parallelism, under ZeRO
     assert any(c.tp > 1 and c.ranks > 1 for c in cases)
