@@ -45,8 +45,9 @@ The probes, and what each proves on real hardware:
   (tests/runtime/test_precision.py).
 - matmul-bf16: a large bf16 matmul timed with CUDA events, against the FLOP/s the analytic
   model assumes for an H200 (peak x matmul_efficiency).
-- matmul-fp32, hbm-stream: a 4096^3 fp32 matmul (TF32 off) and a streaming add, against
-  the fractions of the fp32 peak and of HBM bandwidth the analytic model assumes
+- matmul-fp32, hbm-stream, matmul-fp8: a 4096^3 fp32 matmul (TF32 off), a streaming add
+  and a 8192^3 Float8 scaled matmul (`pn.float8`'s), against the fractions of the fp32
+  and FP8 peaks and of HBM bandwidth the analytic model assumes
   (`HardwareSpec.matmul_efficiency`, `hbm_efficiency`) and no run has measured yet.
 - gpt-mid step, gpt-mid memory: a mid-size GPT trained on one rank; its measured step
   against `CostModel.analytic(plan, "H200")`, and `torch.cuda.max_memory_allocated`
@@ -556,8 +557,9 @@ def _timed(fn, reps: int) -> float:
 
 def probe_kernel_rates() -> list[Row]:
     """What the analytic model assumes and no run has measured: an fp32 matmul's fraction of
-    the fp32 peak (TF32 off, PyTorch's default) and a streaming kernel's fraction of HBM
-    bandwidth. Each is printed measured / assumed; informational (pass within 2x)."""
+    the fp32 peak (TF32 off, PyTorch's default), a streaming kernel's fraction of HBM
+    bandwidth, and a Float8 scaled matmul's of the FP8 peak. Each is printed measured /
+    assumed; informational (pass within 2x)."""
     hw = HARDWARE["H200"]
     torch.backends.cuda.matmul.allow_tf32 = False
     n = 4096
@@ -569,6 +571,14 @@ def probe_kernel_rates() -> list[Row]:
     y = torch.empty_like(x)
     stream = 3 * x.numel() * 4 / _timed(lambda: torch.add(x, x, out=y), 20)
     bw = hw.hbm_bandwidth * hw.hbm_efficiency
+    x = y = None   # free the 2 GiB before the next operands
+    m = 8192   # pn.float8's matmul: e4m3 operands, the second column-major, bf16 out
+    a8 = torch.randn(m, m, device="cuda").to(torch.float8_e4m3fn)
+    b8 = torch.randn(m, m, device="cuda").to(torch.float8_e4m3fn).t()
+    one = torch.ones((), device="cuda")
+    fp8 = 2 * m**3 / _timed(lambda: torch._scaled_mm(a8, b8, scale_a=one, scale_b=one,
+                                                      out_dtype=torch.bfloat16), 20)
+    fp8_assumed = hw.peak("fp8") * hw.matmul_efficiency
     return [("matmul-fp32", "pass" if 0.5 <= fp32 / assumed <= 2 else "FAIL",
              f"{fp32 / 1e12:.1f} TFLOP/s on a {n}^3 fp32 matmul (TF32 off), {fp32 / hw.peak('fp32'):.0%} "
              f"of the fp32 peak; the analytic model assumes {assumed / 1e12:.1f}: measured / "
@@ -577,7 +587,12 @@ def probe_kernel_rates() -> list[Row]:
              f"{stream / 1e12:.2f} TB/s by an add of 2^28 fp32 elements (read 2, write 1), "
              f"{stream / hw.hbm_bandwidth:.0%} of the HBM peak; the analytic model assumes "
              f"{bw / 1e12:.2f}: measured / assumed {stream / bw:.2f} (informational: pass "
-             "within 2x)")]
+             "within 2x)"),
+            ("matmul-fp8", "pass" if 0.5 <= fp8 / fp8_assumed <= 2 else "FAIL",
+             f"{fp8 / 1e12:.0f} TFLOP/s on a {m}^3 torch._scaled_mm (e4m3, pn.float8's), "
+             f"{fp8 / hw.peak('fp8'):.0%} of the FP8 peak; the analytic model assumes "
+             f"{fp8_assumed / 1e12:.0f}: measured / assumed {fp8 / fp8_assumed:.2f} "
+             "(informational: pass within 2x)")]
 
 
 def trained(plan, batch, steps: int) -> tuple[float, int]:
@@ -708,7 +723,9 @@ def probes() -> list[Probe]:
         Probe("kernel-rates", (("matmul-fp32", "a 4096^3 fp32 matmul (TF32 off) against "
               "the analytic model's fp32 peak x matmul_efficiency"),
               ("hbm-stream", "an add of 2^28 fp32 elements against the model's HBM "
-              "bandwidth x hbm_efficiency")), probe_kernel_rates),
+              "bandwidth x hbm_efficiency"),
+              ("matmul-fp8", "a 8192^3 Float8 scaled matmul against the model's FP8 peak "
+              "x matmul_efficiency")), probe_kernel_rates),
         Probe("gpt-mid", (("gpt-mid step", "a mid-size GPT's measured step against "
               "CostModel.analytic(plan, 'H200')"),
               ("gpt-mid memory", "its torch.cuda.max_memory_allocated against the memory "

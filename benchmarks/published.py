@@ -77,10 +77,11 @@ _405B = dict(dim=16384, heads=128, kv_heads=8, hidden=53248, layers=126)
 _SAC = ("torchtitan's selective op AC saves every op's output but every second matmul's; "
         "planned as one layer in four recomputed whole (25% of the forward again, against "
         "its 28%)")
-# torchtitan at the benchmark's commit splits a pipelined batch into as many microbatches
-# as there are stages unless told otherwise (`build_pipeline_schedule`: PP degree x stages
-# a rank), and the table gives no count: 8 of 4 sequences under 1F1B, 16 of 2 interleaved
-_PP_MICRO = "microbatches: torchtitan's default, one per stage; AsyncTP not modelled"
+# torchtitan at the benchmark's commit (9dec370) splits a pipelined batch into as many
+# microbatches as pipeline ranks unless told otherwise (`build_pipeline_schedule`:
+# `pipeline_parallel_microbatches or pipeline_parallel_degree`), and the table gives no
+# count: 8 microbatches of 4 sequences, under 1F1B and interleaved alike
+_PP_MICRO = "microbatches: torchtitan's default, one per PP rank; AsyncTP not modelled"
 TORCHTITAN = {
     "8b-fsdp8": Run("8b-fsdp8", "Llama 3.1 8B, 8x H100, FSDP 8, local batch 2", "H100-96GB",
                     "tokens/s/GPU", 5762.0, 82.4, False, False, _8B,
@@ -100,7 +101,7 @@ TORCHTITAN = {
     "405b-interleaved": Run("405b-interleaved", "Llama 3.1 405B, 512x H100, FSDP 8 x TP 8 x "
                             "PP 8 + SP, interleaved 1F1B (2 stages a rank)", "H100-96GB",
                             "tokens/s/GPU", 128.0, 72.7, True, True, _405B,
-                            dict(dp=8, tp=8, pp=8, local=32, micro=16, schedule="interleaved",
+                            dict(dp=8, tp=8, pp=8, local=32, micro=8, schedule="interleaved",
                                  recompute=True), _PP_MICRO),
 }
 RUNS = {**MEGATRON, **TORCHTITAN}

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch.fx as fx
 
-from piper_nb.capture.float8 import float8_linears
+from piper_nb.capture.float8 import float8_linears, uses_float8
 from piper_nb.directives.base import CaptureContext, Directive, Directives, call_code
 from piper_nb.errors import PlanError
 from piper_nb.ir.filters import as_filter, matches
@@ -88,6 +88,8 @@ def apply_float8(capture, directives: Directives, ctx: CaptureContext):
             if float8_linears(mine):
                 modules[r.index] = mine
                 done.add(r.index)
+            elif uses_float8([gm]):   # a capture made Float8 already (a plan compiled again
+                done.add(r.index)     # for another batch shape)
         if not any(r.index in done for r in hits):
             raise PlanError(
                 f"float8: the regions {dict(d.filter)} matches ("

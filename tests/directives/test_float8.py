@@ -140,3 +140,14 @@ def test_float8_with_tensor_parallelism_prices_but_is_refused_before_training():
     assert pn.simulate(plan, pn.CostModel.analytic(plan, "H100")).step_time > 0
     with pytest.raises(pn.PlanError, match="each shard scaled by its own amax"):
         pn.train(plan, batch, 1, SGD)
+
+
+def test_a_float8_plan_compiled_again_for_another_batch_keeps_its_float8_linears():
+    from piper_nb.compiler.compile import rebatch
+    model = _gpt()
+    spec = pn.annotate(model, {k: {**v, "PP": 0} for k, v in LAYERS.items()})
+    plan = pn.compile(spec, [pn.place({}, [0]), FP8], model.example_batch(4, seed=0))
+    again = rebatch(plan, model.example_batch(2, seed=1))
+    assert again.batch_size == 2
+    assert sum(isinstance(m, Float8Matmul) for r in again.capture.modules
+               for m in r.modules()) == 2 * 4

@@ -474,6 +474,8 @@ def check(case: Case, cluster, streams: bool = False) -> str:
         # which normalizes each whole microbatch, the plan's own microbatches (the MSE of
         # equal slices averages the same either way)
         micro = case.microbatches if case.spec.norms else plan.reference_microbatches
+        if case.float8:   # each forward scales by its own slice's amax: the plan's slices
+            micro = case.microbatches * case.dp
         ref = pn.reference_train(reference_model(case, model), iter(steps), case.steps, micro,
                                  opt,
                                  precision="bf16" if case.bf16 else "fp32", **recipe(case),
