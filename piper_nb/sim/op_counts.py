@@ -157,7 +157,10 @@ class OpCounter(TorchDispatchMode):
         """The kernels as `torch.compile` runs them: each run of memory-bound kernels between
         two matmuls or attention kernels is one, reading what it takes from outside the run
         and writing what is read after it, saved for the backward (`saving`), or read by
-        nothing later in the pass (an output); matmuls and attention as they are."""
+        nothing later in the pass (an output); matmuls and attention as they are. A
+        reduction of a whole tensor to a scalar (an amax, a loss's sum) ends its run: the
+        kernels after it need its result, which takes the whole grid to finish (Inductor
+        makes it a kernel of its own), so they read their inputs again."""
         readers: dict = {}
         for i, k in enumerate(self.trace):
             for b, _ in k.reads:
@@ -167,6 +170,9 @@ class OpCounter(TorchDispatchMode):
         for i, k in enumerate([*self.trace, None]):
             if k is not None and k.key[0] == Kind.MEMORY:
                 run.append(i)
+                if _full_reduction(k):   # what follows needs its result: a new kernel
+                    seen[self._fused_key(run, readers)] += 1
+                    run = []
                 continue
             if run:
                 seen[self._fused_key(run, readers)] += 1
@@ -189,6 +195,13 @@ class OpCounter(TorchDispatchMode):
             if not later or later[-1] > last or b in self.saved:
                 moved[("w", b)] = n
         return (Kind.MEMORY, self.trace[run[0]].key[1], 0.0, float(sum(moved.values())))
+
+
+def _full_reduction(k: _Kernel) -> bool:
+    """Whether kernel k reduces tensors to scalars: it writes only single elements from
+    more than one."""
+    return bool(k.writes) and all(n <= 8 for _, n in k.writes) and \
+        sum(n for _, n in k.reads) > 8
 
 
 @dataclass(frozen=True)

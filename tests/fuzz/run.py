@@ -64,6 +64,7 @@ def main() -> int:
                                       ("tp2", case.tp == 2), ("tp4", case.tp == 4),
                                       ("sp", case.sp), ("attention", case.spec.attns),
                                       ("selective", case.selective),
+                                      ("float8", case.float8),
                                       ("tp-recompute-units", case.units),
                                       ("sp-regather", case.regathers),
                                       ("vocab-parallel-loss", case.spec.classes),

@@ -80,6 +80,17 @@ def test_make_fuzz_draws_selective_recompute():
     assert any(c.schedule == "dualpipe" for c in cases)
 
 
+def test_make_fuzz_draws_float8():
+    """Float8 linears under split backwards, DualPipe's copies, ZeRO-3, recompute and the
+    global loss, among the 500 cases of `make fuzz` (67 of them)."""
+    cases = [c for c in map(draw, range(500)) if c.float8]
+    assert len(cases) > 40
+    assert any(c.schedule in ("zb1p", "dualpipev") for c in cases)
+    assert any(c.schedule == "dualpipe" for c in cases)
+    assert any(c.zero == 3 and c.dp > 1 for c in cases)
+    assert any(c.recompute for c in cases) and any(c.global_loss for c in cases)
+
+
 def test_make_fuzz_draws_tensor_parallel_layers_recomputed_as_units():
     """Full recompute of a TP stage (its parts run again as one unit), with SP and without,
     under split backwards and DualPipe's copies, among the 500 cases of `make fuzz`."""

@@ -42,6 +42,22 @@ def test_a_matmul_ends_a_run_and_what_crosses_it_is_written():
     assert runs == [2 * MB4, 2 * MB4 + 4]   # x in, h out; y and h in, a scalar out
 
 
+def test_a_reduction_to_a_scalar_ends_its_run():
+    """Float8's scaling: the amax of x, then x times a scale made from it. The kernels after
+    the reduction need its result (Inductor makes it a kernel of its own), so they read x
+    again: two fused kernels, x read twice."""
+    x = meta(1024, 1024)
+    with OpCounter() as c:
+        amax = x.abs().max()                  # run 1: reads x, writes a scalar
+        (x * (448.0 / amax)).to(torch.bfloat16)   # run 2: reads x and the scalar again
+    runs = sorted(t.nbytes for t in c.fused() if t.kind == Kind.MEMORY)
+    assert runs == [MB4 + 4, MB4 + 4 + MB4 // 2]   # x in, amax out; x and amax in, bf16 out
+    # a row-wise reduction (a softmax's, a norm's) stays inside its run
+    with OpCounter() as rows:
+        torch.softmax(x * 2, dim=-1)
+    assert [t.count for t in rows.fused()] == [1]
+
+
 def test_what_autograd_saves_is_written_by_the_fused_run():
     x = meta(1024, 1024, grad=True)
 
