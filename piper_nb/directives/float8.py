@@ -18,18 +18,15 @@ the decoder layers, not the head.
 
 from __future__ import annotations
 
-import copy
-import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-import torch.fx as fx
-
 from piper_nb.capture.float8 import float8_linears, uses_float8
 from piper_nb.directives.base import CaptureContext, Directive, Directives, call_code
+from piper_nb.directives.region_rewrite import rewrite_regions
 from piper_nb.errors import PlanError
-from piper_nb.ir.filters import as_filter, matches
+from piper_nb.ir.filters import as_filter
 
 __all__ = ["Float8", "float8", "apply_float8"]
 
@@ -69,32 +66,13 @@ def float8(filter: Mapping[str, Any]) -> Float8:
 
 
 def apply_float8(capture, directives: Directives, ctx: CaptureContext):
-    """The capture pass: every eligible linear of the matched regions made Float8; each
-    changed region is a new module, the user's capture stays as it was."""
-    if not directives:
-        return capture
-    modules, done = list(capture.modules), set()
-    for idx, d in directives:
-        hits = [r for r in capture.regions if matches(d.filter, dict(r.tags))]
-        if not hits:
-            raise PlanError(f"float8 filter {dict(d.filter)} matches no region; regions are "
-                            + ", ".join(r.name for r in capture.regions),
-                            directive=idx, op=d.op)
-        for r in hits:
-            gm = modules[r.index]
-            if r.index in done or not hasattr(gm, "graph"):
-                continue
-            mine = fx.GraphModule(gm, copy.deepcopy(gm.graph), class_name=type(gm).__name__)
-            if float8_linears(mine):
-                modules[r.index] = mine
-                done.add(r.index)
-            elif uses_float8([gm]):   # a capture made Float8 already (a plan compiled again
-                done.add(r.index)     # for another batch shape)
-        if not any(r.index in done for r in hits):
-            raise PlanError(
-                f"float8: the regions {dict(d.filter)} matches ("
-                + ", ".join(r.name for r in hits[:4]) + (", ..." if len(hits) > 4 else "")
-                + ") hold no linear layer whose weight's dimensions are multiples of 16 (what "
-                "Float8 matmuls take); name regions with such layers, or drop the directive",
-                directive=idx, op=d.op)
-    return dataclasses.replace(capture, modules=tuple(modules))
+    """The capture pass: every eligible linear of the matched regions made Float8 (a region
+    made Float8 already, by a compile of this plan for another batch, stays as it is)."""
+    return rewrite_regions(capture, directives, float8_linears, _nothing,
+                           rewritten=lambda gm: uses_float8([gm]))
+
+
+def _nothing(filt: dict, names: str) -> str:
+    return (f"float8: the regions {filt} matches ({names}) hold no linear layer whose "
+            "weight's dimensions are multiples of 16 (what Float8 matmuls take); name regions "
+            "with such layers, or drop the directive")

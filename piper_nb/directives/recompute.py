@@ -29,19 +29,17 @@ its filter names no `MB`.
 
 from __future__ import annotations
 
-import copy
-import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-import torch.fx as fx
-
 from piper_nb.capture.attention_core import recompute_cores
+from piper_nb.capture.recomputed import Recomputed
 from piper_nb.directives.base import CaptureContext, Context, Directive, Directives, call_code
+from piper_nb.directives.region_rewrite import rewrite_regions
 from piper_nb.errors import PlanError
 from piper_nb.ir.dag import TrainingDAG
-from piper_nb.ir.filters import as_filter, matches
+from piper_nb.ir.filters import as_filter
 from piper_nb.ir.kinds import Op
 
 __all__ = ["Recompute", "recompute", "apply_recompute", "check_recompute",
@@ -98,35 +96,21 @@ def _key(n) -> tuple:
 
 def recompute_attention(capture, directives: Directives, ctx: CaptureContext):
     """The capture pass of selective recompute: the attention cores of every region a
-    selective directive matches run again in the backward (`capture.attention_core`); each
-    changed region is a new module, the user's capture stays as it was."""
-    chosen = [(i, d) for i, d in directives if d.mode == "selective"]
+    selective directive matches run again in the backward (`capture.attention_core`); a
+    region whose cores run so already (a compile of this plan for another batch) stays."""
+    chosen = tuple((i, d) for i, d in directives if d.mode == "selective")
     if not chosen:
         return capture
-    modules, done = list(capture.modules), set()
-    for idx, d in chosen:
-        hits = [r for r in capture.regions if matches(d.filter, dict(r.tags))]
-        if not hits:
-            raise PlanError(f"recompute filter {dict(d.filter)} matches no region; regions "
-                            "are " + ", ".join(r.name for r in capture.regions),
-                            directive=idx, op=d.op)
-        for r in hits:
-            gm = modules[r.index]
-            if r.index in done or not hasattr(gm, "graph"):
-                continue
-            mine = fx.GraphModule(gm, copy.deepcopy(gm.graph), class_name=type(gm).__name__)
-            if recompute_cores(mine):
-                modules[r.index] = mine
-                done.add(r.index)
-        if not any(r.index in done for r in hits):
-            raise PlanError(
-                f"selective recompute: the regions {dict(d.filter)} matches ("
-                + ", ".join(r.name for r in hits[:4]) + (", ..." if len(hits) > 4 else "")
-                + ") hold no attention core (a product of two activations, what is computed "
-                "from it, and its product with the values; or a fused attention) to "
-                "recompute; use mode='full', or a filter that names attention layers",
-                directive=idx, op=d.op)
-    return dataclasses.replace(capture, modules=tuple(modules))
+    return rewrite_regions(capture, chosen, recompute_cores, _no_core,
+                           rewritten=lambda gm: any(isinstance(m, Recomputed)
+                                                    for m in gm.modules()))
+
+
+def _no_core(filt: dict, names: str) -> str:
+    return (f"selective recompute: the regions {filt} matches ({names}) hold no attention core "
+            "(a product of two activations, what is computed from it, and its product with "
+            "the values; or a fused attention) to recompute; use mode='full', or a filter "
+            "that names attention layers")
 
 
 def apply_recompute(dag: TrainingDAG, directives: Directives, ctx: Context) -> TrainingDAG:

@@ -165,3 +165,14 @@ def test_a_flash_llama_with_tp_and_sp_trains_like_one_process(cluster2, one_thre
     got = result.state_dict()
     for k, v in ref.state_dict().items():
         torch.testing.assert_close(got[k], v, rtol=RTOL, atol=ATOL, msg=lambda m, k=k: f"{k}: {m}")
+
+
+def test_a_selective_plan_compiled_again_for_another_batch_keeps_its_cores():
+    """A plan retrained on a batch of another size compiles its program again from its own
+    capture, whose attention cores run again already: they stay as they are."""
+    from piper_nb.compiler.compile import rebatch
+    spec, batch, plan = _one_device([SELECTIVE])
+    again = rebatch(plan, _GPT().example_batch(batch_size=2, seed=1))
+    assert again.batch_size == 2
+    assert sum(str(n.target).startswith(CORE_PREFIX) for m in again.capture.modules
+               for n in m.graph.nodes) == 2
