@@ -192,6 +192,16 @@ def _units(sp: bool):
                         pn.recompute({"L": 1, "MB": 1})]
 
 
+def _float8():
+    """Float8 linears (`pn.float8`: what they save, their scales and copies within a pass)
+    under ZB1P's split backward, replicated with ZeRO-1."""
+    model = pn.models.TinyGPT(vocab=64, dim=32, layers=2, heads=2, seq=16)
+    program = [*pn.schedules.zero_bubble(2, 4), pn.place({"PP": 0}, [0, 2]),
+               pn.place({"PP": 1}, [1, 3]), pn.replicate({"PP": 0}, [0, 2], zero=1),
+               pn.replicate({"PP": 1}, [1, 3], zero=1), pn.float8({"PP": "*"})]
+    return model, pn.cut_stages(model, 2), program
+
+
 MORE = {**{f"tied-zero{z}-pp2-dp2": lambda z=z: _tied(z) for z in (1, 2, 3)},
         **{f"dualpipe-copies-zero{z}": lambda z=z: _dualpipe_zero(z) for z in (2, 3)},
         **{f"recompute-{k}": lambda k=k: _recompute(k) for k in ("zb1p", "zero3", "1f1b")},
@@ -199,6 +209,7 @@ MORE = {**{f"tied-zero{z}-pp2-dp2": lambda z=z: _tied(z) for z in (1, 2, 3)},
         **{f"tp2-sp{'-' + r if r else ''}": lambda r=r: _sequence_parallel(r)
            for r in (None, "full", "selective")},
         **{f"tp2{'-sp' if sp else ''}-units": lambda sp=sp: _units(sp) for sp in (False, True)},
+        "float8-zb1p-zero1": lambda: _float8(),
         "pp2-dp2-zero3-step-sync": lambda: _pp2_dp2_zero3(True, "step"),
         "pp2-dp2-zero3-noreshard-microbatch-sync": lambda: _pp2_dp2_zero3(False, "microbatch")}
 
