@@ -38,8 +38,9 @@ The probes, and what each proves on real hardware:
   SEND refuses it with its own error naming the instruction (`transfers._sent`), before
   NCCL sees it; the same SEND from the device is made ready. NCCL's own reaction to a CPU
   tensor is shown beside it.
-- tinygpt-fp32, tinygpt-bf16, hf-llama: one rank on NCCL (`LocalCluster(1,
-  device="cuda")`) trains TinyGPT in fp32 and in bf16 (fp32 masters), and a Hugging Face
+- tinygpt-fp32, tinygpt-bf16, tinygpt-float8, hf-llama: one rank on NCCL (`LocalCluster(1,
+  device="cuda")`) trains TinyGPT in fp32, in bf16 (fp32 masters) and in bf16 with Float8
+  linears (`pn.float8`; the CPU runs the same Float8 linears), and a Hugging Face
   `LlamaForCausalLM` captured by `torch.export`, against the CPU reference
   (`pn.reference_train`): fp32 at rtol/atol 1e-4, bf16 at the project's bf16 tolerance
   (tests/runtime/test_precision.py).
@@ -145,11 +146,16 @@ def one_rank(microbatches: int = 4) -> list:
     return [pn.place({}, [0]), pn.split({}, "MB", microbatches)]
 
 
-def tiny_gpt(precision: str = "fp32"):
+def tiny_gpt(precision: str = "fp32", float8: bool = False):
+    """(the one process to compare with, batch, plan); `float8`: every linear in Float8
+    (`pn.float8`), and the one process runs the same Float8 linears."""
+    from piper_nb.capture.float8 import Float8Linear
     model = pn.models.TinyGPT(vocab=64, dim=32, layers=4, heads=2, seq=16, tie_embeddings=False)
     batch = model.example_batch(batch_size=8, seed=0)
     spec = pn.annotate(model, pn.cut_stages(model, 2))
-    return model, batch, pn.compile(spec, one_rank(), batch, precision=precision)
+    program = [*one_rank(), *([pn.float8({"PP": "*"})] if float8 else [])]
+    plan = pn.compile(spec, program, batch, precision=precision)
+    return (Float8Linear.swap(model) if float8 else model), batch, plan
 
 
 def hf_llama():
@@ -715,6 +721,12 @@ def probes() -> list[Probe]:
               "NCCL, against the CPU bf16 reference at bf16 tolerance (rtol 1.6e-2)"),),
               lambda: against_reference("tinygpt-bf16", tiny_gpt("bf16"), "bf16", 1.0),
               lambda: [tiny_gpt("bf16")[2]]),
+        Probe("tinygpt-float8", (("tinygpt-float8", "TinyGPT in bf16 with every linear in "
+              "Float8 (pn.float8, torch._scaled_mm), 1 rank on NCCL, against the CPU's Float8 "
+              "run at bf16 tolerance"),),
+              lambda: against_reference("tinygpt-float8", tiny_gpt("bf16", float8=True),
+                                        "bf16", 1.0),
+              lambda: [tiny_gpt("bf16", float8=True)[2]]),
         Probe("hf-llama", (("hf-llama", "Hugging Face LlamaForCausalLM (tiny config, torch.export "
               "capture), 1 rank on NCCL, against the CPU reference at rtol/atol 1e-4"),),
               lambda: against_reference("hf-llama", hf_llama()), lambda: [hf_llama()[2]]),

@@ -11,12 +11,12 @@ from pathlib import Path
 
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "gpu_check.py"
 PROBES = ("nccl-collectives", "stream-coupling", "stream-coupling-old", "cpu-tensor",
-          "tinygpt-fp32", "tinygpt-bf16", "hf-llama", "matmul-bf16", "matmul-fp32",
+          "tinygpt-fp32", "tinygpt-bf16", "tinygpt-float8", "hf-llama", "matmul-bf16", "matmul-fp32",
           "hbm-stream", "matmul-fp8", "gpt-mid step",
           "gpt-mid memory", "llama-0.5b vs torch", "llama-0.5b step", "llama-0.5b memory")
 MULTI_RANK = ("nccl-pp2", "nccl-dualpipev", "nccl-pp2-dp2-zero3", "nccl-pp2-dp2-ep2")
-TRAINED = ("cpu-tensor", "tinygpt-fp32", "tinygpt-bf16", "hf-llama", "gpt-mid step", "gpt-mid memory",
-           "llama-0.5b vs torch", "llama-0.5b step", "llama-0.5b memory")
+TRAINED = ("cpu-tensor", "tinygpt-fp32", "tinygpt-bf16", "tinygpt-float8", "hf-llama",
+           "gpt-mid step", "gpt-mid memory", "llama-0.5b vs torch", "llama-0.5b step", "llama-0.5b memory")
 
 
 def _table(out: str) -> dict[str, tuple[str, str]]:
