@@ -91,4 +91,3 @@ def _stretches(cost, sim, d: int, c: float) -> dict[int, float]:
         if o > 0:
             out[members[0]] = 1 + o * c / (1 + c) / work
     return out
-

@@ -69,10 +69,10 @@ def train(plan, batch_or_loader, steps: int, optimizer, cluster=None, *,
     """
     plan, spec, seed = _prepare(plan, optimizer, param_groups, lr_scheduler, clip_grad_norm,
                                 seed)
+    check_float8(plan.capture.modules, plan.tp_groups, getattr(cluster, "device", None))
     ckpt = Checkpointer.for_train(plan, spec, checkpoint_dir, checkpoint_every, resume)
     run = _Run(plan, steps, spec, seed, drop_last, progress, log_dir)
     own = cluster is None
-    check_float8(plan.capture.modules, plan.tp_groups, getattr(cluster, "device", None))
     cluster = LocalCluster(plan.world) if own else cluster
     try:
         cluster.reset(plan, spec, seed)
