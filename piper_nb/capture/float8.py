@@ -41,7 +41,9 @@ def _cast(t: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tens
     top = torch.finfo(dtype).max
     amax = t.detach().abs().max().float()
     scale = top / torch.clamp(amax, min=_EPS)
-    return (t.float() * scale).clamp(-top, top).to(dtype), scale.reciprocal()
+    # row-major whatever t's layout (element-wise ops keep a transposed input's strides):
+    # what `_scaled_mm` takes as its first operand on CUDA
+    return (t.float() * scale).clamp(-top, top).to(dtype).contiguous(), scale.reciprocal()
 
 
 def _col(t: torch.Tensor) -> torch.Tensor:
