@@ -4,8 +4,8 @@ torchtitan's 70B and 405B runs used.
 
 The value `Float8` (JSON `{"op": "float8", "filter": {...}}`), its constructor `pn.float8`,
 and its capture pass: in each region the filter matches, every `nn.Linear` (or `F.linear`
-on a parameter) whose weight's dimensions are multiples of 16 becomes a
-`capture.float8.float8_linear` call (casts with amax scales, `torch._scaled_mm`). The
+on a parameter) whose weight's dimensions are multiples of 16 becomes a call of a
+`capture.float8.Float8Matmul` submodule (casts with amax scales, `torch._scaled_mm`). The
 region's parameters keep their names and dtypes, so ZeRO, the optimizer and checkpoints
 see what they saw; the saved bytes the compile measures, the runtime, and the analytic
 cost model (Float8 matmuls at the GPU's FP8 rate, the casts and amax reductions as the

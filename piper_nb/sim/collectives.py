@@ -65,6 +65,8 @@ _HOP_NVLINK = {(Algorithm.TREE, Protocol.LL): .52, (Algorithm.TREE, Protocol.LL1
 _HOP_NET = {(Algorithm.TREE, Protocol.LL): 5.0, (Algorithm.TREE, Protocol.LL128): 8.5,
             (Algorithm.TREE, Protocol.SIMPLE): 50.0, (Algorithm.RING, Protocol.LL): 2.7,
             (Algorithm.RING, Protocol.LL128): 4.0, (Algorithm.RING, Protocol.SIMPLE): 9.6}
+_SIMPLE_RING = (Algorithm.RING, Protocol.SIMPLE)
+_LAUNCH = _BASE[_SIMPLE_RING] * 1e-6   # what the simplest collective or message costs, in s
 _TREE_MAX_BUS = 80e9           # NCCL's cap on a tree's bus bandwidth over more than 2 nodes
 _RING_PLATEAU = 1.9            # NCCL: a multi-node Simple ring all-reduce's large-size latency
 
@@ -83,10 +85,9 @@ def bus_bandwidth(topo: Topology, members) -> float:
     """The Simple protocol's bus bandwidth of a group (bytes/s per GPU): NVLink inside a
     node; across nodes the least of NVLink and the adapters of a node's members."""
     nodes, local = topo.spread(members)
-    nvlink = topo.nvlink_bandwidth * topo.nvlink_efficiency
     if nodes <= 1:
-        return nvlink
-    return min(nvlink, local * topo.network_bandwidth * topo.network_efficiency)
+        return topo.nvlink_rate
+    return min(topo.nvlink_rate, local * topo.network_rate)
 
 
 def _steps(kind: str, n: int) -> int:
@@ -95,8 +96,8 @@ def _steps(kind: str, n: int) -> int:
 
 def _hops(topo: Topology, algo: Algorithm, proto: Protocol, nodes: int) -> tuple[float, float]:
     """(NVLink hop, network hop) latencies in s of one algorithm and protocol."""
-    intra = _HOP_NVLINK[(algo, proto)] * topo.nvlink_latency / 3.4
-    inter = _HOP_NET[(algo, proto)] * topo.network_latency / 9.6
+    intra = _HOP_NVLINK[(algo, proto)] / _HOP_NVLINK[_SIMPLE_RING] * topo.nvlink_latency
+    inter = _HOP_NET[(algo, proto)] / _HOP_NET[_SIMPLE_RING] * topo.network_latency
     if nodes > 1 and proto == Protocol.LL:
         intra *= 1.8                       # NCCL: LL's NVLink hops slow beside the network
     return intra, inter
@@ -136,8 +137,7 @@ def collective_time(kind: str, members, nbytes: float, topo: Topology) -> Priced
     fastest algorithm and protocol (see the module docstring)."""
     n = len(members)
     if n < 2:   # NCCL returns at once: what is left is the launch
-        return Priced(_BASE[(Algorithm.RING, Protocol.SIMPLE)] * 1e-6, Algorithm.RING,
-                      Protocol.SIMPLE, math.inf)
+        return Priced(_LAUNCH, Algorithm.RING, Protocol.SIMPLE, math.inf)
     nodes, local = topo.spread(members)
     bus = bus_bandwidth(topo, members)
     if kind == Op.ALL_TO_ALL:
@@ -160,17 +160,16 @@ def _all_to_all(n, nodes, local, nbytes, topo) -> Priced:
     share = nbytes / n
     intra_bytes = (local - 1) * share
     inter_bytes = (n - local) * share
-    move = max(intra_bytes / (topo.nvlink_bandwidth * topo.nvlink_efficiency),
-               inter_bytes / (topo.network_bandwidth * topo.network_efficiency))
+    move = max(intra_bytes / topo.nvlink_rate, inter_bytes / topo.network_rate)
     hop = topo.network_latency if nodes > 1 else topo.nvlink_latency
-    t = _BASE[(Algorithm.RING, Protocol.SIMPLE)] * 1e-6 + hop + move
+    t = _LAUNCH + hop + move
     return Priced(t, Algorithm.DIRECT, Protocol.SIMPLE, nbytes * (n - 1) / n / t)
 
 
 def p2p_time(a: int, b: int, nbytes: float, topo: Topology) -> float:
     """One message from device a to device b: a hop of NVLink or network, and its bytes."""
     if topo.node(a) == topo.node(b):
-        lat, bw = topo.nvlink_latency, topo.nvlink_bandwidth * topo.nvlink_efficiency
+        lat, bw = topo.nvlink_latency, topo.nvlink_rate
     else:
-        lat, bw = topo.network_latency, topo.network_bandwidth * topo.network_efficiency
-    return _BASE[(Algorithm.RING, Protocol.SIMPLE)] * 1e-6 + lat + nbytes / bw
+        lat, bw = topo.network_latency, topo.network_rate
+    return _LAUNCH + lat + nbytes / bw

@@ -90,6 +90,16 @@ class Topology:
                             f"{', '.join(f.name for f in dataclasses.fields(cls))}")
         return dataclasses.replace(base, **overrides)
 
+    @property
+    def nvlink_rate(self) -> float:
+        """Bytes/s a collective streams at over NVLink: the line rate x its efficiency."""
+        return self.nvlink_bandwidth * self.nvlink_efficiency
+
+    @property
+    def network_rate(self) -> float:
+        """Bytes/s a collective streams at over one GPU's adapter."""
+        return self.network_bandwidth * self.network_efficiency
+
     def node(self, device: int) -> int:
         """The node device `device` sits on (torchrun's numbering: consecutive ranks)."""
         return device // self.gpus_per_node
