@@ -28,6 +28,7 @@ from piper_nb.metrics import StepMetrics
 from piper_nb.plan.instr import Instr
 from piper_nb.plan.plan import DevicePlan, Plan
 from piper_nb.profile import CostModel, simulate
+from piper_nb.search import SearchResult, search
 from piper_nb.sim import HardwareSpec, HostModel, MemorySettings, Topology, Trace
 from piper_nb.sim.memory import MIXED_PRECISION_ADAM, device_model_states, zero_model_states
 from piper_nb.tp import tensor_parallel
@@ -43,7 +44,7 @@ __all__ = ["annotate", "cut_stages", "expert_slices", "region", "compile", "Plan
            "optim", "Result", "StepMetrics", "Designer", "profile", "extras",
            # the memory model's accounting, for tutorials that check it against the ZeRO paper
            "device_model_states", "zero_model_states", "MIXED_PRECISION_ADAM",
-           "pipeline_units"]
+           "pipeline_units", "search", "SearchResult"]
 
 
 def __getattr__(name: str):

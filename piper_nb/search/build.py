@@ -1,0 +1,108 @@
+"""A candidate's knobs as what a user would write: the stage cut (a `pn.annotate` mapping)
+and the directive program (`pn.Program`), plus the batch helpers a search shares.
+
+Devices are numbered TP innermost, then pipeline rank, then replica (Megatron's order; a TP
+group is consecutive devices, inside one node). Stages are cut over the pipeline units
+(`pn.cut_stages`' units: embedding, layers, head) so the largest stage's forward and
+backward time is smallest, which leaves the first and last stages fewer layers where the
+embedding and the head weigh. A stage is recomputed when its rank is among the first
+`recompute` ranks; its layers (the units between the first and the last) are.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+
+from piper_nb.capture.annotate import _linear_partition
+from piper_nb.errors import PlanError
+from piper_nb.search.knobs import Knobs, Schedule
+
+__all__ = ["slice_batch", "batch_size", "token_count", "cut", "annotation", "program", "is_layer"]
+
+
+def _tensors(batch):
+    if isinstance(batch, Mapping):
+        return list(batch.values())
+    if isinstance(batch, torch.Tensor):
+        return [batch]
+    return list(batch)
+
+
+def batch_size(batch) -> int:
+    """Samples in `batch` (an (inputs, targets) pair, a tensor or a dict of tensors)."""
+    sizes = {t.shape[0] for t in _tensors(batch) if isinstance(t, torch.Tensor) and t.dim()}
+    if len(sizes) != 1:
+        raise PlanError(f"pn.search: the batch's tensors must share one leading (sample) "
+                        f"dimension, got sizes {sorted(sizes)}")
+    return sizes.pop()
+
+
+def token_count(batch) -> int:
+    """Tokens a step trains on: the first integer tensor's elements (ids), else samples."""
+    for t in _tensors(batch):
+        if isinstance(t, torch.Tensor) and not t.is_floating_point() and t.dim() >= 2:
+            return t.numel()
+    return batch_size(batch)
+
+
+def slice_batch(batch, rows: int):
+    """The first `rows` samples of `batch`, in the same form."""
+    if isinstance(batch, Mapping):
+        return {k: v[:rows] if isinstance(v, torch.Tensor) and v.dim() else v
+                for k, v in batch.items()}
+    if isinstance(batch, torch.Tensor):
+        return batch[:rows]
+    return type(batch)(t[:rows] if isinstance(t, torch.Tensor) and t.dim() else t
+                       for t in batch)
+
+
+def cut(weights: list[float], stages: int) -> list[int]:
+    """The stage of each unit: contiguous, each stage at least one unit, the heaviest
+    stage as light as can be."""
+    return _linear_partition([max(w, 1e-12) for w in weights], stages)
+
+
+def annotation(units: list[str], stage_of: list[int]) -> dict:
+    """The `pn.annotate` mapping: each unit's stage; the layers between the first and the
+    last unit tagged `AC` (what a recompute directive names)."""
+    n = len(units)
+    return {u: {"PP": s, **({"AC": 1} if is_layer(i, n) else {})}
+            for i, (u, s) in enumerate(zip(units, stage_of, strict=True))}
+
+
+def is_layer(i: int, n: int) -> bool:
+    """Whether unit `i` of `n` is a layer (not the first or last unit of three or more)."""
+    return 0 < i < n - 1 or n <= 2
+
+
+def program(k: Knobs, stage_of: list[int]) -> list:
+    """The directives of candidate `k` whose units run on stages `stage_of` (see the module
+    docstring)."""
+    from piper_nb import schedules
+    from piper_nb.directives.spec import place, recompute, replicate, split
+    from piper_nb.tp import tensor_parallel
+    lead = lambda r, rep: (rep * k.pp + r) * k.tp   # noqa: E731 - rank r's first device
+    out = []
+    for s in range(k.stages):
+        devs = [lead(k.rank_of(s), rep) for rep in range(k.dp)]
+        out.append(place({"PP": s}, devs))
+        if k.dp > 1:
+            out.append(replicate({"PP": s}, devs, zero=k.zero,
+                                    reshard=k.pp == 1 or k.zero < 3))
+    if k.tp > 1:
+        groups = [[lead(r, rep) + t for t in range(k.tp)] for rep in range(k.dp)
+                  for r in range(k.pp)]
+        out.append(tensor_parallel({"PP": "*"}, groups, sequence_parallel=k.sp))
+    m, pp = k.microbatches, k.pp
+    out += {Schedule.NONE: lambda: [split({}, "MB", m)],
+            Schedule.GPIPE: lambda: schedules.gpipe(pp, m),
+            Schedule.ONE_F_ONE_B: lambda: schedules.one_f_one_b(pp, m),
+            Schedule.INTERLEAVED: lambda: schedules.interleaved_1f1b(pp, m, chunks=2),
+            Schedule.ZB1P: lambda: schedules.zero_bubble(pp, m),
+            Schedule.DUALPIPEV: lambda: schedules.dualpipev(pp, m)}[k.schedule]()
+    layered = {s for i, s in enumerate(stage_of) if is_layer(i, len(stage_of))}
+    out += [recompute({"PP": s, "AC": 1}) for s in range(k.stages)
+            if k.rank_of(s) < k.recompute and s in layered]
+    return out

@@ -1,0 +1,252 @@
+"""`pn.search`: every plan that fits, ranked by predicted step time, checked and runnable.
+
+The loop (see `search`):
+
+1. The space (`search.knobs.space`): PP x TP x DP = devices, ZeRO, schedule, microbatches,
+   recompute, SP, less what the user pins. An empty space is a PlanError that says which
+   rule emptied it.
+2. Explore: each candidate is bounded (model states and one microbatch's stash; over the
+   capacity: refused), then estimated from its TP class's probe (`search.probe`, one
+   compile per class), and refused when the estimated peak is over the capacity.
+3. Verify: the fastest estimates are compiled (`pn.compile`: the static checks, deadlock
+   and NCCL order among them) and simulated with the same cost model and the memory model,
+   until `top` fit; a compile error or a simulated peak over the capacity refuses one.
+   Those are the ranked rows, each with its annotation and program.
+
+Progress is a tqdm bar (terminal or notebook); Ctrl-C (KeyboardInterrupt) stops it and
+returns what it has, marked interrupted.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, replace
+
+from piper_nb.capture.annotate import annotate
+from piper_nb.compiler.compile import compile
+from piper_nb.directives.spec import Program
+from piper_nb.errors import PlanError
+from piper_nb.profile import CostModel, simulate
+from piper_nb.search.build import annotation, batch_size, program, token_count
+from piper_nb.search.estimate import Context, bound, estimate
+from piper_nb.search.knobs import Knobs, check_pins, space
+from piper_nb.search.probe import UNIT_TAG, probe
+from piper_nb.search.result import GIB, Candidate, SearchResult, Status
+from piper_nb.sim import MemorySettings, Topology
+
+__all__ = ["search"]
+
+COSTS = ("analytic", "profile")
+# the estimate's peak ran up to 1.39x the memory model's over 42 candidates of a Llama on 16
+# H100s (benchmarks/bench_search.py): a candidate is refused by estimate only beyond this,
+# so none that fits is; the memory model decides the rest
+ESTIMATE_MARGIN = 1.4
+
+
+@dataclass
+class _Setup:
+    model: object
+    batch: object
+    units: list
+    hardware: object
+    topology: object
+    precision: str
+    settings: object
+    cost: str
+    loss_fn: object
+    capture: str
+
+    def price(self, plan):
+        if self.cost == "profile":
+            return CostModel.profile(plan)
+        return CostModel.analytic(plan, self.hardware, topology=self.topology)
+
+
+def search(model, batch, devices: int, hardware="H100", *, topology=None, pin=None,
+           precision: str | None = None, memory=None, capacity: float | None = None,
+           cost: str = "analytic", top: int = 5, loss_fn=None, capture: str = "auto",
+           progress: bool = True) -> SearchResult:
+    """Search the plans of `model` on `batch` (a whole step's batch) over `devices` devices.
+
+    `hardware` is a GPU in `pn.sim.HARDWARE` (or a spec) and `topology` a `pn.Topology`
+    (default: the GPU's node of 8); `cost="analytic"` prices with `pn.CostModel.analytic`
+    (a meta-device model is enough), `cost="profile"` with `pn.CostModel.profile` (times
+    measured on this machine's CPU workers). `pin` fixes knobs: {"tp": 8, "schedule":
+    "1f1b", "zero": [1, 3], "recompute": "all"} (the knobs: `search.knobs.KNOBS`).
+    `precision` is the compile's ("bf16" by default for analytic costs, "fp32" for
+    profiled); `memory` the `pn.MemorySettings` the memory model charges (default AdamW's
+    state); `capacity` the bytes a device holds (default the GPU's memory; unlimited when
+    profiled). `top` candidates are compiled and simulated in full. Returns a
+    `SearchResult`."""
+    from piper_nb.capture.annotate import _execution_order, pipeline_units
+    from piper_nb.sim.gpus import spec_of
+    t0 = time.perf_counter()
+    if isinstance(devices, bool) or not isinstance(devices, int) or devices < 1:
+        raise PlanError(f"pn.search: devices must be a positive int, got {devices!r}")
+    if cost not in COSTS:
+        raise PlanError(f"pn.search: cost must be one of {', '.join(COSTS)}, got {cost!r}")
+    if not isinstance(top, int) or top < 1:
+        raise PlanError(f"pn.search: top must be a positive int, got {top!r}")
+    spec = spec_of(hardware)
+    topo = topology or Topology.of(spec)
+    precision = precision or ("bf16" if cost == "analytic" else "fp32")
+    settings = memory or MemorySettings(optimizer="adamw")
+    if capacity is None:
+        capacity = spec.memory if cost == "analytic" else float("inf")
+    samples = batch_size(batch)
+    units = _execution_order(model, [u for u in pipeline_units(model)
+                                     if next(model.get_submodule(u).parameters(), None)
+                                     is not None] or pipeline_units(model), batch)
+    pins = check_pins(pin)
+    candidates = list(space(devices, samples, len(units), gpus_per_node=topo.gpus_per_node,
+                            pins=pins))
+    if not candidates:
+        raise PlanError(_empty(devices, samples, len(units), topo.gpus_per_node, pin))
+    setup = _Setup(model, batch, units, spec, topo, precision, settings, cost, loss_fn, capture)
+    ctx = Context(batch=samples, links=None, param_bytes=settings.param_bytes,
+                  grad_bytes=settings.grad_bytes,
+                  optim_bytes=settings.optim_per_param() + (4 if precision == "bf16" else 0),
+                  reduce_bytes=4.0)
+    seconds = {"probe": 0.0, "explore": 0.0, "verify": 0.0}
+    kept, refused, interrupted = _explore(setup, candidates, ctx, capacity, devices, progress,
+                                          seconds)
+    seconds["explore"] = time.perf_counter() - t0 - seconds["probe"]
+    kept.sort(key=lambda x: x[0].step)
+    ranked = []
+    if not interrupted:
+        t1 = time.perf_counter()
+        ranked, interrupted = _verify(setup, kept, refused, top, capacity, devices, progress)
+        seconds["verify"] = time.perf_counter() - t1
+    seconds["total"] = time.perf_counter() - t0
+    seen = {c.knobs for c in ranked + refused}
+    estimated = [_with_program(setup, row, cut) for row, cut in kept[:50]
+                 if row.knobs not in seen]
+    result = SearchResult(ranked, estimated, refused, samples, len(candidates), seconds,
+                          capacity, interrupted)
+    if not result.fits:
+        result.shortfall = _shortfall(refused, capacity)
+    return result
+
+
+def _explore(setup: _Setup, candidates, ctx: Context, capacity: float, devices: int,
+             progress: bool, seconds: dict):
+    """Bound and estimate every candidate, probing each TP class once; the kept (row, stage
+    cut) pairs, the refused rows, and whether the user interrupted."""
+    probes: dict = {}
+    unit_spec = annotate(setup.model, {u: {UNIT_TAG: i} for i, u in enumerate(setup.units)})
+    sizes = _probe_sizes(candidates, ctx.batch)
+    kept, refused, interrupted = [], [], False
+    bar = _bar(len(candidates), progress, "exploring")
+    try:
+        for k in candidates:
+            bar.update(1)
+            p = probes.get((k.tp, k.sp))
+            if p is None:
+                p = probes[(k.tp, k.sp)] = probe(
+                    unit_spec, setup.units, setup.batch, sizes[k.tp], k.tp, k.sp, setup.price,
+                    precision=setup.precision, loss_fn=setup.loss_fn, capture=setup.capture)
+                seconds["probe"] += p.seconds
+                if ctx.links is None and p.error is None:
+                    ctx = replace(ctx, links=p.links)
+            if p.error is not None:
+                refused.append(Candidate(k, Status.REFUSED, reason=f"compile: {p.error}"))
+                continue
+            floor = bound(k, p, ctx)
+            if floor > capacity:
+                refused.append(Candidate(k, Status.REFUSED, peak=floor, reason=(
+                    f"memory bound: {floor / GIB:.1f} GiB > {capacity / GIB:.1f} GiB")))
+                continue
+            est = estimate(k, p, ctx)
+            row = Candidate(k, Status.ESTIMATED, est.step, _rate(setup.batch, est.step, devices),
+                            est.bubble, est.peak)
+            if est.peak > capacity * ESTIMATE_MARGIN:
+                refused.append(replace(row, status=Status.REFUSED, reason=(
+                    f"memory estimate: {est.peak / GIB:.1f} GiB > {ESTIMATE_MARGIN} x "
+                    f"{capacity / GIB:.1f} GiB")))
+                continue
+            kept.append((row, est.stage_of))
+    except KeyboardInterrupt:
+        interrupted = True
+    finally:
+        bar.close()
+    return kept, refused, interrupted
+
+
+def _probe_sizes(candidates: list[Knobs], samples: int) -> dict[int, tuple[int, ...]]:
+    """Per TP degree, the smallest and the largest microbatch its candidates use."""
+    out: dict[int, set] = {}
+    for k in candidates:
+        out.setdefault(k.tp, set()).add(samples // (k.dp * k.microbatches))
+    return {tp: tuple(sorted({min(s), max(s)})) for tp, s in out.items()}
+
+
+def _rate(batch, step: float, devices: int) -> float:
+    return token_count(batch) / step / devices if step > 0 else 0.0
+
+
+def _with_program(setup: _Setup, row: Candidate, stage_of) -> Candidate:
+    return replace(row, annotation=annotation(setup.units, list(stage_of)),
+                   program=Program(program(row.knobs, list(stage_of))))
+
+
+def _verify(setup: _Setup, kept, refused, top, capacity, devices, progress):
+    """Compile and simulate the fastest estimates until `top` fit."""
+    from piper_nb.sim.analysis import bubble_fraction
+    ranked, interrupted = [], False
+    bar = _bar(min(len(kept), 3 * top), progress, "verifying")
+    try:
+        for row, stage_of in kept[:3 * top]:
+            if len(ranked) >= top:
+                break
+            bar.update(1)
+            row = _with_program(setup, row, stage_of)
+            try:
+                plan = compile(annotate(setup.model, row.annotation), row.program,
+                                  setup.batch, loss_fn=setup.loss_fn, precision=setup.precision,
+                                  capture=setup.capture)
+                trace = simulate(plan, setup.price(plan), memory=setup.settings)
+            except PlanError as e:
+                refused.append(replace(row, status=Status.REFUSED,
+                                       reason=f"compile: {str(e).splitlines()[0]}"))
+                continue
+            peak_dev, peak = max(trace.peak_memory.items(), key=lambda kv: kv[1])
+            done = replace(row, status=Status.SIMULATED, step=trace.step_time,
+                           tokens_per_s=_rate(setup.batch, trace.step_time, devices),
+                           bubble=bubble_fraction(trace), peak=float(peak))
+            if peak > capacity:
+                refused.append(replace(done, status=Status.REFUSED, reason=(
+                    f"memory model: device {peak_dev} peaks at {peak / GIB:.1f} GiB > "
+                    f"{capacity / GIB:.1f} GiB")))
+                continue
+            ranked.append(done)
+    except KeyboardInterrupt:
+        interrupted = True
+    finally:
+        bar.close()
+    ranked.sort(key=lambda c: c.step)
+    return ranked, interrupted
+
+
+def _bar(total: int, progress: bool, desc: str):
+    from tqdm.auto import tqdm
+    return tqdm(total=total, desc=f"pn.search: {desc}", disable=not progress, leave=False)
+
+
+def _shortfall(refused: list[Candidate], capacity: float) -> str:
+    over = [c for c in refused if c.peak is not None and c.peak > capacity]
+    if not over:
+        reasons = sorted({c.reason for c in refused})[:3]
+        return "every candidate was refused: " + "; ".join(reasons)
+    c = min(over, key=lambda c: c.peak)
+    return (f"the closest candidate, {c.knobs.label()}, needs {c.peak / GIB:.2f} GiB on its "
+            f"heaviest device, {(c.peak - capacity) / GIB:.2f} GiB more than the "
+            f"{capacity / GIB:.1f} GiB a device holds ({c.reason}); more devices, a "
+            "higher ZeRO level, recompute or a smaller batch would close it")
+
+
+def _empty(devices: int, samples: int, units: int, node: int, pin) -> str:
+    return (f"pn.search: no PP x TP x DP split of {devices} devices fits: DP must divide the "
+            f"batch of {samples} samples, TP a node of {node} devices, PP at most the "
+            f"model's {units} pipeline units" + (f", and the pins {dict(pin)} hold" if pin
+                                                 else "")
+            + "; change the device count or the batch, or loosen the pins")

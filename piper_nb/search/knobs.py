@@ -1,0 +1,159 @@
+"""The knobs a strategy search turns, and the space of their values: `Knobs` (one
+candidate's settings) and `space` (every combination a device count, a batch and the
+user's pins allow, in a fixed order).
+
+A candidate is PP x TP x DP = the device count (TP innermost and inside one node, then PP,
+then DP, Megatron's numbering), a ZeRO level (DP > 1), a schedule (none without PP; GPipe,
+1F1B, interleaved 1F1B with two stages a rank, ZB1P, DualPipeV with PP), a microbatch count
+dividing each replica's share of the batch, how many leading pipeline ranks recompute their
+layers (`recompute`: 0 none, PP all), and Megatron's sequence parallelism under TP.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from dataclasses import asdict, dataclass
+from enum import StrEnum
+
+from piper_nb.errors import PlanError
+
+__all__ = ["Schedule", "Knobs", "KNOBS", "space", "divisors", "check_pins"]
+
+
+class Schedule(StrEnum):
+    """The pipeline schedules a search tries (`pn.schedules`' builders)."""
+
+    NONE = "none"             # no pipeline: gradient accumulation over the microbatches
+    GPIPE = "gpipe"
+    ONE_F_ONE_B = "1f1b"
+    INTERLEAVED = "interleaved"
+    ZB1P = "zb1p"
+    DUALPIPEV = "dualpipev"
+
+    @property
+    def chunks(self) -> int:
+        """Stages a rank holds."""
+        return 2 if self in (Schedule.INTERLEAVED, Schedule.DUALPIPEV) else 1
+
+
+@dataclass(frozen=True, order=True)
+class Knobs:
+    """One candidate's settings."""
+
+    pp: int
+    tp: int
+    dp: int
+    zero: int
+    schedule: Schedule
+    microbatches: int
+    recompute: int          # leading pipeline ranks that recompute their layers (0..pp)
+    sp: bool                # Megatron's sequence parallelism (TP > 1)
+
+    @property
+    def stages(self) -> int:
+        return self.pp * self.schedule.chunks
+
+    def rank_of(self, stage: int) -> int:
+        """The pipeline rank that runs `stage`: interleaved s % PP, DualPipeV's V shape."""
+        if self.schedule is Schedule.DUALPIPEV and stage >= self.pp:
+            return 2 * self.pp - 1 - stage
+        return stage % self.pp
+
+    def label(self) -> str:
+        """A short text form, e.g. `PP4 TP8 DP4 Z1 1f1b m16 rc4 sp`."""
+        parts = [f"PP{self.pp}", f"TP{self.tp}", f"DP{self.dp}", f"Z{self.zero}",
+                 str(self.schedule), f"m{self.microbatches}"]
+        if self.recompute:
+            parts.append(f"rc{self.recompute}")
+        if self.sp:
+            parts.append("sp")
+        return " ".join(parts)
+
+    def as_dict(self) -> dict:
+        return {**asdict(self), "schedule": str(self.schedule)}
+
+
+KNOBS = ("pp", "tp", "dp", "zero", "schedule", "microbatches", "recompute", "sp")
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def check_pins(pin: Mapping | None) -> dict:
+    """The user's pins as {knob: set of allowed values}; a PlanError names a bad one."""
+    out = {}
+    for k, v in (pin or {}).items():
+        if k not in KNOBS:
+            raise PlanError(f"pn.search: cannot pin {k!r}; the knobs are {', '.join(KNOBS)}")
+        values = v if isinstance(v, (list, tuple, set, frozenset)) else [v]
+        if k == "schedule":
+            try:
+                values = [Schedule(str(s).lower()) for s in values]
+            except ValueError:
+                raise PlanError(f"pn.search: pin schedule={v!r} is not a schedule; use one of "
+                                f"{', '.join(s.value for s in Schedule)}") from None
+        elif k == "sp":
+            values = [bool(s) for s in values]
+        elif k == "recompute" and all(isinstance(s, (bool, str)) for s in values):
+            words = {True: "all", False: 0, "all": "all", "full": "all", "none": 0}
+            if any(s not in words for s in values):
+                raise PlanError(f"pn.search: pin recompute={v!r}: use 'all', 'none', True, "
+                                "False, or how many leading pipeline ranks recompute")
+            values = [words[s] for s in values]
+        elif any(isinstance(s, bool) or not isinstance(s, int) or s < 0 for s in values):
+            raise PlanError(f"pn.search: pin {k}={v!r} must be a non-negative int or a list "
+                            "of them")
+        out[k] = set(values)
+    return out
+
+
+def space(devices: int, batch_size: int, stages_max: int, *, gpus_per_node: int,
+          pins: Mapping[str, set] | None = None, tp_max: int | None = None) -> Iterator[Knobs]:
+    """Every candidate for `devices` devices and a batch of `batch_size` sequences (samples):
+    a model of `stages_max` pipeline units can hold at most that many stages; TP at most
+    `gpus_per_node` (one node) and `tp_max`, dividing the node."""
+    pins = pins or {}
+    ok = lambda k, v: k not in pins or v in pins[k]   # noqa: E731
+    node = min(gpus_per_node, tp_max or gpus_per_node, devices)
+    for tp in (t for t in divisors(node) if gpus_per_node % t == 0 or t == devices):
+        if not ok("tp", tp) or devices % tp:
+            continue
+        for pp in divisors(devices // tp):
+            dp = devices // (tp * pp)
+            if not (ok("pp", pp) and ok("dp", dp)) or batch_size % dp:
+                continue
+            local = batch_size // dp
+            for schedule in _schedules(pp):
+                if not ok("schedule", schedule) or pp * schedule.chunks > stages_max:
+                    continue
+                for m in divisors(local):
+                    if not ok("microbatches", m) or not _fits_schedule(schedule, pp, m):
+                        continue
+                    for zero in ((0, 1, 2, 3) if dp > 1 else (0,)):
+                        if not ok("zero", zero):
+                            continue
+                        for rc in sorted({0, pp // 2, pp} if pp > 1 else {0, 1}):
+                            if not (ok("recompute", rc) or (rc == pp and ok("recompute", "all"))):
+                                continue
+                            for sp in ((False, True) if tp > 1 else (False,)):
+                                if ok("sp", sp):
+                                    yield Knobs(pp, tp, dp, zero, schedule, m, rc, sp)
+
+
+def _schedules(pp: int) -> tuple[Schedule, ...]:
+    if pp == 1:
+        return (Schedule.NONE,)
+    return tuple(s for s in Schedule if s is not Schedule.NONE)
+
+
+def _fits_schedule(schedule: Schedule, pp: int, m: int) -> bool:
+    """The builders' own rules (`pn.schedules`), and at least as many microbatches as
+    ranks (fewer leave a rank idle for most of the step)."""
+    if schedule is Schedule.NONE:
+        return True
+    if schedule is Schedule.INTERLEAVED:
+        return m % pp == 0
+    if schedule is Schedule.DUALPIPEV:
+        return m >= 2 * pp
+    return m >= pp

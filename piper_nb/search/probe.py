@@ -1,0 +1,141 @@
+"""What one compile of each TP class tells a search about the model's pipeline units.
+
+A search prices thousands of candidates without compiling them. It compiles the model once
+per (TP degree, sequence parallelism) class instead, on one device (and its TP group), on
+`rows` samples of the batch, one region per pipeline unit (`pn.cut_stages`' units: the
+embedding, each layer, the head), and simulates that plan with the cost model the search
+uses. Per unit it keeps (`UnitCost`): the forward and backward times with the unit's TP
+collectives (on the critical path as they run), the weight-gradient share of the backward,
+the update, the parameters one TP rank holds, what autograd saves and what the unit reads
+per microbatch. The estimate (`search.estimate`) scales those by the microbatch size.
+
+A class whose compile fails (a model without a TP plan, heads that do not divide) is
+refused as a whole with the compile's reason.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+
+from piper_nb.errors import PlanError
+from piper_nb.ir.kinds import COMM, Op
+from piper_nb.plan.sizes import element_size, value_bytes
+
+__all__ = ["UnitCost", "Probe", "probe", "UNIT_TAG"]
+
+UNIT_TAG = "U"     # the tag a probe gives each pipeline unit
+
+
+@dataclass(frozen=True)
+class UnitCost:
+    """One pipeline unit's costs on one TP rank for a microbatch of the probe's rows."""
+
+    name: str
+    f: float          # forward, with its TP collectives
+    b: float          # full backward (input and weight gradients), with its TP collectives
+    w: float          # the weight-gradient share of b (what ZB1P and DualPipeV defer)
+    u: float          # optimizer update
+    params: int       # parameter elements on one TP rank
+    param_bytes: int  # their bytes (the plan's dtypes)
+    saved: float      # bytes autograd saves in the forward (the tensors it keeps included)
+    inputs: float     # bytes of what the unit reads (kept when it is recomputed)
+
+
+@dataclass(frozen=True)
+class Probe:
+    """A TP class's units at two microbatch sizes (`rows`: the smallest and the largest a
+    candidate of the class uses), or why it cannot compile. `at(n)` interpolates times
+    between the two sizes (a straight line: a kernel's fixed costs and the weights it
+    reads do not grow with the rows) and scales bytes in proportion."""
+
+    tp: int
+    sp: bool
+    rows: tuple[int, ...] = ()
+    measured: tuple[tuple[UnitCost, ...], ...] = ()
+    error: str | None = None
+    seconds: float = 0.0
+    links: object = field(default=None, compare=False, repr=False)   # its CostModel
+    _at: dict = field(default_factory=dict, compare=False, repr=False)
+
+    def at(self, n: float) -> tuple[UnitCost, ...]:
+        got = self._at.get(n)
+        if got is None:
+            got = self._at[n] = self._interpolate(n)
+        return got
+
+    def _interpolate(self, n: float) -> tuple[UnitCost, ...]:
+        lo, hi = self.measured[0], self.measured[-1]
+        r0, r1 = self.rows[0], self.rows[-1]
+        x = (n - r0) / (r1 - r0) if r1 != r0 else 0.0
+        line = lambda a, b: max(a + (b - a) * x, 0.0) if r1 != r0 else a * n / r0  # noqa: E731
+        return tuple(replace(u, f=line(u.f, v.f), b=line(u.b, v.b), w=line(u.w, v.w),
+                             saved=v.saved * n / r1, inputs=v.inputs * n / r1)
+                     for u, v in zip(lo, hi, strict=True))
+
+
+def probe(spec, units: list[str], batch, rows: tuple[int, ...], tp: int, sp: bool, price, *,
+          precision: str, loss_fn=None, capture: str = "auto") -> Probe:
+    """Compile `spec` (the model, one region per unit tagged `UNIT_TAG`) on each of `rows`
+    samples of `batch` with TP `tp` (and SP), price each with `price(plan)` (a CostModel),
+    and read each unit's costs. The capture is the spec's, made once for every class."""
+    import time
+
+    from piper_nb.compiler.compile import compile, rebatch
+    from piper_nb.directives.spec import place
+    from piper_nb.profile import simulate
+    from piper_nb.search.build import slice_batch
+    from piper_nb.tp import tensor_parallel
+    t0 = time.perf_counter()
+    program = [place({}, [0])]
+    if tp > 1:
+        program.append(tensor_parallel({}, list(range(tp)), sequence_parallel=sp))
+    measured, cost = [], None
+    try:
+        plan = None
+        for n in rows:
+            part = slice_batch(batch, n)
+            plan = (compile(spec, program, part, loss_fn=loss_fn, precision=precision,
+                               capture=capture) if plan is None else rebatch(plan, part))
+            cost = price(plan)
+            measured.append(_units(plan, cost, simulate(plan, cost), units))
+    except PlanError as e:
+        return Probe(tp, sp, tuple(rows), error=str(e).split("\n")[0],
+                     seconds=time.perf_counter() - t0)
+    return Probe(tp, sp, tuple(rows), tuple(measured), None, time.perf_counter() - t0, cost)
+
+
+def _units(plan, cost, trace, names: list[str]) -> tuple[UnitCost, ...]:
+    unit_of = {r: dict(info.tags).get(UNIT_TAG) for r, info in enumerate(plan.regions)}
+    f = [0.0] * len(names)
+    b = [0.0] * len(names)
+    u = [0.0] * len(names)
+    for e in trace.events:
+        k = unit_of.get(e.region)
+        if e.device != 0 or k is None:
+            continue
+        if e.kind == Op.U:
+            u[k] += e.duration
+        elif e.kind == Op.F or (e.kind in COMM and "#tpF" in e.node and "#regather" not in e.node):
+            f[k] += e.duration
+        else:
+            b[k] += e.duration
+    out = []
+    for k, name in enumerate(names):
+        regions = [r for r, v in unit_of.items() if v == k]
+        params = {p for r in regions for p in plan.regions[r].params if p in plan.params}
+        reads = {v for r in regions for v in plan.regions[r].inputs if v in plan.values}
+        kept = {v for r in regions for side in plan.kept.get(r, ((), ())) for v in side
+                if v in plan.values}
+        made = {v for r in regions for v in plan.regions[r].outputs}
+        out.append(UnitCost(
+            name=name, f=f[k], b=b[k],
+            w=sum(cost.passes.get((r, Op.BW), 0.0) for r in regions),
+            u=u[k],
+            params=sum(math.prod(plan.params[p][0]) for p in params),
+            param_bytes=sum(math.prod(plan.params[p][0]) * element_size(plan.params[p][1])
+                            for p in params),
+            saved=float(sum(plan.saved.get(r, 0) for r in regions)
+                        + sum(value_bytes(plan.values[v]) for v in kept)),
+            inputs=float(sum(value_bytes(plan.values[v]) for v in reads - made))))
+    return tuple(out)

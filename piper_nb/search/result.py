@@ -1,0 +1,158 @@
+"""What a search hands back: `Candidate` rows and the `SearchResult` table over them.
+
+A row is one candidate: its knobs, its stage cut and directive program, and its figures,
+either the simulator's (`Status.SIMULATED`: compiled, checked, simulated with the memory
+model) or the closed-form estimate's (`Status.ESTIMATED`: explored, not compiled), or why
+it was refused (`Status.REFUSED`: a compile error or check, or memory over the capacity).
+Only simulated rows are ranked; `best` is the first of them.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+from piper_nb.search.knobs import Knobs
+
+__all__ = ["Status", "Candidate", "SearchResult", "COLUMNS"]
+
+GIB = 2**30
+
+
+class Status(StrEnum):
+    SIMULATED = "simulated"
+    ESTIMATED = "estimated"
+    REFUSED = "refused"
+
+
+@dataclass(frozen=True)
+class Candidate:
+    knobs: Knobs
+    status: Status
+    step: float | None = None            # seconds (or the cost model's unit)
+    tokens_per_s: float | None = None    # per device
+    bubble: float | None = None          # idle share of the step, averaged over devices
+    peak: float | None = None            # bytes, the device that holds most
+    reason: str = ""
+    annotation: dict = field(default_factory=dict, compare=False, repr=False)
+    program: object = field(default=None, compare=False, repr=False)   # pn.Program
+
+    def row(self, batch: int) -> dict:
+        k = self.knobs
+        return {"PP": k.pp, "TP": k.tp, "DP": k.dp, "ZeRO": k.zero,
+                "schedule": str(k.schedule), "micro": k.microbatches,
+                "mb size": batch // (k.dp * k.microbatches), "recompute": k.recompute,
+                "SP": "yes" if k.sp else "", "step s": _num(self.step),
+                "tok/s/dev": _num(self.tokens_per_s, 0), "bubble": _pct(self.bubble),
+                "peak GiB": _num(None if self.peak is None else self.peak / GIB, 1),
+                "status": str(self.status), "reason": self.reason}
+
+
+COLUMNS = ("PP", "TP", "DP", "ZeRO", "schedule", "micro", "mb size", "recompute", "SP",
+           "step s", "tok/s/dev", "bubble", "peak GiB", "status")
+SORTS = {"step": lambda c: c.step, "tokens": lambda c: -c.tokens_per_s,
+         "memory": lambda c: c.peak, "bubble": lambda c: c.bubble}
+
+
+def _num(x, digits: int = 4):
+    return None if x is None else round(x, digits) if digits else round(x)
+
+
+def _pct(x):
+    return None if x is None else f"{100 * x:.0f}%"
+
+
+@dataclass
+class SearchResult:
+    """The ranked candidates (`ranked`: simulated, fastest first), the rest explored by
+    estimate, and the refused with their reasons."""
+
+    ranked: list[Candidate]
+    estimated: list[Candidate]
+    refused: list[Candidate]
+    batch: int
+    explored: int
+    seconds: dict
+    capacity: float
+    interrupted: bool = False
+    shortfall: str = ""
+
+    @property
+    def best(self) -> Candidate | None:
+        """The fastest simulated candidate (or, interrupted before any, estimated)."""
+        if self.ranked:
+            return self.ranked[0]
+        return self.estimated[0] if self.interrupted and self.estimated else None
+
+    @property
+    def fits(self) -> bool:
+        """Whether some candidate fits: simulated, or (interrupted) estimated."""
+        return bool(self.ranked) or (self.interrupted and bool(self.estimated))
+
+    def rows(self, n: int | None = 10, sort: str = "step", refused: bool = False) -> list[dict]:
+        """The top `n` ranked rows by `sort` (step, tokens, memory, bubble), as dicts."""
+        if sort not in SORTS:
+            from piper_nb.errors import PlanError
+            raise PlanError(f"SearchResult: sort by one of {', '.join(SORTS)}, not {sort!r}")
+        pool = self.refused if refused else sorted(self.ranked, key=SORTS[sort])
+        return [c.row(self.batch) for c in pool[:n]]
+
+    def table(self, n: int | None = 10, sort: str = "step") -> str:
+        """A text table of the top `n` ranked candidates, then a summary line."""
+        rows = self.rows(n, sort)
+        lines = [self.summary()]
+        if rows:
+            cols = [c for c in COLUMNS if c != "status"]
+            cells = [[str(r[c]) if r[c] is not None else "-" for c in cols] for r in rows]
+            widths = [max(len(c), *(len(x[i]) for x in cells)) for i, c in enumerate(cols)]
+            lines.append("  ".join(c.rjust(w) for c, w in zip(cols, widths, strict=True)))
+            lines += ["  ".join(x.rjust(w) for x, w in zip(row, widths, strict=True))
+                      for row in cells]
+        return "\n".join(lines)
+
+    def summary(self) -> str:
+        secs = self.seconds.get("total", 0.0)
+        text = (f"{self.explored} candidates explored in {secs:.1f} s: {len(self.ranked)} "
+                f"simulated, {len(self.estimated)} estimated, {len(self.refused)} refused")
+        if self.interrupted:
+            text += " (interrupted: the best so far)"
+        if not self.fits:
+            text += f"\nnothing fits: {self.shortfall}"
+        return text
+
+    def __str__(self) -> str:
+        return self.table()
+
+    def _repr_html_(self) -> str:
+        import html
+        rows = self.rows(10)
+        cols = [c for c in COLUMNS if c != "status"]
+        head = "".join(f"<th>{html.escape(c)}</th>" for c in cols)
+        body = "".join("<tr>" + "".join(
+            f"<td>{html.escape(str(r[c]) if r[c] is not None else '-')}</td>" for c in cols)
+            + "</tr>" for r in rows)
+        return (f"<p>{html.escape(self.summary())}</p>"
+                f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>")
+
+    def reasons(self) -> dict[str, int]:
+        """How many candidates each refusal reason (its first clause) turned away."""
+        out: dict[str, int] = {}
+        for c in self.refused:
+            key = c.reason.split(":")[0]
+            out[key] = out.get(key, 0) + 1
+        return out
+
+    def save_best(self, path) -> dict:
+        """Write the best candidate's program (Piper JSON) to `path` and its stage cut next
+        to it (`.annotations.json`); returns both paths."""
+        from pathlib import Path
+        best = self.best
+        if best is None:
+            from piper_nb.errors import PlanError
+            raise PlanError(f"SearchResult.save_best: no candidate fits; {self.shortfall}")
+        path = Path(path)
+        path.write_text(best.program.to_json() + "\n")
+        ann = path.with_suffix(".annotations.json")
+        ann.write_text(json.dumps(best.annotation, indent=1) + "\n")
+        return {"program": str(path), "annotations": str(ann)}

@@ -1,0 +1,124 @@
+"""`pn.search` on small models: the space it explores, pins, the refusals, the ranked rows
+(compiled, checked, simulated) and the stage-level timing it explores with, which must
+agree with the simulator's on the same grid."""
+
+from __future__ import annotations
+
+import pytest
+
+import piper_nb as pn
+from piper_nb.search.knobs import Knobs, Schedule, space
+from piper_nb.search.pipeline import grid_of, time_grid
+
+
+def gpt():
+    return pn.models.TinyGPT(vocab=64, dim=32, layers=4, heads=2, seq=16)
+
+
+@pytest.fixture(scope="module")
+def found():
+    model = gpt()
+    return model, pn.search(model, model.example_batch(batch_size=8, seed=0), devices=4,
+                            precision="fp32", progress=False)
+
+
+def test_the_ranked_rows_are_simulated_compiled_plans_fastest_first(found):
+    model, result = found
+    assert result.ranked and len(result.ranked) <= 5
+    steps = [c.step for c in result.ranked]
+    assert steps == sorted(steps)
+    assert all(c.status == "simulated" for c in result.ranked)
+    batch = model.example_batch(batch_size=8, seed=0)
+    for c in result.ranked:
+        k = c.knobs
+        assert k.pp * k.tp * k.dp == 4
+        plan = pn.compile(pn.annotate(model, c.annotation), c.program, batch)
+        trace = pn.simulate(plan, pn.CostModel.analytic(plan, "H100"),
+                            memory=pn.MemorySettings(optimizer="adamw"))
+        assert trace.step_time == pytest.approx(c.step)
+        assert max(trace.peak_memory.values()) == pytest.approx(c.peak)
+
+
+def test_a_refused_class_says_why_and_is_never_ranked(found):
+    _, result = found
+    tp4 = [c for c in result.refused if c.knobs.tp == 4]
+    assert tp4 and all("heads=2" in c.reason for c in tp4)
+    assert all(c.knobs.tp != 4 for c in result.ranked + result.estimated)
+    assert result.explored >= len(result.ranked) + len(result.refused)
+
+
+def test_the_table_prints_the_top_rows_and_sorts_by_a_column(found):
+    _, result = found
+    text = result.table(3)
+    assert "candidates explored" in text and "tok/s/dev" in text
+    assert len(text.splitlines()) == 2 + min(3, len(result.ranked))
+    by_memory = result.rows(None, sort="memory")
+    peaks = [r["peak GiB"] for r in by_memory]
+    assert peaks == sorted(peaks)
+    with pytest.raises(pn.PlanError, match="sort by one of"):
+        result.rows(sort="speed")
+    assert "<table>" in result._repr_html_()
+
+
+def test_pins_hold_every_candidate():
+    model = gpt()
+    result = pn.search(model, model.example_batch(batch_size=8, seed=0), devices=4,
+                       precision="fp32", progress=False, top=2,
+                       pin={"pp": 2, "schedule": "1f1b", "recompute": "all"})
+    rows = result.ranked + result.estimated + result.refused
+    assert rows
+    assert all(c.knobs.pp == 2 and c.knobs.schedule is Schedule.ONE_F_ONE_B
+               and c.knobs.recompute == 2 for c in rows)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"devices": 0}, "devices must be a positive int"),
+    ({"devices": 4, "pin": {"stages": 2}}, "cannot pin 'stages'"),
+    ({"devices": 4, "pin": {"schedule": "zigzag"}}, "is not a schedule"),
+    ({"devices": 4, "cost": "guess"}, "cost must be one of"),
+    ({"devices": 16, "pin": {"pp": 1, "tp": 1}}, "DP must divide the batch of 8"),
+])
+def test_bad_input_is_a_plan_error_before_the_search(kwargs, match):
+    model = gpt()
+    with pytest.raises(pn.PlanError, match=match):
+        pn.search(model, model.example_batch(batch_size=8, seed=0), progress=False, **kwargs)
+
+
+def test_when_nothing_fits_it_names_the_smallest_shortfall():
+    model = gpt()
+    result = pn.search(model, model.example_batch(batch_size=8, seed=0), devices=2,
+                       precision="fp32", progress=False, capacity=64 * 2**10)
+    assert not result.fits and result.best is None
+    assert "GiB more than" in result.shortfall and "PP" in result.shortfall
+    assert "nothing fits" in result.summary()
+    with pytest.raises(pn.PlanError, match="no candidate fits"):
+        result.save_best("unused.json")
+
+
+def test_the_space_keeps_tp_in_a_node_and_the_schedules_rules():
+    ks = list(space(16, 32, 10, gpus_per_node=4))
+    assert {k.tp for k in ks} == {1, 2, 4}
+    assert all(k.pp * k.tp * k.dp == 16 and 32 % (k.dp * k.microbatches) == 0 for k in ks)
+    assert all(k.microbatches % k.pp == 0 for k in ks if k.schedule is Schedule.INTERLEAVED)
+    assert all(k.microbatches >= 2 * k.pp for k in ks if k.schedule is Schedule.DUALPIPEV)
+    assert all(k.schedule is Schedule.NONE for k in ks if k.pp == 1)
+    assert all(k.zero == 0 for k in ks if k.dp == 1)
+
+
+@pytest.mark.parametrize("schedule", [s for s in Schedule if s is not Schedule.NONE])
+def test_the_stage_timing_equals_the_simulator_on_the_same_grid(schedule):
+    """Unit costs, no communication: the explore tier's timing of a grid is the
+    simulator's step on the plan compiled from the same schedule."""
+    pp, m = 2, 4
+    k = Knobs(pp, 1, 1, 0, schedule, m, 0, False)
+    stages = k.stages
+    model = pn.models.MLP(dim=8, depth=stages)
+    ann = {f"layers.{i}": {"PP": i} for i in range(stages)}
+    from piper_nb.search.build import program
+    plan = pn.compile(pn.annotate(model, ann), program(k, list(range(stages))),
+                      model.example_batch(batch_size=8, seed=0))
+    want = pn.simulate(plan, pn.CostModel.uniform(F=1, B=2, W=1)).step_time
+    ones = [1.0] * stages
+    got = time_grid(grid_of(schedule, pp, m), k.rank_of, ones, [2.0] * stages, ones,
+                    [0.0] * stages, 0.0)
+    assert got.step == pytest.approx(want)
