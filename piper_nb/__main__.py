@@ -1,4 +1,5 @@
-"""Command line: `python -m piper_nb run STRATEGY.json --model tiny_gpt --devices 4 ...`.
+"""Command line: `python -m piper_nb run STRATEGY.json --model tiny_gpt --devices 4 ...`
+(and `python -m piper_nb search ...`, `search_cli`).
 
 Builds a small example model (or the user's own: `--model package.module:function`), cuts it
 into as many pipeline stages as the strategy's largest `PP` tag + 1 (`pn.cut_stages`; or
@@ -205,7 +206,8 @@ def _run(args) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m piper_nb",
-                                     description="Compile and run a piper_nb strategy.")
+                                     description="Compile and run a piper_nb strategy, or "
+                                                 "search for one.")
     sub = parser.add_subparsers(dest="command", required=True)
     run = sub.add_parser("run", help="train a strategy on local workers",
                          formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -232,7 +234,11 @@ def main(argv: list[str] | None = None) -> int:
                           "or the loss over the whole batch (token mean)")
     run.add_argument("--out", default="piper_nb_out",
                      help="folder for timeline.html, trace.json, plan.txt and losses.json")
+    from piper_nb import search_cli
+    search = search_cli.add_parser(sub, MODEL_HELP, MODELS)
     args = parser.parse_args(argv)
+    if args.command == "search":
+        return search_cli.run(args, search, build_model, load_user_model)
     for name in ("stages", "annotations", "batch_size"):   # given, or None
         setattr(args, name, getattr(args, name, None))
     if args.stages is not None and args.stages < 1:

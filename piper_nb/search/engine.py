@@ -156,14 +156,14 @@ def _explore(setup: _Setup, candidates, ctx: Context, capacity: float, devices: 
                 refused.append(Candidate(k, Status.REFUSED, peak=floor, reason=(
                     f"memory bound: {floor / GIB:.1f} GiB > {capacity / GIB:.1f} GiB")))
                 continue
-            est = estimate(k, p, ctx)
-            row = Candidate(k, Status.ESTIMATED, est.step, _rate(setup.batch, est.step, devices),
-                            est.bubble, est.peak)
+            est = estimate(k, p, ctx, limit=capacity * ESTIMATE_MARGIN)
             if est.peak > capacity * ESTIMATE_MARGIN:
-                refused.append(replace(row, status=Status.REFUSED, reason=(
+                refused.append(Candidate(k, Status.REFUSED, peak=est.peak, reason=(
                     f"memory estimate: {est.peak / GIB:.1f} GiB > {ESTIMATE_MARGIN} x "
                     f"{capacity / GIB:.1f} GiB")))
                 continue
+            row = Candidate(k, Status.ESTIMATED, est.step, _rate(setup.batch, est.step, devices),
+                            est.bubble, est.peak)
             kept.append((row, est.stage_of))
     except KeyboardInterrupt:
         interrupted = True

@@ -2,32 +2,35 @@
 probe (`search.probe`), without compiling it: how a search explores thousands.
 
 - Stage times are the sums of their units' probe times at the candidate's microbatch size
-  (`Probe.at`: between the two sizes probed); a recomputed stage's backward runs its layers' forward
-  again. The schedule's own grid is timed at the stage level (`search.pipeline`), a hop
-  between ranks costing the cost model's point-to-point time for the stage's output.
+  (`Probe.at`: between the two sizes probed); a recomputed layer's backward runs its
+  forward again. The schedule's own grid is timed at the stage level (`search.pipeline`),
+  a hop between ranks costing the cost model's point-to-point time for a stage's input.
 - Data parallelism adds what the backward cannot hide of the gradient reduction (an
   all-reduce, or a reduce-scatter under ZeRO), ZeRO-1/2's all-gather of the updated
   shards after the update, and ZeRO-3's gathers (each microbatch's forward and backward
   when it reshards, once a step under PP); then the update, its shard under ZeRO.
-- Memory: parameters, gradients and optimizer state by ZeRO level (ZeRO-3 adds a gathered
-  unit), plus the activation stashes the grid holds at once on the rank that holds most.
-  `bound` is the floor a search prunes by before timing anything: model states and one
+- Memory, per pipeline rank: parameters, gradients and optimizer state by ZeRO level
+  (ZeRO-3 adds two gathered units), plus the activations the rank's own order of the grid
+  holds at once (`pipeline.peaks`): stashes, the gradients a backward makes, a recomputed
+  layer made again. `bound` is the floor a search prunes by first: model states and one
   microbatch's stash.
 
-The estimate ranks and prunes; the candidates a search keeps are compiled and simulated
-in full (`search.engine`), and their rows carry the simulator's figures.
+Stages are cut once per (TP class, stage count) on the class's larger probe (`cut`). The
+estimate ranks and prunes; the candidates a search keeps are compiled and simulated in full
+(`search.engine`), and their rows carry the simulator's figures.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from piper_nb.ir.kinds import Op
 from piper_nb.search.build import cut, is_layer
 from piper_nb.search.knobs import Knobs, Schedule
-from piper_nb.search.pipeline import grid_of, time_grid
+from piper_nb.search.pipeline import peaks, steps_of, timing
 
-__all__ = ["Context", "Estimate", "estimate", "bound", "micro_size"]
+__all__ = ["Context", "Estimate", "estimate", "bound", "micro_size", "stage_cut"]
 
 
 @dataclass(frozen=True)
@@ -44,32 +47,24 @@ class Context:
 
 @dataclass(frozen=True)
 class Estimate:
-    step: float
+    step: float             # nan when the memory is over the limit (not timed)
     bubble: float
     peak: float             # bytes, the rank that holds most
     stage_of: tuple[int, ...]
 
 
-def _stage_of(k: Knobs, units) -> tuple[int, ...]:
-    return tuple(cut([u.f + u.b for u in units], k.stages))
+def micro_size(k: Knobs, ctx: Context) -> float:
+    """Samples in one microbatch of candidate `k`."""
+    return ctx.batch / (k.dp * k.microbatches)
 
 
-def _states(k: Knobs, units, ctx: Context, on_rank) -> float:
-    """Parameter, gradient and optimizer bytes on one device of the heaviest rank."""
-    best = 0.0
-    for mine in on_rank:
-        n = sum(units[i].params for i in mine)
-        pbytes = sum(units[i].param_bytes for i in mine)
-        pb = ctx.param_bytes * n if ctx.param_bytes is not None else pbytes
-        gb = ctx.grad_bytes * n if ctx.grad_bytes is not None else pbytes
-        ob = ctx.optim_bytes * n
-        dp = k.dp
-        total = (pb / (dp if k.zero == 3 else 1) + gb / (dp if k.zero >= 2 else 1)
-                 + ob / (dp if k.zero >= 1 else 1))
-        if k.zero == 3 and dp > 1 and mine:
-            total += 2 * max(units[i].param_bytes for i in mine)    # gathered, prefetched
-        best = max(best, total)
-    return best
+def stage_cut(k: Knobs, probe) -> tuple[int, ...]:
+    """Each unit's stage, balancing forward + backward time (cached per stage count)."""
+    got = probe._at.get(("cut", k.stages))
+    if got is None:
+        units = probe.measured[-1]
+        got = probe._at[("cut", k.stages)] = tuple(cut([u.f + u.b for u in units], k.stages))
+    return got
 
 
 def _units_on(k: Knobs, stage_of) -> list[list[int]]:
@@ -79,29 +74,44 @@ def _units_on(k: Knobs, stage_of) -> list[list[int]]:
     return out
 
 
-def micro_size(k: Knobs, ctx: Context) -> float:
-    """Samples in one microbatch of candidate `k`."""
-    return ctx.batch / (k.dp * k.microbatches)
-
-
-def bound(k: Knobs, probe, ctx: Context) -> float:
-    """A floor on the peak: model states plus one microbatch's stash on the heaviest rank."""
-    units = probe.at(micro_size(k, ctx))
-    stage_of = _stage_of(k, units)
-    on_rank = _units_on(k, stage_of)
-    acts = max(sum(units[i].inputs if _recomputed(k, stage_of[i], i, len(units))
-                   else units[i].saved for i in mine) for mine in on_rank)
-    return _states(k, units, ctx, on_rank) + acts
+def _states(k: Knobs, units, ctx: Context, on_rank) -> list[float]:
+    """Parameter, gradient and optimizer bytes on one device of each rank."""
+    out = []
+    for mine in on_rank:
+        n = sum(units[i].params for i in mine)
+        pbytes = sum(units[i].param_bytes for i in mine)
+        pb = ctx.param_bytes * n if ctx.param_bytes is not None else pbytes
+        gb = ctx.grad_bytes * n if ctx.grad_bytes is not None else pbytes
+        dp = k.dp
+        total = (pb / (dp if k.zero == 3 else 1) + gb / (dp if k.zero >= 2 else 1)
+                 + ctx.optim_bytes * n / (dp if k.zero >= 1 else 1))
+        if k.zero == 3 and dp > 1 and mine:
+            total += 2 * max(units[i].param_bytes for i in mine)    # gathered, prefetched
+        out.append(total)
+    return out
 
 
 def _recomputed(k: Knobs, stage: int, i: int, n: int) -> bool:
     return k.rank_of(stage) < k.recompute and is_layer(i, n)
 
 
-def estimate(k: Knobs, probe, ctx: Context) -> Estimate:
-    """Candidate `k`'s step, bubble and peak from its TP class's `probe`."""
+def bound(k: Knobs, probe, ctx: Context) -> float:
+    """A floor on the peak: model states plus one microbatch's stash, on the heaviest rank."""
     units = probe.at(micro_size(k, ctx))
-    stage_of = _stage_of(k, units)
+    stage_of = stage_cut(k, probe)
+    on_rank = _units_on(k, stage_of)
+    states = _states(k, units, ctx, on_rank)
+    n = len(units)
+    return max(st + sum(units[i].inputs if _recomputed(k, stage_of[i], i, n)
+                        else units[i].saved for i in mine)
+               for st, mine in zip(states, on_rank, strict=True))
+
+
+def estimate(k: Knobs, probe, ctx: Context, limit: float = math.inf) -> Estimate:
+    """Candidate `k`'s step, bubble and peak from its TP class's `probe`; a peak over
+    `limit` returns at once, untimed."""
+    units = probe.at(micro_size(k, ctx))
+    stage_of = stage_cut(k, probe)
     on_rank = _units_on(k, stage_of)
     n = len(units)
     f, b, w = [0.0] * k.stages, [0.0] * k.stages, [0.0] * k.stages
@@ -121,23 +131,27 @@ def estimate(k: Knobs, probe, ctx: Context) -> Estimate:
         else:
             act[s] += u.saved
             extra[s] = max(extra[s], u.saved)
-    lead = lambda r: r * k.tp   # noqa: E731
+    states = _states(k, units, ctx, on_rank)
     if k.schedule is Schedule.NONE:
-        busy = (f[0] + b[0]) * k.microbatches
-        step, peak_act = busy, act[0] + extra[0]
-        busy_ranks = (busy,)
+        held = (act[0] + extra[0],)
+    else:
+        steps = steps_of(k.schedule, k.pp, k.microbatches)
+        held = peaks(steps, act, extra, again)
+    peak = max(st + h for st, h in zip(states, held, strict=True))
+    if peak > limit:
+        return Estimate(math.nan, math.nan, peak, stage_of)
+    if k.schedule is Schedule.NONE:
+        step = (f[0] + b[0]) * k.microbatches
+        busy = (step,)
     else:
         first = [next(i for i in range(n) if stage_of[i] == s) for s in range(k.stages)]
         hop_bytes = max((units[first[s]].inputs for s in range(1, k.stages)), default=0.0)
-        hop = ctx.links.link_time("p2p", (lead(0), lead(min(1, k.pp - 1))), hop_bytes)
-        t = time_grid(grid_of(k.schedule, k.pp, k.microbatches), k.rank_of, f, b, w, act,
-                      hop, extra, again)
-        step, busy_ranks, peak_act = t.step, t.busy, max(t.peak)
+        hop = ctx.links.link_time("p2p", (0, k.tp if k.pp > 1 else 0), hop_bytes)
+        step, busy = timing(steps, f, b, w, hop)
     step += _data_parallel(k, units, ctx, on_rank, b, stage_of)
     step += max(sum(units[i].u for i in mine) for mine in on_rank) / (
         k.dp if k.zero >= 1 else 1)
-    bubble = 1 - sum(busy_ranks) / len(busy_ranks) / step if step > 0 else 0.0
-    peak = _states(k, units, ctx, on_rank) + peak_act
+    bubble = 1 - sum(busy) / len(busy) / step if step > 0 else 0.0
     return Estimate(step, bubble, peak, stage_of)
 
 
@@ -146,28 +160,23 @@ def _data_parallel(k: Knobs, units, ctx: Context, on_rank, b, stage_of) -> float
     if k.dp == 1:
         return 0.0
     worst = 0.0
+    link = ctx.links.link_time
     for r, mine in enumerate(on_rank):
         if not mine:
             continue
         group = tuple((rep * k.pp + r) * k.tp for rep in range(k.dp))
-        link = ctx.links.link_time
         n = sum(units[i].params for i in mine)
         pbytes = sum(units[i].param_bytes for i in mine)
-        grads = n * ctx.reduce_bytes
         backward = sum(b[s] for s in {stage_of[i] for i in mine})
         last = 1 / len(mine)
-        if k.zero == 0:
-            sync = link(Op.ALL_REDUCE, group, grads)
-            waited = max(sync - backward, sync * last)
-        else:
-            sync = link(Op.REDUCE_SCATTER, group, grads)
-            waited = max(sync - backward, sync * last)
-            if k.zero in (1, 2):
-                waited += link(Op.ALL_GATHER, group, pbytes)
-            else:
-                gathers = 2 * k.microbatches if k.pp == 1 else 1
-                each = link(Op.ALL_GATHER, group, pbytes)
-                forward = backward / 2
-                waited += max(each * gathers - forward * gathers, each * last)
+        kind = Op.ALL_REDUCE if k.zero == 0 else Op.REDUCE_SCATTER
+        sync = link(kind, group, n * ctx.reduce_bytes)
+        waited = max(sync - backward, sync * last)
+        if k.zero in (1, 2):
+            waited += link(Op.ALL_GATHER, group, pbytes)
+        elif k.zero == 3:
+            gathers = 2 * k.microbatches if k.pp == 1 else 1
+            each = link(Op.ALL_GATHER, group, pbytes)
+            waited += max((each - backward / 2) * gathers, each * last)
         worst = max(worst, waited)
     return worst

@@ -17,7 +17,7 @@ from enum import StrEnum
 
 from piper_nb.errors import PlanError
 
-__all__ = ["Schedule", "Knobs", "KNOBS", "space", "divisors", "check_pins"]
+__all__ = ["Schedule", "Knobs", "KNOBS", "space", "divisors", "check_pins", "stage_rank"]
 
 
 class Schedule(StrEnum):
@@ -55,9 +55,7 @@ class Knobs:
 
     def rank_of(self, stage: int) -> int:
         """The pipeline rank that runs `stage`: interleaved s % PP, DualPipeV's V shape."""
-        if self.schedule is Schedule.DUALPIPEV and stage >= self.pp:
-            return 2 * self.pp - 1 - stage
-        return stage % self.pp
+        return stage_rank(self.schedule, self.pp, stage)
 
     def label(self) -> str:
         """A short text form, e.g. `PP4 TP8 DP4 Z1 1f1b m16 rc4 sp`."""
@@ -71,6 +69,13 @@ class Knobs:
 
     def as_dict(self) -> dict:
         return {**asdict(self), "schedule": str(self.schedule)}
+
+
+def stage_rank(schedule: Schedule, pp: int, stage: int) -> int:
+    """The pipeline rank that runs `stage` under `schedule` over `pp` ranks."""
+    if schedule is Schedule.DUALPIPEV and stage >= pp:
+        return 2 * pp - 1 - stage
+    return stage % pp
 
 
 KNOBS = ("pp", "tp", "dp", "zero", "schedule", "microbatches", "recompute", "sp")

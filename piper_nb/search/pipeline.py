@@ -8,7 +8,11 @@ and for what it reads: a forward for the previous stage's forward of its microba
 backward (B or BI) for its own forward and the next stage's backward, a BW for its BI; a
 message between two ranks adds `hop`. An overlapped slot runs its actions one after
 another. A forward's stash is held from its start until the backward that ends it (B, or
-BW when split).
+BW when split); what a rank holds depends only on its own order, so `peaks` needs no
+times and a search refuses on memory before it times anything.
+
+`Steps` is a grid made ready once per (schedule, ranks, microbatches): actions numbered,
+each with its stage, kind and the actions it waits for.
 """
 
 from __future__ import annotations
@@ -17,16 +21,12 @@ import functools
 from dataclasses import dataclass
 
 from piper_nb.errors import PlanError
-from piper_nb.search.knobs import Schedule
+from piper_nb.search.knobs import Schedule, stage_rank
 
-__all__ = ["Timing", "grid_of", "time_grid"]
+__all__ = ["Steps", "steps_of", "grid_of", "peaks", "timing", "time_grid"]
 
-
-@dataclass(frozen=True)
-class Timing:
-    step: float                  # the last action's end
-    busy: tuple[float, ...]      # compute time per rank
-    peak: tuple[float, ...]      # highest activation bytes held per rank
+F, B, BI, BW = 0, 1, 2, 3
+_KIND = {"F": F, "B": B, "BI": BI, "BW": BW}
 
 
 @functools.lru_cache(maxsize=512)
@@ -40,78 +40,127 @@ def grid_of(schedule: Schedule, pp: int, m: int):
                  for row in build(pp, m))
 
 
-def time_grid(grid, rank_of, f, b, w, act, hop: float, extra=None, again=None) -> Timing:
-    """Time `grid` with per-stage forward `f`, full backward `b` (BI = b - w), weight
-    gradient `w`, and stash bytes `act`; `extra[s]` is a transient held while stage s runs
-    a backward (gradients, a recomputed layer's stash), `again[s]` what a split backward's BI
-    makes again and holds until its BW (every recomputed layer's stash)."""
-    stages = len(f)
-    done: dict = {}
-    ranks = len(grid)
-    clock = [0.0] * ranks
-    busy = [0.0] * ranks
-    live = [0.0] * ranks
-    peak = [0.0] * ranks
-    pos = [0] * ranks
-    left = sum(len(r) for r in grid)
-    extra = extra or [0.0] * stages
-    again = again or [0.0] * stages
+@dataclass(frozen=True)
+class Steps:
+    """A grid with numbered actions: per rank, its slots as tuples of action ids;
+    per action its stage, kind, and (action, crosses ranks) pairs it waits for."""
 
-    def ready(r: int, a) -> float | None:
-        s, p, mb = a
-        deps = []
-        if p == "F":
-            if s > 0:
-                deps.append((s - 1, "F", mb))
+    rows: tuple[tuple[tuple[int, ...], ...], ...]
+    stage: tuple[int, ...]
+    kind: tuple[int, ...]
+    deps: tuple[tuple[tuple[int, bool], ...], ...]
+
+
+@functools.lru_cache(maxsize=512)
+def steps_of(schedule: Schedule, pp: int, m: int) -> Steps:
+    grid = grid_of(schedule, pp, m)
+    rank_of = functools.partial(stage_rank, schedule, pp)
+    ids: dict = {}
+    for row in grid:
+        for slot in row:
+            for a in slot:
+                ids[a] = len(ids)
+    stages = 1 + max(a[0] for a in ids)
+    deps = []
+    for s, p, mb in ids:
+        want = []
+        if p == "F" and s > 0:
+            want.append((s - 1, "F", mb))
         elif p in ("B", "BI"):
-            deps.append((s, "F", mb))
+            want.append((s, "F", mb))
             if s < stages - 1:
-                nxt = (s + 1, "B", mb) if (s + 1, "B", mb) in done else (s + 1, "BI", mb)
-                deps.append(nxt)
-        else:
-            deps.append((s, "BI", mb))
-        t = clock[r]
-        for d in deps:
-            if d not in done:
-                return None
-            at = done[d]
-            if d[0] != s and rank_of(d[0]) != r:
-                at += hop
-            t = max(t, at)
-        return t
+                want.append((s + 1, "B", mb) if (s + 1, "B", mb) in ids else (s + 1, "BI", mb))
+        elif p == "BW":
+            want.append((s, "BI", mb))
+        deps.append(tuple((ids[d], rank_of(d[0]) != rank_of(s)) for d in want))
+    return Steps(tuple(tuple(tuple(ids[a] for a in slot) for slot in row) for row in grid),
+                 tuple(a[0] for a in ids), tuple(_KIND[a[1]] for a in ids), tuple(deps))
 
+
+def peaks(steps: Steps, act, extra, again) -> tuple[float, ...]:
+    """Highest bytes each rank holds: stashes `act[s]` from F to B (or BW), what a split
+    backward's BI makes again (`again[s]`) until its BW, and `extra[s]` while a backward
+    of stage s runs (its gradients, a recomputed layer's stash)."""
+    out = []
+    stage, kind = steps.stage, steps.kind
+    for row in steps.rows:
+        live = top = 0.0
+        for slot in row:
+            for a in slot:
+                s, k = stage[a], kind[a]
+                if k == F:
+                    live += act[s]
+                    top = max(top, live)
+                elif k == B:
+                    top = max(top, live + extra[s])
+                    live -= act[s]
+                elif k == BI:
+                    live += again[s]
+                    top = max(top, live + extra[s])
+                else:
+                    live -= act[s] + again[s]
+        out.append(top)
+    return tuple(out)
+
+
+def timing(steps: Steps, f, b, w, hop: float) -> tuple[float, tuple[float, ...]]:
+    """(step, compute time per rank) of the grid with per-stage forward `f`, full backward
+    `b` (BI = b - w) and weight gradient `w`; a message between ranks costs `hop`."""
+    stage, kind, deps = steps.stage, steps.kind, steps.deps
+    took = [f[s] if k == F else b[s] if k == B else b[s] - w[s] if k == BI else w[s]
+            for s, k in zip(stage, kind, strict=True)]
+    end = [-1.0] * len(stage)
+    rows = steps.rows
+    ranks = len(rows)
+    clock, busy, pos = [0.0] * ranks, [0.0] * ranks, [0] * ranks
+    left = sum(len(r) for r in rows)
     while left:
         progressed = False
         for r in range(ranks):
-            row = grid[r]
-            while pos[r] < len(row):
-                slot = row[pos[r]]
-                starts = [ready(r, a) for a in slot]
-                if any(x is None for x in starts):
+            row, i, t = rows[r], pos[r], clock[r]
+            while i < len(row):
+                slot = row[i]
+                start = t
+                for a in slot:
+                    for d, cross in deps[a]:
+                        e = end[d]
+                        if e < 0:
+                            break
+                        if cross:
+                            e += hop
+                        if e > start:
+                            start = e
+                    else:
+                        continue
                     break
-                t = max(starts)
-                for s, p, mb in slot:
-                    took = f[s] if p == "F" else w[s] if p == "BW" else (
-                        b[s] - w[s] if p == "BI" else b[s])
-                    if p == "F":
-                        live[r] += act[s]
-                        peak[r] = max(peak[r], live[r])
-                    elif p == "B":
-                        peak[r] = max(peak[r], live[r] + extra[s])
-                    elif p == "BI":
-                        live[r] += again[s]
-                        peak[r] = max(peak[r], live[r] + extra[s])
-                    if p == "B":
-                        live[r] -= act[s]
-                    elif p == "BW":
-                        live[r] -= act[s] + again[s]
-                    t += took
-                    busy[r] += took
-                    done[(s, p, mb)] = t
-                clock[r] = t
-                pos[r] += 1
-                left -= 1
+                else:
+                    for a in slot:
+                        start += took[a]
+                        busy[r] += took[a]
+                        end[a] = start
+                    t = start
+                    i += 1
+                    continue
+                break
+            if i != pos[r]:
+                left -= i - pos[r]
+                pos[r], clock[r] = i, t
                 progressed = True
         if not progressed:
             raise PlanError("pn.search: a schedule grid did not finish (a cycle in its order)")
-    return Timing(max(clock), tuple(busy), tuple(peak))
+    return max(clock), tuple(busy)
+
+
+@dataclass(frozen=True)
+class Timing:
+    step: float
+    busy: tuple[float, ...]
+    peak: tuple[float, ...]
+
+
+def time_grid(grid_key, f, b, w, act, hop: float, extra=None, again=None) -> Timing:
+    """`timing` and `peaks` of the grid `grid_key` = (schedule, ranks, microbatches)."""
+    n = len(f)
+    steps = steps_of(*grid_key)
+    step, busy = timing(steps, f, b, w, hop)
+    return Timing(step, busy, peaks(steps, act, extra or [0.0] * n, again or [0.0] * n))

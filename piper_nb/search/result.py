@@ -43,9 +43,9 @@ class Candidate:
         return {"PP": k.pp, "TP": k.tp, "DP": k.dp, "ZeRO": k.zero,
                 "schedule": str(k.schedule), "micro": k.microbatches,
                 "mb size": batch // (k.dp * k.microbatches), "recompute": k.recompute,
-                "SP": "yes" if k.sp else "", "step s": _num(self.step),
-                "tok/s/dev": _num(self.tokens_per_s, 0), "bubble": _pct(self.bubble),
-                "peak GiB": _num(None if self.peak is None else self.peak / GIB, 1),
+                "SP": "yes" if k.sp else "", "step s": self.step,
+                "tok/s/dev": self.tokens_per_s, "bubble": self.bubble,
+                "peak GiB": None if self.peak is None else self.peak / GIB,
                 "status": str(self.status), "reason": self.reason}
 
 
@@ -55,12 +55,27 @@ SORTS = {"step": lambda c: c.step, "tokens": lambda c: -c.tokens_per_s,
          "memory": lambda c: c.peak, "bubble": lambda c: c.bubble}
 
 
-def _num(x, digits: int = 4):
-    return None if x is None else round(x, digits) if digits else round(x)
+def _seconds(x: float) -> str:
+    return f"{x:.3g} s" if x >= 1 else f"{x * 1e3:.3g} ms" if x >= 1e-3 else f"{x * 1e6:.3g} us"
 
 
-def _pct(x):
-    return None if x is None else f"{100 * x:.0f}%"
+def _bytes(x: float) -> str:
+    for unit, size in (("GiB", GIB), ("MiB", 2**20), ("KiB", 2**10)):
+        if x >= size:
+            return f"{x / size:.3g} {unit}"
+    return f"{x:.0f} B"
+
+
+# how the text table shows a row's value (None: "-")
+_SHOW = {"step s": _seconds, "tok/s/dev": lambda x: f"{x:,.0f}",
+         "bubble": lambda x: f"{100 * x:.0f}%", "peak GiB": lambda x: _bytes(x * GIB)}
+_HEAD = {"step s": "step", "peak GiB": "peak"}
+
+
+def _cell(col: str, value) -> str:
+    if value is None:
+        return "-"
+    return _SHOW[col](value) if col in _SHOW else str(value)
 
 
 @dataclass
@@ -104,9 +119,10 @@ class SearchResult:
         lines = [self.summary()]
         if rows:
             cols = [c for c in COLUMNS if c != "status"]
-            cells = [[str(r[c]) if r[c] is not None else "-" for c in cols] for r in rows]
-            widths = [max(len(c), *(len(x[i]) for x in cells)) for i, c in enumerate(cols)]
-            lines.append("  ".join(c.rjust(w) for c, w in zip(cols, widths, strict=True)))
+            heads = [_HEAD.get(c, c) for c in cols]
+            cells = [[_cell(c, r[c]) for c in cols] for r in rows]
+            widths = [max(len(h), *(len(x[i]) for x in cells)) for i, h in enumerate(heads)]
+            lines.append("  ".join(h.rjust(w) for h, w in zip(heads, widths, strict=True)))
             lines += ["  ".join(x.rjust(w) for x, w in zip(row, widths, strict=True))
                       for row in cells]
         return "\n".join(lines)
@@ -128,10 +144,9 @@ class SearchResult:
         import html
         rows = self.rows(10)
         cols = [c for c in COLUMNS if c != "status"]
-        head = "".join(f"<th>{html.escape(c)}</th>" for c in cols)
+        head = "".join(f"<th>{html.escape(_HEAD.get(c, c))}</th>" for c in cols)
         body = "".join("<tr>" + "".join(
-            f"<td>{html.escape(str(r[c]) if r[c] is not None else '-')}</td>" for c in cols)
-            + "</tr>" for r in rows)
+            f"<td>{html.escape(_cell(c, r[c]))}</td>" for c in cols) + "</tr>" for r in rows)
         return (f"<p>{html.escape(self.summary())}</p>"
                 f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>")
 

@@ -8,7 +8,7 @@ import pytest
 
 import piper_nb as pn
 from piper_nb.search.knobs import Knobs, Schedule, space
-from piper_nb.search.pipeline import grid_of, time_grid
+from piper_nb.search.pipeline import time_grid
 
 
 def gpt():
@@ -119,6 +119,5 @@ def test_the_stage_timing_equals_the_simulator_on_the_same_grid(schedule):
                       model.example_batch(batch_size=8, seed=0))
     want = pn.simulate(plan, pn.CostModel.uniform(F=1, B=2, W=1)).step_time
     ones = [1.0] * stages
-    got = time_grid(grid_of(schedule, pp, m), k.rank_of, ones, [2.0] * stages, ones,
-                    [0.0] * stages, 0.0)
+    got = time_grid((schedule, pp, m), ones, [2.0] * stages, ones, [0.0] * stages, 0.0)
     assert got.step == pytest.approx(want)
