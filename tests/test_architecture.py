@@ -29,7 +29,8 @@ FLOORS = {
     "train": 12,                     # local workers by default: above the clusters
     "ui": 13,
     "__init__": 14,                  # the public face
-    "__main__": 15, "search_cli": 15,   # the command line uses the public face
+    "search_cli": 15,                # the command line uses the public face
+    "__main__": 16,
 }
 
 
