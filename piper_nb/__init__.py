@@ -27,8 +27,8 @@ from piper_nb.ir.validate import validate
 from piper_nb.metrics import StepMetrics
 from piper_nb.plan.instr import Instr
 from piper_nb.plan.plan import DevicePlan, Plan
+from piper_nb.planner import SearchResult, search
 from piper_nb.profile import CostModel, simulate
-from piper_nb.search import SearchResult, search
 from piper_nb.sim import HardwareSpec, HostModel, MemorySettings, Topology, Trace
 from piper_nb.sim.memory import MIXED_PRECISION_ADAM, device_model_states, zero_model_states
 from piper_nb.tp import tensor_parallel

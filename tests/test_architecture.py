@@ -25,7 +25,7 @@ FLOORS = {
     "sim": 9, "runtime": 9,          # side by side: neither imports the other
     "profile": 10,                   # measures by running the runtime, feeds the simulator
     "cluster": 11, "strategies": 11,
-    "search": 11,                    # compiles and prices (profiled: runs workers) many plans
+    "planner": 11,                   # compiles and prices (profiled: runs workers) many plans
     "train": 12,                     # local workers by default: above the clusters
     "ui": 13,
     "__init__": 14,                  # the public face

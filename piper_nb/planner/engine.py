@@ -2,11 +2,11 @@
 
 The loop (see `search`):
 
-1. The space (`search.knobs.space`): PP x TP x DP = devices, ZeRO, schedule, microbatches,
+1. The space (`planner.knobs.space`): PP x TP x DP = devices, ZeRO, schedule, microbatches,
    recompute, SP, less what the user pins. An empty space is a PlanError that says which
    rule emptied it.
 2. Explore: each candidate is bounded (model states and one microbatch's stash; over the
-   capacity: refused), then estimated from its TP class's probe (`search.probe`, one
+   capacity: refused), then estimated from its TP class's probe (`planner.probe`, one
    compile per class), and refused when the estimated peak is over the capacity.
 3. Verify: the fastest estimates are compiled (`pn.compile`: the static checks, deadlock
    and NCCL order among them) and simulated with the same cost model and the memory model,
@@ -26,12 +26,12 @@ from piper_nb.capture.annotate import annotate
 from piper_nb.compiler.compile import compile
 from piper_nb.directives.spec import Program
 from piper_nb.errors import PlanError
+from piper_nb.planner.build import annotation, batch_size, program, token_count
+from piper_nb.planner.estimate import Context, bound, estimate
+from piper_nb.planner.knobs import Knobs, check_pins, space
+from piper_nb.planner.probe import UNIT_TAG, probe
+from piper_nb.planner.result import GIB, Candidate, SearchResult, Status
 from piper_nb.profile import CostModel, simulate
-from piper_nb.search.build import annotation, batch_size, program, token_count
-from piper_nb.search.estimate import Context, bound, estimate
-from piper_nb.search.knobs import Knobs, check_pins, space
-from piper_nb.search.probe import UNIT_TAG, probe
-from piper_nb.search.result import GIB, Candidate, SearchResult, Status
 from piper_nb.sim import MemorySettings, Topology
 
 __all__ = ["search"]
@@ -72,7 +72,7 @@ def search(model, batch, devices: int, hardware="H100", *, topology=None, pin=No
     (default: the GPU's node of 8); `cost="analytic"` prices with `pn.CostModel.analytic`
     (a meta-device model is enough), `cost="profile"` with `pn.CostModel.profile` (times
     measured on this machine's CPU workers). `pin` fixes knobs: {"tp": 8, "schedule":
-    "1f1b", "zero": [1, 3], "recompute": "all"} (the knobs: `search.knobs.KNOBS`).
+    "1f1b", "zero": [1, 3], "recompute": "all"} (the knobs: `planner.knobs.KNOBS`).
     `precision` is the compile's ("bf16" by default for analytic costs, "fp32" for
     profiled); `memory` the `pn.MemorySettings` the memory model charges (default AdamW's
     state); `capacity` the bytes a device holds (default the GPU's memory; unlimited when

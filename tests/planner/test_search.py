@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 
 import piper_nb as pn
-from piper_nb.search.knobs import Knobs, Schedule, space
-from piper_nb.search.pipeline import time_grid
+from piper_nb.planner.knobs import Knobs, Schedule, space
+from piper_nb.planner.pipeline import time_grid
 
 
 def gpt():
@@ -114,7 +114,7 @@ def test_the_stage_timing_equals_the_simulator_on_the_same_grid(schedule):
     stages = k.stages
     model = pn.models.MLP(dim=8, depth=stages)
     ann = {f"layers.{i}": {"PP": i} for i in range(stages)}
-    from piper_nb.search.build import program
+    from piper_nb.planner.build import program
     plan = pn.compile(pn.annotate(model, ann), program(k, list(range(stages))),
                       model.example_batch(batch_size=8, seed=0))
     want = pn.simulate(plan, pn.CostModel.uniform(F=1, B=2, W=1)).step_time

@@ -7,7 +7,7 @@ embedding, each layer, the head), and simulates that plan with the cost model th
 uses. Per unit it keeps (`UnitCost`): the forward and backward times with the unit's TP
 collectives (on the critical path as they run), the weight-gradient share of the backward,
 the update, the parameters one TP rank holds, what autograd saves and what the unit reads
-per microbatch. The estimate (`search.estimate`) scales those by the microbatch size.
+per microbatch. The estimate (`planner.estimate`) scales those by the microbatch size.
 
 A class whose compile fails (a model without a TP plan, heads that do not divide) is
 refused as a whole with the compile's reason.
@@ -83,8 +83,8 @@ def probe(spec, units: list[str], batch, rows: tuple[int, ...], tp: int, sp: boo
 
     from piper_nb.compiler.compile import compile, rebatch
     from piper_nb.directives.spec import place
+    from piper_nb.planner.build import slice_batch
     from piper_nb.profile import simulate
-    from piper_nb.search.build import slice_batch
     from piper_nb.tp import tensor_parallel
     t0 = time.perf_counter()
     program = [place({}, [0])]

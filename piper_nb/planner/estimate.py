@@ -1,9 +1,9 @@
 """A candidate's step time and peak memory per device, in closed form from its TP class's
-probe (`search.probe`), without compiling it: how a search explores thousands.
+probe (`planner.probe`), without compiling it: how a search explores thousands.
 
 - Stage times are the sums of their units' probe times at the candidate's microbatch size
   (`Probe.at`: between the two sizes probed); a recomputed layer's backward runs its
-  forward again. The schedule's own grid is timed at the stage level (`search.pipeline`),
+  forward again. The schedule's own grid is timed at the stage level (`planner.pipeline`),
   a hop between ranks costing the cost model's point-to-point time for a stage's input.
 - Data parallelism adds what the backward cannot hide of the gradient reduction (an
   all-reduce, or a reduce-scatter under ZeRO), ZeRO-1/2's all-gather of the updated
@@ -17,7 +17,7 @@ probe (`search.probe`), without compiling it: how a search explores thousands.
 
 Stages are cut once per (TP class, stage count) on the class's larger probe (`cut`). The
 estimate ranks and prunes; the candidates a search keeps are compiled and simulated in full
-(`search.engine`), and their rows carry the simulator's figures.
+(`planner.engine`), and their rows carry the simulator's figures.
 """
 
 from __future__ import annotations
@@ -26,9 +26,9 @@ import math
 from dataclasses import dataclass
 
 from piper_nb.ir.kinds import Op
-from piper_nb.search.build import cut, is_layer
-from piper_nb.search.knobs import Knobs, Schedule
-from piper_nb.search.pipeline import peaks, steps_of, timing
+from piper_nb.planner.build import cut, is_layer
+from piper_nb.planner.knobs import Knobs, Schedule
+from piper_nb.planner.pipeline import peaks, steps_of, timing
 
 __all__ = ["Context", "Estimate", "estimate", "bound", "micro_size", "stage_cut"]
 

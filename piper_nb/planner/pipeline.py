@@ -21,7 +21,7 @@ import functools
 from dataclasses import dataclass
 
 from piper_nb.errors import PlanError
-from piper_nb.search.knobs import Schedule, stage_rank
+from piper_nb.planner.knobs import Schedule, stage_rank
 
 __all__ = ["Steps", "steps_of", "grid_of", "peaks", "timing", "time_grid"]
 

@@ -17,7 +17,7 @@ import torch
 
 from piper_nb.capture.annotate import _linear_partition
 from piper_nb.errors import PlanError
-from piper_nb.search.knobs import Knobs, Schedule
+from piper_nb.planner.knobs import Knobs, Schedule
 
 __all__ = ["slice_batch", "batch_size", "token_count", "cut", "annotation", "program", "is_layer"]
 
@@ -65,10 +65,11 @@ def cut(weights: list[float], stages: int) -> list[int]:
 
 
 def annotation(units: list[str], stage_of: list[int]) -> dict:
-    """The `pn.annotate` mapping: each unit's stage; the layers between the first and the
-    last unit tagged `AC` (what a recompute directive names)."""
+    """The `pn.annotate` mapping: each unit's stage and its index `L` (a region of its own,
+    recomputed alone, as the probe priced it); the layers between the first and the last
+    unit tagged `AC` (what a recompute directive names)."""
     n = len(units)
-    return {u: {"PP": s, **({"AC": 1} if is_layer(i, n) else {})}
+    return {u: {"PP": s, "L": i, **({"AC": 1} if is_layer(i, n) else {})}
             for i, (u, s) in enumerate(zip(units, stage_of, strict=True))}
 
 

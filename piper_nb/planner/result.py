@@ -13,7 +13,7 @@ import json
 from dataclasses import dataclass, field
 from enum import StrEnum
 
-from piper_nb.search.knobs import Knobs
+from piper_nb.planner.knobs import Knobs
 
 __all__ = ["Status", "Candidate", "SearchResult", "COLUMNS"]
 
@@ -21,6 +21,8 @@ GIB = 2**30
 
 
 class Status(StrEnum):
+    """Where a candidate's figures come from, or that it was refused."""
+
     SIMULATED = "simulated"
     ESTIMATED = "estimated"
     REFUSED = "refused"
@@ -28,6 +30,11 @@ class Status(StrEnum):
 
 @dataclass(frozen=True)
 class Candidate:
+    """One candidate: its knobs, status and figures (`step` in seconds, `tokens_per_s` per
+    device, `bubble` the idle share of the step, `peak` in bytes on the device that holds
+    most), the reason it was refused, and the `annotation` (a `pn.annotate` mapping) and
+    `program` (a `pn.Program`) that build it."""
+
     knobs: Knobs
     status: Status
     step: float | None = None            # seconds (or the cost model's unit)

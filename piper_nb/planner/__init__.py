@@ -6,8 +6,8 @@ timing of the schedule's grid (`pipeline`), candidates as annotations and progra
 (`build`), and the ranked table (`result`).
 """
 
-from piper_nb.search.engine import search
-from piper_nb.search.knobs import KNOBS, Knobs, Schedule
-from piper_nb.search.result import Candidate, SearchResult, Status
+from piper_nb.planner.engine import search
+from piper_nb.planner.knobs import KNOBS, Knobs, Schedule
+from piper_nb.planner.result import Candidate, SearchResult, Status
 
 __all__ = ["search", "Knobs", "KNOBS", "Schedule", "Candidate", "SearchResult", "Status"]

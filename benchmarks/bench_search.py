@@ -1,0 +1,186 @@
+"""`pn.search`: how fast it explores, how far its estimate is from the simulator, whether
+its ranking matches measured step times, and whether it finds at least the published
+configurations' throughput (issue 55).
+
+Cases (`--case`):
+
+- `scale`: a Llama 3 70B-shaped model (meta device) on 128 H100s (16 nodes of 8) and a
+  405B-shaped on 512, global batch 256 sequences of 8192: candidates explored, seconds
+  probing (one compile per TP class at two microbatch sizes), exploring, and verifying the
+  top 3 (compile, checks, simulation with the memory model); candidates per second.
+- `accuracy`: a 1 B-class Llama on 16 H100s, 40 candidates drawn at random (seeded): the
+  explore tier's step and peak over the simulator's on the compiled plan.
+- `ranking`: TinyGPT on 4 CPU workers with profiled costs: the 8 fastest candidates, each
+  trained (median step of 6 after 2 warm-up steps) against its prediction; Spearman's rho.
+- `published`: runs of `published.py` searched with no pins, and the published
+  configuration priced under the same model (every knob pinned): best over published.
+
+Run: .venv/bin/python benchmarks/bench_search.py [--case all|scale|accuracy|ranking|published]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import piper_nb as pn  # noqa: E402
+from piper_nb.planner import engine  # noqa: E402
+from piper_nb.planner.build import annotation, program  # noqa: E402
+from piper_nb.planner.estimate import Context, estimate, stage_cut  # noqa: E402
+from piper_nb.planner.knobs import Knobs, Schedule, space  # noqa: E402
+from piper_nb.planner.probe import probe  # noqa: E402
+
+LLAMA3 = {"70b": dict(dim=8192, heads=64, kv_heads=8, hidden=28672, layers=80),
+          "405b": dict(dim=16384, heads=128, kv_heads=8, hidden=53248, layers=126)}
+
+
+def llama(shape: dict, batch: int, seq: int = 8192, vocab: int = 128256):
+    with torch.device("meta"):
+        model = pn.models.Llama(vocab=vocab, seq=seq, attention="flash", **shape)
+        ids = torch.zeros(batch, seq, dtype=torch.long)
+    return model, (ids, ids)
+
+
+def scale() -> list[dict]:
+    rows = []
+    for name, devices in (("70b", 128), ("405b", 512)):
+        model, batch = llama(LLAMA3[name], 256)
+        t0 = time.perf_counter()
+        r = pn.search(model, batch, devices, "H100", top=3, progress=False)
+        s = r.seconds
+        rows.append({"case": f"Llama 3 {name} shape, {devices} H100", "candidates": r.explored,
+                     "probe s": round(s["probe"], 1), "explore s": round(s["explore"], 1),
+                     "explore + probe s": round(s["probe"] + s["explore"], 1),
+                     "candidates/s (explore + probe)": round(
+                         r.explored / (s["probe"] + s["explore"]), 1),
+                     "verify s": round(s["verify"], 1), "total s": round(
+                         time.perf_counter() - t0, 1), "refused": r.reasons(),
+                     "best": [c.knobs.label() for c in r.ranked],
+                     "best tokens/s/GPU": [round(c.tokens_per_s) for c in r.ranked]})
+        print(json.dumps(rows[-1], indent=1), flush=True)
+    return rows
+
+
+def accuracy(n: int = 40, seed: int = 0) -> dict:
+    model, batch = llama(dict(dim=1024, heads=16, kv_heads=4, hidden=2816, layers=8), 32,
+                         seq=2048, vocab=32000)
+    units = pn.pipeline_units(model)
+    settings = pn.MemorySettings(optimizer="adamw")
+    setup = engine._Setup(model, batch, units, pn.sim.gpus.spec_of("H100"),
+                          pn.Topology.of("H100"), "bf16", settings, "analytic", None, "auto")
+    cands = list(space(16, 32, len(units), gpus_per_node=8))
+    sizes = engine._probe_sizes(cands, 32)
+    spec = pn.annotate(model, {u: {"U": i} for i, u in enumerate(units)})
+    random.Random(seed).shuffle(cands)
+    probes, steps, peaks = {}, [], []
+    for k in cands:
+        if len(steps) == n:
+            break
+        p = probes.get((k.tp, k.sp)) or probes.setdefault((k.tp, k.sp), probe(
+            spec, units, batch, sizes[k.tp], k.tp, k.sp, setup.price, precision="bf16"))
+        if p.error:
+            continue
+        ctx = Context(batch=32, links=p.links, param_bytes=None, grad_bytes=None,
+                      optim_bytes=12, reduce_bytes=4)
+        e = estimate(k, p, ctx)
+        cut = list(stage_cut(k, p))
+        plan = pn.compile(pn.annotate(model, annotation(units, cut)), program(k, cut), batch,
+                          precision="bf16")
+        trace = pn.simulate(plan, setup.price(plan), memory=settings)
+        steps.append(e.step / trace.step_time)
+        peaks.append(e.peak / max(trace.peak_memory.values()))
+    out = {"case": "1 B-class Llama, 16 H100, estimate / simulated", "candidates": len(steps)}
+    for key, xs in (("step", steps), ("peak", peaks)):
+        out[key] = {"median": round(statistics.median(xs), 3), "min": round(min(xs), 3),
+                    "max": round(max(xs), 3),
+                    "within 15%": sum(abs(x - 1) <= 0.15 for x in xs)}
+    print(json.dumps(out, indent=1), flush=True)
+    return out
+
+
+def spearman(xs, ys) -> float:
+    def ranks(v):
+        order = sorted(range(len(v)), key=lambda i: v[i])
+        r = [0.0] * len(v)
+        for pos, i in enumerate(order):
+            r[i] = pos
+        return r
+    rx, ry = ranks(xs), ranks(ys)
+    n = len(xs)
+    return 1 - 6 * sum((a - b) ** 2 for a, b in zip(rx, ry, strict=True)) / (n * (n * n - 1))
+
+
+def ranking(count: int = 8) -> dict:
+    torch.manual_seed(0)
+    model = pn.models.TinyGPT(vocab=64, dim=64, layers=4, heads=4, seq=32)
+    batch = model.example_batch(batch_size=16, seed=0)
+    r = pn.search(model, batch, 4, cost="profile", top=count, progress=False)
+    rows = []
+    with pn.LocalCluster(4) as cluster:
+        for c in r.ranked:
+            plan = pn.compile(pn.annotate(model, c.annotation), c.program, batch)
+            got = pn.train(plan, batch, 8, pn.optim.SGD(lr=0.01), cluster=cluster)
+            rows.append({"knobs": c.knobs.label(), "predicted ms": round(c.step * 1e3, 2),
+                         "measured ms": round(statistics.median(got.step_times[2:]) * 1e3, 2)})
+    rho = spearman([x["predicted ms"] for x in rows], [x["measured ms"] for x in rows])
+    out = {"case": "TinyGPT dim 64, 4 CPU workers, profiled", "candidates": len(rows),
+           "spearman rho": round(rho, 3), "rows": rows, "search s": round(r.seconds["total"], 1)}
+    print(json.dumps(out, indent=1), flush=True)
+    return out
+
+
+def published(keys=("megatron-1.7b", "megatron-3.6b")) -> list[dict]:
+    from published import RUNS, model_of
+    rows = []
+    for key in keys:
+        run = RUNS[key]
+        p = run.parallel
+        model, batch, _, _ = model_of(run)
+        devices = p["dp"] * p["tp"] * p["pp"]
+        memory = pn.MIXED_PRECISION_ADAM
+        sched = Schedule.ONE_F_ONE_B if p["pp"] > 1 else Schedule.NONE
+        theirs = Knobs(p["pp"], p["tp"], p["dp"], 0, sched, p["micro"],
+                       p["pp"] if p["recompute"] is True else 0, False)
+        pin = {k: getattr(theirs, k) for k in ("pp", "tp", "dp", "zero", "microbatches",
+                                                "recompute", "sp")}
+        pin["schedule"] = str(theirs.schedule)
+        kw = dict(hardware=run.gpu, memory=memory, progress=False)
+        t0 = time.perf_counter()
+        found = pn.search(model, batch, devices, top=3, **kw)
+        search_s = time.perf_counter() - t0
+        ref = pn.search(model, batch, devices, top=1, pin=pin, **kw)
+        best, pub = found.best, ref.best
+        row = {"run": run.name, "search s": round(search_s, 1), "candidates": found.explored,
+               "published knobs": theirs.label(),
+               "published predicted tok/s/GPU": pub and round(pub.tokens_per_s),
+               "best knobs": best and best.knobs.label(),
+               "best predicted tok/s/GPU": best and round(best.tokens_per_s),
+               "best / published": best and pub and round(best.tokens_per_s
+                                                           / pub.tokens_per_s, 3)}
+        rows.append(row)
+        print(json.dumps(row, indent=1), flush=True)
+    return rows
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--case", default="all",
+                    choices=["all", "scale", "accuracy", "ranking", "published"])
+    args = ap.parse_args()
+    for name, fn in (("accuracy", accuracy), ("ranking", ranking), ("published", published),
+                     ("scale", scale)):
+        if args.case in ("all", name):
+            fn()
+
+
+if __name__ == "__main__":
+    main()
