@@ -7,7 +7,7 @@ Cases (`--case`):
 - `scale`: a Llama 3 70B-shaped model (meta device) on 128 H100s (16 nodes of 8) and a
   405B-shaped on 512, global batch 256 sequences of 8192: candidates explored, seconds
   probing (one compile per TP class at two microbatch sizes), exploring, and verifying the
-  top 3 (compile, checks, simulation with the memory model); candidates per second.
+  top 2 (compile, checks, simulation with the memory model); candidates per second.
 - `accuracy`: a 1 B-class Llama on 16 H100s, 40 candidates drawn at random (seeded): the
   explore tier's step and peak over the simulator's on the compiled plan.
 - `ranking`: TinyGPT on 4 CPU workers with profiled costs: the 8 fastest candidates, each
@@ -55,7 +55,7 @@ def scale() -> list[dict]:
     for name, devices in (("70b", 128), ("405b", 512)):
         model, batch = llama(LLAMA3[name], 256)
         t0 = time.perf_counter()
-        r = pn.search(model, batch, devices, "H100", top=3, progress=False)
+        r = pn.search(model, batch, devices, "H100", top=2, budget=60, progress=False)
         s = r.seconds
         rows.append({"case": f"Llama 3 {name} shape, {devices} H100", "candidates": r.explored,
                      "probe s": round(s["probe"], 1), "explore s": round(s["explore"], 1),
@@ -155,7 +155,7 @@ def published(keys=("megatron-1.7b", "megatron-3.6b")) -> list[dict]:
         pin["schedule"] = str(theirs.schedule)
         kw = dict(hardware=run.gpu, memory=memory, progress=False)
         t0 = time.perf_counter()
-        found = pn.search(model, batch, devices, top=3, **kw)
+        found = pn.search(model, batch, devices, top=2, budget=60, **kw)
         search_s = time.perf_counter() - t0
         ref = pn.search(model, batch, devices, top=1, pin=pin, **kw)
         best, pub = found.best, ref.best

@@ -64,8 +64,8 @@ class _Setup:
 
 def search(model, batch, devices: int, hardware="H100", *, topology=None, pin=None,
            precision: str | None = None, memory=None, capacity: float | None = None,
-           cost: str = "analytic", top: int = 5, loss_fn=None, capture: str = "auto",
-           progress: bool = True) -> SearchResult:
+           cost: str = "analytic", top: int = 5, budget: float | None = None,
+           loss_fn=None, capture: str = "auto", progress: bool = True) -> SearchResult:
     """Search the plans of `model` on `batch` (a whole step's batch) over `devices` devices.
 
     `hardware` is a GPU in `pn.sim.HARDWARE` (or a spec) and `topology` a `pn.Topology`
@@ -76,8 +76,9 @@ def search(model, batch, devices: int, hardware="H100", *, topology=None, pin=No
     `precision` is the compile's ("bf16" by default for analytic costs, "fp32" for
     profiled); `memory` the `pn.MemorySettings` the memory model charges (default AdamW's
     state); `capacity` the bytes a device holds (default the GPU's memory; unlimited when
-    profiled). `top` candidates are compiled and simulated in full. Returns a
-    `SearchResult`."""
+    profiled). `top` candidates are compiled and simulated in full (a compile at hundreds
+    of devices takes tens of seconds); with `budget` seconds, none is started after that
+    once one fits. Returns a `SearchResult`."""
     from piper_nb.capture.annotate import _execution_order, pipeline_units
     from piper_nb.sim.gpus import spec_of
     t0 = time.perf_counter()
@@ -111,11 +112,13 @@ def search(model, batch, devices: int, hardware="H100", *, topology=None, pin=No
     kept, refused, interrupted = _explore(setup, candidates, ctx, capacity, devices, progress,
                                           seconds)
     seconds["explore"] = time.perf_counter() - t0 - seconds["probe"]
-    kept.sort(key=lambda x: x[0].step)
+    # those the estimate says fit first, fastest first; then the ones within its margin
+    kept.sort(key=lambda x: (x[0].peak > capacity, x[0].step))
     ranked = []
     if not interrupted:
         t1 = time.perf_counter()
-        ranked, interrupted = _verify(setup, kept, refused, top, capacity, devices, progress)
+        ranked, interrupted = _verify(setup, kept, refused, top, capacity, devices, progress,
+                                      budget)
         seconds["verify"] = time.perf_counter() - t1
     seconds["total"] = time.perf_counter() - t0
     seen = {c.knobs for c in ranked + refused}
@@ -189,14 +192,17 @@ def _with_program(setup: _Setup, row: Candidate, stage_of) -> Candidate:
                    program=Program(program(row.knobs, list(stage_of))))
 
 
-def _verify(setup: _Setup, kept, refused, top, capacity, devices, progress):
-    """Compile and simulate the fastest estimates until `top` fit."""
+def _verify(setup: _Setup, kept, refused, top, capacity, devices, progress, budget):
+    """Compile and simulate the fastest estimates until `top` fit (at most 3 x top tried,
+    none started after `budget` seconds once one fits)."""
     from piper_nb.sim.analysis import bubble_fraction
     ranked, interrupted = [], False
     bar = _bar(min(len(kept), 3 * top), progress, "verifying")
+    t0 = time.perf_counter()
     try:
         for row, stage_of in kept[:3 * top]:
-            if len(ranked) >= top:
+            if len(ranked) >= top or (ranked and budget is not None
+                                      and time.perf_counter() - t0 > budget):
                 break
             bar.update(1)
             row = _with_program(setup, row, stage_of)

@@ -121,3 +121,27 @@ def test_the_stage_timing_equals_the_simulator_on_the_same_grid(schedule):
     ones = [1.0] * stages
     got = time_grid((schedule, pp, m), ones, [2.0] * stages, ones, [0.0] * stages, 0.0)
     assert got.step == pytest.approx(want)
+
+
+def test_an_interrupted_search_keeps_the_best_so_far(monkeypatch):
+    """Ctrl-C while exploring: the search returns what it estimated, marked interrupted."""
+    from piper_nb.planner import engine
+    calls = {"n": 0}
+    real = engine.estimate
+
+    def interrupting(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] > 20:
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(engine, "estimate", interrupting)
+    model = gpt()
+    result = pn.search(model, model.example_batch(batch_size=8, seed=0), devices=4,
+                       precision="fp32", progress=False)
+    assert result.interrupted and not result.ranked
+    assert result.fits and result.best is result.estimated[0]
+    assert result.best.status == "estimated" and result.best.program is not None
+    assert "interrupted" in result.summary()
+    steps = [c.step for c in result.estimated]
+    assert steps == sorted(steps)
