@@ -5,6 +5,7 @@ agree with the simulator's on the same grid."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 import piper_nb as pn
 from piper_nb.planner.knobs import Knobs, Schedule, space
@@ -82,6 +83,13 @@ def test_bad_input_is_a_plan_error_before_the_search(kwargs, match):
     model = gpt()
     with pytest.raises(pn.PlanError, match=match):
         pn.search(model, model.example_batch(batch_size=8, seed=0), progress=False, **kwargs)
+
+
+def test_a_batch_the_model_cannot_take_is_a_plan_error_before_the_search():
+    model = gpt()
+    wrong = (torch.zeros(8, 16, 3), torch.zeros(8, 16, dtype=torch.long))   # not token ids
+    with pytest.raises(pn.PlanError, match="does not compile on this batch"):
+        pn.search(model, wrong, devices=2, precision="fp32", progress=False)
 
 
 def test_when_nothing_fits_it_names_the_smallest_shortfall():
