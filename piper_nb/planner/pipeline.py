@@ -21,12 +21,13 @@ import functools
 from dataclasses import dataclass
 
 from piper_nb.errors import PlanError
+from piper_nb.ir.kinds import Op
 from piper_nb.planner.knobs import Schedule, stage_rank
 
 __all__ = ["Steps", "steps_of", "grid_of", "peaks", "timing", "time_grid"]
 
 F, B, BI, BW = 0, 1, 2, 3
-_KIND = {"F": F, "B": B, "BI": BI, "BW": BW}
+_KIND = {Op.F: F, Op.B: B, Op.BI: BI, Op.BW: BW}
 
 
 @functools.lru_cache(maxsize=512)
@@ -64,14 +65,14 @@ def steps_of(schedule: Schedule, pp: int, m: int) -> Steps:
     deps = []
     for s, p, mb in ids:
         want = []
-        if p == "F" and s > 0:
-            want.append((s - 1, "F", mb))
-        elif p in ("B", "BI"):
-            want.append((s, "F", mb))
+        if p == Op.F and s > 0:
+            want.append((s - 1, Op.F, mb))
+        elif p in (Op.B, Op.BI):
+            want.append((s, Op.F, mb))
             if s < stages - 1:
-                want.append((s + 1, "B", mb) if (s + 1, "B", mb) in ids else (s + 1, "BI", mb))
-        elif p == "BW":
-            want.append((s, "BI", mb))
+                want.append((s + 1, Op.B, mb) if (s + 1, Op.B, mb) in ids else (s + 1, Op.BI, mb))
+        elif p == Op.BW:
+            want.append((s, Op.BI, mb))
         deps.append(tuple((ids[d], rank_of(d[0]) != rank_of(s)) for d in want))
     return Steps(tuple(tuple(tuple(ids[a] for a in slot) for slot in row) for row in grid),
                  tuple(a[0] for a in ids), tuple(_KIND[a[1]] for a in ids), tuple(deps))
