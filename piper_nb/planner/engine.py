@@ -112,6 +112,7 @@ def search(model, batch, devices: int, hardware="H100", *, topology=None, pin=No
     kept, refused, interrupted = _explore(setup, candidates, ctx, capacity, devices, progress,
                                           seconds)
     seconds["explore"] = time.perf_counter() - t0 - seconds["probe"]
+    explored = len(kept) + len(refused)    # all of them, unless interrupted
     # those the estimate says fit first, fastest first; then the ones within its margin
     kept.sort(key=lambda x: (x[0].peak > capacity, x[0].step))
     ranked = []
@@ -124,8 +125,8 @@ def search(model, batch, devices: int, hardware="H100", *, topology=None, pin=No
     seen = {c.knobs for c in ranked + refused}
     estimated = [_with_program(setup, row, cut) for row, cut in kept[:50]
                  if row.knobs not in seen]
-    result = SearchResult(ranked, estimated, refused, samples, len(candidates), seconds,
-                          capacity, interrupted)
+    result = SearchResult(ranked, estimated, refused, samples, explored, seconds, capacity,
+                          interrupted)
     if not result.fits:
         result.shortfall = _shortfall(refused, capacity)
     return result

@@ -87,8 +87,9 @@ def _cell(col: str, value) -> str:
 
 @dataclass
 class SearchResult:
-    """The ranked candidates (`ranked`: simulated, fastest first), the rest explored by
-    estimate, and the refused with their reasons."""
+    """The ranked candidates (`ranked`: simulated, fastest first), the 50 fastest of the
+    rest explored by estimate (`estimated`), and the refused with their reasons;
+    `explored` counts every candidate bounded or estimated."""
 
     ranked: list[Candidate]
     estimated: list[Candidate]

@@ -151,5 +151,6 @@ def test_an_interrupted_search_keeps_the_best_so_far(monkeypatch):
     assert result.fits and result.best is result.estimated[0]
     assert result.best.status == "estimated" and result.best.program is not None
     assert "interrupted" in result.summary()
+    assert len(result.estimated) <= result.explored < len(list(space(4, 8, 6, gpus_per_node=8)))
     steps = [c.step for c in result.estimated]
     assert steps == sorted(steps)
