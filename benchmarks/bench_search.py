@@ -35,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import piper_nb as pn  # noqa: E402
 from piper_nb.planner import engine  # noqa: E402
 from piper_nb.planner.build import annotation, program  # noqa: E402
-from piper_nb.planner.estimate import Context, estimate, stage_cut  # noqa: E402
+from piper_nb.planner.estimate import Context, estimate, layout  # noqa: E402
 from piper_nb.planner.knobs import Knobs, Schedule, space  # noqa: E402
 from piper_nb.planner.probe import probe  # noqa: E402
 
@@ -75,7 +75,7 @@ def accuracy(n: int = 40, seed: int = 0) -> dict:
                          seq=2048, vocab=32000)
     units = pn.pipeline_units(model)
     settings = pn.MemorySettings(optimizer="adamw")
-    setup = engine._Setup(model, batch, units, pn.sim.gpus.spec_of("H100"),
+    setup = engine._Setup(model, batch, batch[0].numel(), units, pn.sim.gpus.spec_of("H100"),
                           pn.Topology.of("H100"), "bf16", settings, "analytic", None, "auto")
     cands = list(space(16, 32, len(units), gpus_per_node=8))
     sizes = engine._probe_sizes(cands, 32)
@@ -91,8 +91,8 @@ def accuracy(n: int = 40, seed: int = 0) -> dict:
             continue
         ctx = Context(batch=32, links=p.links, param_bytes=None, grad_bytes=None,
                       optim_bytes=12, reduce_bytes=4)
-        e = estimate(k, p, ctx)
-        cut = list(stage_cut(k, p))
+        e = estimate(k, layout(k, p, ctx), ctx)
+        cut = list(p.cut(k.stages))
         plan = pn.compile(pn.annotate(model, annotation(units, cut)), program(k, cut), batch,
                           precision="bf16")
         trace = pn.simulate(plan, setup.price(plan), memory=settings)

@@ -1,5 +1,5 @@
 """A candidate's knobs as what a user would write: the stage cut (a `pn.annotate` mapping)
-and the directive program (`pn.Program`), plus the batch helpers a search shares.
+and the directive program (`pn.Program`), and the tokens a step trains on.
 
 Devices are numbered TP innermost, then pipeline rank, then replica (Megatron's order; a TP
 group is consecutive devices, inside one node). Stages are cut over the pipeline units
@@ -11,51 +11,19 @@ embedding and the head weigh. A stage is recomputed when its rank is among the f
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-
-import torch
-
 from piper_nb.capture.annotate import _linear_partition
-from piper_nb.errors import PlanError
+from piper_nb.capture.batch import Batch
 from piper_nb.planner.knobs import Knobs, Schedule
 
-__all__ = ["slice_batch", "batch_size", "token_count", "cut", "annotation", "program", "is_layer"]
+__all__ = ["token_count", "cut", "annotation", "program", "is_layer"]
 
 
-def _tensors(batch):
-    if isinstance(batch, Mapping):
-        return list(batch.values())
-    if isinstance(batch, torch.Tensor):
-        return [batch]
-    return list(batch)
-
-
-def batch_size(batch) -> int:
-    """Samples in `batch` (an (inputs, targets) pair, a tensor or a dict of tensors)."""
-    sizes = {t.shape[0] for t in _tensors(batch) if isinstance(t, torch.Tensor) and t.dim()}
-    if len(sizes) != 1:
-        raise PlanError(f"pn.search: the batch's tensors must share one leading (sample) "
-                        f"dimension, got sizes {sorted(sizes)}")
-    return sizes.pop()
-
-
-def token_count(batch) -> int:
+def token_count(batch: Batch) -> int:
     """Tokens a step trains on: the first integer tensor's elements (ids), else samples."""
-    for t in _tensors(batch):
-        if isinstance(t, torch.Tensor) and not t.is_floating_point() and t.dim() >= 2:
+    for t in batch.values():
+        if not t.is_floating_point() and t.dim() >= 2:
             return t.numel()
-    return batch_size(batch)
-
-
-def slice_batch(batch, rows: int):
-    """The first `rows` samples of `batch`, in the same form."""
-    if isinstance(batch, Mapping):
-        return {k: v[:rows] if isinstance(v, torch.Tensor) and v.dim() else v
-                for k, v in batch.items()}
-    if isinstance(batch, torch.Tensor):
-        return batch[:rows]
-    return type(batch)(t[:rows] if isinstance(t, torch.Tensor) and t.dim() else t
-                       for t in batch)
+    return batch.size
 
 
 def cut(weights: list[float], stages: int) -> list[int]:

@@ -23,11 +23,12 @@ import time
 from dataclasses import dataclass, replace
 
 from piper_nb.capture.annotate import annotate
+from piper_nb.capture.batch import Batch
 from piper_nb.compiler.compile import compile
 from piper_nb.directives.spec import Program
 from piper_nb.errors import PlanError
-from piper_nb.planner.build import annotation, batch_size, program, token_count
-from piper_nb.planner.estimate import Context, bound, estimate
+from piper_nb.planner.build import annotation, program, token_count
+from piper_nb.planner.estimate import Context, bound, estimate, layout
 from piper_nb.planner.knobs import Knobs, check_pins, space
 from piper_nb.planner.probe import UNIT_TAG, probe
 from piper_nb.planner.result import GIB, Candidate, SearchResult, Status
@@ -46,7 +47,8 @@ ESTIMATE_MARGIN = 1.6
 @dataclass
 class _Setup:
     model: object
-    batch: object
+    batch: Batch
+    tokens: int             # what a step trains on (`build.token_count`)
     units: list
     hardware: object
     topology: object
@@ -94,7 +96,8 @@ def search(model, batch, devices: int, hardware="H100", *, topology=None, pin=No
     settings = memory or MemorySettings(optimizer="adamw")
     if capacity is None:
         capacity = spec.memory if cost == "analytic" else float("inf")
-    samples = batch_size(batch)
+    batch = Batch.of(batch, "pn.search")
+    samples = batch.size
     units = _execution_order(model, [u for u in pipeline_units(model)
                                      if next(model.get_submodule(u).parameters(), None)
                                      is not None] or pipeline_units(model), batch)
@@ -103,7 +106,8 @@ def search(model, batch, devices: int, hardware="H100", *, topology=None, pin=No
                             pins=pins))
     if not candidates:
         raise PlanError(_empty(devices, samples, len(units), topo.gpus_per_node, pin))
-    setup = _Setup(model, batch, units, spec, topo, precision, settings, cost, loss_fn, capture)
+    setup = _Setup(model, batch, token_count(batch), units, spec, topo, precision, settings,
+                   cost, loss_fn, capture)
     ctx = Context(batch=samples, links=None, param_bytes=settings.param_bytes,
                   grad_bytes=settings.grad_bytes,
                   optim_bytes=settings.optim_per_param() + (4 if precision == "bf16" else 0),
@@ -159,18 +163,19 @@ def _explore(setup: _Setup, candidates, ctx: Context, capacity: float, devices: 
             if p.error is not None:
                 refused.append(Candidate(k, Status.REFUSED, reason=f"compile: {p.error}"))
                 continue
-            floor = bound(k, p, ctx)
+            lay = layout(k, p, ctx)
+            floor = bound(k, lay)
             if floor > capacity:
                 refused.append(Candidate(k, Status.REFUSED, peak=floor, reason=(
                     f"memory bound: {floor / GIB:.1f} GiB > {capacity / GIB:.1f} GiB")))
                 continue
-            est = estimate(k, p, ctx, limit=capacity * ESTIMATE_MARGIN)
+            est = estimate(k, lay, ctx, limit=capacity * ESTIMATE_MARGIN)
             if est.peak > capacity * ESTIMATE_MARGIN:
                 refused.append(Candidate(k, Status.REFUSED, peak=est.peak, reason=(
                     f"memory estimate: {est.peak / GIB:.1f} GiB > {ESTIMATE_MARGIN} x "
                     f"{capacity / GIB:.1f} GiB")))
                 continue
-            row = Candidate(k, Status.ESTIMATED, est.step, _rate(setup.batch, est.step, devices),
+            row = Candidate(k, Status.ESTIMATED, est.step, _rate(setup.tokens, est.step, devices),
                             est.bubble, est.peak)
             kept.append((row, est.stage_of))
     except KeyboardInterrupt:
@@ -188,8 +193,8 @@ def _probe_sizes(candidates: list[Knobs], samples: int) -> dict[int, tuple[int, 
     return {tp: tuple(sorted({min(s), max(s)})) for tp, s in out.items()}
 
 
-def _rate(batch, step: float, devices: int) -> float:
-    return token_count(batch) / step / devices if step > 0 else 0.0
+def _rate(tokens: int, step: float, devices: int) -> float:
+    return tokens / step / devices if step > 0 else 0.0
 
 
 def _with_program(setup: _Setup, row: Candidate, stage_of) -> Candidate:
@@ -222,7 +227,7 @@ def _verify(setup: _Setup, kept, refused, top, capacity, devices, progress, budg
                 continue
             peak_dev, peak = max(trace.peak_memory.items(), key=lambda kv: kv[1])
             done = replace(row, status=Status.SIMULATED, step=trace.step_time,
-                           tokens_per_s=_rate(setup.batch, trace.step_time, devices),
+                           tokens_per_s=_rate(setup.tokens, trace.step_time, devices),
                            bubble=bubble_fraction(trace), peak=float(peak))
             if peak > capacity:
                 refused.append(replace(done, status=Status.REFUSED, reason=(

@@ -15,7 +15,8 @@ probe (`planner.probe`), without compiling it: how a search explores thousands.
   layer made again. `bound` is the floor a search prunes by first: model states and one
   microbatch's stash.
 
-Stages are cut once per (TP class, stage count) on the class's larger probe (`cut`). The
+Stages are cut once per (TP class, stage count) on the class's larger probe (`Probe.cut`);
+a candidate's `layout` is made once for its bound and its estimate. The
 estimate ranks and prunes; the candidates a search keeps are compiled and simulated in full
 (`planner.engine`), and their rows carry the simulator's figures.
 """
@@ -26,11 +27,11 @@ import math
 from dataclasses import dataclass
 
 from piper_nb.ir.kinds import Op
-from piper_nb.planner.build import cut, is_layer
+from piper_nb.planner.build import is_layer
 from piper_nb.planner.knobs import Knobs, Schedule
 from piper_nb.planner.pipeline import peaks, steps_of, timing
 
-__all__ = ["Context", "Estimate", "estimate", "bound", "micro_size", "stage_cut"]
+__all__ = ["Context", "Estimate", "Layout", "layout", "estimate", "bound", "micro_size"]
 
 
 @dataclass(frozen=True)
@@ -58,13 +59,23 @@ def micro_size(k: Knobs, ctx: Context) -> float:
     return ctx.batch / (k.dp * k.microbatches)
 
 
-def stage_cut(k: Knobs, probe) -> tuple[int, ...]:
-    """Each unit's stage, balancing forward + backward time (cached per stage count)."""
-    got = probe._at.get(("cut", k.stages))
-    if got is None:
-        units = probe.measured[-1]
-        got = probe._at[("cut", k.stages)] = tuple(cut([u.f + u.b for u in units], k.stages))
-    return got
+@dataclass(frozen=True)
+class Layout:
+    """What a candidate's bound and estimate both start from: its units at its microbatch
+    size, each unit's stage, each rank's units and the model states each rank holds."""
+
+    units: tuple
+    stage_of: tuple[int, ...]
+    on_rank: list[list[int]]
+    states: list[float]
+
+
+def layout(k: Knobs, probe, ctx: Context) -> Layout:
+    """Candidate `k`'s `Layout` from its TP class's `probe`."""
+    units = probe.at(micro_size(k, ctx))
+    stage_of = probe.cut(k.stages)
+    on_rank = _units_on(k, stage_of)
+    return Layout(units, stage_of, on_rank, _states(k, units, ctx, on_rank))
 
 
 def _units_on(k: Knobs, stage_of) -> list[list[int]]:
@@ -95,24 +106,18 @@ def _recomputed(k: Knobs, stage: int, i: int, n: int) -> bool:
     return k.rank_of(stage) < k.recompute and is_layer(i, n)
 
 
-def bound(k: Knobs, probe, ctx: Context) -> float:
+def bound(k: Knobs, lay: Layout) -> float:
     """A floor on the peak: model states plus one microbatch's stash, on the heaviest rank."""
-    units = probe.at(micro_size(k, ctx))
-    stage_of = stage_cut(k, probe)
-    on_rank = _units_on(k, stage_of)
-    states = _states(k, units, ctx, on_rank)
-    n = len(units)
+    units, stage_of, n = lay.units, lay.stage_of, len(lay.units)
     return max(st + sum(units[i].inputs if _recomputed(k, stage_of[i], i, n)
                         else units[i].saved for i in mine)
-               for st, mine in zip(states, on_rank, strict=True))
+               for st, mine in zip(lay.states, lay.on_rank, strict=True))
 
 
-def estimate(k: Knobs, probe, ctx: Context, limit: float = math.inf) -> Estimate:
-    """Candidate `k`'s step, bubble and peak from its TP class's `probe`; a peak over
-    `limit` returns at once, untimed."""
-    units = probe.at(micro_size(k, ctx))
-    stage_of = stage_cut(k, probe)
-    on_rank = _units_on(k, stage_of)
+def estimate(k: Knobs, lay: Layout, ctx: Context, limit: float = math.inf) -> Estimate:
+    """Candidate `k`'s step, bubble and peak from its `Layout`; a peak over `limit`
+    returns at once, untimed."""
+    units, stage_of, on_rank = lay.units, lay.stage_of, lay.on_rank
     n = len(units)
     f, b, w = [0.0] * k.stages, [0.0] * k.stages, [0.0] * k.stages
     act, extra, again = [0.0] * k.stages, [0.0] * k.stages, [0.0] * k.stages
@@ -131,13 +136,12 @@ def estimate(k: Knobs, probe, ctx: Context, limit: float = math.inf) -> Estimate
         else:
             act[s] += u.saved
             extra[s] = max(extra[s], u.saved)
-    states = _states(k, units, ctx, on_rank)
     if k.schedule is Schedule.NONE:
         held = (act[0] + extra[0],)
     else:
         steps = steps_of(k.schedule, k.pp, k.microbatches)
         held = peaks(steps, act, extra, again)
-    peak = max(st + h for st, h in zip(states, held, strict=True))
+    peak = max(st + h for st, h in zip(lay.states, held, strict=True))
     if peak > limit:
         return Estimate(math.nan, math.nan, peak, stage_of)
     if k.schedule is Schedule.NONE:

@@ -114,13 +114,13 @@ def check_pins(pin: Mapping | None) -> dict:
 
 
 def space(devices: int, batch_size: int, stages_max: int, *, gpus_per_node: int,
-          pins: Mapping[str, set] | None = None, tp_max: int | None = None) -> Iterator[Knobs]:
+          pins: Mapping[str, set] | None = None) -> Iterator[Knobs]:
     """Every candidate for `devices` devices and a batch of `batch_size` sequences (samples):
     a model of `stages_max` pipeline units can hold at most that many stages; TP at most
-    `gpus_per_node` (one node) and `tp_max`, dividing the node."""
+    `gpus_per_node` (one node), dividing the node."""
     pins = pins or {}
     ok = lambda k, v: k not in pins or v in pins[k]   # noqa: E731
-    node = min(gpus_per_node, tp_max or gpus_per_node, devices)
+    node = min(gpus_per_node, devices)
     for tp in (t for t in divisors(node) if gpus_per_node % t == 0 or t == devices):
         if not ok("tp", tp) or devices % tp:
             continue

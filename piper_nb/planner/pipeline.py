@@ -24,13 +24,12 @@ from piper_nb.errors import PlanError
 from piper_nb.ir.kinds import Op
 from piper_nb.planner.knobs import Schedule, stage_rank
 
-__all__ = ["Steps", "steps_of", "grid_of", "peaks", "timing", "time_grid"]
+__all__ = ["Steps", "steps_of", "grid_of", "peaks", "timing"]
 
 F, B, BI, BW = 0, 1, 2, 3
 _KIND = {Op.F: F, Op.B: B, Op.BI: BI, Op.BW: BW}
 
 
-@functools.lru_cache(maxsize=512)
 def grid_of(schedule: Schedule, pp: int, m: int):
     """The schedule's grid (one row of slots per rank); stage/pass/microbatch triples."""
     import piper_nb.schedules as s
@@ -150,18 +149,3 @@ def timing(steps: Steps, f, b, w, hop: float) -> tuple[float, tuple[float, ...]]
         if not progressed:
             raise PlanError("pn.search: a schedule grid did not finish (a cycle in its order)")
     return max(clock), tuple(busy)
-
-
-@dataclass(frozen=True)
-class Timing:
-    step: float
-    busy: tuple[float, ...]
-    peak: tuple[float, ...]
-
-
-def time_grid(grid_key, f, b, w, act, hop: float, extra=None, again=None) -> Timing:
-    """`timing` and `peaks` of the grid `grid_key` = (schedule, ranks, microbatches)."""
-    n = len(f)
-    steps = steps_of(*grid_key)
-    step, busy = timing(steps, f, b, w, hop)
-    return Timing(step, busy, peaks(steps, act, extra or [0.0] * n, again or [0.0] * n))

@@ -15,12 +15,14 @@ refused as a whole with the compile's reason.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field, replace
 
+from piper_nb.capture.batch import Batch
 from piper_nb.errors import PlanError
 from piper_nb.ir.kinds import COMM, Op
 from piper_nb.plan.sizes import element_size, value_bytes
+from piper_nb.planner.build import cut
+from piper_nb.sim.ledger_params import param_numel
 
 __all__ = ["UnitCost", "Probe", "probe", "UNIT_TAG"]
 
@@ -57,11 +59,21 @@ class Probe:
     seconds: float = 0.0
     links: object = field(default=None, compare=False, repr=False)   # its CostModel
     _at: dict = field(default_factory=dict, compare=False, repr=False)
+    _cuts: dict = field(default_factory=dict, compare=False, repr=False)
 
     def at(self, n: float) -> tuple[UnitCost, ...]:
         got = self._at.get(n)
         if got is None:
             got = self._at[n] = self._interpolate(n)
+        return got
+
+    def cut(self, stages: int) -> tuple[int, ...]:
+        """Each unit's stage among `stages`, balancing forward + backward time at the larger
+        size probed (made once per stage count)."""
+        got = self._cuts.get(stages)
+        if got is None:
+            got = self._cuts[stages] = tuple(cut([u.f + u.b for u in self.measured[-1]],
+                                                 stages))
         return got
 
     def _interpolate(self, n: float) -> tuple[UnitCost, ...]:
@@ -83,7 +95,6 @@ def probe(spec, units: list[str], batch, rows: tuple[int, ...], tp: int, sp: boo
 
     from piper_nb.compiler.compile import compile, rebatch
     from piper_nb.directives.spec import place
-    from piper_nb.planner.build import slice_batch
     from piper_nb.profile import simulate
     from piper_nb.tp import tensor_parallel
     t0 = time.perf_counter()
@@ -94,7 +105,7 @@ def probe(spec, units: list[str], batch, rows: tuple[int, ...], tp: int, sp: boo
     try:
         plan = None
         for n in rows:
-            part = slice_batch(batch, n)
+            part = Batch.of(batch, "pn.search").slice(slice(0, n))
             plan = (compile(spec, program, part, loss_fn=loss_fn, precision=precision,
                                capture=capture) if plan is None else rebatch(plan, part))
             cost = price(plan)
@@ -120,9 +131,12 @@ def _units(plan, cost, trace, names: list[str]) -> tuple[UnitCost, ...]:
             f[k] += e.duration
         else:
             b[k] += e.duration
+    by_unit: dict[int, list[int]] = {}
+    for r, k in unit_of.items():
+        by_unit.setdefault(k, []).append(r)
     out = []
     for k, name in enumerate(names):
-        regions = [r for r, v in unit_of.items() if v == k]
+        regions = by_unit.get(k, [])
         params = {p for r in regions for p in plan.regions[r].params if p in plan.params}
         reads = {v for r in regions for v in plan.regions[r].inputs if v in plan.values}
         kept = {v for r in regions for side in plan.kept.get(r, ((), ())) for v in side
@@ -132,8 +146,8 @@ def _units(plan, cost, trace, names: list[str]) -> tuple[UnitCost, ...]:
             name=name, f=f[k], b=b[k],
             w=sum(cost.passes.get((r, Op.BW), 0.0) for r in regions),
             u=u[k],
-            params=sum(math.prod(plan.params[p][0]) for p in params),
-            param_bytes=sum(math.prod(plan.params[p][0]) * element_size(plan.params[p][1])
+            params=sum(param_numel(plan, p) for p in params),
+            param_bytes=sum(param_numel(plan, p) * element_size(plan.params[p][1])
                             for p in params),
             saved=float(sum(plan.saved.get(r, 0) for r in regions)
                         + sum(value_bytes(plan.values[v]) for v in kept)),

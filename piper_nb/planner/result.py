@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 
 from piper_nb.planner.knobs import Knobs
+from piper_nb.viz.units import bytes_text, time_text
 
 __all__ = ["Status", "Candidate", "SearchResult", "COLUMNS"]
 
@@ -56,26 +57,16 @@ class Candidate:
                 "status": str(self.status), "reason": self.reason}
 
 
+# the table's columns (a row's dict has its status and reason besides)
 COLUMNS = ("PP", "TP", "DP", "ZeRO", "schedule", "micro", "mb size", "recompute", "SP",
-           "step s", "tok/s/dev", "bubble", "peak GiB", "status")
+           "step s", "tok/s/dev", "bubble", "peak GiB")
 SORTS = {"step": lambda c: c.step, "tokens": lambda c: -c.tokens_per_s,
          "memory": lambda c: c.peak, "bubble": lambda c: c.bubble}
 
 
-def _seconds(x: float) -> str:
-    return f"{x:.3g} s" if x >= 1 else f"{x * 1e3:.3g} ms" if x >= 1e-3 else f"{x * 1e6:.3g} us"
-
-
-def _bytes(x: float) -> str:
-    for unit, size in (("GiB", GIB), ("MiB", 2**20), ("KiB", 2**10)):
-        if x >= size:
-            return f"{x / size:.3g} {unit}"
-    return f"{x:.0f} B"
-
-
-# how the text table shows a row's value (None: "-")
-_SHOW = {"step s": _seconds, "tok/s/dev": lambda x: f"{x:,.0f}",
-         "bubble": lambda x: f"{100 * x:.0f}%", "peak GiB": lambda x: _bytes(x * GIB)}
+# how the text table shows a row's value (None: "-"), in the figures' units
+_SHOW = {"step s": lambda x: time_text(x, "s"), "tok/s/dev": lambda x: f"{x:,.0f}",
+         "bubble": lambda x: f"{100 * x:.0f}%", "peak GiB": lambda x: bytes_text(x * GIB)}
 _HEAD = {"step s": "step", "peak GiB": "peak"}
 
 
@@ -113,22 +104,20 @@ class SearchResult:
         """Whether some candidate fits: simulated, or (interrupted) estimated."""
         return bool(self.ranked) or (self.interrupted and bool(self.estimated))
 
-    def rows(self, n: int | None = 10, sort: str = "step", refused: bool = False) -> list[dict]:
+    def rows(self, n: int | None = 10, sort: str = "step") -> list[dict]:
         """The top `n` ranked rows by `sort` (step, tokens, memory, bubble), as dicts."""
         if sort not in SORTS:
             from piper_nb.errors import PlanError
             raise PlanError(f"SearchResult: sort by one of {', '.join(SORTS)}, not {sort!r}")
-        pool = self.refused if refused else sorted(self.ranked, key=SORTS[sort])
-        return [c.row(self.batch) for c in pool[:n]]
+        return [c.row(self.batch) for c in sorted(self.ranked, key=SORTS[sort])[:n]]
 
     def table(self, n: int | None = 10, sort: str = "step") -> str:
         """A text table of the top `n` ranked candidates, then a summary line."""
         rows = self.rows(n, sort)
         lines = [self.summary()]
         if rows:
-            cols = [c for c in COLUMNS if c != "status"]
-            heads = [_HEAD.get(c, c) for c in cols]
-            cells = [[_cell(c, r[c]) for c in cols] for r in rows]
+            heads = [_HEAD.get(c, c) for c in COLUMNS]
+            cells = [[_cell(c, r[c]) for c in COLUMNS] for r in rows]
             widths = [max(len(h), *(len(x[i]) for x in cells)) for i, h in enumerate(heads)]
             lines.append("  ".join(h.rjust(w) for h, w in zip(heads, widths, strict=True)))
             lines += ["  ".join(x.rjust(w) for x, w in zip(row, widths, strict=True))
@@ -151,10 +140,9 @@ class SearchResult:
     def _repr_html_(self) -> str:
         import html
         rows = self.rows(10)
-        cols = [c for c in COLUMNS if c != "status"]
-        head = "".join(f"<th>{html.escape(_HEAD.get(c, c))}</th>" for c in cols)
+        head = "".join(f"<th>{html.escape(_HEAD.get(c, c))}</th>" for c in COLUMNS)
         body = "".join("<tr>" + "".join(
-            f"<td>{html.escape(_cell(c, r[c]))}</td>" for c in cols) + "</tr>" for r in rows)
+            f"<td>{html.escape(_cell(c, r[c]))}</td>" for c in COLUMNS) + "</tr>" for r in rows)
         return (f"<p>{html.escape(self.summary())}</p>"
                 f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>")
 
