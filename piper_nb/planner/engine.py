@@ -13,13 +13,15 @@ The loop (see `search`):
    until `top` fit; a compile error or a simulated peak over the capacity refuses one.
    Those are the ranked rows, each with its annotation and program.
 
-Progress is a tqdm bar (terminal or notebook); Ctrl-C (KeyboardInterrupt) stops it and
-returns what it has, marked interrupted.
+Progress is a tqdm bar (terminal or notebook), or a callable `progress(phase, done, total)`
+(the Designer's Search tab) whose True return asks the search to stop; Ctrl-C
+(KeyboardInterrupt) and that stop both return what the search has, marked interrupted.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from piper_nb.capture.annotate import annotate
@@ -67,7 +69,8 @@ class _Setup:
 def search(model, batch, devices: int, hardware="H100", *, topology=None, pin=None,
            precision: str | None = None, memory=None, capacity: float | None = None,
            cost: str = "analytic", top: int = 5, budget: float | None = None,
-           loss_fn=None, capture: str = "auto", progress: bool = True) -> SearchResult:
+           loss_fn=None, capture: str = "auto",
+           progress: bool | Callable[[str, int, int], bool | None] = True) -> SearchResult:
     """Search the plans of `model` on `batch` (a whole step's batch) over `devices` devices.
 
     `hardware` is a GPU in `pn.sim.HARDWARE` (or a spec) and `topology` a `pn.Topology`
@@ -80,7 +83,10 @@ def search(model, batch, devices: int, hardware="H100", *, topology=None, pin=No
     state); `capacity` the bytes a device holds (default the GPU's memory; unlimited when
     profiled). `top` candidates are compiled and simulated in full (a compile at hundreds
     of devices takes tens of seconds); with `budget` seconds, none is started after that
-    once one fits. Returns a `SearchResult`."""
+    once one fits. `progress` is a tqdm bar (True), nothing (False), or a callable
+    `progress(phase, done, total)`, phase "exploring" or "verifying", called once per
+    candidate; when it returns True the search stops and returns the best so far, as
+    Ctrl-C does. Returns a `SearchResult`."""
     from piper_nb.capture.annotate import _execution_order, pipeline_units
     from piper_nb.sim.gpus import spec_of
     t0 = time.perf_counter()
@@ -171,14 +177,14 @@ def _explore(setup: _Setup, candidates, ctx: Context, capacity: float, devices: 
                 continue
             est = estimate(k, lay, ctx, limit=capacity * ESTIMATE_MARGIN)
             if est.peak > capacity * ESTIMATE_MARGIN:
-                refused.append(Candidate(k, Status.REFUSED, peak=est.peak, reason=(
+                refused.append(Candidate(k, Status.REFUSED, est.step, peak=est.peak, reason=(
                     f"memory estimate: {est.peak / GIB:.1f} GiB > {ESTIMATE_MARGIN} x "
                     f"{capacity / GIB:.1f} GiB")))
                 continue
             row = Candidate(k, Status.ESTIMATED, est.step, _rate(setup.tokens, est.step, devices),
                             est.bubble, est.peak)
             kept.append((row, est.stage_of))
-    except KeyboardInterrupt:
+    except (KeyboardInterrupt, _Stop):
         interrupted = True
     finally:
         bar.close()
@@ -235,7 +241,7 @@ def _verify(setup: _Setup, kept, refused, top, capacity, devices, progress, budg
                     f"{capacity / GIB:.1f} GiB")))
                 continue
             ranked.append(done)
-    except KeyboardInterrupt:
+    except (KeyboardInterrupt, _Stop):
         interrupted = True
     finally:
         bar.close()
@@ -243,7 +249,33 @@ def _verify(setup: _Setup, kept, refused, top, capacity, devices, progress, budg
     return ranked, interrupted
 
 
-def _bar(total: int, progress: bool, desc: str):
+class _Stop(Exception):
+    """The caller's progress callable asked the search to stop."""
+
+
+class _Report:
+    """A tqdm-shaped bar that reports to `progress(phase, done, total)` and raises `_Stop`
+    when it returns True."""
+
+    def __init__(self, progress: Callable, total: int, phase: str):
+        self.progress, self.total, self.phase, self.done = progress, total, phase, 0
+        progress(phase, 0, total)    # a stop is asked for between candidates, not here
+
+    def _call(self) -> None:
+        if self.progress(self.phase, self.done, self.total):
+            raise _Stop
+
+    def update(self, n: int = 1) -> None:
+        self.done += n
+        self._call()
+
+    def close(self) -> None:
+        pass
+
+
+def _bar(total: int, progress, desc: str):
+    if callable(progress):
+        return _Report(progress, total, desc)
     from tqdm.auto import tqdm
     return tqdm(total=total, desc=f"pn.search: {desc}", disable=not progress, leave=False)
 

@@ -16,7 +16,7 @@ from enum import StrEnum
 from piper_nb.planner.knobs import Knobs
 from piper_nb.viz.units import bytes_text, time_text
 
-__all__ = ["Status", "Candidate", "SearchResult", "COLUMNS"]
+__all__ = ["Status", "Candidate", "SearchResult", "COLUMNS", "html_table"]
 
 GIB = 2**30
 
@@ -74,6 +74,16 @@ def _cell(col: str, value) -> str:
     if value is None:
         return "-"
     return _SHOW[col](value) if col in _SHOW else str(value)
+
+
+def html_table(rows: list[dict], columns=COLUMNS) -> str:
+    """`rows` (as `Candidate.row` gives them) as an HTML table of `columns`, in the text
+    table's units."""
+    import html
+    head = "".join(f"<th>{html.escape(_HEAD.get(c, c))}</th>" for c in columns)
+    body = "".join("<tr>" + "".join(f"<td>{html.escape(_cell(c, r[c]))}</td>"
+                                    for c in columns) + "</tr>" for r in rows)
+    return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
 
 
 @dataclass
@@ -139,12 +149,13 @@ class SearchResult:
 
     def _repr_html_(self) -> str:
         import html
-        rows = self.rows(10)
-        head = "".join(f"<th>{html.escape(_HEAD.get(c, c))}</th>" for c in COLUMNS)
-        body = "".join("<tr>" + "".join(
-            f"<td>{html.escape(_cell(c, r[c]))}</td>" for c in COLUMNS) + "</tr>" for r in rows)
-        return (f"<p>{html.escape(self.summary())}</p>"
-                f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>")
+        return f"<p>{html.escape(self.summary())}</p>" + html_table(self.rows(10))
+
+    def figure(self, **kwargs):
+        """Step time against peak memory of every candidate with a time (a plotly
+        figure; `planner.frontier.figure` says what it draws)."""
+        from piper_nb.planner.frontier import figure
+        return figure(self, **kwargs)
 
     def reasons(self) -> dict[str, int]:
         """How many candidates each refusal reason (its first clause) turned away."""

@@ -25,7 +25,8 @@ from piper_nb.ui.compute import Outcome, evaluate
 from piper_nb.ui.directives import DirectivesPanel
 from piper_nb.ui.launch import LaunchPanel
 from piper_nb.ui.layers import LayersPanel
-from piper_nb.ui.state import DesignerState, schedule_row, set_microbatches
+from piper_nb.ui.search_panel import SearchPanel
+from piper_nb.ui.state import DesignerState, load_plan, schedule_row, set_microbatches
 from piper_nb.ui.views import ViewsPanel
 
 __all__ = ["Designer", "default_design"]
@@ -84,9 +85,13 @@ class Designer:
         self.views = ViewsPanel(self._option, self.launcher.widget, lazy=lazy_views)
         self.views.cost.value = cost
         self.message = W.HTML()
+        self.search = SearchPanel(lambda: self.state, self.load,
+                                  visible=lambda: self.editors.selected_index == 4)
         editors = W.Tab(children=[self.layers.widget, self.directives.widget,
-                                  self.directives.json_widget, self.directives.python_widget])
-        editors.titles = ("Layers", "Directives", "JSON", "Python")
+                                  self.directives.json_widget, self.directives.python_widget,
+                                  self.search.widget])
+        editors.titles = ("Layers", "Directives", "JSON", "Python", "Search")
+        editors.observe(lambda _: self.search.draw(), names=["selected_index"])
         self.editors = editors
         self.left = W.VBox([editors, self.message])
         self.right = W.VBox([self.views.widget])
@@ -140,6 +145,11 @@ class Designer:
         self.layers.sync(new)
         self.directives.sync(new)
         self.request_refresh()
+
+    def load(self, candidate) -> None:
+        """Load a search's candidate (`pn.search`, the Search tab): its stage cut and
+        program replace the annotations and directive rows in one edit."""
+        self.edit(lambda s: load_plan(s, candidate.annotation, candidate.program))
 
     def _option(self, key: str, value: str) -> None:
         self.edit(lambda s: s.replace(**{key: value}))

@@ -25,7 +25,7 @@ from piper_nb.errors import PlanError
 __all__ = ["DesignerState", "SCHEDULES", "OPS", "set_tags", "cut", "add_row", "remove_row",
            "move_row", "update_row", "new_row", "schedule_row", "microbatches",
            "set_microbatches", "program_json", "import_json", "stage_count", "own_tags",
-           "effective_tags"]
+           "effective_tags", "load_plan"]
 
 # label in the picker -> builder name of `pn.schedules.build`
 SCHEDULES = {"GPipe": "gpipe", "1F1B": "1f1b", "Interleaved 1F1B": "interleaved_1f1b",
@@ -212,6 +212,14 @@ def _expanded(rows) -> list:
     from piper_nb.compiler.compile import expand
     from piper_nb.directives.spec import Program
     return [d for _, d in expand(Program(rows))]
+
+
+def load_plan(state: DesignerState, annotations: Mapping[str, Mapping[str, Any]],
+              program) -> DesignerState:
+    """A whole plan (a search's candidate: its stage cut and `pn.Program`) in place of the
+    state's annotations and rows, as one edit."""
+    return state.replace(annotations={p: dict(t) for p, t in annotations.items()},
+                         rows=_copy_rows(d.to_json() for d in program))
 
 
 def import_json(state: DesignerState, text: str) -> DesignerState:
