@@ -46,14 +46,15 @@ lab: $(STAMP) $(SYSDEPS)
 docs: $(STAMP) $(SYSDEPS)
 	$(BIN)/python -m sphinx -W --keep-going -b html docs docs/_build/html
 
-# the Designer's screenshot the docs show: the browser test saves a fresh one into the ignored
-# artifacts/screenshots/ (tests never rewrite tracked files); this copies it over the
-# committed docs/_static/designer.png
+# the Designer's screenshots the docs show: the browser test saves fresh ones into the ignored
+# artifacts/screenshots/ (tests never rewrite tracked files); this copies them over the
+# committed docs/_static/designer.png and search.png (the Search tab)
 screenshots: $(STAMP) $(SYSDEPS)
 	rm -f artifacts/screenshots/designer.png
 	$(BIN)/python -m pytest -q -p no:cacheprovider -rs tests/ui/test_browser.py
 	@test -f artifacts/screenshots/designer.png || { echo "no screenshot: the browser test was skipped (above)"; exit 1; }
 	cp artifacts/screenshots/designer.png docs/_static/designer.png
+	cp artifacts/screenshots/tabs/search.png docs/_static/search.png
 
 lint: $(STAMP)
 	$(BIN)/ruff check piper_nb tests benchmarks

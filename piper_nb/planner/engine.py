@@ -234,9 +234,10 @@ def _verify(setup: _Setup, kept, refused, top, capacity, devices, progress, budg
             peak_dev, peak = max(trace.peak_memory.items(), key=lambda kv: kv[1])
             done = replace(row, status=Status.SIMULATED, step=trace.step_time,
                            tokens_per_s=_rate(setup.tokens, trace.step_time, devices),
-                           bubble=bubble_fraction(trace), peak=float(peak))
+                           bubble=bubble_fraction(trace), peak=float(peak), plan=plan,
+                           trace=trace)
             if peak > capacity:
-                refused.append(replace(done, status=Status.REFUSED, reason=(
+                refused.append(replace(done, status=Status.REFUSED, plan=None, trace=None, reason=(
                     f"memory model: device {peak_dev} peaks at {peak / GIB:.1f} GiB > "
                     f"{capacity / GIB:.1f} GiB")))
                 continue

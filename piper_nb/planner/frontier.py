@@ -4,9 +4,9 @@
 what the figure draws in a fixed order, so a point's index (its `customdata`) names its
 candidate; `figure` draws them: one colour per schedule, simulated candidates filled and
 estimated ones hollow, the Pareto frontier as a line through its points, the device's
-memory as a vertical line, and refused candidates that have a time (refused by the
-estimate's or the memory model's peak) in grey with their reason on hover. Walk, then
-draw: the values come first, the plotly figure last.
+memory as a vertical line (in the title when it lies far beyond every point), and refused
+candidates that have a time (refused by the estimate's or the memory model's peak) in
+grey with their reason on hover. Walk, then draw: the values first, the figure last.
 """
 
 from __future__ import annotations
@@ -22,6 +22,8 @@ __all__ = ["pareto", "points", "figure", "REFUSED_SHOWN", "SCHEDULE_COLOURS"]
 # refused candidates drawn at most (the lightest first: those closest to fitting); a 70B
 # search refuses thousands, which would only hide the ones that fit
 REFUSED_SHOWN = 300
+# the device's memory is drawn as a line when within this factor of the heaviest point
+CAPACITY_REACH = 2.0
 SCHEDULE_COLOURS = {Schedule.NONE: "#4c78a8", Schedule.GPIPE: "#f58518",
                     Schedule.ONE_F_ONE_B: "#54a24b", Schedule.INTERLEAVED: "#b279a2",
                     Schedule.ZB1P: "#e45756", Schedule.DUALPIPEV: "#72b7b2"}
@@ -70,7 +72,11 @@ def figure(result: SearchResult, *, unit: str = "s", height: int = 440):
                           xaxis={"visible": False}, yaxis={"visible": False})
         return fig
     cap = result.capacity
-    bdiv, bname = bytes_scale(max([c.peak for c in drawn] + ([cap] if math.isfinite(cap) else [])))
+    heaviest = max(c.peak for c in drawn)
+    # the device's memory as a line where it is near the points; far above them (a small
+    # model on a large GPU) it would squash every point against the axis: said in the title
+    near = math.isfinite(cap) and cap <= CAPACITY_REACH * heaviest
+    bdiv, bname = bytes_scale(max(heaviest, cap) if near else heaviest)
     tfac, tname = time_scale(max(c.step for c in drawn), unit)
     x = lambda c: c.peak / bdiv           # noqa: E731
     y = lambda c: c.step * tfac           # noqa: E731
@@ -101,14 +107,16 @@ def figure(result: SearchResult, *, unit: str = "s", height: int = 440):
         fig.add_trace(go.Scatter(x=[x(c) for c in front], y=[y(c) for c in front],
                                  mode="lines", name="Pareto frontier", hoverinfo="skip",
                                  line={"color": "#333", "dash": "dot", "shape": "hv"}))
-    if math.isfinite(cap):
+    if near:
         lo, hi = min(y(c) for c in drawn), max(y(c) for c in drawn)
         fig.add_trace(go.Scatter(x=[cap / bdiv] * 2, y=[lo, hi], mode="lines",
                                  name=f"device memory {bytes_text(cap)}", hoverinfo="skip",
                                  line={"color": "#c00", "width": 1.5}))
     fig.update_layout(
         height=height, margin={"l": 60, "r": 10, "t": 40, "b": 50},
-        title={"text": f"{len(drawn)} candidates: filled simulated, hollow estimated",
+        title={"text": f"{len(drawn)} candidates: filled simulated, hollow estimated"
+                       + (f"; a device holds {bytes_text(cap)}"
+                          if math.isfinite(cap) and not near else ""),
                "x": 0, "xanchor": "left", "font": {"size": 13}},
         xaxis_title=f"peak memory per device ({bname})", yaxis_title=f"step time ({tname})",
         legend={"title": {"text": "schedule"}}, hovermode="closest",

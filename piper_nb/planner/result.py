@@ -34,7 +34,8 @@ class Candidate:
     """One candidate: its knobs, status and figures (`step` in seconds, `tokens_per_s` per
     device, `bubble` the idle share of the step, `peak` in bytes on the device that holds
     most), the reason it was refused, and the `annotation` (a `pn.annotate` mapping) and
-    `program` (a `pn.Program`) that build it."""
+    `program` (a `pn.Program`) that build it; a simulated one keeps its `plan` and `trace`
+    (so it is not compiled again to be drawn or launched)."""
 
     knobs: Knobs
     status: Status
@@ -45,6 +46,8 @@ class Candidate:
     reason: str = ""
     annotation: dict = field(default_factory=dict, compare=False, repr=False)
     program: object = field(default=None, compare=False, repr=False)   # pn.Program
+    plan: object = field(default=None, compare=False, repr=False)      # pn.Plan, simulated
+    trace: object = field(default=None, compare=False, repr=False)     # its Trace
 
     def row(self, batch: int) -> dict:
         k = self.knobs

@@ -200,6 +200,7 @@ class SearchPanel:
         self.status.value = f"<span class='{cls}'>{summary}</span>"
         loadable = [c for c in result.ranked + result.estimated if c.program is not None]
         self.pick.options = [(f"{c.status}: {c.knobs.label()}", c) for c in loadable]
+        self.pick.value = loadable[0] if loadable else None
         self._show_table()
         self._stale = True
         self.draw()

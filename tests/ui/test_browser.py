@@ -4,7 +4,9 @@ Opens a temp copy of notebooks/07_designer.ipynb (which opening must not mark mo
 runs all cells from the Run menu, and checks what only a browser can show: the DAG SVG and
 the plotly timeline render, typing a new microbatch count into the schedule row redraws
 the timeline, clicking a DAG node shows its details (the anywidget front end posts the id
-back), and a screenshot of the Designer is saved as artifacts/screenshots/designer.png
+back), a search in the Search tab draws its frontier and a click on a point loads that
+candidate into the directive rows, and a screenshot of the Designer is saved as
+artifacts/screenshots/designer.png
 (git-ignored: a test never rewrites a tracked file). `make screenshots` runs this test and
 copies that screenshot over the committed docs/_static/designer.png, which the
 documentation site shows.
@@ -35,7 +37,7 @@ CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking",
         "--disable-component-update", "--disable-sync", "--no-first-run"]
 
-pytestmark = [pytest.mark.browser, pytest.mark.full, pytest.mark.timeout(240)]
+pytestmark = [pytest.mark.browser, pytest.mark.full, pytest.mark.timeout(420)]
 
 
 def _api(base: str, token: str, path: str, method: str = "GET"):
@@ -169,8 +171,8 @@ def _check_layout_at_both_sizes(page) -> None:
     problems = []
     for width, height in SIZES:
         page.set_viewport_size({"width": width, "height": height})
-        for tab in ("Layers", "Directives", "JSON", "Python", "DAG", "Timeline", "Memory",
-                    "Plan", "Problems", "Run"):
+        for tab in ("Layers", "Directives", "JSON", "Python", "Search", "DAG", "Timeline",
+                    "Memory", "Plan", "Problems", "Run"):
             tabs = page.locator(".pn-designer .widget-tab .lm-TabBar-tab", has_text=tab)
             if not tabs.count():
                 continue
@@ -183,7 +185,9 @@ def _check_layout_at_both_sizes(page) -> None:
             tabs.first.evaluate("t => t.scrollIntoView({block: 'start'})")   # from the tab down
             page.screenshot(path=str(SHOTS / f"designer-{width}x{height}-{tab.lower()}.png"))
             if (width, height) == DOCS_SIZE:   # the tab's panel alone, for the Designer guide
-                panel = tabs.first.locator("xpath=ancestor::div[contains(@class, 'widget-tab')][1]")
+                panel = tabs.first.locator(   # the tab widget itself, not its bar
+                    "xpath=ancestor::div[contains(concat(' ', normalize-space(@class), ' '),"
+                    " ' widget-tab ')][1]")
                 panel.screenshot(path=str(SHOTS / "tabs" / f"{tab.lower()}.png"))
     assert not problems, "\n".join(problems)
 
@@ -243,6 +247,45 @@ def _check_dag_gestures(page) -> None:
     page.locator(".pn-dag-details-toggle").first.click()
     page.wait_for_timeout(500)
     assert not page.evaluate(_CANVAS)["details"]
+
+
+_PROGRAM = """() => [document.querySelector('.pn-python textarea').value,
+  [...document.querySelectorAll('.pn-designer .pn-row')].map(r =>
+    r.textContent + [...r.querySelectorAll('input')].map(i => i.value).join(',')).join('|')]"""
+
+
+def _search_and_load(page) -> None:
+    """The Search tab: search 4 H100s (two schedules pinned, to keep it short), wait for
+    the frontier, click its points from the last until one loads: the directive rows and
+    the Python tab then show that candidate's program."""
+    page.locator(".pn-designer .widget-tab .lm-TabBar-tab", has_text="Search").first.click()
+    search = page.locator(".pn-search").first
+    search.locator("input[placeholder^='tp=2']").first.fill("schedule=none,1f1b")
+    page.wait_for_timeout(500)
+    search.locator("button", has_text="Search").first.click()
+    dots = search.locator(".js-plotly-plot .scatterlayer .trace .points path.point")
+    deadline = time.monotonic() + 180
+    while not dots.count() and time.monotonic() < deadline:
+        page.wait_for_timeout(500)
+    assert dots.count(), "the frontier drew no points: " + search.inner_text()[:500]
+    assert "candidates explored" in search.inner_text()
+    assert search.locator(".pn-search-table tr").count() > 2
+    before = page.evaluate(_PROGRAM)
+    for i in reversed(range(dots.count())):
+        dots.nth(i).scroll_into_view_if_needed()
+        box = dots.nth(i).bounding_box()
+        page.mouse.move(box["x"] + box["width"] / 2, box["y"] + box["height"] / 2)
+        page.wait_for_timeout(200)
+        page.mouse.click(box["x"] + box["width"] / 2, box["y"] + box["height"] / 2)
+        deadline = time.monotonic() + 30   # the rows at once, the Python after the refresh
+        while page.evaluate(_PROGRAM)[0] == before[0] and time.monotonic() < deadline:
+            page.wait_for_timeout(250)
+        if page.evaluate(_PROGRAM)[0] != before[0]:
+            break
+    after = page.evaluate(_PROGRAM)
+    assert after[0] != before[0] and after[1] != before[1], "a click loaded no candidate"
+    assert "loaded" in search.inner_text()
+    page.wait_for_selector(".pn-summary:has-text('4 devices')", timeout=60_000)
 
 
 def _run_all(page) -> None:
@@ -310,6 +353,7 @@ def test_designer_in_jupyterlab(lab, tmp_path):
             assert _bar_count(page) > 0, "the Run tab shows no timeline bars after the launch"
             # JupyterLab's notifications (its news question) would sit over the widget
             page.add_style_tag(content=".Toastify { display: none !important; }")
+            _search_and_load(page)
             _check_layout_at_both_sizes(page)
             # the docs' picture: the directives above, the DAG with the node's details below
             page.set_viewport_size({"width": 1700, "height": 1700})

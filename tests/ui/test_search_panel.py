@@ -77,6 +77,11 @@ def test_frontier_figure_draws_every_point_once_with_its_index():
     assert list(zb.marker.symbol) == ["circle-open"]          # estimated: hollow
     assert "memory model: over" in next(t for t in fig.data if t.name.startswith("refused")).hovertext[0]
     assert fig.layout.xaxis.title.text == "peak memory per device (GiB)"
+    # a device far larger than every point: its memory is said in the title, not drawn
+    light = SearchResult(ranked, estimated, [], 4, 3, {"total": 1.0}, 80 * 2**30)
+    fig = figure(light)
+    assert not any(t.name.startswith("device memory") for t in fig.data)
+    assert fig.layout.title.text.endswith("a device holds 80 GiB")
 
 
 @pytest.fixture(scope="module")
