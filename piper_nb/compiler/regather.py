@@ -97,7 +97,9 @@ def _waits(dag: TrainingDAG, f: Node, first: Node, heavy: set[int]) -> set[str]:
     of the sharded part before it waits on, found back through the collectives and the
     replicated parts' backwards (norms, sums: no matmul to hide it behind) on the same
     devices, so that it runs while that backward's matmuls do (Megatron overlaps it with
-    the layer's other matmuls). A forward, or a transfer from elsewhere, is waited on."""
+    the layer's other matmuls). A forward, a transfer from elsewhere, or a pass of another
+    microbatch (reached by the schedule's order) is waited on, not walked through: walking
+    on would cross every earlier microbatch, once for each gather (quadratic in them)."""
     waits, seen = {f.id}, set()
     todo = [e.src for e in dag.in_edges(first.id) if e.src != f.id]
     while todo:
@@ -105,7 +107,8 @@ def _waits(dag: TrainingDAG, f: Node, first: Node, heavy: set[int]) -> set[str]:
         if x.id in seen or pulled_gather(x):
             continue
         seen.add(x.id)
-        if x.devices != first.devices or x.op not in BACKWARDS and x.attr("purpose") != Purpose.TP:
+        if (x.devices != first.devices or x.mb != first.mb
+                or x.op not in BACKWARDS and x.attr("purpose") != Purpose.TP):
             waits.add(x.id)
         elif x.op not in BACKWARDS or x.region not in heavy:   # walked back through
             todo += [e.src for e in dag.in_edges(x.id)]

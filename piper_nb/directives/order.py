@@ -18,7 +18,6 @@ that stay within their stage (a mixture of experts' combine after its experts) a
 
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -201,28 +200,35 @@ def _pairs(dag: TrainingDAG, first: list[str], then: list[str]) -> list[tuple[st
 def _ends(dag: TrainingDAG, ids: list[str], devs: tuple[int, ...], last: bool) -> list[str]:
     """The passes of one slot that reach (`last`), or are reached from, no other of its
     passes through nodes of the slot's devices and microbatch (a path on other devices
-    would not order this device's work)."""
+    would not order this device's work). One depth-first walk for the whole slot: whether
+    a node leads to the slot is remembered, so each node is walked once, not once a pass."""
     slot = set(ids)
     mb = dag[ids[0]].mb
-    out = []
-    for start in ids:
-        todo, seen, hit = deque([start]), {start}, False   # breadth first: the near hit
-        while todo and not hit:
-            nid = todo.popleft()
-            for e in (dag.out_edges(nid) if last else dag.in_edges(nid)):
-                nxt = e.dst if last else e.src
-                if nxt in seen:
+    nexts = ((lambda n: (e.dst for e in dag.out_edges(n))) if last
+             else (lambda n: (e.src for e in dag.in_edges(n))))
+    leads: dict[str, bool] = {}   # a node of the slot's devices and microbatch -> to the slot
+
+    def reaches(start: str) -> bool:
+        stack = [(start, iter(nexts(start)))]
+        while stack:
+            nid, it = stack[-1]
+            for nxt in it:
+                if nxt in slot or leads.get(nxt):
+                    for x, _ in stack:       # every node on the stack leads there
+                        leads[x] = True
+                    return True
+                if nxt in leads:
                     continue
-                if nxt in slot:
-                    hit = True
-                    break
                 n = dag[nxt]
                 if n.devices == devs and n.mb == mb:
-                    seen.add(nxt)
-                    todo.append(nxt)
-        if not hit:
-            out.append(start)
-    return out
+                    stack.append((nxt, iter(nexts(nxt))))
+                    break
+            else:
+                leads[nid] = False
+                stack.pop()
+        return False
+
+    return [start for start in ids if not reaches(start)]
 
 
 def _named(dag: TrainingDAG, nodes: list[Node], filt) -> list[Node]:

@@ -211,7 +211,6 @@ def _with_program(setup: _Setup, row: Candidate, stage_of) -> Candidate:
 def _verify(setup: _Setup, kept, refused, top, capacity, devices, progress, budget):
     """Compile and simulate the fastest estimates until `top` fit (at most 3 x top tried,
     none started after `budget` seconds once one fits)."""
-    from piper_nb.sim.analysis import bubble_fraction
     ranked, interrupted = [], False
     bar = _bar(min(len(kept), 3 * top), progress, "verifying")
     t0 = time.perf_counter()
@@ -234,7 +233,7 @@ def _verify(setup: _Setup, kept, refused, top, capacity, devices, progress, budg
             peak_dev, peak = max(trace.peak_memory.items(), key=lambda kv: kv[1])
             done = replace(row, status=Status.SIMULATED, step=trace.step_time,
                            tokens_per_s=_rate(setup.tokens, trace.step_time, devices),
-                           bubble=bubble_fraction(trace), peak=float(peak), plan=plan,
+                           bubble=trace.bubble_fraction(), peak=float(peak), plan=plan,
                            trace=trace)
             if peak > capacity:
                 refused.append(replace(done, status=Status.REFUSED, plan=None, trace=None, reason=(

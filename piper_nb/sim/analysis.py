@@ -29,8 +29,13 @@ def step_window(trace) -> tuple[float, float]:
 
 def busy_time(trace, device: int, stream: str = "compute") -> float:
     """Length of the union of `device`'s events on `stream`."""
-    spans = sorted((e.start, e.end) for e in trace.events
-                   if e.device == device and e.stream == stream)
+    return _union([(e.start, e.end) for e in trace.events
+                   if e.device == device and e.stream == stream])
+
+
+def _union(spans: list[tuple[float, float]]) -> float:
+    """Length of the union of the (start, end) `spans`."""
+    spans = sorted(spans)
     total, lo, hi = 0.0, None, None
     for s, e in spans:
         if hi is None or s > hi:
@@ -54,8 +59,14 @@ def bubble_fraction(trace, device: int | None = None) -> float:
         return 0.0
     if device is not None:
         return bubble(trace, device) / (t1 - t0)
-    devices = sorted({e.device for e in trace.events if e.stream == "compute"})
-    return sum(bubble(trace, d) for d in devices) / len(devices) / (t1 - t0) if devices else 0.0
+    spans: dict[int, list] = defaultdict(list)   # one pass over the events, not one a device
+    for e in trace.events:
+        if e.stream == "compute":
+            spans[e.device].append((e.start, e.end))
+    if not spans:
+        return 0.0
+    idle = sum((t1 - t0) - _union(spans[d]) for d in sorted(spans))
+    return idle / len(spans) / (t1 - t0)
 
 
 def peak_memory(trace) -> dict[int, int]:
