@@ -212,15 +212,25 @@ class CompactTrace(Trace):
     def _expand_events(self) -> tuple[Event, ...]:
         own, out = self._by_device(self._own.events), []
         for d, t in enumerate(self._rep):
-            if t == d:
-                out += own.get(d, ())
-                continue
-            dp = self._plan.devices[d]
-            instrs = dp.stamped() if hasattr(dp, "stamped") else dp.instrs
-            labels = [str(ins) for ins in instrs if ins.kind in _TIMED]
-            out += [Event(d, e.stream, e.node, e.kind, e.start, e.end, e.mb, e.region, label)
-                    for e, label in zip(own.get(t, ()), labels, strict=True)]
+            out += self._copy(d, own.get(t, ()))
         return tuple(out)
+
+    def _copy(self, d: int, template: list[Event]) -> list[Event]:
+        """Device `d`'s events: its template's, with its own device and labels."""
+        if self._rep[d] == d:
+            return list(template)
+        dp = self._plan.devices[d]
+        instrs = dp.stamped() if hasattr(dp, "stamped") else dp.instrs
+        labels = [str(ins) for ins in instrs if ins.kind in _TIMED]
+        return [Event(d, e.stream, e.node, e.kind, e.start, e.end, e.mb, e.region, label)
+                for e, label in zip(template, labels, strict=True)]
+
+    def events_of(self, device: int) -> tuple[Event, ...]:
+        """`device`'s events, in order, without expanding the other replicas."""
+        if self._events is not None or not 0 <= device < len(self._rep):
+            return super().events_of(device)
+        t = self._rep[device]
+        return tuple(self._copy(device, [e for e in self._own.events if e.device == t]))
 
     def _expand_memory(self) -> tuple[MemorySample, ...]:
         own, out = self._by_device(self._own.memory), []

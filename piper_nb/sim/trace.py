@@ -35,6 +35,11 @@ class Trace:
             return 0.0
         return max(e.end for e in self.events) - min(e.start for e in self.events)
 
+    def events_of(self, device: int) -> tuple[Event, ...]:
+        """`device`'s events, in the trace's order (a trace standing for replicas expands
+        that device alone)."""
+        return tuple(e for e in self.events if e.device == device)
+
     def to_json(self) -> str:
         return json.dumps({"source": self.source, "unit": self.unit, "meta": self.meta,
                            "events": [asdict(e) for e in self.events],
