@@ -235,10 +235,20 @@ class CompactTrace(Trace):
     def _expand_memory(self) -> tuple[MemorySample, ...]:
         own, out = self._by_device(self._own.memory), []
         for d, t in enumerate(self._rep):
-            out += own.get(d, ()) if t == d else [
-                MemorySample(d, m.time, m.params, m.grads, m.optim, m.activations, m.buffers)
-                for m in own.get(t, ())]
+            out += own.get(d, ()) if t == d else self._samples(d, own.get(t, ()))
         return tuple(out)
+
+    @staticmethod
+    def _samples(d: int, template) -> list[MemorySample]:
+        return [MemorySample(d, m.time, m.params, m.grads, m.optim, m.activations, m.buffers)
+                for m in template]
+
+    def memory_of(self, device: int) -> tuple[MemorySample, ...]:
+        """`device`'s memory samples, in order, without expanding the other replicas."""
+        if self._memory is not None or not 0 <= device < len(self._rep):
+            return super().memory_of(device)
+        t = self._rep[device]
+        return tuple(self._samples(device, [m for m in self._own.memory if m.device == t]))
 
     def __eq__(self, other) -> bool:
         if not isinstance(other, Trace):

@@ -40,6 +40,10 @@ class Trace:
         that device alone)."""
         return tuple(e for e in self.events if e.device == device)
 
+    def memory_of(self, device: int) -> tuple[MemorySample, ...]:
+        """`device`'s memory samples, in the trace's order (as `events_of`)."""
+        return tuple(m for m in self.memory if m.device == device)
+
     def to_json(self) -> str:
         return json.dumps({"source": self.source, "unit": self.unit, "meta": self.meta,
                            "events": [asdict(e) for e in self.events],

@@ -47,6 +47,7 @@ def unstamped(plan: Plan) -> Plan:
 def same_answers(fast, full) -> None:
     for d in full.devices:    # a device's own events, asked before the replicas expand
         assert fast.events_of(d) == full.events_of(d)
+        assert fast.memory_of(d) == full.memory_of(d)
     assert fast == full and full == fast
     assert fast.events == full.events and fast.memory == full.memory
     assert fast.step_time == full.step_time and fast.devices == full.devices
