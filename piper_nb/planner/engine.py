@@ -175,7 +175,7 @@ def _explore(setup: _Setup, candidates, ctx: Context, capacity: float, devices: 
                 refused.append(Candidate(k, Status.REFUSED, peak=floor, reason=(
                     f"memory bound: {floor / GIB:.1f} GiB > {capacity / GIB:.1f} GiB")))
                 continue
-            est = estimate(k, lay, ctx, limit=capacity * ESTIMATE_MARGIN)
+            est = estimate(k, lay, ctx)   # timed even when refused: the frontier draws it
             if est.peak > capacity * ESTIMATE_MARGIN:
                 refused.append(Candidate(k, Status.REFUSED, est.step, peak=est.peak, reason=(
                     f"memory estimate: {est.peak / GIB:.1f} GiB > {ESTIMATE_MARGIN} x "

@@ -23,7 +23,6 @@ estimate ranks and prunes; the candidates a search keeps are compiled and simula
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 from piper_nb.ir.kinds import Op
@@ -48,7 +47,7 @@ class Context:
 
 @dataclass(frozen=True)
 class Estimate:
-    step: float             # nan when the memory is over the limit (not timed)
+    step: float             # seconds (or the cost model's unit)
     bubble: float
     peak: float             # bytes, the rank that holds most
     stage_of: tuple[int, ...]
@@ -114,9 +113,9 @@ def bound(k: Knobs, lay: Layout) -> float:
                for st, mine in zip(lay.states, lay.on_rank, strict=True))
 
 
-def estimate(k: Knobs, lay: Layout, ctx: Context, limit: float = math.inf) -> Estimate:
-    """Candidate `k`'s step, bubble and peak from its `Layout`; a peak over `limit`
-    returns at once, untimed."""
+def estimate(k: Knobs, lay: Layout, ctx: Context) -> Estimate:
+    """Candidate `k`'s step, bubble and peak from its `Layout` (timed whatever the peak:
+    the search draws refused candidates too)."""
     units, stage_of, on_rank = lay.units, lay.stage_of, lay.on_rank
     n = len(units)
     f, b, w = [0.0] * k.stages, [0.0] * k.stages, [0.0] * k.stages
@@ -142,8 +141,6 @@ def estimate(k: Knobs, lay: Layout, ctx: Context, limit: float = math.inf) -> Es
         steps = steps_of(k.schedule, k.pp, k.microbatches)
         held = peaks(steps, act, extra, again)
     peak = max(st + h for st, h in zip(lay.states, held, strict=True))
-    if peak > limit:
-        return Estimate(math.nan, math.nan, peak, stage_of)
     if k.schedule is Schedule.NONE:
         step = (f[0] + b[0]) * k.microbatches
         busy = (step,)

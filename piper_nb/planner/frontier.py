@@ -6,7 +6,8 @@ candidate; `figure` draws them: one colour per schedule, simulated candidates fi
 estimated ones hollow, the Pareto frontier as a line through its points, the device's
 memory as a vertical line (in the title when it lies far beyond every point), and refused
 candidates that have a time (refused by the estimate's or the memory model's peak) in
-grey with their reason on hover. Walk, then draw: the values first, the figure last.
+grey with their reason on hover. The step axis frames the candidates that fit (refused
+ones far off it are a double-click away). Walk, then draw: values first, figure last.
 """
 
 from __future__ import annotations
@@ -34,7 +35,8 @@ _GREY = "#b0b0b0"
 
 
 def _timed(c: Candidate) -> bool:
-    return c.step is not None and c.peak is not None
+    return (c.step is not None and c.peak is not None and math.isfinite(c.step)
+            and math.isfinite(c.peak))
 
 
 def pareto(candidates) -> list[Candidate]:
@@ -87,7 +89,7 @@ def figure(result: SearchResult, *, unit: str = "s", height: int = 440):
         fig.add_trace(go.Scatter(
             x=[x(drawn[i]) for i in grey], y=[y(drawn[i]) for i in grey], mode="markers",
             name=f"refused ({shown} of {total})" if total > shown else "refused",
-            marker={"color": _GREY, "size": 6, "symbol": "x-thin-open", "line": {"width": 1}},
+            marker={"color": _GREY, "size": 7, "symbol": "x", "opacity": 0.7},
             customdata=grey, hovertext=[_hover(drawn[i], unit) for i in grey],
             hoverinfo="text"))
     for schedule in Schedule:
@@ -107,8 +109,13 @@ def figure(result: SearchResult, *, unit: str = "s", height: int = 440):
         fig.add_trace(go.Scatter(x=[x(c) for c in front], y=[y(c) for c in front],
                                  mode="lines", name="Pareto frontier", hoverinfo="skip",
                                  line={"color": "#333", "dash": "dot", "shape": "hv"}))
+    # the step axis frames the candidates that fit; refused ones far off it stay a
+    # double-click (autoscale) away rather than squash them
+    fitting = [y(c) for c in drawn if c.status is not Status.REFUSED] or [y(c) for c in drawn]
+    pad = max(0.1 * (max(fitting) - min(fitting)), 0.02 * max(fitting))
+    lo, hi = min(fitting) - pad, max(fitting) + pad
+    hidden = sum(not lo <= y(c) <= hi for c in drawn)
     if near:
-        lo, hi = min(y(c) for c in drawn), max(y(c) for c in drawn)
         fig.add_trace(go.Scatter(x=[cap / bdiv] * 2, y=[lo, hi], mode="lines",
                                  name=f"device memory {bytes_text(cap)}", hoverinfo="skip",
                                  line={"color": "#c00", "width": 1.5}))
@@ -116,9 +123,12 @@ def figure(result: SearchResult, *, unit: str = "s", height: int = 440):
         height=height, margin={"l": 60, "r": 10, "t": 40, "b": 50},
         title={"text": f"{len(drawn)} candidates: filled simulated, hollow estimated"
                        + (f"; a device holds {bytes_text(cap)}"
-                          if math.isfinite(cap) and not near else ""),
+                          if math.isfinite(cap) and not near else "")
+                       + (f"; {hidden} refused off the axis: double-click" if hidden
+                          else ""),
                "x": 0, "xanchor": "left", "font": {"size": 13}},
         xaxis_title=f"peak memory per device ({bname})", yaxis_title=f"step time ({tname})",
+        yaxis_range=[lo, hi],
         legend={"title": {"text": "schedule"}}, hovermode="closest",
         template="plotly_white")
     return fig

@@ -61,6 +61,7 @@ def test_frontier_figure_draws_every_point_once_with_its_index():
     estimated = [cand(1.5, 3 * 2**30, Status.ESTIMATED, pp=2, schedule=Schedule.ZB1P, m=2)]
     refused = [cand(0.5, (9 + i) * 2**30, Status.REFUSED) for i in range(REFUSED_SHOWN + 5)]
     refused.append(Candidate(knobs(), Status.REFUSED, reason="compile: no"))   # no time
+    refused.append(Candidate(knobs(), Status.REFUSED, math.nan, peak=2.0, reason="x"))
     result = SearchResult(ranked, estimated, refused, 4, 400, {"total": 1.0}, 8 * 2**30)
     drawn = points(result)
     assert drawn[:3] == ranked + estimated and len(drawn) == 3 + REFUSED_SHOWN
@@ -77,6 +78,9 @@ def test_frontier_figure_draws_every_point_once_with_its_index():
     assert list(zb.marker.symbol) == ["circle-open"]          # estimated: hollow
     assert "memory model: over" in next(t for t in fig.data if t.name.startswith("refused")).hovertext[0]
     assert fig.layout.xaxis.title.text == "peak memory per device (GiB)"
+    lo, hi = fig.layout.yaxis.range        # framing the fitting steps (1 to 2 s)
+    assert 0.5 < lo < 1.0 and 2.0 < hi < 2.5
+    assert fig.layout.title.text.endswith(f"{REFUSED_SHOWN} refused off the axis: double-click")
     # a device far larger than every point: its memory is said in the title, not drawn
     light = SearchResult(ranked, estimated, [], 4, 3, {"total": 1.0}, 80 * 2**30)
     fig = figure(light)
