@@ -126,7 +126,7 @@ def figure(result: SearchResult, *, unit: str = "s", height: int = 440):
                           if math.isfinite(cap) and not near else "")
                        + (f"; {hidden} refused off the axis: double-click" if hidden
                           else ""),
-               "x": 0, "xanchor": "left", "font": {"size": 13}},
+               "x": 0, "xref": "paper", "xanchor": "left", "font": {"size": 13}},
         xaxis_title=f"peak memory per device ({bname})", yaxis_title=f"step time ({tname})",
         yaxis_range=[lo, hi],
         legend={"title": {"text": "schedule"}}, hovermode="closest",
