@@ -3,7 +3,8 @@ of a model on a cluster and returns them ranked by predicted step time, each che
 runnable (`engine`). One concept a module: the knobs and their space (`knobs`), one
 compile per TP class (`probe`), the closed-form estimate (`estimate`) over a stage-level
 timing of the schedule's grid (`pipeline`), candidates as annotations and programs
-(`build`), and the ranked table (`result`).
+(`build`), a candidate's row (`candidate`), the ranked table over them (`result`), and
+their picture, step time against memory (`frontier`).
 """
 
 from piper_nb.planner.engine import search

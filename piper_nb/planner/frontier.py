@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import math
 
+from piper_nb.planner.candidate import Candidate, Status
 from piper_nb.planner.knobs import Schedule
-from piper_nb.planner.result import Candidate, SearchResult, Status
 from piper_nb.viz.units import bytes_scale, bytes_text, time_scale, time_text
 
 __all__ = ["pareto", "points", "figure", "REFUSED_SHOWN", "SCHEDULE_COLOURS"]
@@ -49,7 +49,7 @@ def pareto(candidates) -> list[Candidate]:
     return out
 
 
-def points(result: SearchResult) -> list[Candidate]:
+def points(result) -> list[Candidate]:
     """What the figure draws, in order: the ranked, the estimated, then the refused that
     have a time (at most `REFUSED_SHOWN`, lightest first)."""
     refused = sorted((c for c in result.refused if _timed(c)), key=lambda c: c.peak)
@@ -63,9 +63,9 @@ def _hover(c: Candidate, unit: str) -> str:
     return text + (f": {c.reason}" if c.reason else "")
 
 
-def figure(result: SearchResult, *, unit: str = "s", height: int = 440):
-    """Step time against peak memory for `result`'s candidates (see the module docstring);
-    each marker's `customdata` is its index in `points(result)`."""
+def figure(result, *, unit: str = "s", height: int = 440):
+    """Step time against peak memory for the candidates of `result` (a `SearchResult`;
+    see the module docstring); each marker's `customdata` is its index in `points(result)`."""
     import plotly.graph_objects as go
     drawn = points(result)
     fig = go.Figure()

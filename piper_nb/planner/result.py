@@ -10,55 +10,12 @@ Only simulated rows are ranked; `best` is the first of them.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
-from enum import StrEnum
+from dataclasses import dataclass
 
-from piper_nb.planner.knobs import Knobs
+from piper_nb.planner.candidate import GIB, Candidate, Status
 from piper_nb.viz.units import bytes_text, time_text
 
 __all__ = ["Status", "Candidate", "SearchResult", "COLUMNS", "html_table"]
-
-GIB = 2**30
-
-
-class Status(StrEnum):
-    """Where a candidate's figures come from, or that it was refused."""
-
-    SIMULATED = "simulated"
-    ESTIMATED = "estimated"
-    REFUSED = "refused"
-
-
-@dataclass(frozen=True)
-class Candidate:
-    """One candidate: its knobs, status and figures (`step` in seconds, `tokens_per_s` per
-    device, `bubble` the idle share of the step, `peak` in bytes on the device that holds
-    most), the reason it was refused, and the `annotation` (a `pn.annotate` mapping) and
-    `program` (a `pn.Program`) that build it; a simulated one keeps its `plan` and `trace`
-    (so it is not compiled again to be drawn or launched)."""
-
-    knobs: Knobs
-    status: Status
-    step: float | None = None            # seconds (or the cost model's unit)
-    tokens_per_s: float | None = None    # per device
-    bubble: float | None = None          # idle share of the step, averaged over devices
-    peak: float | None = None            # bytes, the device that holds most
-    reason: str = ""
-    annotation: dict = field(default_factory=dict, compare=False, repr=False)
-    program: object = field(default=None, compare=False, repr=False)   # pn.Program
-    plan: object = field(default=None, compare=False, repr=False)      # pn.Plan, simulated
-    trace: object = field(default=None, compare=False, repr=False)     # its Trace
-
-    def row(self, batch: int) -> dict:
-        k = self.knobs
-        return {"PP": k.pp, "TP": k.tp, "DP": k.dp, "ZeRO": k.zero,
-                "schedule": str(k.schedule), "micro": k.microbatches,
-                "mb size": batch // (k.dp * k.microbatches), "recompute": k.recompute,
-                "SP": "yes" if k.sp else "", "step s": self.step,
-                "tok/s/dev": self.tokens_per_s, "bubble": self.bubble,
-                "peak GiB": None if self.peak is None else self.peak / GIB,
-                "status": str(self.status), "reason": self.reason}
-
 
 # the table's columns (a row's dict has its status and reason besides)
 COLUMNS = ("PP", "TP", "DP", "ZeRO", "schedule", "micro", "mb size", "recompute", "SP",
