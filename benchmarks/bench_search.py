@@ -14,8 +14,12 @@ Cases (`--case`):
   trained (median step of 6 after 2 warm-up steps) against its prediction; Spearman's rho.
 - `published`: runs of `published.py` searched with no pins, and the published
   configuration priced under the same model (every knob pinned): best over published.
+- `verify`: the time to verify one candidate at scale: notebook 10's best plan of the 70B
+  on 128 H100s (PP 4 x TP 4 + SP x DP 8, ZeRO-3, DualPipeV, 32 microbatches of one 4096
+  sequence), every knob pinned: probe, explore and verify seconds, its step and peak.
 
-Run: .venv/bin/python benchmarks/bench_search.py [--case all|scale|accuracy|ranking|published]
+Run: .venv/bin/python benchmarks/bench_search.py
+[--case all|scale|accuracy|ranking|published|verify]
 """
 
 from __future__ import annotations
@@ -171,13 +175,27 @@ def published(keys=("megatron-1.7b", "megatron-3.6b")) -> list[dict]:
     return rows
 
 
+def verify() -> dict:
+    model, batch = llama(LLAMA3["70b"], 256, seq=4096)
+    pin = {"pp": 4, "tp": 4, "zero": 3, "schedule": "dualpipev", "microbatches": 32,
+           "recompute": 0, "sp": True}
+    memory = pn.MemorySettings(param_bytes=2, grad_bytes=2, optim_bytes=12)
+    r = pn.search(model, batch, 128, "H100", pin=pin, top=1, memory=memory, progress=False)
+    best = r.best
+    row = {"case": "verify one 70B candidate on 128 H100", "candidate": best.knobs.label(),
+           **{f"{k} s": round(v, 1) for k, v in r.seconds.items()},
+           "step s": round(best.step, 3), "peak GiB": round(best.peak / 2**30, 2)}
+    print(json.dumps(row, indent=1), flush=True)
+    return row
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--case", default="all",
-                    choices=["all", "scale", "accuracy", "ranking", "published"])
+                    choices=["all", "scale", "accuracy", "ranking", "published", "verify"])
     args = ap.parse_args()
     for name, fn in (("accuracy", accuracy), ("ranking", ranking), ("published", published),
-                     ("scale", scale)):
+                     ("scale", scale), ("verify", verify)):
         if args.case in ("all", name):
             fn()
 

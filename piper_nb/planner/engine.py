@@ -261,13 +261,10 @@ class _Report:
         self.progress, self.total, self.phase, self.done = progress, total, phase, 0
         progress(phase, 0, total)    # a stop is asked for between candidates, not here
 
-    def _call(self) -> None:
-        if self.progress(self.phase, self.done, self.total):
-            raise _Stop
-
     def update(self, n: int = 1) -> None:
         self.done += n
-        self._call()
+        if self.progress(self.phase, self.done, self.total):
+            raise _Stop
 
     def close(self) -> None:
         pass

@@ -29,7 +29,9 @@ from piper_nb.ui.search_panel import SearchPanel
 from piper_nb.ui.state import DesignerState, load_plan, schedule_row, set_microbatches
 from piper_nb.ui.views import ViewsPanel
 
-__all__ = ["Designer", "default_design"]
+__all__ = ["Designer", "default_design", "EDITOR_TABS"]
+
+EDITOR_TABS = ("Layers", "Directives", "JSON", "Python", "Search")
 
 
 def default_design(model, batch_size: int | None = None, stages: int = 2,
@@ -85,12 +87,12 @@ class Designer:
         self.views = ViewsPanel(self._option, self.launcher.widget, lazy=lazy_views)
         self.views.cost.value = cost
         self.message = W.HTML()
-        self.search = SearchPanel(lambda: self.state, self.load,
-                                  visible=lambda: self.editors.selected_index == 4)
+        self.search = SearchPanel(lambda: self.state, self.load, visible=lambda: (
+            self.editors.selected_index == EDITOR_TABS.index("Search")))
         editors = W.Tab(children=[self.layers.widget, self.directives.widget,
                                   self.directives.json_widget, self.directives.python_widget,
                                   self.search.widget])
-        editors.titles = ("Layers", "Directives", "JSON", "Python", "Search")
+        editors.titles = EDITOR_TABS
         editors.observe(lambda _: self.search.draw(), names=["selected_index"])
         self.editors = editors
         self.left = W.VBox([editors, self.message])

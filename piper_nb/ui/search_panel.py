@@ -4,18 +4,19 @@ and table, and a click that loads a candidate into the directive rows.
 The inputs are the device count, the GPU, the cost model, the precision, how many
 candidates to verify and the pins, written as `tp=2; schedule=1f1b,zb1p` (`parse_pins`;
 a bad pin is a PlanError shown in the tab before anything runs). *Search* runs the search
-on a background thread so the Designer stays responsive; the progress bar follows it
-through `pn.search(progress=callable)`, and *Stop* makes that callable ask the search to
-stop, which keeps the best so far. The result fills the frontier (`planner.frontier`: a
-plotly FigureWidget whose points are clicked), a table sortable by any column, either
-way, and a picker. A click on a point, or *Load* in the picker, hands the candidate to
-the Designer (`load`), which replaces the stage cut and the program in one edit, so the
-DAG, timeline, JSON and Python tabs follow as for any edit. A widget is made once and
-filled in place; the figure is drawn when the tab is shown.
+over a copy of the model on a background thread, so the Designer stays responsive; the
+progress bar follows it through `pn.search(progress=callable)`, and *Stop* makes that
+callable ask the search to stop, which keeps the best so far. The result fills the
+frontier (`planner.frontier`: a plotly FigureWidget whose points are clicked), a table
+sortable by any column, either way, and a picker. A click on a point, or *Load* in the
+picker, hands the candidate to the Designer (`load`), which replaces the stage cut and the
+program in one edit, so the DAG, timeline, JSON and Python tabs follow as for any edit.
+A widget is made once and filled in place; the figure is drawn when the tab is shown.
 """
 
 from __future__ import annotations
 
+import copy
 import html
 import threading
 from collections.abc import Callable
@@ -172,7 +173,11 @@ class SearchPanel:
         from piper_nb.planner import search
         state = self._state_of()
         try:
-            result = search(state.model, state.batch, self.devices.value, self.hardware.value,
+            # a copy: the Designer's refreshes trace its model on the kernel's thread while
+            # this one captures (fx patches Module.__call__ while it traces); the
+            # candidates name modules by path, so they load into the Designer's own
+            model = copy.deepcopy(state.model)
+            result = search(model, state.batch, self.devices.value, self.hardware.value,
                             pin=pins, precision=self.precision.value, cost=self.cost.value,
                             top=self.top.value, loss_fn=state.loss_fn,
                             progress=self._progress)

@@ -14,10 +14,11 @@ from piper_nb.planner.frontier import REFUSED_SHOWN, figure, pareto, points
 from piper_nb.planner.knobs import Knobs, Schedule
 from piper_nb.planner.result import Candidate, SearchResult, Status
 from piper_nb.ui import Designer
+from piper_nb.ui.designer import EDITOR_TABS
 from piper_nb.ui.search_panel import parse_pins, sort_rows
 from piper_nb.ui.state import program_json
 
-SEARCH_TAB = 4
+SEARCH_TAB = EDITOR_TABS.index("Search")
 
 
 def knobs(pp=1, schedule=Schedule.NONE, m=1) -> Knobs:
