@@ -5,7 +5,10 @@ allocated), one stage per layer: PP 64 x DP 256 with ZeRO-1, 1F1B over 128 micro
 in bf16 (`precision="bf16"`), simulated with `pn.CostModel.analytic(plan, "H100")`.
 `--cost uniform` simulates it with the Designer's default costs instead
 (`pn.CostModel.uniform()`: passes of 1 and 2 units, messages that take no time), and
-`--model mlp` plans `pn.models.MLP(dim=2048, depth=64)` (one linear per stage) instead.
+`--model mlp` plans `pn.models.MLP(dim=2048, depth=64)` (one linear per stage) instead,
+and `--model mlp-uneven` the same at dim 2000, whose 4,002,000 parameters a stage leave
+the last of 256 ZeRO shards short: replicas whose optimizer state differs, simulated once
+per class with each one's own state (`sim.replicas`: uneven ZeRO shards).
 Prints seconds per phase (compile without checks, the static checks, the analytic cost
 model, the simulation) and the process's peak RSS (`resource.getrusage`). Each size runs
 in its own process, so each row's peak is its own.
@@ -15,6 +18,7 @@ in its own process, so each row's peak is its own.
     .venv/bin/python benchmarks/bench_scale.py --sweep           # 8x32, 16x64, 32x128, 64x256
     .venv/bin/python benchmarks/bench_scale.py --pp 8 --dp 32 --profile out.prof
     .venv/bin/python benchmarks/bench_scale.py --model mlp --cost uniform
+    .venv/bin/python benchmarks/bench_scale.py --model mlp-uneven --cost uniform
 """
 
 from __future__ import annotations
@@ -46,11 +50,12 @@ def build(pp: int, dp: int, micro: int, zero: int = 1, layers: int = 64, model: 
     if layers % pp:
         raise SystemExit(f"--pp {pp} must divide the {layers} layers")
     per = layers // pp
-    if model == "mlp":
+    if model in ("mlp", "mlp-uneven"):
+        dim = 2000 if model == "mlp-uneven" else 2048
         with torch.device("meta"):
-            net = pn.models.MLP(dim=2048, depth=layers)
+            net = pn.models.MLP(dim=dim, depth=layers)
         spec = pn.annotate(net, {f"layers.{i}": {"PP": i // per} for i in range(layers)})
-        x = torch.zeros(micro * dp, 2048, device="meta")
+        x = torch.zeros(micro * dp, dim, device="meta")
         batch = (x, x)
     else:
         with torch.device("meta"):
@@ -85,7 +90,8 @@ def run(pp: int, dp: int, micro: int, zero: int = 1, cost: str = "analytic",
     t3 = time.perf_counter()
     trace = pn.simulate(plan, costs)
     t4 = time.perf_counter()
-    step, peak = trace.step_time, max(trace.peak_memory.values())
+    peaks = trace.peak_memory
+    step, peak = trace.step_time, max(peaks.values())
     t5 = time.perf_counter()
     cpu = resource.getrusage(resource.RUSAGE_SELF)
     return {"devices": plan.world, "pp": pp, "dp": dp, "micro": micro, "zero": zero,
@@ -94,7 +100,8 @@ def run(pp: int, dp: int, micro: int, zero: int = 1, cost: str = "analytic",
             "compile_s": t1 - t0, "check_s": t2 - t1, "cost_s": t3 - t2,
             "simulate_s": t4 - t3, "answers_s": t5 - t4, "total_s": t5 - t0,
             "rss_before_mb": base, "peak_rss_mb": _rss_mb(),
-            "step_s": step, "peak_gb": peak / 2**30}
+            "step_s": step, "peak_gb": peak / 2**30,
+            "peaks_differ": any(peaks[d] != peaks[t] for d, t in plan.stamps().items())}
 
 
 def _row(r: dict) -> str:
@@ -113,8 +120,9 @@ def main() -> None:
     ap.add_argument("--zero", type=int, default=1)
     ap.add_argument("--cost", choices=("analytic", "uniform"), default="analytic",
                     help="analytic H100 costs, or the uniform model (messages take no time)")
-    ap.add_argument("--model", choices=("gpt", "mlp"), default="gpt",
-                    help="the GPT-like model of 64 blocks, or an MLP of 64 linears")
+    ap.add_argument("--model", choices=("gpt", "mlp", "mlp-uneven"), default="gpt",
+                    help="the GPT-like model of 64 blocks, or an MLP of 64 linears (dim "
+                         "2048, or 2000: uneven ZeRO shards)")
     ap.add_argument("--sweep", action="store_true", help="8x32, 16x64, 32x128, 64x256")
     ap.add_argument("--profile", metavar="FILE", help="write cProfile stats of one run")
     ap.add_argument("--json", action="store_true", help="print one JSON row (used by --sweep)")
@@ -142,6 +150,10 @@ def main() -> None:
             print(json.dumps(r))
         else:
             print(_row(r), flush=True)
+            how = "one replica per class" if r["compact"] else "every device"
+            peaks = ("some replicas peak apart from their template" if r["peaks_differ"]
+                     else "every replica peaks as its template")
+            print(f"  ({how} simulated; {peaks})", flush=True)
 
 
 if __name__ == "__main__":

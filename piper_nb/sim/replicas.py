@@ -12,12 +12,9 @@ templates only and `CompactTrace` stands for the rest. Symmetric means (`replica
 - a message between replicas costs what the templates' costs (`CostModel.link_time` of the
   two pairs); passes cost what their region and kind say, and a collective's group is
   one node's device list, the same on every member, the template being one of them;
-- bucket groups hold a replica exactly when they hold its template, and a replica's ZeRO
-  shards keep the optimizer state its template's do (it is counted per piece: a shard is
-  cut where the parameter group changes, and the last one is short by its padding);
-  no routed rows (expert plans size buffers per device), no host model (per-device
-  overheads, shared cores) and no per-communicator allowance (it counts each device's own
-  peers);
+- bucket groups hold a replica exactly when they hold its template; no routed rows
+  (expert plans size buffers per device), no host model (per-device overheads, shared
+  cores) and no per-communicator allowance (it counts each device's own peers);
 - every message takes some time (positive latency, or `comm` > 0), or none does (`comm`
   = 0, the uniform model's default).
 
@@ -48,6 +45,15 @@ every member posts at its template's time), so the templates alone give the same
 
 The Trace stands for the replicas (`CompactTrace`): its events and samples are the
 templates', expanded to every device only when `events` or `memory` is read.
+
+Uneven ZeRO shards. A replica's shards may keep other optimizer state than its template's:
+the last shard of a bucket is short by its padding, and a shard is cut into pieces where
+the parameter group changes (each piece its own state, with its scalar step). An update
+costs what its region says whatever its shard, and every buffer a shard moves is padded to
+the same size, so the replica's times are still its template's; its memory differs in the
+optimizer state alone, by bytes that change only at its updates (`state_offsets`). The
+Trace adds them to the template's samples, so a class of replicas whose shards differ in
+size is simulated once.
 """
 
 from __future__ import annotations
@@ -58,9 +64,9 @@ from piper_nb.ir.kinds import COMM, COMPUTE, Op
 from piper_nb.sim.analysis import over_capacity, peak_memory, step_window
 from piper_nb.sim.memory_settings import DEFAULT_SETTINGS
 from piper_nb.sim.trace import Event, MemorySample, Trace
-from piper_nb.sim.update_state import shard_states
+from piper_nb.sim.update_state import state_levels, update_state
 
-__all__ = ["replica_runs", "CompactTrace"]
+__all__ = ["replica_runs", "state_offsets", "CompactTrace"]
 
 _TIMED = COMPUTE | COMM
 
@@ -100,18 +106,49 @@ def _crossing(cost):
     return lambda a, b: a // size != b // size
 
 
-def _same_shards(plan, rep: list[int], settings) -> bool:
-    """Whether every replica's ZeRO shards keep the optimizer state its template's do,
-    bucket by bucket in order (`update_state.shard_states`: per piece, the pieces cut where
-    the parameter group changes, the last shard short by its padding)."""
+Offsets = dict[int, tuple[tuple[int, float], ...]]
+
+
+def _levels(plan, updates, d: int, held: dict, settings) -> list[float]:
+    """Device `d`'s bytes of optimizer state before its first instruction and after each
+    of `updates` (its template's U instructions, which it runs as its own)."""
+    start, after = state_levels([update_state(plan, ins, d, held.get(d, {}), settings)
+                                 for _, ins in updates], settings.first_step)
+    return [start, *after]
+
+
+def state_offsets(plan, settings=None) -> Offsets:
+    """Per replica whose ZeRO shards keep other optimizer state than its template's: the
+    bytes of state it holds beyond the template's, as (instruction index, bytes from that
+    instruction's sample on) steps in order (see "Uneven ZeRO shards" above); replicas
+    that keep what their template keeps are left out."""
     settings = settings if settings is not None else DEFAULT_SETTINGS
-    kept: dict[int, list] = {}   # device -> per bucket it holds, its pieces' state bytes
-    for b in plan.buckets:
-        if b.zero == 0:
+    sharded = [b for b in plan.buckets if b.zero > 0]
+    if not sharded:
+        return {}
+    held: dict[int, dict] = {}   # device -> its ZeRO buckets by index
+    for b in sharded:
+        for d in b.group:
+            held.setdefault(d, {})[b.index] = b
+    copies: dict[int, list[int]] = {}
+    for d, t in plan.stamps().items():
+        copies.setdefault(t, []).append(d)
+    out: Offsets = {}
+    for t, replicas in copies.items():
+        updates = [(i, ins) for i, ins in enumerate(plan.devices[t].instrs) if ins.kind == Op.U]
+        if not any(ins.data.buckets for _, ins in updates):
             continue
-        for k, d in enumerate(b.group):
-            kept.setdefault(d, []).append([n for _, n in shard_states(plan, b, k, settings)])
-    return all(kept.get(d) == kept.get(t) for d, t in enumerate(rep) if t != d)
+        mine, at = _levels(plan, updates, t, held, settings), [0] + [i for i, _ in updates]
+        for d in replicas:
+            steps, last = [], 0.0
+            for i, theirs, own in zip(at, _levels(plan, updates, d, held, settings), mine,
+                                      strict=True):
+                if theirs - own != last:
+                    last = theirs - own
+                    steps.append((i, last))
+            if steps:
+                out[d] = tuple(steps)
+    return out
 
 
 def _mirrors(dag, rep: list[int], cost) -> bool:
@@ -167,7 +204,7 @@ def replica_runs(plan, cost, settings=None) -> list[bool] | None:
                 any(not held.issuperset(c for c in copies.get(d, ()) if same_rank(d, c))
                     for d in group if rep[d] == d):
             return None
-    if not _mirrors(dag, rep, cost) or not _same_shards(plan, rep, settings):
+    if not _mirrors(dag, rep, cost):
         return None
     return [d not in stamps for d in range(plan.world)]
 
@@ -177,15 +214,18 @@ class CompactTrace(Trace):
     (one template per class of replicas) and stands for the replicas: `events` and
     `memory` expand them on first use (each replica's copy of its template's, with its own
     device and labels), in the order the full simulation gives; the step time, peaks,
-    bubbles, fits and stashes answer from the templates without expanding. Equal to the
-    Trace the full simulation returns."""
+    bubbles, fits and stashes answer from the templates without expanding. A replica
+    whose shards keep other optimizer state has its template's samples with `offsets`
+    (`state_offsets`) added. Equal to the Trace the full simulation returns."""
 
     def __init__(self, plan, events: tuple[Event, ...], memory: tuple[MemorySample, ...],
-                 source: str = "simulated", unit: str = "s", meta: dict | None = None):
+                 source: str = "simulated", unit: str = "s", meta: dict | None = None,
+                 offsets: Offsets | None = None):
         stamps = plan.stamps()
         fields = {"source": source, "unit": unit, "meta": meta or {}, "_plan": plan,
                   "_rep": [stamps.get(d, d) for d in range(plan.world)],
                   "_own": Trace(events, memory, source, unit, meta or {}),
+                  "_offsets": offsets or {}, "_peaks": {},
                   "_events": None, "_memory": None}
         for k, v in fields.items():
             object.__setattr__(self, k, v)
@@ -238,10 +278,19 @@ class CompactTrace(Trace):
             out += own.get(d, ()) if t == d else self._samples(d, own.get(t, ()))
         return tuple(out)
 
-    @staticmethod
-    def _samples(d: int, template) -> list[MemorySample]:
-        return [MemorySample(d, m.time, m.params, m.grads, m.optim, m.activations, m.buffers)
-                for m in template]
+    def _samples(self, d: int, template) -> list[MemorySample]:
+        """Device `d`'s samples: its template's, with its own optimizer state."""
+        steps, out = self._offsets.get(d, ()), []
+        j, extra = 0, 0.0
+        for k, m in enumerate(template):
+            while j < len(steps) and steps[j][0] <= k:
+                extra = steps[j][1]
+                j += 1
+            out.append(MemorySample(d, m.time, m.params, m.grads, m.optim + extra,
+                                    m.activations, m.buffers) if extra else
+                       MemorySample(d, m.time, m.params, m.grads, m.optim, m.activations,
+                                    m.buffers))
+        return out
 
     def memory_of(self, device: int) -> tuple[MemorySample, ...]:
         """`device`'s memory samples, in order, without expanding the other replicas."""
@@ -291,21 +340,44 @@ class CompactTrace(Trace):
         return (sum(per[self._rep[d]] for d in devices) / len(devices) / (t1 - t0)
                 if devices else 0.0)
 
+    def _peak(self, d: int) -> MemorySample | None:
+        """Device `d`'s first sample at its peak (None: no samples), one per template and
+        state offsets."""
+        t = self._rep[d]
+        key = (t, self._offsets.get(d, ()))
+        if key not in self._peaks:
+            if not self._peaks:   # the templates' own, in one pass
+                for m in self._own.memory:
+                    at = (m.device, ())
+                    if at not in self._peaks or m.total > self._peaks[at].total:
+                        self._peaks[at] = m
+            if key not in self._peaks:
+                template = [m for m in self._own.memory if m.device == t]
+                self._peaks[key] = max(self._samples(d, template), key=lambda m: m.total,
+                                       default=None)
+        return self._peaks.get(key)
+
+    def _peaks_of(self) -> list[MemorySample]:
+        """Each device's first sample at its peak, as its own, in device order."""
+        out = []
+        for d in range(len(self._rep)):
+            m = self._peak(d)
+            if m is not None:
+                out.append(m if m.device == d else
+                           MemorySample(d, m.time, m.params, m.grads, m.optim,
+                                        m.activations, m.buffers))
+        return out
+
     @property
     def peak_memory(self) -> dict[int, int]:
-        peaks = peak_memory(self._own)
-        return {d: peaks[self._rep[d]] for d in self._present(self._own.memory)}
+        if not self._offsets:
+            peaks = peak_memory(self._own)
+            return {d: peaks[self._rep[d]] for d in self._present(self._own.memory)}
+        return {m.device: max(m.total, 0) for m in self._peaks_of()}
 
     def over_capacity(self, capacity: float | None = None) -> list[str]:
-        first: dict[int, MemorySample] = {}   # per template: its first sample at its peak
-        for m in self._own.memory:
-            if m.device not in first or m.total > first[m.device].total:
-                first[m.device] = m
-        peaks = [MemorySample(d, *(getattr(first[t], k) for k in
-                                   ("time", "params", "grads", "optim", "activations",
-                                    "buffers")))
-                 for d, t in enumerate(self._rep) if t in first]
-        return over_capacity(SimpleNamespace(meta=self.meta, memory=peaks), capacity)
+        return over_capacity(SimpleNamespace(meta=self.meta, memory=self._peaks_of()),
+                             capacity)
 
     def live_stashes(self, device: int) -> int:
         from piper_nb.sim.analysis import live_stashes

@@ -51,7 +51,7 @@ from piper_nb.sim.contention import contended
 from piper_nb.sim.core_sharing import jittered, shared_cores
 from piper_nb.sim.cost import CostModel
 from piper_nb.sim.host_model import NO_HOST
-from piper_nb.sim.replicas import CompactTrace, replica_runs
+from piper_nb.sim.replicas import CompactTrace, replica_runs, state_offsets
 from piper_nb.sim.trace import Event, Trace
 
 __all__ = ["simulate", "Timing", "run_timing", "overlap_steps"]
@@ -340,5 +340,6 @@ def simulate(plan: Plan, cost_model: CostModel | None, *, memory=None) -> Trace:
     if math.isfinite(cost.meta.get("memory_capacity", math.inf)):
         meta["memory_capacity"] = cost.meta["memory_capacity"]   # bytes per device
     if runs is not None:   # the replicas' events and samples are their templates'
-        return CompactTrace(plan, tuple(events), tuple(samples), "simulated", cost.unit, meta)
+        return CompactTrace(plan, tuple(events), tuple(samples), "simulated", cost.unit, meta,
+                            offsets=state_offsets(plan, memory))
     return Trace(tuple(events), tuple(samples), "simulated", cost.unit, meta)

@@ -14,7 +14,7 @@ from piper_nb.ir.kinds import Op
 from piper_nb.optim import shard_pieces
 from piper_nb.sim.memory_settings import MemorySettings
 
-__all__ = ["update_states", "shard_states"]
+__all__ = ["update_states", "update_state", "shard_states", "state_levels"]
 
 
 def _state_fn(plan, settings: MemorySettings):
@@ -39,18 +39,34 @@ def shard_states(plan, bucket, position: int, settings: MemorySettings
 def update_states(plan, instrs, d: int, buckets: dict, settings: MemorySettings
                   ) -> dict[int, dict]:
     """U index -> {key: bytes of state}, for device `d` holding `buckets` (index -> Bucket)."""
+    return {i: update_state(plan, ins, d, buckets, settings)
+            for i, ins in enumerate(instrs) if ins.kind == Op.U}
+
+
+def update_state(plan, ins, d: int, buckets: dict, settings: MemorySettings) -> dict:
+    """{key: bytes of state} that the update `ins` leaves on device `d` (see above)."""
     state = _state_fn(plan, settings)
-    out: dict[int, dict] = {}
-    for i, ins in enumerate(instrs):
-        if ins.kind != Op.U:
+    st = {n: state(plan.params[n][0], plan.params[n][1], settings.group_of(n))
+          for n in ins.data.params if n in plan.params}
+    for b in ins.data.buckets:
+        if b not in buckets:
             continue
-        st = {n: state(plan.params[n][0], plan.params[n][1], settings.group_of(n))
-              for n in ins.data.params if n in plan.params}
-        for b in ins.data.buckets:
-            if b not in buckets:
-                continue
-            bk = buckets[b]
-            for name, nbytes in shard_states(plan, bk, bk.group.index(d), settings):
-                st[("bucket", b, name)] = nbytes
-        out[i] = st
-    return out
+        bk = buckets[b]
+        for name, nbytes in shard_states(plan, bk, bk.group.index(d), settings):
+            st[("bucket", b, name)] = nbytes
+    return st
+
+
+def state_levels(states: list[dict], first_step: bool) -> tuple[float, list[float]]:
+    """The bytes of optimizer state held before a device's first instruction, and after
+    each of its updates (`states`, in order: what each leaves, as `update_state` says): a
+    steady-state step holds all of it throughout, a first step from each update on."""
+    held = {} if first_step else {k: v for st in states for k, v in st.items()}
+    level, after = sum(held.values()), []
+    start = level
+    for st in states:
+        for key, nbytes in st.items():
+            level += nbytes - held.get(key, 0)
+            held[key] = nbytes
+        after.append(level)
+    return start, after

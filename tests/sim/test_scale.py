@@ -12,11 +12,12 @@ import pytest
 import piper_nb as pn
 from piper_nb.compiler.checks import check_plan
 from piper_nb.errors import PlanError
+from piper_nb.ir.kinds import Op
 from piper_nb.optim import check_optimizer
 from piper_nb.plan.plan import DevicePlan, Plan, StampedDevicePlan
 from piper_nb.sim import MemorySettings
 from piper_nb.sim.cost import CostModel
-from piper_nb.sim.replicas import CompactTrace, replica_runs
+from piper_nb.sim.replicas import CompactTrace, replica_runs, state_offsets
 
 NODES = dict(latency=1.0, bandwidth=1e3, inter_latency=4.0, inter_bandwidth=1e2, node_size=2,
              passes={(-1, "F"): 3.0, (-1, "B"): 5.0, (-1, "BI"): 3.0, (-1, "BW"): 2.0,
@@ -64,8 +65,9 @@ def same_answers(fast, full) -> None:
     assert fast.to_json() == full.to_json()
 
 
-def simulate_both(plan: Plan, cost: CostModel, compact: bool = True):
-    fast, full = pn.simulate(plan, cost), pn.simulate(unstamped(plan), cost)
+def simulate_both(plan: Plan, cost: CostModel, compact: bool = True, memory=None):
+    fast = pn.simulate(plan, cost, memory=memory)
+    full = pn.simulate(unstamped(plan), cost, memory=memory)
     assert isinstance(fast, CompactTrace) is compact
     assert type(full) is pn.Trace
     same_answers(fast, full)
@@ -114,25 +116,30 @@ def test_some_free_and_some_timed_messages_fall_back_to_every_device():
     simulate_both(plan, mixed, compact=False)
 
 
-def test_replicas_whose_shards_keep_other_state_fall_back():
+@pytest.mark.parametrize("first_step", [False, True])
+def test_replicas_whose_shards_keep_other_state_are_simulated_once(first_step):
     # 72 parameters per stage over 5 replicas: shards of 15, the last of 12 (padding), so
-    # the last replica keeps less of Adam's state than its template
+    # the last replica keeps less of Adam's state than its template: same times, its own
+    # memory (from the start of a steady step, from the update on in a first one)
     plan = compile_pp_dp(2, 5, micro=2)
-    cost, adam = CostModel.analytic(plan, "H100"), MemorySettings(optimizer=pn.optim.AdamW(1e-3))
-    assert replica_runs(plan, cost, adam) is None
-    fast, full = pn.simulate(plan, cost, memory=adam), pn.simulate(unstamped(plan), cost,
-                                                                    memory=adam)
-    assert type(fast) is pn.Trace
-    same_answers(fast, full)
-    assert full.peak_memory[8] < full.peak_memory[0]   # stage 0: the short shard, its template
-    # SGD keeps no state: the replicas are alike again
-    assert sum(replica_runs(plan, cost)) == 2
-    simulate_both(plan, cost)
-    # parameter groups cut one shard where another is whole
+    cost = CostModel.analytic(plan, "H100")
+    adam = MemorySettings(optimizer=pn.optim.AdamW(1e-3), first_step=first_step)
+    assert sum(replica_runs(plan, cost, adam)) == 2
+    offsets = state_offsets(plan, adam)
+    assert set(offsets) == {8, 9}   # stage 0's and stage 1's last replica
+    assert all(extra < 0 for steps in offsets.values() for _, extra in steps)
+    assert [i for i, _ in offsets[8]] == ([plan[0].instrs.index(next(
+        ins for ins in plan[0].instrs if ins.kind == Op.U))] if first_step else [0])
+    fast = simulate_both(plan, cost, memory=adam)
+    assert fast.peak_memory[8] < fast.peak_memory[0]   # stage 0: the short shard, its template
+    assert fast.over_capacity(fast.peak_memory[8] + 1)[0].startswith("device 0 ")
+    # parameter groups cut one shard where another is whole: one more piece, one more step
     even = compile_pp_dp(2, 4, micro=2)
     spec = check_optimizer(pn.optim.AdamW(1e-3), param_groups=[{"params": "*.bias"}])
-    assert replica_runs(even, cost, MemorySettings(optimizer=pn.optim.AdamW(1e-3))) is not None
-    assert replica_runs(even, cost, MemorySettings(optimizer=spec)) is None
+    assert state_offsets(even, MemorySettings(optimizer=pn.optim.AdamW(1e-3))) == {}
+    grouped = MemorySettings(optimizer=spec, first_step=first_step)
+    assert state_offsets(even, grouped) and sum(replica_runs(even, cost, grouped)) == 2
+    simulate_both(even, cost, memory=grouped)
 
 
 def test_replicas_whose_peers_are_crossed_fall_back():
