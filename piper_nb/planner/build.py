@@ -6,7 +6,9 @@ group is consecutive devices, inside one node). Stages are cut over the pipeline
 (`pn.cut_stages`' units: embedding, layers, head) so the largest stage's forward and
 backward time is smallest, which leaves the first and last stages fewer layers where the
 embedding and the head weigh. A stage is recomputed when its rank is among the first
-`recompute` ranks; its layers (the units between the first and the last) are.
+`recompute` ranks; its layers (the units between the first and the last) are. Float8
+(`pn.float8`) rewrites the layers' linears, not the embedding's or the head's (torchtitan's
+`filter_fqns` leaves the output projection in bf16).
 """
 
 from __future__ import annotations
@@ -50,6 +52,7 @@ def program(k: Knobs, stage_of: list[int]) -> list:
     """The directives of candidate `k` whose units run on stages `stage_of` (see the module
     docstring)."""
     from piper_nb import schedules
+    from piper_nb.directives.float8 import float8
     from piper_nb.directives.spec import place, recompute, replicate, split
     from piper_nb.tp import tensor_parallel
     lead = lambda r, rep: (rep * k.pp + r) * k.tp   # noqa: E731 - rank r's first device
@@ -71,6 +74,8 @@ def program(k: Knobs, stage_of: list[int]) -> list:
             Schedule.INTERLEAVED: lambda: schedules.interleaved_1f1b(pp, m, chunks=2),
             Schedule.ZB1P: lambda: schedules.zero_bubble(pp, m),
             Schedule.DUALPIPEV: lambda: schedules.dualpipev(pp, m)}[k.schedule]()
+    if k.float8:
+        out.append(float8({"AC": 1}))
     layered = {s for i, s in enumerate(stage_of) if is_layer(i, len(stage_of))}
     out += [recompute({"PP": s, "AC": 1}) for s in range(k.stages)
             if k.rank_of(s) < k.recompute and s in layered]

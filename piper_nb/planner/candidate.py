@@ -48,7 +48,8 @@ class Candidate:
         return {"PP": k.pp, "TP": k.tp, "DP": k.dp, "ZeRO": k.zero,
                 "schedule": str(k.schedule), "micro": k.microbatches,
                 "mb size": batch // (k.dp * k.microbatches), "recompute": k.recompute,
-                "SP": "yes" if k.sp else "", "step s": self.step,
+                "SP": "yes" if k.sp else "", "Float8": "yes" if k.float8 else "",
+                "step s": self.step,
                 "tok/s/dev": self.tokens_per_s, "bubble": self.bubble,
                 "peak GiB": None if self.peak is None else self.peak / GIB,
                 "status": str(self.status), "reason": self.reason}

@@ -3,8 +3,8 @@
 The loop (see `search`):
 
 1. The space (`planner.knobs.space`): PP x TP x DP = devices, ZeRO, schedule, microbatches,
-   recompute, SP, less what the user pins. An empty space is a PlanError that says which
-   rule emptied it.
+   recompute, SP, Float8 (analytic costs on a GPU with FP8), less what the user pins. An
+   empty space is a PlanError that says which rule emptied it.
 2. Explore: each candidate is bounded (model states and one microbatch's stash; over the
    capacity: refused), then estimated from its TP class's probe (`planner.probe`, one
    compile per class), and refused when the estimated peak is over the capacity.
@@ -29,7 +29,7 @@ from piper_nb.capture.batch import Batch
 from piper_nb.compiler.compile import compile
 from piper_nb.directives.spec import Program
 from piper_nb.errors import PlanError
-from piper_nb.planner.build import annotation, program, token_count
+from piper_nb.planner.build import annotation, is_layer, program, token_count
 from piper_nb.planner.estimate import Context, bound, estimate, layout
 from piper_nb.planner.knobs import Knobs, check_pins, space
 from piper_nb.planner.probe import UNIT_TAG, probe
@@ -108,8 +108,13 @@ def search(model, batch, devices: int, hardware="H100", *, topology=None, pin=No
                                      if next(model.get_submodule(u).parameters(), None)
                                      is not None] or pipeline_units(model), batch)
     pins = check_pins(pin)
+    if True in pins.get("float8", ()) and cost == "analytic" and not spec.fp8_flops:
+        raise PlanError(f"pn.search: pin float8=True needs FP8 matmuls, which the "
+                        f"{spec.name} has none of; search on a GPU with them (H100, H200) "
+                        "or drop the pin")
     candidates = list(space(devices, samples, len(units), gpus_per_node=topo.gpus_per_node,
-                            pins=pins))
+                            pins=pins, float8=bool(spec.fp8_flops) and cost == "analytic"
+                            and precision == "bf16"))
     if not candidates:
         raise PlanError(_empty(devices, samples, len(units), topo.gpus_per_node, pin))
     setup = _Setup(model, batch, token_count(batch), units, spec, topo, precision, settings,
@@ -147,20 +152,23 @@ def _explore(setup: _Setup, candidates, ctx: Context, capacity: float, devices: 
     """Bound and estimate every candidate, probing each TP class once; the kept (row, stage
     cut) pairs, the refused rows, and whether the user interrupted."""
     probes: dict = {}
-    unit_spec = annotate(setup.model, {u: {UNIT_TAG: i} for i, u in enumerate(setup.units)})
+    n = len(setup.units)
+    unit_spec = annotate(setup.model, {u: {UNIT_TAG: i, **({"AC": 1} if is_layer(i, n) else {})}
+                                       for i, u in enumerate(setup.units)})
     sizes = _probe_sizes(candidates, ctx.batch)
     kept, refused, interrupted = [], [], False
     bar = _bar(len(candidates), progress, "exploring")
     try:
         for k in candidates:
             bar.update(1)
-            p = probes.get((k.tp, k.sp))
+            p = probes.get((k.tp, k.sp, k.float8))
             if p is None:
-                p = probes[(k.tp, k.sp)] = probe(
+                p = probes[(k.tp, k.sp, k.float8)] = probe(
                     unit_spec, setup.units, setup.batch, sizes[k.tp], k.tp, k.sp, setup.price,
-                    precision=setup.precision, loss_fn=setup.loss_fn, capture=setup.capture)
+                    precision=setup.precision, loss_fn=setup.loss_fn, capture=setup.capture,
+                    float8=k.float8)
                 seconds["probe"] += p.seconds
-                if p.error is not None and k.tp == 1:   # no TP: the model and batch themselves
+                if p.error is not None and k.tp == 1 and not k.float8:   # the model itself
                     raise PlanError(f"pn.search: the model does not compile on this batch "
                                     f"(one device, {p.rows[0]} samples): {p.error}; check "
                                     "that the batch is what the model's forward and loss take")

@@ -6,7 +6,10 @@ A candidate is PP x TP x DP = the device count (TP innermost and inside one node
 then DP, Megatron's numbering), a ZeRO level (DP > 1), a schedule (none without PP; GPipe,
 1F1B, interleaved 1F1B with two stages a rank, ZB1P, DualPipeV with PP), a microbatch count
 dividing each replica's share of the batch, how many leading pipeline ranks recompute their
-layers (`recompute`: 0 none, PP all), and Megatron's sequence parallelism under TP.
+layers (`recompute`: 0 none, PP all), Megatron's sequence parallelism under TP, and Float8
+matmuls in the layers (`pn.float8`, torchao's tensorwise scaling) where the GPU has FP8
+tensor cores, without TP (Float8 under TP prices but does not train: its scales would be
+per shard).
 """
 
 from __future__ import annotations
@@ -48,6 +51,7 @@ class Knobs:
     microbatches: int
     recompute: int          # leading pipeline ranks that recompute their layers (0..pp)
     sp: bool                # Megatron's sequence parallelism (TP > 1)
+    float8: bool = False    # the layers' linears multiply in Float8 (`pn.float8`), TP 1
 
     @property
     def stages(self) -> int:
@@ -65,6 +69,8 @@ class Knobs:
             parts.append(f"rc{self.recompute}")
         if self.sp:
             parts.append("sp")
+        if self.float8:
+            parts.append("f8")
         return " ".join(parts)
 
     def as_dict(self) -> dict:
@@ -78,7 +84,7 @@ def stage_rank(schedule: Schedule, pp: int, stage: int) -> int:
     return stage % pp
 
 
-KNOBS = ("pp", "tp", "dp", "zero", "schedule", "microbatches", "recompute", "sp")
+KNOBS = ("pp", "tp", "dp", "zero", "schedule", "microbatches", "recompute", "sp", "float8")
 
 
 def divisors(n: int) -> list[int]:
@@ -98,7 +104,9 @@ def check_pins(pin: Mapping | None) -> dict:
             except ValueError:
                 raise PlanError(f"pn.search: pin schedule={v!r} is not a schedule; use one of "
                                 f"{', '.join(s.value for s in Schedule)}") from None
-        elif k == "sp":
+        elif k in ("sp", "float8"):
+            if any(not isinstance(s, (bool, int)) for s in values):
+                raise PlanError(f"pn.search: pin {k}={v!r} must be True or False (or both)")
             values = [bool(s) for s in values]
         elif k == "recompute" and all(isinstance(s, (bool, str)) for s in values):
             words = {True: "all", False: 0, "all": "all", "full": "all", "none": 0}
@@ -114,10 +122,11 @@ def check_pins(pin: Mapping | None) -> dict:
 
 
 def space(devices: int, batch_size: int, stages_max: int, *, gpus_per_node: int,
-          pins: Mapping[str, set] | None = None) -> Iterator[Knobs]:
+          pins: Mapping[str, set] | None = None, float8: bool = False) -> Iterator[Knobs]:
     """Every candidate for `devices` devices and a batch of `batch_size` sequences (samples):
     a model of `stages_max` pipeline units can hold at most that many stages; TP at most
-    `gpus_per_node` (one node), dividing the node."""
+    `gpus_per_node` (one node), dividing the node; Float8 tried without TP when `float8`
+    (the GPU has FP8) or when pinned."""
     pins = pins or {}
     ok = lambda k, v: k not in pins or v in pins[k]   # noqa: E731
     node = min(gpus_per_node, devices)
@@ -142,8 +151,13 @@ def space(devices: int, batch_size: int, stages_max: int, *, gpus_per_node: int,
                             if not (ok("recompute", rc) or (rc == pp and ok("recompute", "all"))):
                                 continue
                             for sp in ((False, True) if tp > 1 else (False,)):
-                                if ok("sp", sp):
-                                    yield Knobs(pp, tp, dp, zero, schedule, m, rc, sp)
+                                if not ok("sp", sp):
+                                    continue
+                                for f8 in (False, True) if tp == 1 else (False,):
+                                    if ok("float8", f8) and (float8 or not f8
+                                                             or "float8" in pins):
+                                        yield Knobs(pp, tp, dp, zero, schedule, m, rc, sp,
+                                                    f8)
 
 
 def _schedules(pp: int) -> tuple[Schedule, ...]:

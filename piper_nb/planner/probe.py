@@ -1,7 +1,7 @@
 """What one compile of each TP class tells a search about the model's pipeline units.
 
 A search prices thousands of candidates without compiling them. It compiles the model once
-per (TP degree, sequence parallelism) class instead, on one device (and its TP group), on
+per (TP degree, sequence parallelism, Float8) class instead, on one device (and its TP group), on
 `rows` samples of the batch, one region per pipeline unit (`pn.cut_stages`' units: the
 embedding, each layer, the head), and simulates that plan with the cost model the search
 uses. Per unit it keeps (`UnitCost`): the forward and backward times with the unit's TP
@@ -60,6 +60,7 @@ class Probe:
     links: object = field(default=None, compare=False, repr=False)   # its CostModel
     _at: dict = field(default_factory=dict, compare=False, repr=False)
     _cuts: dict = field(default_factory=dict, compare=False, repr=False)
+    float8: bool = False   # the layers' linears in Float8 (`pn.float8` on the AC-tagged units)
 
     def at(self, n: float) -> tuple[UnitCost, ...]:
         got = self._at.get(n)
@@ -87,13 +88,15 @@ class Probe:
 
 
 def probe(spec, units: list[str], batch, rows: tuple[int, ...], tp: int, sp: bool, price, *,
-          precision: str, loss_fn=None, capture: str = "auto") -> Probe:
-    """Compile `spec` (the model, one region per unit tagged `UNIT_TAG`) on each of `rows`
-    samples of `batch` with TP `tp` (and SP), price each with `price(plan)` (a CostModel),
-    and read each unit's costs. The capture is the spec's, made once for every class."""
+          precision: str, loss_fn=None, capture: str = "auto", float8: bool = False) -> Probe:
+    """Compile `spec` (the model, one region per unit tagged `UNIT_TAG`, its layers `AC`)
+    on each of `rows` samples of `batch` with TP `tp` (and SP, and Float8 in the layers),
+    price each with `price(plan)` (a CostModel), and read each unit's costs. The capture is
+    the spec's, made once for every class."""
     import time
 
     from piper_nb.compiler.compile import compile, rebatch
+    from piper_nb.directives.float8 import float8 as float8_layers
     from piper_nb.directives.spec import place
     from piper_nb.profile import simulate
     from piper_nb.tp import tensor_parallel
@@ -101,6 +104,8 @@ def probe(spec, units: list[str], batch, rows: tuple[int, ...], tp: int, sp: boo
     program = [place({}, [0])]
     if tp > 1:
         program.append(tensor_parallel({}, list(range(tp)), sequence_parallel=sp))
+    if float8:
+        program.append(float8_layers({"AC": 1}))
     measured, cost = [], None
     try:
         plan = None
@@ -112,8 +117,9 @@ def probe(spec, units: list[str], batch, rows: tuple[int, ...], tp: int, sp: boo
             measured.append(_units(plan, cost, simulate(plan, cost), units))
     except PlanError as e:
         return Probe(tp, sp, tuple(rows), error=str(e).split("\n")[0],
-                     seconds=time.perf_counter() - t0)
-    return Probe(tp, sp, tuple(rows), tuple(measured), None, time.perf_counter() - t0, cost)
+                     seconds=time.perf_counter() - t0, float8=float8)
+    return Probe(tp, sp, tuple(rows), tuple(measured), None, time.perf_counter() - t0, cost,
+                 float8=float8)
 
 
 def _units(plan, cost, trace, names: list[str]) -> tuple[UnitCost, ...]:

@@ -19,7 +19,7 @@ __all__ = ["Status", "Candidate", "SearchResult", "COLUMNS", "html_table"]
 
 # the table's columns (a row's dict has its status and reason besides)
 COLUMNS = ("PP", "TP", "DP", "ZeRO", "schedule", "micro", "mb size", "recompute", "SP",
-           "step s", "tok/s/dev", "bubble", "peak GiB")
+           "Float8", "step s", "tok/s/dev", "bubble", "peak GiB")
 SORTS = {"step": lambda c: c.step, "tokens": lambda c: -c.tokens_per_s,
          "memory": lambda c: c.peak, "bubble": lambda c: c.bubble}
 

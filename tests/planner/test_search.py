@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import piper_nb as pn
+from piper_nb.capture.float8 import uses_float8
 from piper_nb.planner.knobs import Knobs, Schedule, space
 from piper_nb.planner.pipeline import steps_of, timing
 
@@ -78,6 +79,8 @@ def test_pins_hold_every_candidate():
     ({"devices": 4, "pin": {"schedule": "zigzag"}}, "is not a schedule"),
     ({"devices": 4, "cost": "guess"}, "cost must be one of"),
     ({"devices": 16, "pin": {"pp": 1, "tp": 1}}, "DP must divide the batch of 8"),
+    ({"devices": 4, "pin": {"float8": "maybe"}}, "float8='maybe' must be True or False"),
+    ({"devices": 4, "pin": {"float8": True}, "hardware": "A100"}, "float8=True needs FP8"),
 ])
 def test_bad_input_is_a_plan_error_before_the_search(kwargs, match):
     model = gpt()
@@ -111,6 +114,39 @@ def test_the_space_keeps_tp_in_a_node_and_the_schedules_rules():
     assert all(k.microbatches >= 2 * k.pp for k in ks if k.schedule is Schedule.DUALPIPEV)
     assert all(k.schedule is Schedule.NONE for k in ks if k.pp == 1)
     assert all(k.zero == 0 for k in ks if k.dp == 1)
+
+
+def test_float8_is_tried_without_tp_where_the_gpu_has_it_or_when_pinned():
+    ks = list(space(8, 16, 6, gpus_per_node=4, float8=True))
+    assert {k.float8 for k in ks if k.tp == 1} == {True, False}
+    assert not any(k.float8 for k in ks if k.tp > 1)   # per-shard scales would not train
+    assert len(ks) == len(list(space(8, 16, 6, gpus_per_node=4))) + sum(k.tp == 1 for k in ks) // 2
+    assert not any(k.float8 for k in space(8, 16, 6, gpus_per_node=4))
+    pinned = list(space(8, 16, 6, gpus_per_node=4, pins={"float8": {True}}))
+    assert pinned and all(k.float8 and k.tp == 1 for k in pinned)
+
+
+def test_a_float8_candidate_is_ranked_as_its_program_compiles():
+    model = gpt()
+    batch = model.example_batch(batch_size=8, seed=0)
+    result = pn.search(model, batch, devices=2, progress=False, top=2,
+                       pin={"float8": True, "pp": 1})
+    assert result.ranked and all(c.knobs.float8 for c in result.ranked)
+    best = result.ranked[0]
+    assert "f8" in best.knobs.label() and best.row(8)["Float8"] == "yes"
+    assert any(d.op == "float8" for d in best.program)
+    plan = pn.compile(pn.annotate(model, best.annotation), best.program, batch,
+                      precision="bf16")
+    assert uses_float8(plan.capture.modules)
+    trace = pn.simulate(plan, pn.CostModel.analytic(plan, "H100"),
+                        memory=pn.MemorySettings(optimizer="adamw"))
+    assert trace.step_time == pytest.approx(best.step)
+    # the same candidates without Float8 price otherwise: the knob reaches the estimate
+    plain = pn.search(model, batch, devices=2, progress=False, top=1,
+                      pin={"float8": False, "pp": 1})
+    same = {c.knobs.__class__(**{**c.knobs.as_dict(), "schedule": c.knobs.schedule,
+                                 "float8": True}): c.step for c in plain.estimated}
+    assert any(same.get(c.knobs) not in (None, c.step) for c in result.estimated)
 
 
 @pytest.mark.parametrize("schedule", [s for s in Schedule if s is not Schedule.NONE])
