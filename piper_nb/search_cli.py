@@ -33,7 +33,8 @@ def add_parser(sub, model_help: str, builtin: tuple[str, ...]) -> argparse.Argum
                    help="sequences a step trains on (default: 16; a Llama shape, 2 per device)")
     p.add_argument("--pin", action="append", default=[], metavar="KNOB=VALUE[,VALUE]",
                    help="fix a knob, e.g. --pin tp=8 --pin schedule=1f1b,interleaved "
-                        "(knobs: pp, tp, dp, zero, schedule, microbatches, recompute, sp, float8)")
+                        "(knobs: pp, tp, dp, zero, schedule, microbatches, recompute, sp, float8, "
+                        "every)")
     p.add_argument("--precision", choices=("fp32", "bf16"), default=argparse.SUPPRESS,
                    help="the compile's precision (default: bf16 analytic, fp32 profiled)")
     p.add_argument("--cost", choices=("analytic", "profile"), default="analytic",

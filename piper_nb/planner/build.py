@@ -6,7 +6,8 @@ group is consecutive devices, inside one node). Stages are cut over the pipeline
 (`pn.cut_stages`' units: embedding, layers, head) so the largest stage's forward and
 backward time is smallest, which leaves the first and last stages fewer layers where the
 embedding and the head weigh. A stage is recomputed when its rank is among the first
-`recompute` ranks; its layers (the units between the first and the last) are. Float8
+`recompute` ranks; its layers (the units between the first and the last) are, or one in
+`every` of them counting from the first layer (tagged `AC: 2` then). Float8
 (`pn.float8`) rewrites the layers' linears, not the embedding's or the head's (torchtitan's
 `filter_fqns` leaves the output projection in bf16).
 """
@@ -17,7 +18,7 @@ from piper_nb.capture.annotate import _linear_partition
 from piper_nb.capture.batch import Batch
 from piper_nb.planner.knobs import Knobs, Schedule
 
-__all__ = ["token_count", "cut", "annotation", "program", "is_layer"]
+__all__ = ["token_count", "cut", "annotation", "program", "is_layer", "recomputes"]
 
 
 def token_count(batch: Batch) -> int:
@@ -34,18 +35,33 @@ def cut(weights: list[float], stages: int) -> list[int]:
     return _linear_partition([max(w, 1e-12) for w in weights], stages)
 
 
-def annotation(units: list[str], stage_of: list[int]) -> dict:
+def annotation(units: list[str], stage_of: list[int], every: int = 1) -> dict:
     """The `pn.annotate` mapping: each unit's stage and its index `L` (a region of its own,
     recomputed alone, as the probe priced it); the layers between the first and the last
-    unit tagged `AC` (what a recompute directive names)."""
+    unit tagged `AC` (what a recompute directive names): 1, or 2 for the one layer in
+    `every` that recomputes."""
     n = len(units)
-    return {u: {"PP": s, "L": i, **({"AC": 1} if is_layer(i, n) else {})}
+    return {u: {"PP": s, "L": i, **({"AC": _ac(i, n, every)} if is_layer(i, n) else {})}
             for i, (u, s) in enumerate(zip(units, stage_of, strict=True))}
+
+
+def _ac(i: int, n: int, every: int) -> int:
+    return 2 if every > 1 and _layer_number(i, n) % every == 0 else 1
 
 
 def is_layer(i: int, n: int) -> bool:
     """Whether unit `i` of `n` is a layer (not the first or last unit of three or more)."""
     return 0 < i < n - 1 or n <= 2
+
+
+def _layer_number(i: int, n: int) -> int:
+    return i if n <= 2 else i - 1
+
+
+def recomputes(k: Knobs, stage: int, i: int, n: int) -> bool:
+    """Whether candidate `k` recomputes unit `i` of `n`, on `stage`."""
+    return (k.rank_of(stage) < k.recompute and is_layer(i, n)
+            and _layer_number(i, n) % k.every == 0)
 
 
 def program(k: Knobs, stage_of: list[int]) -> list:
@@ -75,8 +91,9 @@ def program(k: Knobs, stage_of: list[int]) -> list:
             Schedule.ZB1P: lambda: schedules.zero_bubble(pp, m),
             Schedule.DUALPIPEV: lambda: schedules.dualpipev(pp, m)}[k.schedule]()
     if k.float8:
-        out.append(float8({"AC": 1}))
-    layered = {s for i, s in enumerate(stage_of) if is_layer(i, len(stage_of))}
-    out += [recompute({"PP": s, "AC": 1}) for s in range(k.stages)
-            if k.rank_of(s) < k.recompute and s in layered]
+        out.append(float8({"AC": "*"}))
+    n = len(stage_of)
+    chosen = {s for i, s in enumerate(stage_of) if recomputes(k, s, i, n)}
+    out += [recompute({"PP": s, "AC": 2 if k.every > 1 else 1}) for s in range(k.stages)
+            if s in chosen]
     return out

@@ -47,7 +47,9 @@ class Candidate:
         k = self.knobs
         return {"PP": k.pp, "TP": k.tp, "DP": k.dp, "ZeRO": k.zero,
                 "schedule": str(k.schedule), "micro": k.microbatches,
-                "mb size": batch // (k.dp * k.microbatches), "recompute": k.recompute,
+                "mb size": batch // (k.dp * k.microbatches),
+                "recompute": (k.recompute if k.every == 1 else
+                              f"{k.recompute} (1 in {k.every})"),
                 "SP": "yes" if k.sp else "", "Float8": "yes" if k.float8 else "",
                 "step s": self.step,
                 "tok/s/dev": self.tokens_per_s, "bubble": self.bubble,

@@ -212,7 +212,7 @@ def _rate(tokens: int, step: float, devices: int) -> float:
 
 
 def _with_program(setup: _Setup, row: Candidate, stage_of) -> Candidate:
-    return replace(row, annotation=annotation(setup.units, list(stage_of)),
+    return replace(row, annotation=annotation(setup.units, list(stage_of), row.knobs.every),
                    program=Program(program(row.knobs, list(stage_of))))
 
 

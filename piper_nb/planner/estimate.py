@@ -26,7 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from piper_nb.ir.kinds import Op
-from piper_nb.planner.build import is_layer
+from piper_nb.planner.build import recomputes
 from piper_nb.planner.knobs import Knobs, Schedule
 from piper_nb.planner.pipeline import peaks, steps_of, timing
 
@@ -101,14 +101,10 @@ def _states(k: Knobs, units, ctx: Context, on_rank) -> list[float]:
     return out
 
 
-def _recomputed(k: Knobs, stage: int, i: int, n: int) -> bool:
-    return k.rank_of(stage) < k.recompute and is_layer(i, n)
-
-
 def bound(k: Knobs, lay: Layout) -> float:
     """A floor on the peak: model states plus one microbatch's stash, on the heaviest rank."""
     units, stage_of, n = lay.units, lay.stage_of, len(lay.units)
-    return max(st + sum(units[i].inputs if _recomputed(k, stage_of[i], i, n)
+    return max(st + sum(units[i].inputs if recomputes(k, stage_of[i], i, n)
                         else units[i].saved for i in mine)
                for st, mine in zip(lay.states, lay.on_rank, strict=True))
 
@@ -127,7 +123,7 @@ def estimate(k: Knobs, lay: Layout, ctx: Context) -> Estimate:
         w[s] += u.w
         # a backward's transient: the gradients of what it saved, about as large, and a
         # recomputed layer's stash made again besides
-        if _recomputed(k, s, i, n):
+        if recomputes(k, s, i, n):
             b[s] += u.f
             act[s] += u.inputs
             extra[s] = max(extra[s], 2 * u.saved)

@@ -6,7 +6,8 @@ A candidate is PP x TP x DP = the device count (TP innermost and inside one node
 then DP, Megatron's numbering), a ZeRO level (DP > 1), a schedule (none without PP; GPipe,
 1F1B, interleaved 1F1B with two stages a rank, ZB1P, DualPipeV with PP), a microbatch count
 dividing each replica's share of the batch, how many leading pipeline ranks recompute their
-layers (`recompute`: 0 none, PP all), Megatron's sequence parallelism under TP, and Float8
+layers (`recompute`: 0 none, PP all) and, where every rank does, which of them (`every`: one
+layer in 1, 2 or 4, torchtitan's `selective_ac_option`), Megatron's sequence parallelism under TP, and Float8
 matmuls in the layers (`pn.float8`, torchao's tensorwise scaling) where the GPU has FP8
 tensor cores, without TP (Float8 under TP prices but does not train: its scales would be
 per shard).
@@ -52,6 +53,7 @@ class Knobs:
     recompute: int          # leading pipeline ranks that recompute their layers (0..pp)
     sp: bool                # Megatron's sequence parallelism (TP > 1)
     float8: bool = False    # the layers' linears multiply in Float8 (`pn.float8`), TP 1
+    every: int = 1          # of the recomputing ranks' layers, one in `every` (layer 0, k, ..)
 
     @property
     def stages(self) -> int:
@@ -66,7 +68,7 @@ class Knobs:
         parts = [f"PP{self.pp}", f"TP{self.tp}", f"DP{self.dp}", f"Z{self.zero}",
                  str(self.schedule), f"m{self.microbatches}"]
         if self.recompute:
-            parts.append(f"rc{self.recompute}")
+            parts.append(f"rc{self.recompute}" + (f"/{self.every}" if self.every > 1 else ""))
         if self.sp:
             parts.append("sp")
         if self.float8:
@@ -84,7 +86,9 @@ def stage_rank(schedule: Schedule, pp: int, stage: int) -> int:
     return stage % pp
 
 
-KNOBS = ("pp", "tp", "dp", "zero", "schedule", "microbatches", "recompute", "sp", "float8")
+KNOBS = ("pp", "tp", "dp", "zero", "schedule", "microbatches", "recompute", "sp", "float8",
+         "every")
+EVERY = (1, 2, 4)   # one layer in k recomputed, where every rank recomputes
 
 
 def divisors(n: int) -> list[int]:
@@ -117,6 +121,9 @@ def check_pins(pin: Mapping | None) -> dict:
         elif any(isinstance(s, bool) or not isinstance(s, int) or s < 0 for s in values):
             raise PlanError(f"pn.search: pin {k}={v!r} must be a non-negative int or a list "
                             "of them")
+        elif k == "every" and 0 in values:
+            raise PlanError(f"pn.search: pin every={v!r}: one layer in every k is "
+                            "recomputed, k at least 1")
         out[k] = set(values)
     return out
 
@@ -147,7 +154,7 @@ def space(devices: int, batch_size: int, stages_max: int, *, gpus_per_node: int,
                     for zero in ((0, 1, 2, 3) if dp > 1 else (0,)):
                         if not ok("zero", zero):
                             continue
-                        for rc in sorted({0, pp // 2, pp} if pp > 1 else {0, 1}):
+                        for rc, every in _recomputes(pp, pins):
                             if not (ok("recompute", rc) or (rc == pp and ok("recompute", "all"))):
                                 continue
                             for sp in ((False, True) if tp > 1 else (False,)):
@@ -157,7 +164,20 @@ def space(devices: int, batch_size: int, stages_max: int, *, gpus_per_node: int,
                                     if ok("float8", f8) and (float8 or not f8
                                                              or "float8" in pins):
                                         yield Knobs(pp, tp, dp, zero, schedule, m, rc, sp,
-                                                    f8)
+                                                    f8, every)
+
+
+def _recomputes(pp: int, pins: Mapping[str, set]) -> list[tuple[int, int]]:
+    """(leading ranks that recompute, one layer in how many): none, half the ranks, or all
+    of them, every layer or one in 2 or 4 (or the pinned `every`)."""
+    every = sorted(pins.get("every", EVERY))
+    out = []
+    for rc in sorted({0, pp // 2, pp} if pp > 1 else {0, 1}):
+        if rc == max(pp, 1):
+            out += [(rc, e) for e in every]
+        elif 1 in every:
+            out.append((rc, 1))
+    return out
 
 
 def _schedules(pp: int) -> tuple[Schedule, ...]:

@@ -105,7 +105,7 @@ def probe(spec, units: list[str], batch, rows: tuple[int, ...], tp: int, sp: boo
     if tp > 1:
         program.append(tensor_parallel({}, list(range(tp)), sequence_parallel=sp))
     if float8:
-        program.append(float8_layers({"AC": 1}))
+        program.append(float8_layers({"AC": "*"}))
     measured, cost = [], None
     try:
         plan = None

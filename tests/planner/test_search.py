@@ -9,7 +9,7 @@ import torch
 
 import piper_nb as pn
 from piper_nb.capture.float8 import uses_float8
-from piper_nb.planner.knobs import Knobs, Schedule, space
+from piper_nb.planner.knobs import Knobs, Schedule, check_pins, space
 from piper_nb.planner.pipeline import steps_of, timing
 
 
@@ -147,6 +147,38 @@ def test_a_float8_candidate_is_ranked_as_its_program_compiles():
     same = {c.knobs.__class__(**{**c.knobs.as_dict(), "schedule": c.knobs.schedule,
                                  "float8": True}): c.step for c in plain.estimated}
     assert any(same.get(c.knobs) not in (None, c.step) for c in result.estimated)
+
+
+def test_one_layer_in_k_recomputes_where_every_rank_does():
+    ks = list(space(8, 16, 6, gpus_per_node=4))
+    assert {k.every for k in ks} == {1, 2, 4}
+    assert all(k.recompute == k.pp for k in ks if k.every > 1)
+    pinned = list(space(8, 16, 6, gpus_per_node=4, pins={"every": {2}}))
+    assert pinned and all(k.every == 2 and k.recompute == k.pp for k in pinned)
+    with pytest.raises(pn.PlanError, match="every k is recomputed, k at least 1"):
+        check_pins({"every": 0})
+
+
+def test_a_candidate_recomputing_one_layer_in_two_prices_between_none_and_all():
+    model = gpt()
+    batch = model.example_batch(batch_size=8, seed=0)
+    pin = {"pp": 1, "tp": 1, "zero": 0, "microbatches": 1}
+    result = pn.search(model, batch, devices=2, precision="fp32", progress=False, top=4,
+                       pin=pin)
+    by = {(c.knobs.recompute, c.knobs.every): c for c in result.ranked}
+    assert set(by) == {(0, 1), (1, 1), (1, 2), (1, 4)}
+    none, half, full = by[(0, 1)], by[(1, 2)], by[(1, 1)]
+    assert none.step < half.step < full.step
+    assert none.peak >= half.peak >= full.peak and none.peak > full.peak
+    assert half.knobs.label().endswith("rc1/2") and half.row(8)["recompute"] == "1 (1 in 2)"
+    # layers 0 and 2 of the four recompute, and the program names them alone
+    tags = [half.annotation[f"blocks.{i}"]["AC"] for i in range(4)]
+    assert tags == [2, 1, 2, 1]
+    assert [dict(d.filter) for d in half.program if d.op == "recompute"] == [{"PP": 0, "AC": 2}]
+    plan = pn.compile(pn.annotate(model, half.annotation), half.program, batch)
+    trace = pn.simulate(plan, pn.CostModel.analytic(plan, "H100"),
+                        memory=pn.MemorySettings(optimizer="adamw"))
+    assert trace.step_time == pytest.approx(half.step)
 
 
 @pytest.mark.parametrize("schedule", [s for s in Schedule if s is not Schedule.NONE])
