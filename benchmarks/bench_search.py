@@ -98,7 +98,7 @@ def accuracy(n: int = 40, seed: int = 0) -> dict:
                       optim_bytes=12, reduce_bytes=4)
         e = estimate(k, layout(k, p, ctx), ctx)
         cut = list(p.cut(k.stages))
-        plan = pn.compile(pn.annotate(model, annotation(units, cut)), program(k, cut), batch,
+        plan = pn.compile(pn.annotate(model, annotation(units, cut, k.every)), program(k, cut), batch,
                           precision="bf16")
         trace = pn.simulate(plan, setup.price(plan), memory=settings)
         steps.append(e.step / trace.step_time)

@@ -3,8 +3,8 @@
 The loop (see `search`):
 
 1. The space (`planner.knobs.space`): PP x TP x DP = devices, ZeRO, schedule, microbatches,
-   recompute, SP, Float8 (analytic costs on a GPU with FP8), less what the user pins. An
-   empty space is a PlanError that says which rule emptied it.
+   recompute (by rank, one layer in k), SP, Float8 when pinned, less what the user pins.
+   An empty space is a PlanError that says which rule emptied it.
 2. Explore: each candidate is bounded (model states and one microbatch's stash; over the
    capacity: refused), then estimated from its TP class's probe (`planner.probe`, one
    compile per class), and refused when the estimated peak is over the capacity.
@@ -113,8 +113,7 @@ def search(model, batch, devices: int, hardware="H100", *, topology=None, pin=No
                         f"{spec.name} has none of; search on a GPU with them (H100, H200) "
                         "or drop the pin")
     candidates = list(space(devices, samples, len(units), gpus_per_node=topo.gpus_per_node,
-                            pins=pins, float8=bool(spec.fp8_flops) and cost == "analytic"
-                            and precision == "bf16"))
+                            pins=pins))
     if not candidates:
         raise PlanError(_empty(devices, samples, len(units), topo.gpus_per_node, pin))
     setup = _Setup(model, batch, token_count(batch), units, spec, topo, precision, settings,

@@ -7,10 +7,11 @@ then DP, Megatron's numbering), a ZeRO level (DP > 1), a schedule (none without 
 1F1B, interleaved 1F1B with two stages a rank, ZB1P, DualPipeV with PP), a microbatch count
 dividing each replica's share of the batch, how many leading pipeline ranks recompute their
 layers (`recompute`: 0 none, PP all) and, where every rank does, which of them (`every`: one
-layer in 1, 2 or 4, torchtitan's `selective_ac_option`), Megatron's sequence parallelism under TP, and Float8
-matmuls in the layers (`pn.float8`, torchao's tensorwise scaling) where the GPU has FP8
-tensor cores, without TP (Float8 under TP prices but does not train: its scales would be
-per shard).
+layer in 1 or 2, or as pinned; torchtitan's `selective_ac_option`), Megatron's sequence
+parallelism under TP, and, when pinned, Float8 matmuls in the layers (`pn.float8`, torchao's tensorwise
+scaling) without TP (Float8 under TP prices but does not train: its scales would be per
+shard). Float8 is not tried unless pinned: regions run eagerly, where its casts cost more
+than its matmuls save, and its probe would cost a class of its own.
 """
 
 from __future__ import annotations
@@ -88,7 +89,7 @@ def stage_rank(schedule: Schedule, pp: int, stage: int) -> int:
 
 KNOBS = ("pp", "tp", "dp", "zero", "schedule", "microbatches", "recompute", "sp", "float8",
          "every")
-EVERY = (1, 2, 4)   # one layer in k recomputed, where every rank recomputes
+EVERY = (1, 2)   # one layer in k recomputed where every rank recomputes (others: pin them)
 
 
 def divisors(n: int) -> list[int]:
@@ -129,11 +130,10 @@ def check_pins(pin: Mapping | None) -> dict:
 
 
 def space(devices: int, batch_size: int, stages_max: int, *, gpus_per_node: int,
-          pins: Mapping[str, set] | None = None, float8: bool = False) -> Iterator[Knobs]:
+          pins: Mapping[str, set] | None = None) -> Iterator[Knobs]:
     """Every candidate for `devices` devices and a batch of `batch_size` sequences (samples):
     a model of `stages_max` pipeline units can hold at most that many stages; TP at most
-    `gpus_per_node` (one node), dividing the node; Float8 tried without TP when `float8`
-    (the GPU has FP8) or when pinned."""
+    `gpus_per_node` (one node), dividing the node; Float8 as pinned, without TP."""
     pins = pins or {}
     ok = lambda k, v: k not in pins or v in pins[k]   # noqa: E731
     node = min(gpus_per_node, devices)
@@ -160,16 +160,16 @@ def space(devices: int, batch_size: int, stages_max: int, *, gpus_per_node: int,
                             for sp in ((False, True) if tp > 1 else (False,)):
                                 if not ok("sp", sp):
                                     continue
-                                for f8 in (False, True) if tp == 1 else (False,):
-                                    if ok("float8", f8) and (float8 or not f8
-                                                             or "float8" in pins):
+                                for f8 in sorted(pins.get("float8", {False})) if tp == 1 \
+                                        else (False,):
+                                    if ok("float8", f8):
                                         yield Knobs(pp, tp, dp, zero, schedule, m, rc, sp,
                                                     f8, every)
 
 
 def _recomputes(pp: int, pins: Mapping[str, set]) -> list[tuple[int, int]]:
     """(leading ranks that recompute, one layer in how many): none, half the ranks, or all
-    of them, every layer or one in 2 or 4 (or the pinned `every`)."""
+    of them, every layer or one in 2 (or the pinned `every`: 4, ...)."""
     every = sorted(pins.get("every", EVERY))
     out = []
     for rc in sorted({0, pp // 2, pp} if pp > 1 else {0, 1}):
