@@ -58,6 +58,7 @@ size is simulated once.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from types import SimpleNamespace
 
 from piper_nb.ir.kinds import COMM, COMPUTE, Op
@@ -109,11 +110,19 @@ def _crossing(cost):
 Offsets = dict[int, tuple[tuple[int, float], ...]]
 
 
-def _levels(plan, updates, d: int, held: dict, settings) -> list[float]:
+def _levels(plan, updates, d: int, held: dict, twins: dict, settings) -> list[float]:
     """Device `d`'s bytes of optimizer state before its first instruction and after each
-    of `updates` (its template's U instructions, which it runs as its own)."""
-    start, after = state_levels([update_state(plan, ins, d, held.get(d, {}), settings)
-                                 for _, ins in updates], settings.first_step)
+    of `updates` (its template's U instructions, which it runs as its own: a bucket it is
+    not in stands for its twin that it is in, the bucket of the same parameters another
+    tensor-parallel rank updates)."""
+    mine = held.get(d, {})
+    states = []
+    for _, ins in updates:
+        own = tuple(b if b in mine else next((c for c in twins[b] if c in mine), b)
+                    for b in ins.data.buckets)
+        data = ins.data if own == ins.data.buckets else replace(ins.data, buckets=own)
+        states.append(update_state(plan, SimpleNamespace(data=data), d, mine, settings))
+    start, after = state_levels(states, settings.first_step)
     return [start, *after]
 
 
@@ -127,9 +136,12 @@ def state_offsets(plan, settings=None) -> Offsets:
     if not sharded:
         return {}
     held: dict[int, dict] = {}   # device -> its ZeRO buckets by index
+    same: dict[tuple, list[int]] = {}   # parameters -> the buckets that hold them
     for b in sharded:
+        same.setdefault(b.params, []).append(b.index)
         for d in b.group:
             held.setdefault(d, {})[b.index] = b
+    twins = {b.index: same[b.params] for b in sharded}
     copies: dict[int, list[int]] = {}
     for d, t in plan.stamps().items():
         copies.setdefault(t, []).append(d)
@@ -138,10 +150,10 @@ def state_offsets(plan, settings=None) -> Offsets:
         updates = [(i, ins) for i, ins in enumerate(plan.devices[t].instrs) if ins.kind == Op.U]
         if not any(ins.data.buckets for _, ins in updates):
             continue
-        mine, at = _levels(plan, updates, t, held, settings), [0] + [i for i, _ in updates]
+        mine, at = _levels(plan, updates, t, held, twins, settings), [0] + [i for i, _ in updates]
         for d in replicas:
             steps, last = [], 0.0
-            for i, theirs, own in zip(at, _levels(plan, updates, d, held, settings), mine,
+            for i, theirs, own in zip(at, _levels(plan, updates, d, held, twins, settings), mine,
                                       strict=True):
                 if theirs - own != last:
                     last = theirs - own

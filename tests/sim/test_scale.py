@@ -142,6 +142,16 @@ def test_replicas_whose_shards_keep_other_state_are_simulated_once(first_step):
     simulate_both(even, cost, memory=grouped)
 
 
+def test_tensor_parallel_ranks_keep_the_state_of_their_own_bucket_copies():
+    # TP rank 1 is a stamp of rank 0; its update names its own copies of rank 0's buckets
+    from piper_nb.strategies import compile_strategy
+    plan, _ = compile_strategy("tp2-dp2-zero3")
+    adam = MemorySettings(optimizer=pn.optim.AdamW(1e-3))
+    assert plan.stamps()[1] == 0 and state_offsets(plan, adam) == {}
+    fast = simulate_both(plan, CostModel.uniform(), memory=adam)
+    assert min(m.optim for m in fast.memory_of(1)) > 0
+
+
 def test_replicas_whose_peers_are_crossed_fall_back():
     # stage 1's replicas listed [3, 1]: device 0 (a template) sends to 3 (a stamp of 1),
     # so a replica's messages do not mirror its template's: every device is simulated
