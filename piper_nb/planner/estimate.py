@@ -96,7 +96,10 @@ def _states(k: Knobs, units, ctx: Context, on_rank) -> list[float]:
         total = (pb / (dp if k.zero == 3 else 1) + gb / (dp if k.zero >= 2 else 1)
                  + ctx.optim_bytes * n / (dp if k.zero >= 1 else 1))
         if k.zero == 3 and dp > 1 and mine:
-            total += 2 * max(units[i].param_bytes for i in mine)    # gathered, prefetched
+            if k.pp > 1:   # gathered once a step and kept, gradients reduced once (build)
+                total += pbytes + gb - gb / dp
+            else:
+                total += 2 * max(units[i].param_bytes for i in mine)    # gathered, prefetched
         out.append(total)
     return out
 
