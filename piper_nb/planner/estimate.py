@@ -191,6 +191,7 @@ def _data_parallel(k: Knobs, units, ctx: Context, on_rank, b, stage_of) -> float
         if k.zero in (1, 2):
             waited += each
         elif k.zero == 3:
-            waited += max(each - backward / 2, each * last)
+            gathers = 2 * k.microbatches if k.pp == 1 else 1
+            waited += max((each - backward / 2) * gathers, each * last)
         worst = max(worst, waited)
     return worst
