@@ -46,7 +46,7 @@ def annotation(units: list[str], stage_of: list[int], every: int = 1) -> dict:
 
 
 def _ac(i: int, n: int, every: int) -> int:
-    return 2 if every > 1 and _layer_number(i, n) % every == 0 else 1
+    return 2 if every > 1 and _one_in(i, n, every) else 1
 
 
 def is_layer(i: int, n: int) -> bool:
@@ -54,14 +54,14 @@ def is_layer(i: int, n: int) -> bool:
     return 0 < i < n - 1 or n <= 2
 
 
-def _layer_number(i: int, n: int) -> int:
-    return i if n <= 2 else i - 1
+def _one_in(i: int, n: int, every: int) -> bool:
+    """Whether layer unit `i` of `n` is one of the layers 0, `every`, 2 `every`, ..."""
+    return (i if n <= 2 else i - 1) % every == 0
 
 
 def recomputes(k: Knobs, stage: int, i: int, n: int) -> bool:
     """Whether candidate `k` recomputes unit `i` of `n`, on `stage`."""
-    return (k.rank_of(stage) < k.recompute and is_layer(i, n)
-            and _layer_number(i, n) % k.every == 0)
+    return k.rank_of(stage) < k.recompute and is_layer(i, n) and _one_in(i, n, k.every)
 
 
 def program(k: Knobs, stage_of: list[int]) -> list:

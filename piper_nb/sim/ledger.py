@@ -28,7 +28,7 @@ from piper_nb.sim.ledger_params import (
 )
 from piper_nb.sim.memory_settings import MemorySettings
 from piper_nb.sim.tokens import Routing
-from piper_nb.sim.update_state import update_states
+from piper_nb.sim.update_state import state_levels, update_states
 from piper_nb.trace import MemorySample
 
 # how the step loop dispatches an instruction: kind -> handler (the worker's names)
@@ -75,13 +75,11 @@ class Ledger(ParamLedger):
                       for n in self.names}
         self.buckets = {b.index: b for b in plan.buckets
                         if d in b.group and any(n in names for n in b.params)}
-        self.ustate = update_states(plan, self.instrs, d, self.buckets, settings)
-        self.optim_state: dict = {}               # key -> bytes: state that exists now
-        if not settings.first_step:
-            for st in self.ustate.values():
-                self.optim_state.update(st)
+        ustate = update_states(plan, self.instrs, d, self.buckets, settings)
+        start, after = state_levels(list(ustate.values()), settings.first_step)
+        self.optim_after = dict(zip(ustate, after, strict=True))   # U index -> state held
         # running totals: params, grads, optim, activations, buffers
-        self.level = [self._params_held(), 0, sum(self.optim_state.values()), 0, 0]
+        self.level = [self._params_held(), 0, start, 0, 0]
         self.grads: dict[str, None] = {}          # parameters with a gradient (ordered set)
         self.grad_shards: dict[int, float] = {}   # bucket -> reduced shard bytes
         self.refs: dict[int, int] = {}            # ZeRO-3 bucket -> gathers in use
@@ -234,9 +232,7 @@ class Ledger(ParamLedger):
                 self.zero_shards[b] = self._shard(b, self.pb)
                 self.level[BUFFERS] += self.zero_shards[b]
             self.level[GRADS] -= self.grad_shards.pop(b, 0)
-        for key, nbytes in self.ustate[i].items():
-            self.level[OPTIM] += nbytes - self.optim_state.get(key, 0)
-            self.optim_state[key] = nbytes
+        self.level[OPTIM] = self.optim_after[i]
 
     # -- communication --
     def _issue(self, i: int, ins) -> None:
