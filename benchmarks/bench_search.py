@@ -10,6 +10,8 @@ Cases (`--case`):
   top 2 (compile, checks, simulation with the memory model); candidates per second.
 - `accuracy`: a 1 B-class Llama on 16 H100s, 40 candidates drawn at random (seeded): the
   explore tier's step and peak over the simulator's on the compiled plan.
+- `accuracy-moe`: the same for a Mixtral-shaped MoE (8 experts, top 2) on 16 H100s, 12
+  candidates with expert parallelism (EP = DP).
 - `ranking`: TinyGPT on 4 CPU workers with profiled costs: the 8 fastest candidates, each
   trained (median step of 6 after 2 warm-up steps) against its prediction; Spearman's rho.
 - `published`: Megatron's five runs of `published.py` (SC'21 Table 1, GPT 1.7B on 32 A100s
@@ -20,7 +22,7 @@ Cases (`--case`):
   sequence), every knob pinned: probe, explore and verify seconds, its step and peak.
 
 Run: .venv/bin/python benchmarks/bench_search.py
-[--case all|scale|accuracy|ranking|published|verify]
+[--case all|scale|accuracy|accuracy-moe|ranking|published|verify]
 """
 
 from __future__ import annotations
@@ -39,7 +41,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import piper_nb as pn  # noqa: E402
 from piper_nb.planner import engine  # noqa: E402
-from piper_nb.planner.build import annotation, program  # noqa: E402
 from piper_nb.planner.estimate import Context, estimate, layout  # noqa: E402
 from piper_nb.planner.knobs import Knobs, Schedule, space  # noqa: E402
 from piper_nb.planner.probe import probe  # noqa: E402
@@ -78,13 +79,44 @@ def scale() -> list[dict]:
 def accuracy(n: int = 40, seed: int = 0) -> dict:
     model, batch = llama(dict(dim=1024, heads=16, kv_heads=4, hidden=2816, layers=8), 32,
                          seq=2048, vocab=32000)
-    units = pn.pipeline_units(model)
+    return _accuracy("1 B-class Llama, 16 H100, estimate / simulated", model, batch, n, seed)
+
+
+def accuracy_moe(n: int = 12, seed: int = 0) -> dict:
+    """A Mixtral-shaped MoE (8 experts, top 2, 4 layers) on 16 H100: EP candidates only."""
+    import transformers
+    cfg = transformers.MixtralConfig(
+        num_local_experts=8, num_experts_per_tok=2, vocab_size=32000, hidden_size=1024,
+        intermediate_size=2816, num_hidden_layers=4, num_attention_heads=16,
+        num_key_value_heads=4, max_position_embeddings=4096)
+    with torch.device("meta"):
+        model = transformers.MixtralForCausalLM(cfg)
+        ids = torch.zeros(32, 2048, dtype=torch.long)
+    return _accuracy("Mixtral-shaped MoE, 16 H100, EP candidates, estimate / simulated",
+                     model, (ids, ids), n, seed, keep=lambda k: k.ep > 1)
+
+
+def _accuracy(case: str, model, batch, n: int, seed: int, keep=lambda k: True) -> dict:
+    """The explore tier's step and peak over the simulator's for `n` candidates drawn at
+    random (seeded) from the search's own space on 16 H100 (`keep`: which of them)."""
+    from piper_nb.capture.annotate import _execution_order, pipeline_units
+    from piper_nb.capture.batch import Batch
+    from piper_nb.planner.experts import find_experts
+    samples = batch[0].shape[0]
+    units = _execution_order(model, [u for u in pipeline_units(model)
+                                     if next(model.get_submodule(u).parameters(), None)
+                                     is not None], Batch.of(batch, "bench"))
+    experts = find_experts(model)
     settings = pn.MemorySettings(optimizer="adamw")
     setup = engine._Setup(model, batch, batch[0].numel(), units, pn.sim.gpus.spec_of("H100"),
-                          pn.Topology.of("H100"), "bf16", settings, "analytic", None, "auto")
-    cands = list(space(16, 32, len(units), gpus_per_node=8))
-    sizes = engine._probe_sizes(cands, 32)
-    spec = pn.annotate(model, {u: {"U": i} for i, u in enumerate(units)})
+                          pn.Topology.of("H100"), "bf16", settings, "analytic", None, "auto",
+                          experts, engine._holding(units, experts))
+    cands = [k for k in space(16, samples, len(units), gpus_per_node=8, experts=experts)
+             if keep(k)]
+    sizes = engine._probe_sizes(cands, samples)
+    spec = pn.annotate(model, {**{u: {"U": i, **({"AC": 1} if 0 < i < len(units) - 1 else {})}
+                                  for i, u in enumerate(units)},
+                               **(experts.tags(model, 1) if experts else {})})
     random.Random(seed).shuffle(cands)
     probes, steps, peaks = {}, [], []
     for k in cands:
@@ -94,16 +126,16 @@ def accuracy(n: int = 40, seed: int = 0) -> dict:
             spec, units, batch, sizes[k.tp], k.tp, k.sp, setup.price, precision="bf16"))
         if p.error:
             continue
-        ctx = Context(batch=32, links=p.links, param_bytes=None, grad_bytes=None,
+        ctx = Context(batch=samples, links=p.links, param_bytes=None, grad_bytes=None,
                       optim_bytes=12, reduce_bytes=4)
         e = estimate(k, layout(k, p, ctx), ctx)
         cut = list(p.cut(k.stages))
-        plan = pn.compile(pn.annotate(model, annotation(units, cut, k.every)), program(k, cut), batch,
-                          precision="bf16")
+        plan = pn.compile(pn.annotate(model, setup.annotation(k, cut)), setup.program(k, cut),
+                          batch, precision="bf16")
         trace = pn.simulate(plan, setup.price(plan), memory=settings)
         steps.append(e.step / trace.step_time)
         peaks.append(e.peak / max(trace.peak_memory.values()))
-    out = {"case": "1 B-class Llama, 16 H100, estimate / simulated", "candidates": len(steps)}
+    out = {"case": case, "candidates": len(steps)}
     for key, xs in (("step", steps), ("peak", peaks)):
         out[key] = {"median": round(statistics.median(xs), 3), "min": round(min(xs), 3),
                     "max": round(max(xs), 3),
@@ -199,9 +231,11 @@ def verify() -> dict:
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--case", default="all",
-                    choices=["all", "scale", "accuracy", "ranking", "published", "verify"])
+                    choices=["all", "scale", "accuracy", "accuracy-moe", "ranking",
+                             "published", "verify"])
     args = ap.parse_args()
-    for name, fn in (("accuracy", accuracy), ("ranking", ranking), ("published", published),
+    for name, fn in (("accuracy", accuracy), ("accuracy-moe", accuracy_moe),
+                     ("ranking", ranking), ("published", published),
                      ("scale", scale), ("verify", verify)):
         if args.case in ("all", name):
             fn()

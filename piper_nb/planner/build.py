@@ -7,7 +7,8 @@ group is consecutive devices, inside one node). Stages are cut over the pipeline
 backward time is smallest, which leaves the first and last stages fewer layers where the
 embedding and the head weigh. A stage is recomputed when its rank is among the first
 `recompute` ranks; its layers (the units between the first and the last) are, or one in
-`every` of them counting from the first layer (tagged `AC: 2` then). Float8
+`every` of them counting from the first layer (tagged `AC: 2` then). With EP, a stage's
+experts are spread over its replicas (`pn.shard`, the experts tagged `EP`). Float8
 (`pn.float8`) rewrites the layers' linears, not the embedding's or the head's (torchtitan's
 `filter_fqns` leaves the output projection in bf16).
 """
@@ -35,14 +36,17 @@ def cut(weights: list[float], stages: int) -> list[int]:
     return _linear_partition([max(w, 1e-12) for w in weights], stages)
 
 
-def annotation(units: list[str], stage_of: list[int], every: int = 1) -> dict:
+def annotation(units: list[str], stage_of: list[int], every: int = 1,
+               experts: dict | None = None) -> dict:
     """The `pn.annotate` mapping: each unit's stage and its index `L` (a region of its own,
     recomputed alone, as the probe priced it); the layers between the first and the last
     unit tagged `AC` (what a recompute directive names): 1, or 2 for the one layer in
-    `every` that recomputes."""
+    `every` that recomputes; and `experts`, the entries tagging a MoE model's experts
+    (`planner.experts.Experts.tags`)."""
     n = len(units)
-    return {u: {"PP": s, "L": i, **({"AC": _ac(i, n, every)} if is_layer(i, n) else {})}
-            for i, (u, s) in enumerate(zip(units, stage_of, strict=True))}
+    return {**{u: {"PP": s, "L": i, **({"AC": _ac(i, n, every)} if is_layer(i, n) else {})}
+               for i, (u, s) in enumerate(zip(units, stage_of, strict=True))},
+            **(experts or {})}
 
 
 def _ac(i: int, n: int, every: int) -> int:
@@ -64,11 +68,13 @@ def recomputes(k: Knobs, stage: int, i: int, n: int) -> bool:
     return k.rank_of(stage) < k.recompute and is_layer(i, n) and _one_in(i, n, k.every)
 
 
-def program(k: Knobs, stage_of: list[int]) -> list:
+def program(k: Knobs, stage_of: list[int], expert_units=()) -> list:
     """The directives of candidate `k` whose units run on stages `stage_of` (see the module
-    docstring)."""
+    docstring); with EP, each stage holding one of `expert_units` (unit indices) shards its
+    experts over its replicas."""
     from piper_nb import schedules
     from piper_nb.directives.float8 import float8
+    from piper_nb.directives.shard import shard
     from piper_nb.directives.spec import place, recompute, replicate, split
     from piper_nb.tp import tensor_parallel
     lead = lambda r, rep: (rep * k.pp + r) * k.tp   # noqa: E731 - rank r's first device
@@ -79,6 +85,8 @@ def program(k: Knobs, stage_of: list[int]) -> list:
         if k.dp > 1:
             out.append(replicate({"PP": s}, devs, zero=k.zero,
                                     reshard=k.pp == 1 or k.zero < 3))
+        if k.ep > 1 and any(stage_of[i] == s for i in expert_units):
+            out.append(shard({"PP": s, "EP": "*"}, devs))
     if k.tp > 1:
         groups = [[lead(r, rep) + t for t in range(k.tp)] for rep in range(k.dp)
                   for r in range(k.pp)]

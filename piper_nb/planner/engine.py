@@ -3,7 +3,8 @@
 The loop (see `search`):
 
 1. The space (`planner.knobs.space`): PP x TP x DP = devices, ZeRO, schedule, microbatches,
-   recompute (by rank, one layer in k), SP, Float8 when pinned, less what the user pins.
+   recompute (by rank, one layer in k), SP, Float8 when pinned, EP for a MoE model, less
+   what the user pins.
    An empty space is a PlanError that says which rule emptied it.
 2. Explore: each candidate is bounded (model states and one microbatch's stash; over the
    capacity: refused), then estimated from its TP class's probe (`planner.probe`, one
@@ -31,6 +32,7 @@ from piper_nb.directives.spec import Program
 from piper_nb.errors import PlanError
 from piper_nb.planner.build import annotation, is_layer, program, token_count
 from piper_nb.planner.estimate import Context, bound, estimate, layout
+from piper_nb.planner.experts import find_experts
 from piper_nb.planner.knobs import Knobs, check_pins, space
 from piper_nb.planner.probe import UNIT_TAG, probe
 from piper_nb.planner.result import GIB, Candidate, SearchResult, Status
@@ -59,6 +61,15 @@ class _Setup:
     cost: str
     loss_fn: object
     capture: str
+    experts: object = None      # planner.experts.Experts of a MoE model
+    expert_units: tuple = ()    # the units holding them
+
+    def annotation(self, k: Knobs, stage_of) -> dict:
+        tags = self.experts.tags(self.model, k.ep) if self.experts else None
+        return annotation(self.units, list(stage_of), k.every, tags)
+
+    def program(self, k: Knobs, stage_of) -> Program:
+        return Program(program(k, list(stage_of), self.expert_units))
 
     def price(self, plan):
         if self.cost == "profile":
@@ -112,12 +123,17 @@ def search(model, batch, devices: int, hardware="H100", *, topology=None, pin=No
         raise PlanError(f"pn.search: pin float8=True needs FP8 matmuls, which the "
                         f"{spec.name} has none of; search on a GPU with them (H100, H200) "
                         "or drop the pin")
+    experts = find_experts(model)
+    if experts is None and pins.get("ep", {1}) - {1}:
+        raise PlanError(f"pn.search: pin ep={pin['ep']!r} spreads experts, and "
+                        f"{type(model).__name__} has none (no stacked-experts module, no "
+                        "ModuleList named experts); drop the pin")
     candidates = list(space(devices, samples, len(units), gpus_per_node=topo.gpus_per_node,
-                            pins=pins))
+                            pins=pins, experts=experts))
     if not candidates:
         raise PlanError(_empty(devices, samples, len(units), topo.gpus_per_node, pin))
     setup = _Setup(model, batch, token_count(batch), units, spec, topo, precision, settings,
-                   cost, loss_fn, capture)
+                   cost, loss_fn, capture, experts, _holding(units, experts))
     ctx = Context(batch=samples, links=None, param_bytes=settings.param_bytes,
                   grad_bytes=settings.grad_bytes,
                   optim_bytes=settings.optim_per_param() + (4 if precision == "bf16" else 0),
@@ -152,8 +168,10 @@ def _explore(setup: _Setup, candidates, ctx: Context, capacity: float, devices: 
     cut) pairs, the refused rows, and whether the user interrupted."""
     probes: dict = {}
     n = len(setup.units)
-    unit_spec = annotate(setup.model, {u: {UNIT_TAG: i, **({"AC": 1} if is_layer(i, n) else {})}
-                                       for i, u in enumerate(setup.units)})
+    unit_spec = annotate(setup.model, {
+        **{u: {UNIT_TAG: i, **({"AC": 1} if is_layer(i, n) else {})}
+           for i, u in enumerate(setup.units)},
+        **(setup.experts.tags(setup.model, 1) if setup.experts else {})})
     sizes = _probe_sizes(candidates, ctx.batch)
     kept, refused, interrupted = [], [], False
     bar = _bar(len(candidates), progress, "exploring")
@@ -199,20 +217,31 @@ def _explore(setup: _Setup, candidates, ctx: Context, capacity: float, devices: 
 
 
 def _probe_sizes(candidates: list[Knobs], samples: int) -> dict[int, tuple[int, ...]]:
-    """Per TP degree, the smallest and the largest microbatch its candidates use."""
+    """Per TP degree, the smallest and the largest microbatch its candidates use; 2 for 1
+    where the batch has 2 (torch.export specialises a batch of 1; `Probe.at` draws the
+    line on to 1)."""
     out: dict[int, set] = {}
     for k in candidates:
         out.setdefault(k.tp, set()).add(samples // (k.dp * k.microbatches))
-    return {tp: tuple(sorted({min(s), max(s)})) for tp, s in out.items()}
+    low = min(2, samples)
+    return {tp: tuple(sorted({max(min(s), low), max(s)})) for tp, s in out.items()}
 
 
 def _rate(tokens: int, step: float, devices: int) -> float:
     return tokens / step / devices if step > 0 else 0.0
 
 
+def _holding(units: list[str], experts) -> tuple[int, ...]:
+    """The units (indices) whose modules hold experts."""
+    if experts is None:
+        return ()
+    return tuple(i for i, u in enumerate(units)
+                 if any(u == "" or p.startswith(u + ".") for p, _, _ in experts.modules))
+
+
 def _with_program(setup: _Setup, row: Candidate, stage_of) -> Candidate:
-    return replace(row, annotation=annotation(setup.units, list(stage_of), row.knobs.every),
-                   program=Program(program(row.knobs, list(stage_of))))
+    return replace(row, annotation=setup.annotation(row.knobs, stage_of),
+                   program=setup.program(row.knobs, stage_of))
 
 
 def _verify(setup: _Setup, kept, refused, top, capacity, devices, progress, budget):

@@ -14,6 +14,9 @@ probe (`planner.probe`), without compiling it: how a search explores thousands.
   holds at once (`pipeline.peaks`): stashes, the gradients a backward makes, a recomputed
   layer made again. `bound` is the floor a search prunes by first: model states and one
   microbatch's stash.
+- Expert parallelism (a MoE model's experts spread over each stage's replicas): the
+  experts' states are divided by EP and left out of the reductions, ZeRO's shards and
+  gathers; each MoE layer's passes wait for their dispatch and combine all-to-alls.
 
 Stages are cut once per (TP class, stage count) on the class's larger probe (`Probe.cut`);
 a candidate's `layout` is made once for its bound and its estimate. The
@@ -23,7 +26,7 @@ estimate ranks and prunes; the candidates a search keeps are compiled and simula
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from piper_nb.ir.kinds import Op
 from piper_nb.planner.build import recomputes
@@ -73,8 +76,25 @@ def layout(k: Knobs, probe, ctx: Context) -> Layout:
     """Candidate `k`'s `Layout` from its TP class's `probe`."""
     units = probe.at(micro_size(k, ctx))
     stage_of = probe.cut(k.stages)
+    if k.ep > 1:
+        units = _all_to_all(k, units, stage_of, ctx)
     on_rank = _units_on(k, stage_of)
     return Layout(units, stage_of, on_rank, _states(k, units, ctx, on_rank))
+
+
+def _all_to_all(k: Knobs, units, stage_of, ctx: Context) -> tuple:
+    """The units of an EP candidate: each MoE layer's forward waits for its dispatch and
+    combine all-to-alls over its stage's replicas, its backward for their duals."""
+    out = []
+    for i, u in enumerate(units):
+        if u.dispatch or u.combine:
+            r = k.rank_of(stage_of[i])
+            group = tuple((rep * k.pp + r) * k.tp for rep in range(k.dp))
+            t = (ctx.links.link_time(Op.ALL_TO_ALL, group, u.dispatch)
+                 + ctx.links.link_time(Op.ALL_TO_ALL, group, u.combine))
+            u = replace(u, f=u.f + t, b=u.b + t)
+        out.append(u)
+    return tuple(out)
 
 
 def _units_on(k: Knobs, stage_of) -> list[list[int]]:
@@ -88,20 +108,45 @@ def _states(k: Knobs, units, ctx: Context, on_rank) -> list[float]:
     """Parameter, gradient and optimizer bytes on one device of each rank."""
     out = []
     for mine in on_rank:
-        n = sum(units[i].params for i in mine)
-        pbytes = sum(units[i].param_bytes for i in mine)
+        n, pbytes = _replicated(k, units, mine)
         pb = ctx.param_bytes * n if ctx.param_bytes is not None else pbytes
         gb = ctx.grad_bytes * n if ctx.grad_bytes is not None else pbytes
         dp = k.dp
         total = (pb / (dp if k.zero == 3 else 1) + gb / (dp if k.zero >= 2 else 1)
                  + ctx.optim_bytes * n / (dp if k.zero >= 1 else 1))
+        if k.ep > 1:   # the experts, spread over the replicas, neither reduced nor sharded
+            ne = sum(units[i].expert_params for i in mine)
+            ebytes = sum(units[i].expert_param_bytes for i in mine)
+            total += ((ctx.param_bytes * ne if ctx.param_bytes is not None else ebytes)
+                      + (ctx.grad_bytes * ne if ctx.grad_bytes is not None else ebytes)
+                      + ctx.optim_bytes * ne) / k.ep
         if k.zero == 3 and dp > 1 and mine:
             if k.pp > 1:   # gathered once a step and kept, gradients reduced once (build)
                 total += pbytes + gb - gb / dp
-            else:
-                total += 2 * max(units[i].param_bytes for i in mine)    # gathered, prefetched
+            else:          # gathered, prefetched
+                total += 2 * max(_replicated(k, units, [i])[1] for i in mine)
         out.append(total)
     return out
+
+
+def _replicated(k: Knobs, units, mine) -> tuple[int, int]:
+    """(elements, bytes) of the parameters on units `mine` that the replicas hold alike
+    (all of them, but the experts under EP)."""
+    if k.ep > 1:
+        return (sum(units[i].params - units[i].expert_params for i in mine),
+                sum(units[i].param_bytes - units[i].expert_param_bytes for i in mine))
+    return sum(units[i].params for i in mine), sum(units[i].param_bytes for i in mine)
+
+
+def _update(k: Knobs, units, mine) -> float:
+    """The update's time on one device of a rank holding units `mine`: a ZeRO shard of the
+    replicated parameters', an EP share of the experts'."""
+    t = 0.0
+    for i in mine:
+        u = units[i]
+        share = u.expert_params / u.params if k.ep > 1 and u.params else 0.0
+        t += u.u * ((1 - share) / (k.dp if k.zero >= 1 else 1) + share / k.ep)
+    return t
 
 
 def bound(k: Knobs, lay: Layout) -> float:
@@ -134,8 +179,9 @@ def estimate(k: Knobs, lay: Layout, ctx: Context) -> Estimate:
         else:
             act[s] += u.saved
             extra[s] = max(extra[s], u.saved)
-    if k.schedule is Schedule.NONE:
-        held = (act[0] + extra[0],)
+    if k.schedule is Schedule.NONE:   # one microbatch at a time; with EP's all-to-alls
+        # the compile runs every forward before the backwards (GPipe's order)
+        held = ((k.microbatches if k.ep > 1 else 1) * act[0] + extra[0],)
     else:
         steps = steps_of(k.schedule, k.pp, k.microbatches)
         held = peaks(steps, act, extra, again)
@@ -149,8 +195,7 @@ def estimate(k: Knobs, lay: Layout, ctx: Context) -> Estimate:
         hop = ctx.links.link_time("p2p", (0, k.tp if k.pp > 1 else 0), hop_bytes)
         step, busy = timing(steps, f, b, w, hop)
     step += _data_parallel(k, units, ctx, on_rank, b, stage_of)
-    step += max(sum(units[i].u for i in mine) for mine in on_rank) / (
-        k.dp if k.zero >= 1 else 1)
+    step += max(_update(k, units, mine) for mine in on_rank)
     bubble = 1 - sum(busy) / len(busy) / step if step > 0 else 0.0
     return Estimate(step, bubble, peak, stage_of)
 
@@ -158,9 +203,10 @@ def estimate(k: Knobs, lay: Layout, ctx: Context) -> Estimate:
 def _data_parallel(k: Knobs, units, ctx: Context, on_rank, b, stage_of) -> float:
     """What a step waits for of the replicas' collectives, on the slowest rank.
 
-    Reductions once a step (ZeRO 0-1; ZeRO-2's last) hide behind the last backward but for
-    the last unit's share. ZeRO-3 gathers behind half a backward: once a step under PP,
-    before every forward and backward without it. Under TP as well, ZeRO-3 without PP
+    Reductions once a step (ZeRO 0-1) hide behind the last backward but for the last
+    unit's share; ZeRO-2's, one after each microbatch's backward, behind that backward.
+    ZeRO-3 gathers behind half a backward: once a step under PP, before every forward and
+    backward without it. Under TP as well, ZeRO-3 without PP
     hides next to nothing: each TP part of a layer (a norm, the attention, the MLP) is
     gathered when it is next, behind the short part before it, a recomputed layer's parts
     again before their second forward, and each reduction is waited for before the next
@@ -175,19 +221,19 @@ def _data_parallel(k: Knobs, units, ctx: Context, on_rank, b, stage_of) -> float
         if not mine:
             continue
         group = tuple((rep * k.pp + r) * k.tp for rep in range(k.dp))
-        n = sum(units[i].params for i in mine)
-        pbytes = sum(units[i].param_bytes for i in mine)
+        n, pbytes = _replicated(k, units, mine)
         backward = sum(b[s] for s in {stage_of[i] for i in mine})
         last = 1 / len(mine)
         kind = Op.ALL_REDUCE if k.zero == 0 else Op.REDUCE_SCATTER
         sync = link(kind, group, n * ctx.reduce_bytes)
         each = link(Op.ALL_GATHER, group, pbytes)
         if k.zero == 3 and k.pp == 1 and k.tp > 1:
-            again = sum(units[i].param_bytes for i in mine
-                        if recomputes(k, stage_of[i], i, n_units)) / max(pbytes, 1)
+            again = sum(_replicated(k, units, [i])[1] for i in mine
+                    if recomputes(k, stage_of[i], i, n_units)) / max(pbytes, 1)
             worst = max(worst, k.microbatches * (sync + each * (2 + again)))
             continue
-        waited = max(sync - backward, sync * last)
+        syncs = k.microbatches if k.zero == 2 else 1   # ZeRO-2: one after each backward
+        waited = max(syncs * (sync - backward), sync * last)
         if k.zero in (1, 2):
             waited += each
         elif k.zero == 3:

@@ -11,7 +11,9 @@ layer in 1 or 2, or as pinned; torchtitan's `selective_ac_option`), Megatron's s
 parallelism under TP, and, when pinned, Float8 matmuls in the layers (`pn.float8`, torchao's tensorwise
 scaling) without TP (Float8 under TP prices but does not train: its scales would be per
 shard). Float8 is not tried unless pinned: regions run eagerly, where its casts cost more
-than its matmuls save, and its probe would cost a class of its own.
+than its matmuls save, and its probe would cost a class of its own. For a mixture-of-experts
+model, expert parallelism (`ep`): the experts replicated with their stage (1), or spread
+over its DP group (DP, `pn.shard`) where their count allows.
 """
 
 from __future__ import annotations
@@ -55,6 +57,7 @@ class Knobs:
     sp: bool                # Megatron's sequence parallelism (TP > 1)
     float8: bool = False    # the layers' linears multiply in Float8 (`pn.float8`), TP 1
     every: int = 1          # of the recomputing ranks' layers, one in `every` (layer 0, k, ..)
+    ep: int = 1             # experts spread over each stage's DP group (1, or DP: `pn.shard`)
 
     @property
     def stages(self) -> int:
@@ -65,8 +68,9 @@ class Knobs:
         return stage_rank(self.schedule, self.pp, stage)
 
     def label(self) -> str:
-        """A short text form, e.g. `PP4 TP8 DP4 Z1 1f1b m16 rc4 sp`."""
-        parts = [f"PP{self.pp}", f"TP{self.tp}", f"DP{self.dp}", f"Z{self.zero}",
+        """A short text form, e.g. `PP4 TP8 DP4 Z1 1f1b m16 rc4 sp` (`EP4` after DP)."""
+        parts = [f"PP{self.pp}", f"TP{self.tp}", f"DP{self.dp}",
+                 *([f"EP{self.ep}"] if self.ep > 1 else []), f"Z{self.zero}",
                  str(self.schedule), f"m{self.microbatches}"]
         if self.recompute:
             parts.append(f"rc{self.recompute}" + (f"/{self.every}" if self.every > 1 else ""))
@@ -88,7 +92,7 @@ def stage_rank(schedule: Schedule, pp: int, stage: int) -> int:
 
 
 KNOBS = ("pp", "tp", "dp", "zero", "schedule", "microbatches", "recompute", "sp", "float8",
-         "every")
+         "every", "ep")
 EVERY = (1, 2)   # one layer in k recomputed where every rank recomputes (others: pin them)
 
 
@@ -130,10 +134,11 @@ def check_pins(pin: Mapping | None) -> dict:
 
 
 def space(devices: int, batch_size: int, stages_max: int, *, gpus_per_node: int,
-          pins: Mapping[str, set] | None = None) -> Iterator[Knobs]:
+          pins: Mapping[str, set] | None = None, experts=None) -> Iterator[Knobs]:
     """Every candidate for `devices` devices and a batch of `batch_size` sequences (samples):
     a model of `stages_max` pipeline units can hold at most that many stages; TP at most
-    `gpus_per_node` (one node), dividing the node; Float8 as pinned, without TP."""
+    `gpus_per_node` (one node), dividing the node; Float8 as pinned, without TP; with
+    `experts` (`planner.experts.Experts`, a MoE model), EP 1 or DP where they allow it."""
     pins = pins or {}
     ok = lambda k, v: k not in pins or v in pins[k]   # noqa: E731
     node = min(gpus_per_node, devices)
@@ -151,8 +156,8 @@ def space(devices: int, batch_size: int, stages_max: int, *, gpus_per_node: int,
                 for m in divisors(local):
                     if not ok("microbatches", m) or not _fits_schedule(schedule, pp, m):
                         continue
-                    for zero in ((0, 1, 2, 3) if dp > 1 else (0,)):
-                        if not ok("zero", zero):
+                    for zero, ep in _zeros(dp, experts):
+                        if not (ok("zero", zero) and ok("ep", ep)):
                             continue
                         for rc, every in _recomputes(pp, pins):
                             if not (ok("recompute", rc) or (rc == pp and ok("recompute", "all"))):
@@ -164,7 +169,14 @@ def space(devices: int, batch_size: int, stages_max: int, *, gpus_per_node: int,
                                         else (False,):
                                     if ok("float8", f8):
                                         yield Knobs(pp, tp, dp, zero, schedule, m, rc, sp,
-                                                    f8, every)
+                                                    f8, every, ep)
+
+
+def _zeros(dp: int, experts) -> list[tuple[int, int]]:
+    """(ZeRO level, EP) pairs: ZeRO 0-3 with DP, each with the experts replicated and, where
+    they allow it, spread over the DP group."""
+    eps = (1, dp) if dp > 1 and experts is not None and experts.allows(dp) else (1,)
+    return [(z, ep) for z in ((0, 1, 2, 3) if dp > 1 else (0,)) for ep in eps]
 
 
 def _recomputes(pp: int, pins: Mapping[str, set]) -> list[tuple[int, int]]:

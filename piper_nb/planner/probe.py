@@ -7,7 +7,10 @@ embedding, each layer, the head), and simulates that plan with the cost model th
 uses. Per unit it keeps (`UnitCost`): the forward and backward times with the unit's TP
 collectives (on the critical path as they run), the weight-gradient share of the backward,
 the update, the parameters one TP rank holds, what autograd saves and what the unit reads
-per microbatch. The estimate (`planner.estimate`) scales those by the microbatch size.
+per microbatch; in a MoE model, which of the parameters are its experts' and what its
+experts read and give back (what EP's all-to-all moves; the probe's experts are regions
+of their own, tagged `EP`, on its one device). The estimate (`planner.estimate`) scales
+those by the microbatch size.
 
 A class whose compile fails (a model without a TP plan, heads that do not divide) is
 refused as a whole with the compile's reason.
@@ -22,6 +25,7 @@ from piper_nb.errors import PlanError
 from piper_nb.ir.kinds import COMM, Op
 from piper_nb.plan.sizes import element_size, value_bytes
 from piper_nb.planner.build import cut
+from piper_nb.planner.experts import EP
 from piper_nb.sim.ledger_params import param_numel
 
 __all__ = ["UnitCost", "Probe", "probe", "UNIT_TAG"]
@@ -42,6 +46,10 @@ class UnitCost:
     param_bytes: int  # their bytes (the plan's dtypes)
     saved: float      # bytes autograd saves in the forward (the tensors it keeps included)
     inputs: float     # bytes of what the unit reads (kept when it is recomputed)
+    expert_params: int = 0        # of `params`, those of its experts (EP-tagged regions)
+    expert_param_bytes: int = 0
+    dispatch: float = 0.0  # bytes its experts read from the rest, per microbatch (all-to-all)
+    combine: float = 0.0   # bytes the rest reads from its experts
 
 
 @dataclass(frozen=True)
@@ -83,7 +91,8 @@ class Probe:
         x = (n - r0) / (r1 - r0) if r1 != r0 else 0.0
         line = lambda a, b: max(a + (b - a) * x, 0.0) if r1 != r0 else a * n / r0  # noqa: E731
         return tuple(replace(u, f=line(u.f, v.f), b=line(u.b, v.b), w=line(u.w, v.w),
-                             saved=v.saved * n / r1, inputs=v.inputs * n / r1)
+                             saved=v.saved * n / r1, inputs=v.inputs * n / r1,
+                             dispatch=v.dispatch * n / r1, combine=v.combine * n / r1)
                      for u, v in zip(lo, hi, strict=True))
 
 
@@ -148,6 +157,13 @@ def _units(plan, cost, trace, names: list[str]) -> tuple[UnitCost, ...]:
         kept = {v for r in regions for side in plan.kept.get(r, ((), ())) for v in side
                 if v in plan.values}
         made = {v for r in regions for v in plan.regions[r].outputs}
+        experts = [r for r in regions if EP in dict(plan.regions[r].tags)]
+        rest = set(regions) - set(experts)
+        mine = {p for r in experts for p in plan.regions[r].params if p in plan.params}
+        into = {v for r in experts for v in plan.regions[r].inputs if v in plan.values}
+        out_of = {v for r in experts for v in plan.regions[r].outputs if v in plan.values}
+        made_rest = {v for r in rest for v in plan.regions[r].outputs}
+        read_rest = {v for r in rest for v in plan.regions[r].inputs}
         out.append(UnitCost(
             name=name, f=f[k], b=b[k],
             w=sum(cost.passes.get((r, Op.BW), 0.0) for r in regions),
@@ -157,5 +173,10 @@ def _units(plan, cost, trace, names: list[str]) -> tuple[UnitCost, ...]:
                             for p in params),
             saved=float(sum(plan.saved.get(r, 0) for r in regions)
                         + sum(value_bytes(plan.values[v]) for v in kept)),
-            inputs=float(sum(value_bytes(plan.values[v]) for v in reads - made))))
+            inputs=float(sum(value_bytes(plan.values[v]) for v in reads - made)),
+            expert_params=sum(param_numel(plan, p) for p in mine),
+            expert_param_bytes=sum(param_numel(plan, p) * element_size(plan.params[p][1])
+                                   for p in mine),
+            dispatch=float(sum(value_bytes(plan.values[v]) for v in into & made_rest)),
+            combine=float(sum(value_bytes(plan.values[v]) for v in out_of & read_rest))))
     return tuple(out)

@@ -23,6 +23,7 @@ from piper_nb.profile.time_slicing import profile_slicing
 from piper_nb.sim import simulate as sim_simulate
 from piper_nb.sim.cost import CostModel as SimCostModel
 from piper_nb.sim.host_model import HostModel
+from piper_nb.sim.tokens import scale_experts
 from piper_nb.sim.trace import Trace
 
 __all__ = ["CostModel", "profile_cost_model", "simulate"]
@@ -73,6 +74,7 @@ def profile_cost_model(plan, repeats: int = 5, comm: bool = True, optimizer=None
                         "pn.CostModel.analytic(plan, 'H100') or pn.CostModel.uniform()")
     optimizer = check_optimizer(optimizer if optimizer is not None else SGD(0.1), "profile")
     passes, overhead, background = profile_plan(plan, repeats, optimizer)
+    passes = scale_experts(plan, passes)   # an expert runs on its group's rows
     packing = profile_packing(plan, repeats, optimizer)
     links: dict = {}
     issue: dict = {}

@@ -1,13 +1,15 @@
 """FLOPs per region, counted by running each region once on one microbatch slice under
 `FlopCounterMode` (`capture.annotate.flop_counter` also counts the `_grouped_mm` of
 Hugging Face's stacked experts). `each_region` runs every region so for any counter (the
-per-operator one of `sim.op_counts` too). Pure: no process, and the user's model keeps its
-buffers and random state (`capture.untouched`).
+per-operator one of `sim.op_counts` too); an expert region of a sharded plan runs on its
+group's routed rows (`sim.tokens.expert_scale`), as its owner does. Pure: no process,
+and the user's model keeps its buffers and random state (`capture.untouched`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 
 import torch
 
@@ -17,13 +19,17 @@ from piper_nb.plan.sizes import random_value
 __all__ = ["region_flops", "region_inputs", "each_region", "signature"]
 
 
-def region_inputs(plan, r: int, seed: int = 0, device=None) -> list[torch.Tensor]:
-    """Random (float) or zero (integer) tensors shaped like region r's inputs; on the meta
-    `device`, empty ones (no values to draw: FLOPs depend on shapes only)."""
+def region_inputs(plan, r: int, seed: int = 0, device=None,
+                  rows: dict | None = None) -> list[torch.Tensor]:
+    """Random (float) or zero (integer) tensors shaped like region r's inputs (`rows`:
+    value -> its first dimension instead); on the meta `device`, empty ones (no values to
+    draw: FLOPs depend on shapes only)."""
     gen = torch.Generator().manual_seed(seed)
     args = []
     for v in plan.regions[r].inputs:
         info = plan.values[v]
+        if rows and v in rows:
+            info = dataclasses.replace(info, shape=(rows[v], *info.shape[1:]))
         if device is not None and torch.device(device).type == "meta":
             t = torch.empty(info.shape, dtype=getattr(torch, info.dtype), device="meta")
         else:
@@ -54,7 +60,9 @@ def each_region(plan, count, grad: bool = False) -> dict:
     repeated layers (one `signature`) are counted once; with values, routing to experts can
     differ layer by layer."""
     from piper_nb.capture.untouched import untouched
+    from piper_nb.sim.tokens import expert_scale
     out, seen = {}, {}
+    scale = expert_scale(plan)
     home = next((p.device for p in plan.capture.model.parameters()), torch.device("cpu"))
     with untouched(plan.capture.model), torch.enable_grad() if grad else torch.no_grad():
         for r in range(len(plan.regions)):
@@ -62,7 +70,11 @@ def each_region(plan, count, grad: bool = False) -> dict:
             device = next((p.device for p in module.parameters()), None) or home
             # detached: FlopCounterMode's module tracker trips over an output aliasing an
             # input that needs a gradient (a part that only sums)
-            args = [a.to(device).detach() for a in region_inputs(plan, r, device=device)]
+            # an expert runs on what its whole group routed to it
+            rows = {v: round(plan.values[v].shape[0] * scale[r]) for v in plan.regions[r].inputs
+                    if v in plan.rows} if r in scale else None
+            args = [a.to(device).detach() for a in region_inputs(plan, r, device=device,
+                                                                 rows=rows)]
             for a, v in zip(args, plan.regions[r].inputs, strict=True):
                 if grad and a.is_floating_point() and plan.values[v].requires_grad:
                     a.requires_grad_(True)

@@ -9,7 +9,10 @@ captured microbatch did.
 
 Where a buffer lives decides which count sizes it: on the replica side (the router, the
 combine) a member's own rows; inside the expert, on its owner, the group's total (the owner
-concatenates what every member dispatched).
+concatenates what every member dispatched). So does the time of an expert's passes:
+`expert_scale` is the group's rows over one member's (a region's inputs as captured). The
+analytic model counts an expert's operators on the group's rows (`sim.flops`); a profile,
+timed on one member's, scales its times by it (`scale_experts`).
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from collections.abc import Mapping, Sequence
 from piper_nb.plan.sizes import element_size, value_bytes
 from piper_nb.plan.token_rows import captured_rows, saved_at
 
-__all__ = ["Routing"]
+__all__ = ["Routing", "expert_scale", "scale_experts"]
 
 
 class Routing:
@@ -77,3 +80,30 @@ class Routing:
         total = region in self.experts
         at = {s: self.rows(s, mb, device, total) for s in coef}
         return saved_at(base, coef, at, self.hints)
+
+
+def expert_scale(plan) -> dict[int, float]:
+    """Region -> the factor on its pass times: an expert region (it reads a dispatched
+    value) runs on the group's rows, where a cost model prices it on the captured member's;
+    every member routes as the captured microbatch did."""
+    if not plan.rows:
+        return {}
+    routing = Routing(plan)
+    out = {}
+    for r in routing.experts:
+        for v in plan.regions[r].inputs:
+            symbol = plan.rows.get(v)
+            if symbol in routing.source and routing.hints[symbol]:
+                group = routing.source[symbol][1]
+                out[r] = routing.rows(symbol, 0, group[0], True) / routing.hints[symbol]
+                break
+    return out
+
+
+def scale_experts(plan, passes: dict) -> dict:
+    """`passes` ((region, pass) -> time, as timed on one member's rows) with the expert
+    regions' compute scaled (`expert_scale`), what grows with the rows on a CPU; the
+    update is the expert's own parameters', unscaled."""
+    scale = expert_scale(plan)
+    return {key: t * scale[key[0]] if key[0] in scale and key[1] != "U" else t
+            for key, t in passes.items()}

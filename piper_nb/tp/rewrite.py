@@ -24,6 +24,7 @@ trained weights back.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import operator
 from collections.abc import Mapping
@@ -34,6 +35,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 from torch import nn
 
+from piper_nb.capture.meta_routing import balanced_routing
 from piper_nb.capture.untouched import untouched
 from piper_nb.errors import PlanError
 from piper_nb.ir.filters import matches
@@ -184,7 +186,8 @@ def _node_infos(capture, wanted: set[int], batch: dict) -> dict[int, tuple[dict,
     (`Info`), and the region's inputs in that run."""
     vals = dict(batch)
     out: dict[int, tuple[dict, list]] = {}
-    with untouched(capture.model):
+    meta = any(t.is_meta for t in batch.values())
+    with untouched(capture.model), balanced_routing() if meta else contextlib.nullcontext():
         for info, gm in zip(capture.regions, capture.modules, strict=True):
             args = [vals[v].detach().requires_grad_(True)
                     if v not in batch and vals[v].is_floating_point() else vals[v]

@@ -13,12 +13,14 @@ alike. A shape that cannot be made a device's own is a PlanError naming the op.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import operator
 
 import torch
 import torch.fx as fx
 
+from piper_nb.capture.meta_routing import balanced_routing
 from piper_nb.capture.region_code import call_op
 from piper_nb.errors import PlanError
 from piper_nb.tp.fused import Origin, pick_parts, split_parts
@@ -46,8 +48,10 @@ def localize(gm: fx.GraphModule, args: list, full: dict[str, tuple | None], shar
     the dimension its first input is cut along (None: not one)."""
     localizer = _Localizer(gm, full, sharded, degree, local, where, dict(origins or {}))
     localizer.sequence = sequence
+    meta = any(isinstance(a, torch.Tensor) and a.is_meta for a in args)
     try:
-        localizer.run(*args)
+        with balanced_routing() if meta else contextlib.nullcontext():
+            localizer.run(*args)
     except PlanError as err:   # without the note torch.fx's interpreter appends
         raise PlanError(str(err).split("\n\nWhile executing")[0]) from None
     gm.graph.lint()
