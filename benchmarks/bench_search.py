@@ -13,7 +13,8 @@ Cases (`--case`):
 - `accuracy-moe`: the same for a Mixtral-shaped MoE (8 experts, top 2) on 16 H100s, 12
   candidates with expert parallelism (EP = DP).
 - `ranking`: TinyGPT on 4 CPU workers with profiled costs: the 8 fastest candidates, each
-  trained (median step of 6 after 2 warm-up steps) against its prediction; Spearman's rho.
+  trained (median step of 6 after 2 warm-up steps) against its prediction; Spearman's rho;
+  and whether each trained equal to `pn.reference_train` (fp32, rtol 1e-5).
 - `published`: Megatron's five runs of `published.py` (SC'21 Table 1, GPT 1.7B on 32 A100s
   to 39.1B on 512) searched with no pins, and the published configuration priced under
   the same model (every knob pinned): best over published, and which knobs differ.
@@ -144,6 +145,15 @@ def _accuracy(case: str, model, batch, n: int, seed: int, keep=lambda k: True) -
     return out
 
 
+def _equal(got, ref, rtol=1e-5, atol=4e-5) -> bool:
+    """Losses and every parameter equal to one process's (fp32; the tests' tolerances)."""
+    close = lambda a, b: torch.allclose(torch.as_tensor(a), torch.as_tensor(b),  # noqa: E731
+                                        rtol=rtol, atol=atol)
+    want = ref.state_dict()
+    return close(got.losses, ref.losses) and all(close(t, want[k])
+                                                 for k, t in got.state_dict().items())
+
+
 def spearman(xs, ys) -> float:
     def ranks(v):
         order = sorted(range(len(v)), key=lambda i: v[i])
@@ -162,15 +172,21 @@ def ranking(count: int = 8) -> dict:
     batch = model.example_batch(batch_size=16, seed=0)
     r = pn.search(model, batch, 4, cost="profile", top=count, progress=False)
     rows = []
+    opt = pn.optim.SGD(lr=0.01)
     with pn.LocalCluster(4) as cluster:
         for c in r.ranked:
-            plan = pn.compile(pn.annotate(model, c.annotation), c.program, batch)
-            got = pn.train(plan, batch, 8, pn.optim.SGD(lr=0.01), cluster=cluster)
+            spec = pn.annotate(model, c.annotation)
+            plan = pn.compile(spec, c.program, batch)
+            got = pn.train(plan, batch, 8, opt, cluster=cluster)
+            ref = pn.reference_train(spec, batch, 8, plan.reference_microbatches, opt)
             rows.append({"knobs": c.knobs.label(), "predicted ms": round(c.step * 1e3, 2),
-                         "measured ms": round(statistics.median(got.step_times[2:]) * 1e3, 2)})
+                         "measured ms": round(statistics.median(got.step_times[2:]) * 1e3, 2),
+                         "equals reference_train": _equal(got, ref)})
     rho = spearman([x["predicted ms"] for x in rows], [x["measured ms"] for x in rows])
     out = {"case": "TinyGPT dim 64, 4 CPU workers, profiled", "candidates": len(rows),
-           "spearman rho": round(rho, 3), "rows": rows, "search s": round(r.seconds["total"], 1)}
+           "spearman rho": round(rho, 3),
+           "equal to one process": sum(x["equals reference_train"] for x in rows),
+           "rows": rows, "search s": round(r.seconds["total"], 1)}
     print(json.dumps(out, indent=1), flush=True)
     return out
 
