@@ -12,6 +12,10 @@ aims at. The memory model resizes expert buffers from a measured routing wheneve
 given (`MemorySettings(tokens=...)`); this is only the default the plan is compiled at.
 
 A `nonzero` on a meta tensor whose origin is not such a mask is a `PlanError`.
+
+The mode sees every operator, a cost a dense model need not pay: `on_meta` runs a
+function plainly and again under the mode only when a `nonzero` on the meta device
+stopped it; `routes` tells from a graph whether it asks for one.
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ from torch.utils.weak import WeakTensorKeyDictionary
 
 from piper_nb.errors import PlanError
 
-__all__ = ["balanced_routing"]
+__all__ = ["balanced_routing", "on_meta", "routes"]
 
 _A = torch.ops.aten
 _COMPARE = {_A.eq.Scalar: lambda c, e: (c, c + 1), _A.ge.Scalar: lambda c, e: (c, e),
@@ -118,3 +122,40 @@ def balanced_routing():
     (see the module docstring); everything else runs as it would."""
     with _Balanced():
         yield
+
+
+def on_meta(meta: bool, fn, *args, **kwargs):
+    """`fn(*args, **kwargs)`; on the meta device (`meta`), where a `nonzero` had no size to
+    return, again under `balanced_routing`. `fn` must be safe to run twice."""
+    if not meta:
+        return fn(*args, **kwargs)
+    try:
+        return fn(*args, **kwargs)
+    except Exception as e:   # noqa: BLE001 - only a meta nonzero's is retried
+        if not _data_dependent(e):
+            raise
+    with balanced_routing():
+        return fn(*args, **kwargs)
+
+
+def _data_dependent(e: BaseException | None) -> bool:
+    """Whether `e` (or what it was raised from) is a meta `nonzero` without a size."""
+    while e is not None:
+        if "nonzero" in str(e) and isinstance(e, (NotImplementedError, RuntimeError,
+                                                  PlanError)):
+            return True
+        e = e.__cause__ or e.__context__
+    return False
+
+
+def routes(gm) -> bool:
+    """Whether graph module `gm` calls `nonzero` (or `argwhere`, or a one-argument
+    `where`): a size only a routing gives on the meta device."""
+    for n in gm.graph.nodes:
+        if n.op in ("call_function", "call_method"):
+            name = n.target if isinstance(n.target, str) else getattr(n.target, "__name__",
+                                                                       str(n.target))
+            if "nonzero" in str(name) or "argwhere" in str(name) or (
+                    name == "where" and len(n.args) + len(n.kwargs) == 1):
+                return True
+    return False

@@ -8,11 +8,9 @@ bytes the same way (`SavedBytes.split`), so predicted and measured memory agree.
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 
-from piper_nb.capture.meta_routing import balanced_routing
+from piper_nb.capture.meta_routing import on_meta
 from piper_nb.capture.split import LOSS
 from piper_nb.errors import PlanError
 from piper_nb.ir.loss_outputs import is_loss_output, loss_output_label
@@ -56,8 +54,7 @@ def propagate(capture, batch: dict[str, torch.Tensor]):
     keeps its buffers. On the meta device a router's tokens are assumed balanced over its
     experts (`capture.meta_routing`)."""
     meta = any(t.is_meta for t in batch.values())
-    with balanced_routing() if meta else contextlib.nullcontext():
-        return _propagate(capture, batch)
+    return on_meta(meta, _propagate, capture, batch)
 
 
 def _propagate(capture, batch: dict[str, torch.Tensor]):

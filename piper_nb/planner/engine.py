@@ -218,14 +218,11 @@ def _explore(setup: _Setup, candidates, ctx: Context, capacity: float, devices: 
 
 
 def _probe_sizes(candidates: list[Knobs], samples: int) -> dict[int, tuple[int, ...]]:
-    """Per TP degree, the smallest and the largest microbatch its candidates use; 2 for 1
-    where the batch has 2 (torch.export specialises a batch of 1; `Probe.at` draws the
-    line on to 1)."""
+    """Per TP degree, the smallest and the largest microbatch its candidates use."""
     out: dict[int, set] = {}
     for k in candidates:
         out.setdefault(k.tp, set()).add(samples // (k.dp * k.microbatches))
-    low = min(2, samples)
-    return {tp: tuple(sorted({max(min(s), low), max(s)})) for tp, s in out.items()}
+    return {tp: tuple(sorted({min(s), max(s)})) for tp, s in out.items()}
 
 
 def _rate(tokens: int, step: float, devices: int) -> float:

@@ -26,6 +26,7 @@ estimate ranks and prunes; the candidates a search keeps are compiled and simula
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, replace
 
 from piper_nb.ir.kinds import Op
@@ -183,21 +184,39 @@ def estimate(k: Knobs, lay: Layout, ctx: Context) -> Estimate:
         # the compile runs every forward before the backwards (GPipe's order)
         held = ((k.microbatches if k.ep > 1 else 1) * act[0] + extra[0],)
     else:
-        steps = steps_of(k.schedule, k.pp, k.microbatches)
-        held = peaks(steps, act, extra, again)
+        held = _peaks(k.schedule, k.pp, k.microbatches, tuple(act), tuple(extra), tuple(again))
     peak = max(st + h for st, h in zip(lay.states, held, strict=True))
     if k.schedule is Schedule.NONE:
         step = (f[0] + b[0]) * k.microbatches
         busy = (step,)
     else:
-        first = [next(i for i in range(n) if stage_of[i] == s) for s in range(k.stages)]
+        first = _firsts(stage_of, k.stages)
         hop_bytes = max((units[first[s]].inputs for s in range(1, k.stages)), default=0.0)
         hop = ctx.links.link_time("p2p", (0, k.tp if k.pp > 1 else 0), hop_bytes)
-        step, busy = timing(steps, f, b, w, hop)
+        step, busy = _timing(k.schedule, k.pp, k.microbatches, tuple(f), tuple(b), tuple(w),
+                             hop)
     step += _data_parallel(k, units, ctx, on_rank, b, stage_of)
     step += max(_update(k, units, mine) for mine in on_rank)
     bubble = 1 - sum(busy) / len(busy) / step if step > 0 else 0.0
     return Estimate(step, bubble, peak, stage_of)
+
+
+# the grid's timing and peaks do not depend on ZeRO, EP or the parts of a layer a rank
+# recomputes elsewhere: candidates that differ only there share them
+@functools.lru_cache(maxsize=1 << 16)
+def _timing(schedule: Schedule, pp: int, m: int, f, b, w, hop: float):
+    return timing(steps_of(schedule, pp, m), f, b, w, hop)
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _peaks(schedule: Schedule, pp: int, m: int, act, extra, again):
+    return peaks(steps_of(schedule, pp, m), act, extra, again)
+
+
+@functools.lru_cache(maxsize=1 << 12)
+def _firsts(stage_of: tuple[int, ...], stages: int) -> tuple[int, ...]:
+    """Each stage's first unit."""
+    return tuple(stage_of.index(s) for s in range(stages))
 
 
 def _data_parallel(k: Knobs, units, ctx: Context, on_rank, b, stage_of) -> float:

@@ -13,7 +13,9 @@ of their own, tagged `EP`, on its one device). The estimate (`planner.estimate`)
 those by the microbatch size.
 
 A class whose compile fails (a model without a TP plan, heads that do not divide) is
-refused as a whole with the compile's reason.
+refused as a whole with the compile's reason. A model captured by torch.export, which
+captures no batch of one sample, is probed at 2 samples and more, and its line drawn on
+to 1.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from piper_nb.sim.ledger_params import param_numel
 __all__ = ["UnitCost", "Probe", "probe", "UNIT_TAG"]
 
 UNIT_TAG = "U"     # the tag a probe gives each pipeline unit
+SPECIALISED = "a batch of 1 is specialised"   # torch.export's refusal (`capture.export`)
 
 
 @dataclass(frozen=True)
@@ -116,12 +119,25 @@ def probe(spec, units: list[str], batch, rows: tuple[int, ...], tp: int, sp: boo
     if float8:
         program.append(float8_layers({"AC": "*"}))
     measured, cost = [], None
+    whole = Batch.of(batch, "pn.search")
     try:
         plan = None
         for n in rows:
-            part = Batch.of(batch, "pn.search").slice(slice(0, n))
-            plan = (compile(spec, program, part, loss_fn=loss_fn, precision=precision,
-                               capture=capture) if plan is None else rebatch(plan, part))
+            part = whole.slice(slice(0, n))
+            if plan is None and n == 1:
+                try:
+                    plan = compile(spec, program, part, loss_fn=loss_fn, precision=precision,
+                                   capture=capture)
+                except PlanError as e:
+                    if SPECIALISED not in str(e) or whole.size < 2:
+                        raise
+                    # torch.export captures no batch of 1: a line through 2 and more
+                    rows = _from_two(rows, whole.size)
+                    return probe(spec, units, batch, rows, tp, sp, price, precision=precision,
+                                 loss_fn=loss_fn, capture=capture, float8=float8)
+            else:
+                plan = (compile(spec, program, part, loss_fn=loss_fn, precision=precision,
+                                capture=capture) if plan is None else rebatch(plan, part))
             cost = price(plan)
             measured.append(_units(plan, cost, simulate(plan, cost), units))
     except PlanError as e:
@@ -129,6 +145,11 @@ def probe(spec, units: list[str], batch, rows: tuple[int, ...], tp: int, sp: boo
                      seconds=time.perf_counter() - t0, float8=float8)
     return Probe(tp, sp, tuple(rows), tuple(measured), None, time.perf_counter() - t0, cost,
                  float8=float8)
+
+
+def _from_two(rows: tuple[int, ...], samples: int) -> tuple[int, ...]:
+    """`rows` without a batch of 1: 2, and the largest (at least 4, if the batch has it)."""
+    return tuple(sorted({2, max(*rows, min(4, samples))}))
 
 
 def _units(plan, cost, trace, names: list[str]) -> tuple[UnitCost, ...]:

@@ -13,7 +13,7 @@ import dataclasses
 
 import torch
 
-from piper_nb.capture.meta_routing import balanced_routing
+from piper_nb.capture.meta_routing import balanced_routing, routes
 from piper_nb.plan.sizes import random_value
 
 __all__ = ["region_flops", "region_inputs", "each_region", "signature"]
@@ -83,7 +83,8 @@ def each_region(plan, count, grad: bool = False) -> dict:
             if key is not None and key in seen:
                 out[r] = seen[key]
                 continue
-            with balanced_routing() if meta else contextlib.nullcontext():
+            routed = meta and (getattr(module, "graph", None) is None or routes(module))
+            with balanced_routing() if routed else contextlib.nullcontext():
                 out[r] = count(module, args)
             if key is not None:
                 seen[key] = out[r]

@@ -24,7 +24,6 @@ trained weights back.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import operator
 from collections.abc import Mapping
@@ -35,7 +34,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 from torch import nn
 
-from piper_nb.capture.meta_routing import balanced_routing
+from piper_nb.capture.meta_routing import on_meta
 from piper_nb.capture.untouched import untouched
 from piper_nb.errors import PlanError
 from piper_nb.ir.filters import matches
@@ -184,10 +183,14 @@ def _canonical(model: nn.Module) -> dict[str, str]:
 def _node_infos(capture, wanted: set[int], batch: dict) -> dict[int, tuple[dict, list]]:
     """Per chosen region: per node name what one run of the regions on the batch records
     (`Info`), and the region's inputs in that run."""
+    meta = any(t.is_meta for t in batch.values())
+    return on_meta(meta, _record, capture, wanted, batch)
+
+
+def _record(capture, wanted: set[int], batch: dict) -> dict[int, tuple[dict, list]]:
     vals = dict(batch)
     out: dict[int, tuple[dict, list]] = {}
-    meta = any(t.is_meta for t in batch.values())
-    with untouched(capture.model), balanced_routing() if meta else contextlib.nullcontext():
+    with untouched(capture.model):
         for info, gm in zip(capture.regions, capture.modules, strict=True):
             args = [vals[v].detach().requires_grad_(True)
                     if v not in batch and vals[v].is_floating_point() else vals[v]

@@ -20,7 +20,7 @@ import operator
 import torch
 import torch.fx as fx
 
-from piper_nb.capture.meta_routing import balanced_routing
+from piper_nb.capture.meta_routing import balanced_routing, routes
 from piper_nb.capture.region_code import call_op
 from piper_nb.errors import PlanError
 from piper_nb.tp.fused import Origin, pick_parts, split_parts
@@ -48,7 +48,9 @@ def localize(gm: fx.GraphModule, args: list, full: dict[str, tuple | None], shar
     the dimension its first input is cut along (None: not one)."""
     localizer = _Localizer(gm, full, sharded, degree, local, where, dict(origins or {}))
     localizer.sequence = sequence
-    meta = any(isinstance(a, torch.Tensor) and a.is_meta for a in args)
+    # the run rewrites the graph as it goes, so it cannot be retried: the mode is on from
+    # the start where the graph routes tokens on the meta device
+    meta = any(isinstance(a, torch.Tensor) and a.is_meta for a in args) and routes(gm)
     try:
         with balanced_routing() if meta else contextlib.nullcontext():
             localizer.run(*args)
