@@ -102,12 +102,7 @@ def search(model, batch, devices: int, hardware="H100", *, topology=None, pin=No
     from piper_nb.capture.annotate import _execution_order, pipeline_units
     from piper_nb.sim.gpus import spec_of
     t0 = time.perf_counter()
-    if isinstance(devices, bool) or not isinstance(devices, int) or devices < 1:
-        raise PlanError(f"pn.search: devices must be a positive int, got {devices!r}")
-    if cost not in COSTS:
-        raise PlanError(f"pn.search: cost must be one of {', '.join(COSTS)}, got {cost!r}")
-    if not isinstance(top, int) or top < 1:
-        raise PlanError(f"pn.search: top must be a positive int, got {top!r}")
+    _check_args(devices, cost, top)
     spec = spec_of(hardware)
     topo = topology or Topology.of(spec)
     precision = precision or ("bf16" if cost == "analytic" else "fp32")
@@ -161,6 +156,15 @@ def search(model, batch, devices: int, hardware="H100", *, topology=None, pin=No
     if not result.fits:
         result.shortfall = _shortfall(refused, capacity)
     return result
+
+
+def _check_args(devices, cost, top) -> None:
+    if isinstance(devices, bool) or not isinstance(devices, int) or devices < 1:
+        raise PlanError(f"pn.search: devices must be a positive int, got {devices!r}")
+    if cost not in COSTS:
+        raise PlanError(f"pn.search: cost must be one of {', '.join(COSTS)}, got {cost!r}")
+    if not isinstance(top, int) or top < 1:
+        raise PlanError(f"pn.search: top must be a positive int, got {top!r}")
 
 
 def _explore(setup: _Setup, candidates, ctx: Context, capacity: float, devices: int,

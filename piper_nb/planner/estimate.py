@@ -201,14 +201,14 @@ def estimate(k: Knobs, lay: Layout, ctx: Context) -> Estimate:
     return Estimate(step, bubble, peak, stage_of)
 
 
-# the grid's timing and peaks do not depend on ZeRO, EP or the parts of a layer a rank
-# recomputes elsewhere: candidates that differ only there share them
-@functools.lru_cache(maxsize=1 << 16)
+# the grid's timing and peaks do not depend on the ZeRO level: candidates that differ only
+# there (neighbours in the space's order) share them
+@functools.lru_cache(maxsize=1 << 12)
 def _timing(schedule: Schedule, pp: int, m: int, f, b, w, hop: float):
     return timing(steps_of(schedule, pp, m), f, b, w, hop)
 
 
-@functools.lru_cache(maxsize=1 << 16)
+@functools.lru_cache(maxsize=1 << 12)
 def _peaks(schedule: Schedule, pp: int, m: int, act, extra, again):
     return peaks(steps_of(schedule, pp, m), act, extra, again)
 

@@ -8,12 +8,11 @@ and the user's model keeps its buffers and random state (`capture.untouched`).
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 
 import torch
 
-from piper_nb.capture.meta_routing import balanced_routing, routes
+from piper_nb.capture.meta_routing import on_meta
 from piper_nb.plan.sizes import random_value
 
 __all__ = ["region_flops", "region_inputs", "each_region", "signature"]
@@ -83,9 +82,7 @@ def each_region(plan, count, grad: bool = False) -> dict:
             if key is not None and key in seen:
                 out[r] = seen[key]
                 continue
-            routed = meta and (getattr(module, "graph", None) is None or routes(module))
-            with balanced_routing() if routed else contextlib.nullcontext():
-                out[r] = count(module, args)
+            out[r] = on_meta(meta, count, module, args)
             if key is not None:
                 seen[key] = out[r]
     return out

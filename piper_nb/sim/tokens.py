@@ -20,6 +20,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 
+from piper_nb.ir.kinds import Op
 from piper_nb.plan.sizes import element_size, value_bytes
 from piper_nb.plan.token_rows import captured_rows, saved_at
 
@@ -105,5 +106,5 @@ def scale_experts(plan, passes: dict) -> dict:
     regions' compute scaled (`expert_scale`), what grows with the rows on a CPU; the
     update is the expert's own parameters', unscaled."""
     scale = expert_scale(plan)
-    return {key: t * scale[key[0]] if key[0] in scale and key[1] != "U" else t
+    return {key: t * scale[key[0]] if key[0] in scale and key[1] != Op.U else t
             for key, t in passes.items()}

@@ -104,7 +104,8 @@ def shard_capture(capture, requests: list[TPRequest], batch: dict):
     by_request = _regions_of(capture, chosen)
     for req, mine in by_request:
         check_types(capture.model, req.plan, [p for r in mine for p in r.modules], req.directive)
-    infos = _node_infos(capture, set(chosen), batch)
+    infos = on_meta(any(t.is_meta for t in batch.values()), _node_infos, capture,
+                    set(chosen), batch)
     aliases = _canonical(capture.model)
     regions, modules, parts, degree = [], [], {}, {}
     params: dict[str, tuple[int, int, int]] = {}
@@ -183,11 +184,6 @@ def _canonical(model: nn.Module) -> dict[str, str]:
 def _node_infos(capture, wanted: set[int], batch: dict) -> dict[int, tuple[dict, list]]:
     """Per chosen region: per node name what one run of the regions on the batch records
     (`Info`), and the region's inputs in that run."""
-    meta = any(t.is_meta for t in batch.values())
-    return on_meta(meta, _record, capture, wanted, batch)
-
-
-def _record(capture, wanted: set[int], batch: dict) -> dict[int, tuple[dict, list]]:
     vals = dict(batch)
     out: dict[int, tuple[dict, list]] = {}
     with untouched(capture.model):
