@@ -100,13 +100,10 @@ def accuracy_moe(n: int = 12, seed: int = 0) -> dict:
 def _accuracy(case: str, model, batch, n: int, seed: int, keep=lambda k: True) -> dict:
     """The explore tier's step and peak over the simulator's for `n` candidates drawn at
     random (seeded) from the search's own space on 16 H100 (`keep`: which of them)."""
-    from piper_nb.capture.annotate import _execution_order, pipeline_units
     from piper_nb.capture.batch import Batch
     from piper_nb.planner.experts import find_experts
     samples = batch[0].shape[0]
-    units = _execution_order(model, [u for u in pipeline_units(model)
-                                     if next(model.get_submodule(u).parameters(), None)
-                                     is not None], Batch.of(batch, "bench"))
+    units = engine.unit_names(model, Batch.of(batch, "bench"))
     experts = find_experts(model)
     settings = pn.MemorySettings(optimizer="adamw")
     setup = engine._Setup(model, batch, batch[0].numel(), units, pn.sim.gpus.spec_of("H100"),
@@ -115,9 +112,7 @@ def _accuracy(case: str, model, batch, n: int, seed: int, keep=lambda k: True) -
     cands = [k for k in space(16, samples, len(units), gpus_per_node=8, experts=experts)
              if keep(k)]
     sizes = engine._probe_sizes(cands, samples)
-    spec = pn.annotate(model, {**{u: {"U": i, **({"AC": 1} if 0 < i < len(units) - 1 else {})}
-                                  for i, u in enumerate(units)},
-                               **(experts.tags(model, 1) if experts else {})})
+    spec = setup.unit_spec()
     random.Random(seed).shuffle(cands)
     probes, steps, peaks = {}, [], []
     for k in cands:

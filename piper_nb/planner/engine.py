@@ -69,6 +69,15 @@ class _Setup:
         tags = self.experts.tags(self.model, k.ep) if self.experts else None
         return annotation(self.units, list(stage_of), k.every, tags)
 
+    def unit_spec(self):
+        """The spec every probe compiles: each unit tagged `UNIT_TAG`, its layers `AC`, the
+        experts as regions of their own."""
+        n = len(self.units)
+        return annotate(self.model, {
+            **{u: {UNIT_TAG: i, **({"AC": 1} if is_layer(i, n) else {})}
+               for i, u in enumerate(self.units)},
+            **(self.experts.tags(self.model, 1) if self.experts else {})})
+
     def program(self, k: Knobs, stage_of) -> Program:
         return Program(program(k, list(stage_of), self.expert_units))
 
@@ -99,7 +108,6 @@ def search(model, batch, devices: int, hardware="H100", *, topology=None, pin=No
     `progress(phase, done, total)`, phase "exploring" or "verifying", called once per
     candidate; when it returns True the search stops and returns the best so far, as
     Ctrl-C does. Returns a `SearchResult`."""
-    from piper_nb.capture.annotate import _execution_order, pipeline_units
     from piper_nb.sim.gpus import spec_of
     t0 = time.perf_counter()
     _check_args(devices, cost, top)
@@ -111,9 +119,7 @@ def search(model, batch, devices: int, hardware="H100", *, topology=None, pin=No
         capacity = spec.memory if cost == "analytic" else float("inf")
     batch = Batch.of(batch, "pn.search")
     samples = batch.size
-    units = _execution_order(model, [u for u in pipeline_units(model)
-                                     if next(model.get_submodule(u).parameters(), None)
-                                     is not None] or pipeline_units(model), batch)
+    units = unit_names(model, batch)
     pins = check_pins(pin)
     if True in pins.get("float8", ()) and cost == "analytic" and not spec.fp8_flops:
         raise PlanError(f"pn.search: pin float8=True needs FP8 matmuls, which the "
@@ -158,6 +164,15 @@ def search(model, batch, devices: int, hardware="H100", *, topology=None, pin=No
     return result
 
 
+def unit_names(model, batch: Batch) -> list[str]:
+    """The pipeline units a search cuts stages over, in execution order: those holding
+    parameters (all of them if none does)."""
+    from piper_nb.capture.annotate import _execution_order, pipeline_units
+    return _execution_order(model, [u for u in pipeline_units(model)
+                                    if next(model.get_submodule(u).parameters(), None)
+                                    is not None] or pipeline_units(model), batch)
+
+
 def _check_args(devices, cost, top) -> None:
     if isinstance(devices, bool) or not isinstance(devices, int) or devices < 1:
         raise PlanError(f"pn.search: devices must be a positive int, got {devices!r}")
@@ -172,11 +187,7 @@ def _explore(setup: _Setup, candidates, ctx: Context, capacity: float, devices: 
     """Bound and estimate every candidate, probing each TP class once; the kept (row, stage
     cut) pairs, the refused rows, and whether the user interrupted."""
     probes: dict = {}
-    n = len(setup.units)
-    unit_spec = annotate(setup.model, {
-        **{u: {UNIT_TAG: i, **({"AC": 1} if is_layer(i, n) else {})}
-           for i, u in enumerate(setup.units)},
-        **(setup.experts.tags(setup.model, 1) if setup.experts else {})})
+    unit_spec = setup.unit_spec()
     sizes = _probe_sizes(candidates, ctx.batch)
     kept, refused, interrupted = [], [], False
     bar = _bar(len(candidates), progress, "exploring")

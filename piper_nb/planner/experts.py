@@ -19,11 +19,9 @@ from dataclasses import dataclass
 from torch import nn
 
 from piper_nb.capture.experts import expert_count, expert_slices
+from piper_nb.directives.shard import EP
 
 __all__ = ["Experts", "find_experts", "EP"]
-
-EP = "EP"   # the tag `pn.shard` matches
-
 
 @dataclass(frozen=True)
 class Experts:
