@@ -41,7 +41,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import piper_nb as pn  # noqa: E402
-from piper_nb.planner import engine  # noqa: E402
+from piper_nb.planner import engine, explore  # noqa: E402
 from piper_nb.planner.estimate import Context, estimate, layout  # noqa: E402
 from piper_nb.planner.knobs import Knobs, Schedule, space  # noqa: E402
 from piper_nb.planner.probe import probe  # noqa: E402
@@ -111,7 +111,7 @@ def _accuracy(case: str, model, batch, n: int, seed: int, keep=lambda k: True) -
                           experts, engine._holding(units, experts))
     cands = [k for k in space(16, samples, len(units), gpus_per_node=8, experts=experts)
              if keep(k)]
-    sizes = engine._probe_sizes(cands, samples)
+    sizes = explore.probe_sizes(cands, samples)
     spec = setup.unit_spec()
     random.Random(seed).shuffle(cands)
     probes, steps, peaks = {}, [], []

@@ -40,6 +40,8 @@ def add_parser(sub, model_help: str, builtin: tuple[str, ...]) -> argparse.Argum
     p.add_argument("--cost", choices=("analytic", "profile"), default="analytic",
                    help="the cost model: the GPU's analytic one, or profiled on this CPU")
     p.add_argument("--verify", type=int, default=5, help="candidates compiled and simulated")
+    p.add_argument("--jobs", type=int, default=None,
+                   help="processes that probe and estimate (default: one per core)")
     p.add_argument("--top", type=int, default=10, help="rows printed")
     p.add_argument("--sort", choices=SORTS, default="step", help="the column rows sort by")
     p.add_argument("--out", default="search_best.json", help="the best program (Piper JSON)")
@@ -91,7 +93,7 @@ def run(args, parser, build_model, load_user_model) -> int:
         result = pn.search(model, batch, args.devices, args.hardware,
                            topology=pn.Topology.of(args.hardware, gpus_per_node=args.gpus_per_node),
                            pin=pins, precision=getattr(args, "precision", None), cost=args.cost,
-                           top=args.verify, loss_fn=loss_fn)
+                           top=args.verify, loss_fn=loss_fn, jobs=args.jobs)
     except PlanError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

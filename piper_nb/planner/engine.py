@@ -6,9 +6,11 @@ The loop (see `search`):
    recompute (by rank, one layer in k), SP, Float8 when pinned, EP for a MoE model, less
    what the user pins.
    An empty space is a PlanError that says which rule emptied it.
-2. Explore: each candidate is bounded (model states and one microbatch's stash; over the
-   capacity: refused), then estimated from its TP class's probe (`planner.probe`, one
-   compile per class), and refused when the estimated peak is over the capacity.
+2. Explore (`planner.explore`): each candidate is bounded (model states and one
+   microbatch's stash; over the capacity: refused), then estimated from its TP class's
+   probe (`planner.probe`, one compile per class), and refused when the estimated peak is
+   over the capacity. Under the analytic cost model the probes and the estimates run on
+   every core (`planner.spread`).
 3. Verify: the fastest estimates are compiled (`pn.compile`: the static checks, deadlock
    and NCCL order among them) and simulated with the same cost model and the memory model,
    until `top` fit; a compile error or a simulated peak over the capacity refuses one.
@@ -31,22 +33,20 @@ from piper_nb.compiler.compile import compile
 from piper_nb.directives.spec import Program
 from piper_nb.errors import PlanError
 from piper_nb.planner.build import annotation, is_layer, program, token_count
-from piper_nb.planner.estimate import Context, bound, estimate, layout
+from piper_nb.planner.estimate import Context
 from piper_nb.planner.experts import find_experts
+from piper_nb.planner.explore import explore, rate
 from piper_nb.planner.knobs import Knobs, check_pins, space
-from piper_nb.planner.probe import UNIT_TAG, probe
+from piper_nb.planner.probe import UNIT_TAG
+from piper_nb.planner.progress import Stop, bar
 from piper_nb.planner.result import GIB, Candidate, SearchResult, Status
+from piper_nb.planner.spread import workers
 from piper_nb.profile import CostModel, simulate
 from piper_nb.sim import MemorySettings, Topology
 
 __all__ = ["search"]
 
 COSTS = ("analytic", "profile")
-# the estimate's peak ran 0.82-1.68x the memory model's over 40 candidates of a 1 B-class
-# Llama on 16 H100s, 1.01-1.86x over 12 EP candidates of a Mixtral-shaped MoE
-# (benchmarks/bench_search.py, cases accuracy and accuracy-moe): a candidate is refused by
-# estimate only beyond this, so none that fits is; the memory model decides the rest
-ESTIMATE_MARGIN = 1.9
 
 
 @dataclass
@@ -90,7 +90,7 @@ class _Setup:
 def search(model, batch, devices: int, hardware="H100", *, topology=None, pin=None,
            precision: str | None = None, memory=None, capacity: float | None = None,
            cost: str = "analytic", top: int = 5, budget: float | None = None,
-           loss_fn=None, capture: str = "auto",
+           loss_fn=None, capture: str = "auto", jobs: int | None = None,
            progress: bool | Callable[[str, int, int], bool | None] = True) -> SearchResult:
     """Search the plans of `model` on `batch` (a whole step's batch) over `devices` devices.
 
@@ -104,13 +104,16 @@ def search(model, batch, devices: int, hardware="H100", *, topology=None, pin=No
     state); `capacity` the bytes a device holds (default the GPU's memory; unlimited when
     profiled). `top` candidates are compiled and simulated in full (a compile at hundreds
     of devices takes tens of seconds); with `budget` seconds, none is started after that
-    once one fits. `progress` is a tqdm bar (True), nothing (False), or a callable
-    `progress(phase, done, total)`, phase "exploring" or "verifying", called once per
-    candidate; when it returns True the search stops and returns the best so far, as
-    Ctrl-C does. Returns a `SearchResult`."""
+    once one fits. `jobs` is how many processes probe and estimate (default: one per core;
+    analytic costs on Linux only, `planner.spread`). `progress` is a tqdm bar (True),
+    nothing (False), or a callable `progress(phase, done, total)`, phase "probing",
+    "exploring" or "verifying", called as each TP class is probed and each candidate (a
+    chunk of them, spread over processes) is estimated or verified; when it returns True
+    the search stops and returns the best so far, as Ctrl-C does. Returns a
+    `SearchResult`."""
     from piper_nb.sim.gpus import spec_of
     t0 = time.perf_counter()
-    _check_args(devices, cost, top)
+    _check_args(devices, cost, top, jobs)
     spec = spec_of(hardware)
     topo = topology or Topology.of(spec)
     precision = precision or ("bf16" if cost == "analytic" else "fp32")
@@ -141,8 +144,8 @@ def search(model, batch, devices: int, hardware="H100", *, topology=None, pin=No
                   optim_bytes=settings.optim_per_param() + (4 if precision == "bf16" else 0),
                   reduce_bytes=4.0)
     seconds = {"probe": 0.0, "explore": 0.0, "verify": 0.0}
-    kept, refused, interrupted = _explore(setup, candidates, ctx, capacity, devices, progress,
-                                          seconds)
+    kept, refused, interrupted = explore(setup, candidates, ctx, capacity, devices, progress,
+                                         seconds, workers(jobs, cost))
     seconds["explore"] = time.perf_counter() - t0 - seconds["probe"]
     explored = len(kept) + len(refused)    # all of them, unless interrupted
     # those the estimate says fit first, fastest first; then the ones within its margin
@@ -173,75 +176,15 @@ def unit_names(model, batch: Batch) -> list[str]:
                                     is not None] or pipeline_units(model), batch)
 
 
-def _check_args(devices, cost, top) -> None:
+def _check_args(devices, cost, top, jobs) -> None:
     if isinstance(devices, bool) or not isinstance(devices, int) or devices < 1:
         raise PlanError(f"pn.search: devices must be a positive int, got {devices!r}")
     if cost not in COSTS:
         raise PlanError(f"pn.search: cost must be one of {', '.join(COSTS)}, got {cost!r}")
     if not isinstance(top, int) or top < 1:
         raise PlanError(f"pn.search: top must be a positive int, got {top!r}")
-
-
-def _explore(setup: _Setup, candidates, ctx: Context, capacity: float, devices: int,
-             progress: bool, seconds: dict):
-    """Bound and estimate every candidate, probing each TP class once; the kept (row, stage
-    cut) pairs, the refused rows, and whether the user interrupted."""
-    probes: dict = {}
-    unit_spec = setup.unit_spec()
-    sizes = _probe_sizes(candidates, ctx.batch)
-    kept, refused, interrupted = [], [], False
-    bar = _bar(len(candidates), progress, "exploring")
-    try:
-        for k in candidates:
-            bar.update(1)
-            p = probes.get((k.tp, k.sp, k.float8))
-            if p is None:
-                p = probes[(k.tp, k.sp, k.float8)] = probe(
-                    unit_spec, setup.units, setup.batch, sizes[k.tp], k.tp, k.sp, setup.price,
-                    precision=setup.precision, loss_fn=setup.loss_fn, capture=setup.capture,
-                    float8=k.float8)
-                seconds["probe"] += p.seconds
-                if p.error is not None and k.tp == 1 and not k.float8:   # the model itself
-                    raise PlanError(f"pn.search: the model does not compile on this batch "
-                                    f"(one device, {p.rows[0]} samples): {p.error}; check "
-                                    "that the batch is what the model's forward and loss take")
-                if ctx.links is None and p.error is None:
-                    ctx = replace(ctx, links=p.links)
-            if p.error is not None:
-                refused.append(Candidate(k, Status.REFUSED, reason=f"compile: {p.error}"))
-                continue
-            lay = layout(k, p, ctx)
-            floor = bound(k, lay)
-            if floor > capacity:
-                refused.append(Candidate(k, Status.REFUSED, peak=floor, reason=(
-                    f"memory bound: {floor / GIB:.1f} GiB > {capacity / GIB:.1f} GiB")))
-                continue
-            est = estimate(k, lay, ctx)   # timed even when refused: the frontier draws it
-            if est.peak > capacity * ESTIMATE_MARGIN:
-                refused.append(Candidate(k, Status.REFUSED, est.step, peak=est.peak, reason=(
-                    f"memory estimate: {est.peak / GIB:.1f} GiB > {ESTIMATE_MARGIN} x "
-                    f"{capacity / GIB:.1f} GiB")))
-                continue
-            row = Candidate(k, Status.ESTIMATED, est.step, _rate(setup.tokens, est.step, devices),
-                            est.bubble, est.peak)
-            kept.append((row, est.stage_of))
-    except (KeyboardInterrupt, _Stop):
-        interrupted = True
-    finally:
-        bar.close()
-    return kept, refused, interrupted
-
-
-def _probe_sizes(candidates: list[Knobs], samples: int) -> dict[int, tuple[int, ...]]:
-    """Per TP degree, the smallest and the largest microbatch its candidates use."""
-    out: dict[int, set] = {}
-    for k in candidates:
-        out.setdefault(k.tp, set()).add(samples // (k.dp * k.microbatches))
-    return {tp: tuple(sorted({min(s), max(s)})) for tp, s in out.items()}
-
-
-def _rate(tokens: int, step: float, devices: int) -> float:
-    return tokens / step / devices if step > 0 else 0.0
+    if jobs is not None and (isinstance(jobs, bool) or not isinstance(jobs, int) or jobs < 1):
+        raise PlanError(f"pn.search: jobs must be a positive int (processes), got {jobs!r}")
 
 
 def _holding(units: list[str], experts) -> tuple[int, ...]:
@@ -261,14 +204,14 @@ def _verify(setup: _Setup, kept, refused, top, capacity, devices, progress, budg
     """Compile and simulate the fastest estimates until `top` fit (at most 3 x top tried,
     none started after `budget` seconds once one fits)."""
     ranked, interrupted = [], False
-    bar = _bar(min(len(kept), 3 * top), progress, "verifying")
+    progress_bar = bar(min(len(kept), 3 * top), progress, "verifying")
     t0 = time.perf_counter()
     try:
         for row, stage_of in kept[:3 * top]:
             if len(ranked) >= top or (ranked and budget is not None
                                       and time.perf_counter() - t0 > budget):
                 break
-            bar.update(1)
+            progress_bar.update(1)
             row = _with_program(setup, row, stage_of)
             try:
                 plan = compile(annotate(setup.model, row.annotation), row.program,
@@ -281,7 +224,7 @@ def _verify(setup: _Setup, kept, refused, top, capacity, devices, progress, budg
                 continue
             peak_dev, peak = max(trace.peak_memory.items(), key=lambda kv: kv[1])
             done = replace(row, status=Status.SIMULATED, step=trace.step_time,
-                           tokens_per_s=_rate(setup.tokens, trace.step_time, devices),
+                           tokens_per_s=rate(setup.tokens, trace.step_time, devices),
                            bubble=trace.bubble_fraction(), peak=float(peak), plan=plan,
                            trace=trace)
             if peak > capacity:
@@ -290,40 +233,12 @@ def _verify(setup: _Setup, kept, refused, top, capacity, devices, progress, budg
                     f"{capacity / GIB:.1f} GiB")))
                 continue
             ranked.append(done)
-    except (KeyboardInterrupt, _Stop):
+    except (KeyboardInterrupt, Stop):
         interrupted = True
     finally:
-        bar.close()
+        progress_bar.close()
     ranked.sort(key=lambda c: c.step)
     return ranked, interrupted
-
-
-class _Stop(Exception):
-    """The caller's progress callable asked the search to stop."""
-
-
-class _Report:
-    """A tqdm-shaped bar that reports to `progress(phase, done, total)` and raises `_Stop`
-    when it returns True."""
-
-    def __init__(self, progress: Callable, total: int, phase: str):
-        self.progress, self.total, self.phase, self.done = progress, total, phase, 0
-        progress(phase, 0, total)    # a stop is asked for between candidates, not here
-
-    def update(self, n: int = 1) -> None:
-        self.done += n
-        if self.progress(self.phase, self.done, self.total):
-            raise _Stop
-
-    def close(self) -> None:
-        pass
-
-
-def _bar(total: int, progress, desc: str):
-    if callable(progress):
-        return _Report(progress, total, desc)
-    from tqdm.auto import tqdm
-    return tqdm(total=total, desc=f"pn.search: {desc}", disable=not progress, leave=False)
 
 
 def _shortfall(refused: list[Candidate], capacity: float) -> str:

@@ -78,6 +78,7 @@ def test_pins_hold_every_candidate():
     ({"devices": 4, "pin": {"stages": 2}}, "cannot pin 'stages'"),
     ({"devices": 4, "pin": {"schedule": "zigzag"}}, "is not a schedule"),
     ({"devices": 4, "cost": "guess"}, "cost must be one of"),
+    ({"devices": 4, "jobs": 0}, "jobs must be a positive int"),
     ({"devices": 16, "pin": {"pp": 1, "tp": 1}}, "DP must divide the batch of 8"),
     ({"devices": 4, "pin": {"float8": "maybe"}}, "float8='maybe' must be True or False"),
     ({"devices": 4, "pin": {"float8": True}, "hardware": "A100"}, "float8=True needs FP8"),
@@ -202,9 +203,9 @@ def test_the_stage_timing_equals_the_simulator_on_the_same_grid(schedule):
 
 def test_an_interrupted_search_keeps_the_best_so_far(monkeypatch):
     """Ctrl-C while exploring: the search returns what it estimated, marked interrupted."""
-    from piper_nb.planner import engine
+    from piper_nb.planner import explore
     calls = {"n": 0}
-    real = engine.estimate
+    real = explore.estimate
 
     def interrupting(*args, **kwargs):
         calls["n"] += 1
@@ -212,7 +213,7 @@ def test_an_interrupted_search_keeps_the_best_so_far(monkeypatch):
             raise KeyboardInterrupt
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(engine, "estimate", interrupting)
+    monkeypatch.setattr(explore, "estimate", interrupting)
     model = gpt()
     result = pn.search(model, model.example_batch(batch_size=8, seed=0), devices=4,
                        precision="fp32", progress=False)

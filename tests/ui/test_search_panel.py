@@ -186,7 +186,7 @@ def test_stop_keeps_the_best_so_far(gpt):
         result = panel.result
         assert result.interrupted and not result.ranked and result.explored == 9
         assert result.best is not None and result.best.status == "estimated"
-        assert "interrupted" in panel.status.value and set(asked) == {"exploring"}
+        assert "interrupted" in panel.status.value and set(asked) == {"probing", "exploring"}
     finally:
         d.close()
 

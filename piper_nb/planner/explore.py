@@ -1,0 +1,172 @@
+"""A search's explore tier: every candidate bounded and estimated from its TP class's probe.
+
+First each TP class the candidates need is probed (`planner.probe`, one compile per
+class); then each candidate is bounded (model states and one microbatch's stash: over the
+capacity, refused), estimated (`planner.estimate`), and refused when the estimated peak is
+over the capacity by more than the estimate's margin. Under the analytic cost model the
+probes, and the estimates of a large space in chunks, run on every core
+(`planner.spread`); the rows come back in the candidates' order either way.
+
+Ctrl-C, or the progress callable's stop, keeps what is done: while probing, the candidates
+of the classes already probed are estimated; while estimating, the chunks already done.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import replace
+
+from piper_nb.errors import PlanError
+from piper_nb.planner.estimate import Context, bound, estimate, layout
+from piper_nb.planner.knobs import Knobs
+from piper_nb.planner.probe import Probe, probe
+from piper_nb.planner.progress import Stop, bar
+from piper_nb.planner.result import GIB, Candidate, Status
+from piper_nb.planner.spread import spread
+
+__all__ = ["explore", "probe_sizes", "rate", "ESTIMATE_MARGIN"]
+
+# the estimate's peak ran 0.82-1.68x the memory model's over 40 candidates of a 1 B-class
+# Llama on 16 H100s, 1.01-1.86x over 12 EP candidates of a Mixtral-shaped MoE
+# (benchmarks/bench_search.py, cases accuracy and accuracy-moe): a candidate is refused by
+# estimate only beyond this, so none that fits is; the memory model decides the rest
+ESTIMATE_MARGIN = 1.9
+CHUNK = 256        # candidates a worker estimates per task
+SPREAD_AT = 1024   # fewer candidates are estimated in the caller (a fork costs more)
+SLOW_PROBE = 1.0   # seconds: a model probed faster has its other classes probed here too
+
+
+def explore(setup, candidates: list[Knobs], ctx: Context, capacity: float, devices: int,
+            progress, seconds: dict, jobs: int):
+    """The kept (row, stage cut) pairs, the refused rows, and whether the user interrupted.
+    Adds the probing's wall seconds to `seconds["probe"]`."""
+    t0 = time.perf_counter()
+    probes, interrupted = _probe_all(setup, candidates, progress, jobs)
+    seconds["probe"] += time.perf_counter() - t0
+    links = next((p.links for p in probes.values() if p.error is None), None)
+    ctx = replace(ctx, links=links) if ctx.links is None else ctx
+    if interrupted:
+        candidates = [k for k in candidates if _key(k) in probes]
+    shared = (setup, candidates, probes, ctx, capacity, devices)
+    progress_bar = bar(len(candidates), progress, "exploring")
+    kept, refused = [], []
+    try:
+        if jobs > 1 and len(candidates) >= SPREAD_AT:
+            chunks = [(lo, min(lo + CHUNK, len(candidates)))
+                      for lo in range(0, len(candidates), CHUNK)]
+            with spread(_estimate_chunk, shared, chunks, jobs) as done:
+                for (lo, hi), (k, r, stopped) in zip(chunks, done, strict=False):
+                    kept += k
+                    refused += r
+                    progress_bar.update(hi - lo)
+                    if stopped:
+                        raise Stop
+        else:
+            kept, refused, stopped = _estimate_all(shared, candidates, progress_bar)
+            interrupted = interrupted or stopped
+    except (KeyboardInterrupt, Stop):
+        interrupted = True
+    finally:
+        progress_bar.close()
+    return kept, refused, interrupted
+
+
+def probe_sizes(candidates: list[Knobs], samples: int) -> dict[int, tuple[int, ...]]:
+    """Per TP degree, the smallest and the largest microbatch its candidates use."""
+    out: dict[int, set] = {}
+    for k in candidates:
+        out.setdefault(k.tp, set()).add(samples // (k.dp * k.microbatches))
+    return {tp: tuple(sorted({min(s), max(s)})) for tp, s in out.items()}
+
+
+def rate(tokens: int, step: float, devices: int) -> float:
+    """Tokens per second per device."""
+    return tokens / step / devices if step > 0 else 0.0
+
+
+def _key(k: Knobs) -> tuple:
+    return (k.tp, k.sp, k.float8)
+
+
+def _probe_all(setup, candidates: list[Knobs], progress, jobs: int):
+    """Each TP class's probe ({(tp, sp, float8): Probe}), and whether the user interrupted.
+    The model's own class (TP 1, no Float8) goes first, in this process: its failing is a
+    PlanError (no candidate could compile), and its time says whether the other classes
+    are worth spreading over processes (`SLOW_PROBE`)."""
+    sizes = probe_sizes(candidates, setup.batch.size)
+    own = (1, False, False)
+    classes = sorted({_key(k) for k in candidates}, key=lambda c: (c != own, -c[0], -c[1], c))
+    shared = (setup, setup.unit_spec(), sizes)
+    probes: dict[tuple, Probe] = {}
+    progress_bar = bar(len(classes), progress, "probing")
+    try:
+        for c in classes:
+            if jobs > 1 and len(classes) - len(probes) > 1 and probes and all(
+                    p.seconds > SLOW_PROBE for p in probes.values()):
+                break
+            probes[c] = _probe_class(shared, c)
+            progress_bar.update(1)
+            _check_own(probes.get(own))
+        rest = classes[len(probes):]
+        if rest:
+            with spread(_probe_class, shared, rest, min(jobs, len(rest))) as done:
+                for c, p in zip(rest, done, strict=True):
+                    probes[c] = p
+                    progress_bar.update(1)
+    except (KeyboardInterrupt, Stop):
+        return probes, True
+    finally:
+        progress_bar.close()
+    return probes, False
+
+
+def _check_own(p: Probe | None) -> None:
+    if p is not None and p.error is not None:
+        raise PlanError(f"pn.search: the model does not compile on this batch (one device, "
+                        f"{p.rows[0]} samples): {p.error}; check that the batch is what the "
+                        "model's forward and loss take")
+
+
+def _probe_class(shared, c: tuple) -> Probe:
+    setup, unit_spec, sizes = shared
+    tp, sp, float8 = c
+    return probe(unit_spec, setup.units, setup.batch, sizes[tp], tp, sp, setup.price,
+                 precision=setup.precision, loss_fn=setup.loss_fn, capture=setup.capture,
+                 float8=float8)
+
+
+def _estimate_chunk(shared, span: tuple[int, int]):
+    return _estimate_all(shared, shared[1][span[0]:span[1]], None)
+
+
+def _estimate_all(shared, candidates: list[Knobs], progress_bar):
+    """Bound and estimate `candidates` (`progress_bar` updated per candidate, or None):
+    kept, refused, and whether it stopped early (Ctrl-C, or the progress callable)."""
+    setup, _, probes, ctx, capacity, devices = shared
+    kept, refused = [], []
+    try:
+        for k in candidates:
+            if progress_bar is not None:
+                progress_bar.update(1)
+            p = probes[_key(k)]
+            if p.error is not None:
+                refused.append(Candidate(k, Status.REFUSED, reason=f"compile: {p.error}"))
+                continue
+            lay = layout(k, p, ctx)
+            floor = bound(k, lay)
+            if floor > capacity:
+                refused.append(Candidate(k, Status.REFUSED, peak=floor, reason=(
+                    f"memory bound: {floor / GIB:.1f} GiB > {capacity / GIB:.1f} GiB")))
+                continue
+            est = estimate(k, lay, ctx)   # timed even when refused: the frontier draws it
+            if est.peak > capacity * ESTIMATE_MARGIN:
+                refused.append(Candidate(k, Status.REFUSED, est.step, peak=est.peak, reason=(
+                    f"memory estimate: {est.peak / GIB:.1f} GiB > {ESTIMATE_MARGIN} x "
+                    f"{capacity / GIB:.1f} GiB")))
+                continue
+            kept.append((Candidate(k, Status.ESTIMATED, est.step,
+                                   rate(setup.tokens, est.step, devices), est.bubble,
+                                   est.peak), est.stage_of))
+    except (KeyboardInterrupt, Stop):
+        return kept, refused, True
+    return kept, refused, False
