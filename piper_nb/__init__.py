@@ -7,7 +7,7 @@ checked per-device plans, `simulate` them, and `train` on real torch.distributed
 
 from piper_nb import extras, models, optim, profile, schedules
 from piper_nb.capture import annotate, cut_stages, expert_slices, pipeline_units, region
-from piper_nb.cluster import IPyParallelCluster, LocalCluster
+from piper_nb.cluster import IPyParallelCluster, JobRank, LocalCluster
 from piper_nb.compiler.compile import compile
 from piper_nb.directives.spec import (
     Program,
@@ -25,6 +25,7 @@ from piper_nb.ir.kinds import Op, Purpose
 from piper_nb.ir.node import Edge, Node
 from piper_nb.ir.validate import validate
 from piper_nb.metrics import StepMetrics
+from piper_nb.plan.files import SavedPlan, load_plan
 from piper_nb.plan.instr import Instr
 from piper_nb.plan.plan import DevicePlan, Plan
 from piper_nb.planner import SearchResult, search
@@ -44,7 +45,7 @@ __all__ = ["annotate", "cut_stages", "expert_slices", "region", "compile", "Plan
            "optim", "Result", "StepMetrics", "Designer", "profile", "extras",
            # the memory model's accounting, for tutorials that check it against the ZeRO paper
            "device_model_states", "zero_model_states", "MIXED_PRECISION_ADAM",
-           "pipeline_units", "search", "SearchResult"]
+           "pipeline_units", "search", "SearchResult", "load_plan", "SavedPlan", "JobRank"]
 
 
 def __getattr__(name: str):

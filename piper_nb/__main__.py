@@ -1,5 +1,6 @@
 """Command line: `python -m piper_nb run STRATEGY.json --model tiny_gpt --devices 4 ...`
-(and `python -m piper_nb search ...`, `search_cli`).
+(and `python -m piper_nb search ...`, `search_cli`; `python -m piper_nb launch PLAN_DIR`,
+one rank of a torchrun or srun job, `launch_cli`).
 
 Builds a small example model (or the user's own: `--model package.module:function`), cuts it
 into as many pipeline stages as the strategy's largest `PP` tag + 1 (`pn.cut_stages`; or
@@ -234,11 +235,14 @@ def main(argv: list[str] | None = None) -> int:
                           "or the loss over the whole batch (token mean)")
     run.add_argument("--out", default="piper_nb_out",
                      help="folder for timeline.html, trace.json, plan.txt and losses.json")
-    from piper_nb import search_cli
+    from piper_nb import launch_cli, search_cli
     search = search_cli.add_parser(sub, MODEL_HELP, MODELS)
+    launch_cli.add_parser(sub)
     args = parser.parse_args(argv)
     if args.command == "search":
         return search_cli.run(args, search, build_model, load_user_model)
+    if args.command == "launch":
+        return launch_cli.run(args)
     for name in ("stages", "annotations", "batch_size"):   # given, or None
         setattr(args, name, getattr(args, name, None))
     if args.stages is not None and args.stages < 1:

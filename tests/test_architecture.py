@@ -30,6 +30,7 @@ FLOORS = {
     "ui": 13,
     "__init__": 14,                  # the public face
     "search_cli": 15,                # the command line uses the public face
+    "launch_cli": 15,
     "__main__": 16,
 }
 

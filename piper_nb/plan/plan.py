@@ -222,6 +222,13 @@ class Plan:
         return (f"Plan(world={self.world}, microbatches={self.microbatches}, "
                 f"regions={len(self.regions)}, buckets={len(self.buckets)}, instructions={n})")
 
+    def save(self, path, optimizer=None, **settings):
+        """Write this plan, its captured model and its training settings as the directory
+        `path`, which `pn.load_plan` reads and `python -m piper_nb launch` runs:
+        `plan.save("plan/", optimizer, batch=batch, seed=0)` (`plan.files.save_plan`)."""
+        from piper_nb.plan.files import save_plan
+        return save_plan(self, path, optimizer, **settings)
+
     def to_json(self, indent: int | None = None) -> str:
         return json.dumps({
             "world": self.world, "microbatches": self.microbatches,

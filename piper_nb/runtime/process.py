@@ -32,7 +32,7 @@ from piper_nb.runtime.bundle import load_bundle
 from piper_nb.runtime.comm import Comm
 from piper_nb.runtime.worker import Worker
 
-__all__ = ["serve", "pick_device"]
+__all__ = ["serve", "pick_device", "execute", "describe"]
 
 _LISTENERS: list[socket.socket] = []
 
@@ -73,12 +73,36 @@ def _warm_up() -> None:
     torch.autograd.backward([x * 2], [torch.ones(2)])
 
 
-def _describe(err: BaseException, worker: Worker | None) -> dict:
+def describe(err: BaseException, worker: Worker | None) -> dict:
+    """A worker's error as its driver reports it: the instruction, the error, the traceback."""
     instr = None
     if worker is not None and worker.current >= 0:
         instr = worker.text(worker.current)
     return {"instruction": instr, "error": f"{type(err).__name__}: {err}",
             "traceback": traceback.format_exc()}
+
+
+def execute(workers: dict, op: str, key, payload, make_worker):
+    """One driver command on this rank's `workers` (by plan key): `load` makes one with
+    `make_worker(bundle blob)`; the answer to send back (None for most)."""
+    worker = workers.get(key)
+    if op == "load":
+        workers[key] = make_worker(payload)
+    elif op == "unload":
+        workers.pop(key, None)
+    elif op == "reset":
+        worker.reset(*payload)
+    elif op == "step":
+        return worker.step(*payload)
+    elif op == "state":
+        return worker.export_state()
+    elif op == "train_state":
+        return worker.train_state()
+    elif op == "load_train_state":
+        worker.load_train_state(payload)
+    else:
+        raise ValueError(f"unknown command {op!r}")
+    return None
 
 
 def _put(results, rank: int, kind: str, payload) -> None:
@@ -107,7 +131,7 @@ def serve(rank: int, world: int, port: int, device_kind: str, conn, results,
         channel = Comm(rank, device, backend, emulated=comm == "nccl-emulated")
         channel.own_core = own_core and device.type == "cpu"
     except BaseException as err:  # report, then let the driver clean up
-        _put(results, rank, "error", _describe(err, None))
+        _put(results, rank, "error", describe(err, None))
         return
     _put(results, rank, "ready", {"backend": backend, "device": str(device), "pid": os.getpid(),
                                   "cores": list(cores) if cores else None})
@@ -119,31 +143,12 @@ def serve(rank: int, world: int, port: int, device_kind: str, conn, results,
             break  # the driver is gone
         if op == "stop":
             break
-        worker = workers.get(key)
         try:
-            if op == "load":
-                worker = workers[key] = Worker(rank, load_bundle(payload), channel, device, timeout)
-                out = None
-            elif op == "unload":
-                workers.pop(key, None)
-                out = None
-            elif op == "reset":
-                worker.reset(*payload)
-                out = None
-            elif op == "step":
-                out = worker.step(*payload)
-            elif op == "state":
-                out = worker.export_state()
-            elif op == "train_state":
-                out = worker.train_state()
-            elif op == "load_train_state":
-                worker.load_train_state(payload)
-                out = None
-            else:
-                raise ValueError(f"unknown command {op!r}")
+            out = execute(workers, op, key, payload,
+                          lambda blob: Worker(rank, load_bundle(blob), channel, device, timeout))
             _put(results, rank, "ok", out)
         except BaseException as err:
-            _put(results, rank, "error", _describe(err, worker))
+            _put(results, rank, "error", describe(err, workers.get(key)))
     try:
         dist.destroy_process_group()
     except Exception:  # the group may be broken after a failure; the process ends anyway

@@ -1,5 +1,6 @@
 """The Designer's Run tab: launch the plan on a cluster with a progress bar and live loss
-and learning-rate curves, then show measured beside predicted timelines and the loss beside the reference.
+and learning-rate curves, then show measured beside predicted timelines and the loss beside the reference;
+below, the plan saved for a batch job (`ui.job_panel`).
 
 `pn.train` drives the cluster through three calls (`reset`, `step`, `state`); the
 launcher hands it a `StepReporter` that forwards them to the real cluster and reports
@@ -21,6 +22,7 @@ import ipywidgets as W
 import plotly.graph_objects as go
 
 from piper_nb.errors import PlanError, RuntimeFailure
+from piper_nb.ui.job_panel import JobPanel
 from piper_nb.ui.render import comparison_figure, loss_figure
 from piper_nb.ui.widgets import replace_figure
 
@@ -73,8 +75,10 @@ class LaunchPanel:
             self.lr.tooltip = "the optimizer given to pn.Designer sets its own rate"
         self.loss = go.FigureWidget(loss_figure([], []))
         self.timelines = go.FigureWidget(comparison_figure(None, None))
+        self.job = JobPanel(get_run, lambda: self.optimizer_for(self.lr.value),
+                            lambda: self.steps.value)
         self.widget = W.VBox([W.HBox([self.steps, self.lr, self.button, self.progress]),
-                              self.status, self.loss, self.timelines])
+                              self.status, self.loss, self.timelines, self.job.widget])
         self.thread: threading.Thread | None = None
         self.result = None
         self.reference = None

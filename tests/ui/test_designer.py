@@ -362,3 +362,22 @@ def test_a_recompute_row_picks_full_or_selective():
         assert "mode" not in d.state.rows[1]
     finally:
         d.close()
+
+
+def test_the_run_tab_saves_the_plan_for_a_batch_job(designer, tmp_path):
+    job = designer.launcher.job
+    job.directory.value = str(tmp_path / "job")
+    job.button.click()
+    saved = pn.load_plan(tmp_path / "job")
+    plan = designer.plan
+    assert saved.plan.grid() == plan.grid() and saved.batch is not None
+    assert saved.optimizer is not None                   # the Run tab's, as a launch uses
+    want = (f"torchrun --standalone --nproc-per-node {plan.world} -m piper_nb launch "
+            f"{(tmp_path / 'job').resolve()} --steps {designer.launcher.steps.value}")
+    assert want in job.commands.value
+    assert f"#SBATCH --ntasks={plan.world}" in job.commands.value
+    assert "srun --kill-on-bad-exit=1 python -m piper_nb launch" in job.commands.value
+    (tmp_path / "file").write_text("mine")
+    job.directory.value = str(tmp_path / "file")
+    job.button.click()
+    assert "is a file" in job.status.value and (tmp_path / "file").read_text() == "mine"

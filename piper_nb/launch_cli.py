@@ -1,0 +1,132 @@
+"""Command line: `python -m piper_nb launch PLAN_DIR --steps N`, one rank of a batch job.
+
+`torchrun --nproc-per-node 4 -m piper_nb launch plan/ --steps 100` or, in a Slurm
+allocation, `srun python -m piper_nb launch plan/ --steps 100`: every rank reads the plan
+directory `plan.save` wrote (`pn.load_plan`), checks that the job's world size is the
+plan's device count before any process group is made, and trains with `pn.train` on a
+`cluster.job.JobRank` (its own device's plan, the same runtime a notebook's workers run).
+Every rank draws the same batches: the batch saved with the plan, or `--data
+package.module:function`, which returns a batch or a loader.
+
+Rank 0 prints a line per step and writes into `--out`: `metrics.jsonl` (a JSON object per
+step: loss, step time, tokens/s, samples/s, learning rate, gradient norm), TensorBoard
+event files (`tensorboard/`) and, after the last step, the trained weights (`weights.pt`,
+full tensors by parameter name). Checkpoints and restarts of a job are not here yet.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import sys
+import time
+from pathlib import Path
+
+__all__ = ["add_parser", "run"]
+
+
+def add_parser(sub) -> argparse.ArgumentParser:
+    p = sub.add_parser("launch", help="run as one rank of a torchrun or srun job",
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("plan", help="the plan directory plan.save wrote (on a shared filesystem)")
+    p.add_argument("--steps", type=int, required=True, help="training steps")
+    p.add_argument("--data", metavar="MODULE:FUNCTION", default=None,
+                   help="a function returning a batch or a loader (imported with the current "
+                        "directory on sys.path); default: the batch saved with the plan")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                   help="cpu (gloo) or cuda (NCCL, the GPU of LOCAL_RANK / SLURM_LOCALID)")
+    p.add_argument("--out", default="piper_nb_launch",
+                   help="rank 0's folder for metrics.jsonl, tensorboard/ and weights.pt")
+    p.add_argument("--timeout", type=float, default=600.0,
+                   help="seconds the rendezvous and each step may take")
+    return p
+
+
+def run(args) -> int:
+    from piper_nb.cluster.job import JobEnv, JobRank
+    from piper_nb.errors import PlanError, RuntimeFailure
+    from piper_nb.train import train
+    try:
+        env = JobEnv.read()
+        saved = _load(args.plan, env)
+        data = _data(args.data) if args.data else None
+        out = Path(args.out)
+        log = _Log(out, args.steps) if env.rank == 0 else None
+        with JobRank(env, device=args.device, timeout=args.timeout) as cluster:
+            result = train(saved.plan, _batch(saved, data), args.steps, saved.optimizer,
+                           cluster, log_dir=None if log is None else out / "tensorboard",
+                           progress=None if log is None else log.step, **saved.settings)
+        if log is not None:
+            log.finish(result)
+    except (PlanError, RuntimeFailure, OSError) as err:
+        print(f"error: {err}", file=sys.stderr, flush=True)
+        return 2
+    return 0
+
+
+def _load(directory: str, env):
+    """The saved plan, after its manifest says the job has the plan's device count."""
+    from piper_nb.errors import PlanError
+    from piper_nb.plan.files import MANIFEST, load_plan
+    try:
+        devices = json.loads((Path(directory) / MANIFEST).read_text()).get("devices")
+    except (OSError, ValueError, AttributeError):
+        devices = None    # load_plan says what is wrong with the directory
+    if devices is not None and devices != env.world:
+        raise PlanError(f"{directory}: the plan runs on {devices} devices and this "
+                        f"{env.launcher} job has {env.world} ranks; launch {devices} "
+                        f"processes (torchrun --nproc-per-node, srun --ntasks)")
+    return load_plan(directory)
+
+
+def _batch(saved, data):
+    """What every rank trains on: `--data`'s batch or loader, else the saved batch."""
+    from piper_nb.errors import PlanError
+    if data is None and saved.batch is None:
+        raise PlanError(f"{saved.path}: the plan was saved without a batch; save it with "
+                        "plan.save(path, optimizer, batch=...), or pass --data "
+                        "package.module:function")
+    if saved.optimizer is None:
+        raise PlanError(f"{saved.path}: the plan was saved without an optimizer; save it "
+                        "with plan.save(path, optimizer)")
+    return saved.batch if data is None else data
+
+
+def _data(target: str):
+    from piper_nb.errors import PlanError
+    modname, _, attr = target.partition(":")
+    if not modname or not attr:
+        raise PlanError(f"--data {target!r}: name a function as package.module:function")
+    if "" not in sys.path:
+        sys.path.insert(0, "")
+    try:
+        fn = getattr(importlib.import_module(modname), attr)
+    except (ImportError, AttributeError) as err:
+        raise PlanError(f"--data {target!r}: {err}") from None
+    return fn()
+
+
+class _Log:
+    """Rank 0's record of the run: a line per step, metrics.jsonl, the final weights."""
+
+    def __init__(self, out: Path, steps: int):
+        out.mkdir(parents=True, exist_ok=True)
+        self.out, self.steps, self.t0 = out, steps, time.monotonic()
+        self.file = open(out / "metrics.jsonl", "w")
+
+    def step(self, s: int, steps: int, m) -> None:
+        row = {"step": s, "loss": m.loss, "step_time": m.step_time,
+               "tokens_per_s": m.tokens_per_s, "samples_per_s": m.samples_per_s, "lr": m.lr,
+               "grad_norm": m.grad_norm, **{k: float(v) for k, v in m.metrics.items()}}
+        self.file.write(json.dumps(row) + "\n")
+        self.file.flush()
+        print(f"step {s}/{steps}  {m.text()}", flush=True)
+
+    def finish(self, result) -> None:
+        import torch
+        self.file.close()
+        torch.save(result.params, self.out / "weights.pt")
+        print(f"done: {len(result.losses)} steps in {time.monotonic() - self.t0:.1f} s; wrote "
+              f"{self.out / 'metrics.jsonl'}, tensorboard/, weights.pt", flush=True)
+
