@@ -7,7 +7,8 @@ Cases (`--case`):
 - `scale`: a Llama 3 70B-shaped model (meta device) on 128 H100s (16 nodes of 8) and a
   405B-shaped on 512, global batch 256 sequences of 8192: candidates explored, seconds
   probing (one compile per TP class at two microbatch sizes), exploring, and verifying the
-  top 2 (compile, checks, simulation with the memory model); candidates per second.
+  top 2 (compile, checks, simulation with the memory model); candidates per second; each
+  in one process (`jobs=1`) and then spread over every core (`planner.spread`).
 - `accuracy`: a 1 B-class Llama on 16 H100s, 40 candidates drawn at random (seeded): the
   explore tier's step and peak over the simulator's on the compiled plan.
 - `accuracy-moe`: the same for a Mixtral-shaped MoE (8 experts, top 2) on 16 H100s, 12
@@ -59,12 +60,16 @@ def llama(shape: dict, batch: int, seq: int = 8192, vocab: int = 128256):
 
 def scale() -> list[dict]:
     rows = []
-    for name, devices in (("70b", 128), ("405b", 512)):
+    # each shape in one process, then spread over every core (`planner.spread`)
+    for name, devices, jobs in (("70b", 128, 1), ("70b", 128, None), ("405b", 512, 1),
+                                ("405b", 512, None)):
         model, batch = llama(LLAMA3[name], 256)
         t0 = time.perf_counter()
-        r = pn.search(model, batch, devices, "H100", top=2, budget=60, progress=False)
+        r = pn.search(model, batch, devices, "H100", top=2, budget=60, progress=False,
+                      jobs=jobs)
         s = r.seconds
-        rows.append({"case": f"Llama 3 {name} shape, {devices} H100", "candidates": r.explored,
+        rows.append({"case": f"Llama 3 {name} shape, {devices} H100",
+                     "jobs": jobs or "one per core", "candidates": r.explored,
                      "probe s": round(s["probe"], 1), "explore s": round(s["explore"], 1),
                      "explore + probe s": round(s["probe"] + s["explore"], 1),
                      "candidates/s (explore + probe)": round(
