@@ -9,8 +9,9 @@ The loop (see `search`):
 2. Explore (`planner.explore`): each candidate is bounded (model states and one
    microbatch's stash; over the capacity: refused), then estimated from its TP class's
    probe (`planner.probe`, one compile per class), and refused when the estimated peak is
-   over the capacity. Under the analytic cost model the probes and the estimates run on
-   every core (`planner.spread`).
+   over the capacity; one that `top` estimated candidates beat on its step and memory
+   floors is refused before its estimate (dominated). Under the analytic cost model the
+   probes and the estimates run on every core (`planner.spread`).
 3. Verify: the fastest estimates are compiled (`pn.compile`: the static checks, deadlock
    and NCCL order among them) and simulated with the same cost model and the memory model,
    until `top` fit; a compile error or a simulated peak over the capacity refuses one.
@@ -145,7 +146,7 @@ def search(model, batch, devices: int, hardware="H100", *, topology=None, pin=No
                   reduce_bytes=4.0)
     seconds = {"probe": 0.0, "explore": 0.0, "verify": 0.0}
     kept, refused, interrupted = explore(setup, candidates, ctx, capacity, devices, progress,
-                                         seconds, workers(jobs, cost))
+                                         seconds, workers(jobs, cost), top)
     seconds["explore"] = time.perf_counter() - t0 - seconds["probe"]
     explored = len(kept) + len(refused)    # all of them, unless interrupted
     # those the estimate says fit first, fastest first; then the ones within its margin

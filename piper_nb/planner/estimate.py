@@ -34,7 +34,8 @@ from piper_nb.planner.build import recomputes
 from piper_nb.planner.knobs import Knobs, Schedule
 from piper_nb.planner.pipeline import peaks, steps_of, timing
 
-__all__ = ["Context", "Estimate", "Layout", "layout", "estimate", "bound", "micro_size"]
+__all__ = ["Context", "Estimate", "Layout", "layout", "estimate", "bound", "step_floor",
+           "micro_size"]
 
 
 @dataclass(frozen=True)
@@ -156,6 +157,28 @@ def bound(k: Knobs, lay: Layout) -> float:
     return max(st + sum(units[i].inputs if recomputes(k, stage_of[i], i, n)
                         else units[i].saved for i in mine)
                for st, mine in zip(lay.states, lay.on_rank, strict=True))
+
+
+def step_floor(k: Knobs, lay: Layout) -> float:
+    """A floor on the estimated step, without timing the grid: the busiest rank's passes
+    over every microbatch, or the last stage's after the first microbatch's forward has
+    reached it (whichever is longer), then the slowest update. Bubbles and collectives only
+    add to it (`tests/planner/test_search_spread.py` checks it against `estimate`)."""
+    units, stage_of = lay.units, lay.stage_of
+    n, last = len(units), k.stages - 1
+    work = [0.0] * k.stages
+    reach = 0.0
+    for i, u in enumerate(units):
+        s = stage_of[i]
+        work[s] += u.f + u.b + (u.f if recomputes(k, s, i, n) else 0.0)
+        if s < last:
+            reach += u.f
+    busy = [0.0] * k.pp
+    for s, t in enumerate(work):
+        busy[k.rank_of(s)] += t
+    m = k.microbatches
+    return (max(m * max(busy), reach + m * work[last])
+            + max(_update(k, units, mine) for mine in lay.on_rank))
 
 
 def estimate(k: Knobs, lay: Layout, ctx: Context) -> Estimate:

@@ -17,7 +17,7 @@ import time
 from dataclasses import replace
 
 from piper_nb.errors import PlanError
-from piper_nb.planner.estimate import Context, bound, estimate, layout
+from piper_nb.planner.estimate import Context, bound, estimate, layout, step_floor
 from piper_nb.planner.knobs import Knobs
 from piper_nb.planner.probe import Probe, probe
 from piper_nb.planner.progress import Stop, bar
@@ -37,9 +37,10 @@ SLOW_PROBE = 1.0   # seconds: a model probed faster has its other classes probed
 
 
 def explore(setup, candidates: list[Knobs], ctx: Context, capacity: float, devices: int,
-            progress, seconds: dict, jobs: int):
-    """The kept (row, stage cut) pairs, the refused rows, and whether the user interrupted.
-    Adds the probing's wall seconds to `seconds["probe"]`."""
+            progress, seconds: dict, jobs: int, top: int):
+    """The kept (row, stage cut) pairs, the refused rows, and whether the user interrupted
+    (`top`: how many the search verifies; see `_Front`). Adds the probing's wall seconds
+    to `seconds["probe"]`."""
     t0 = time.perf_counter()
     probes, interrupted = _probe_all(setup, candidates, progress, jobs)
     seconds["probe"] += time.perf_counter() - t0
@@ -47,13 +48,12 @@ def explore(setup, candidates: list[Knobs], ctx: Context, capacity: float, devic
     ctx = replace(ctx, links=links) if ctx.links is None else ctx
     if interrupted:
         candidates = [k for k in candidates if _key(k) in probes]
-    shared = (setup, candidates, probes, ctx, capacity, devices)
+    shared = (setup, candidates, probes, ctx, capacity, devices, top)
     progress_bar = bar(len(candidates), progress, "exploring")
+    chunks = [(lo, min(lo + CHUNK, len(candidates))) for lo in range(0, len(candidates), CHUNK)]
     kept, refused = [], []
     try:
         if jobs > 1 and len(candidates) >= SPREAD_AT:
-            chunks = [(lo, min(lo + CHUNK, len(candidates)))
-                      for lo in range(0, len(candidates), CHUNK)]
             with spread(_estimate_chunk, shared, chunks, jobs) as done:
                 for (lo, hi), (k, r, stopped) in zip(chunks, done, strict=False):
                     kept += k
@@ -61,9 +61,13 @@ def explore(setup, candidates: list[Knobs], ctx: Context, capacity: float, devic
                     progress_bar.update(hi - lo)
                     if stopped:
                         raise Stop
-        else:
-            kept, refused, stopped = _estimate_all(shared, candidates, progress_bar)
-            interrupted = interrupted or stopped
+        else:   # chunk by chunk too, so that the same candidates are pruned
+            for lo, hi in chunks:
+                k, r, stopped = _estimate_all(shared, candidates[lo:hi], progress_bar)
+                kept += k
+                refused += r
+                if stopped:
+                    raise Stop
     except (KeyboardInterrupt, Stop):
         interrupted = True
     finally:
@@ -141,9 +145,10 @@ def _estimate_chunk(shared, span: tuple[int, int]):
 
 def _estimate_all(shared, candidates: list[Knobs], progress_bar):
     """Bound and estimate `candidates` (`progress_bar` updated per candidate, or None):
-    kept, refused, and whether it stopped early (Ctrl-C, or the progress callable)."""
-    setup, _, probes, ctx, capacity, devices = shared
-    kept, refused = [], []
+    kept, refused, and whether it stopped early (Ctrl-C, or the progress callable). A
+    candidate dominated by `top` estimated ones that fit (`_Front`) is refused unestimated."""
+    setup, _, probes, ctx, capacity, devices, top = shared
+    kept, refused, front = [], [], _Front(top)
     try:
         for k in candidates:
             if progress_bar is not None:
@@ -158,15 +163,44 @@ def _estimate_all(shared, candidates: list[Knobs], progress_bar):
                 refused.append(Candidate(k, Status.REFUSED, peak=floor, reason=(
                     f"memory bound: {floor / GIB:.1f} GiB > {capacity / GIB:.1f} GiB")))
                 continue
+            least = step_floor(k, lay)
+            better = front.beating(least, floor)
+            if better is not None:
+                refused.append(Candidate(k, Status.REFUSED, reason=(
+                    f"dominated: at least {least:.4g} s a step and {floor / GIB:.1f} GiB; "
+                    f"{front.top} that fit are estimated as fast and as light, "
+                    f"{better.knobs.label()} at {better.step:.4g} s and "
+                    f"{better.peak / GIB:.1f} GiB")))
+                continue
             est = estimate(k, lay, ctx)   # timed even when refused: the frontier draws it
             if est.peak > capacity * ESTIMATE_MARGIN:
                 refused.append(Candidate(k, Status.REFUSED, est.step, peak=est.peak, reason=(
                     f"memory estimate: {est.peak / GIB:.1f} GiB > {ESTIMATE_MARGIN} x "
                     f"{capacity / GIB:.1f} GiB")))
                 continue
-            kept.append((Candidate(k, Status.ESTIMATED, est.step,
-                                   rate(setup.tokens, est.step, devices), est.bubble,
-                                   est.peak), est.stage_of))
+            row = Candidate(k, Status.ESTIMATED, est.step, rate(setup.tokens, est.step, devices),
+                            est.bubble, est.peak)
+            kept.append((row, est.stage_of))
+            if est.peak <= capacity:
+                front.add(row)
     except (KeyboardInterrupt, Stop):
         return kept, refused, True
     return kept, refused, False
+
+
+class _Front:
+    """The estimated candidates that fit, to prune by: a candidate is dominated when at
+    least `top` of them are as fast as its step floor and as light as its memory floor
+    (it can then be neither among the `top` fastest nor on the step-memory frontier)."""
+
+    def __init__(self, top: int):
+        self.top, self.rows = top, []
+
+    def beating(self, step: float, peak: float) -> Candidate | None:
+        """The fastest of `top` rows at least as fast and as light as (`step`, `peak`), or
+        None when fewer are."""
+        found = [c for c in self.rows if c.step <= step and c.peak <= peak]
+        return min(found, key=lambda c: c.step) if len(found) >= self.top else None
+
+    def add(self, row: Candidate) -> None:
+        self.rows.append(row)

@@ -23,8 +23,9 @@ def gpt():
 def _search(jobs: int, **kwargs):
     model = gpt()
     kwargs.setdefault("progress", False)
+    kwargs.setdefault("top", 2)
     return pn.search(model, model.example_batch(batch_size=8, seed=0), devices=8,
-                     precision="fp32", top=2, jobs=jobs, **kwargs)
+                     precision="fp32", jobs=jobs, **kwargs)
 
 
 def _rows(result) -> list:
@@ -75,3 +76,47 @@ def test_profiled_costs_stay_in_one_process():
     assert spread.workers(None, "profile") == 1
     assert spread.workers(3, "analytic") == 3
     assert spread.workers(None, "analytic") == len(os.sched_getaffinity(0))
+
+
+def test_the_floors_are_below_every_estimate():
+    """`step_floor` and `bound`, which prune before the estimate, are floors of it."""
+    from piper_nb.capture.batch import Batch
+    from piper_nb.planner import engine
+    from piper_nb.planner.estimate import Context, bound, estimate, layout, step_floor
+    for model in (gpt(), pn.models.TinyMoE(vocab=64, dim=32, layers=2, experts=4, top_k=2,
+                                           seq=16)):
+        batch = Batch.of(model.example_batch(batch_size=8, seed=0), "test")
+        units = engine.unit_names(model, batch)
+        experts = engine.find_experts(model)
+        setup = engine._Setup(model, batch, 128, units, pn.sim.gpus.spec_of("H100"),
+                              pn.Topology.of("H100"), "fp32", pn.MemorySettings(), "analytic",
+                              None, "auto", experts, engine._holding(units, experts))
+        cands = list(space(8, 8, len(units), gpus_per_node=8, experts=experts))
+        probes, _ = explore._probe_all(setup, cands, False, 1)
+        ctx = Context(8, next(iter(probes.values())).links, None, None, 12.0, 4.0)
+        checked = 0
+        for k in cands:
+            p = probes[explore._key(k)]
+            if p.error is None:
+                lay = layout(k, p, ctx)
+                est = estimate(k, lay, ctx)
+                assert step_floor(k, lay) <= est.step * (1 + 1e-12), k.label()
+                assert bound(k, lay) <= est.peak * (1 + 1e-12), k.label()
+                checked += 1
+        assert checked > 300
+
+
+def test_pruning_dominated_candidates_keeps_the_fastest_and_the_frontier(monkeypatch):
+    pruned = _search(1, top=3)
+    assert pruned.reasons().get("dominated", 0) > 0
+    monkeypatch.setattr(explore._Front, "beating", lambda self, step, peak: None)
+    whole = _search(1, top=3)
+    assert "dominated" not in whole.reasons() and pruned.explored == whole.explored
+    assert [(c.knobs, c.step) for c in pruned.ranked] == [(c.knobs, c.step) for c in whole.ranked]
+
+    def front(result):
+        rows = [c for c in (*result.ranked, *result.estimated) if c.step is not None]
+        return {(c.knobs, c.step) for c in rows if not any(
+            o.step <= c.step and o.peak <= c.peak and (o.step, o.peak) != (c.step, c.peak)
+            for o in rows)}
+    assert front(pruned) == front(whole)
