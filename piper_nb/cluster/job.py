@@ -4,10 +4,11 @@ Where `LocalCluster` has one driver and n workers, a job has n processes and no 
 each runs the same training loop (`pn.train`, with this cluster) on the same batches, and
 executes its own device's commands itself (`runtime.process.execute`, the workers' own
 switch). After each command the ranks exchange their answers over a gloo group, so every
-rank sees every loss and end time, and an error on any rank is raised on all of them as
-the same `pn.RuntimeFailure` (a peer blocked in a transfer with a dead rank is ended by the
-launcher: torchrun stops the job when a rank exits with an error, `srun
---kill-on-bad-exit=1` does).
+rank sees every loss and end time. An error on a rank is raised there at once as a
+`pn.RuntimeFailure` naming the rank and the instruction, and the rank exits; its peers,
+which may be waiting in a transfer with it, are ended by the launcher (torchrun stops the
+job when a rank exits with an error, `srun --kill-on-bad-exit=1` does), never left to
+hang until the process group's timeout.
 
 `JobEnv.read()` reads the rank, world size, local rank and rendezvous address: torchrun's
 `RANK`, `WORLD_SIZE`, `LOCAL_RANK`, `MASTER_ADDR`, `MASTER_PORT`; or Slurm's
@@ -147,16 +148,15 @@ class JobRank(ClusterCommands):
     def _run(self, op: str, key, payload=None, per_rank: list | None = None) -> dict[int, object]:
         mine = payload if per_rank is None else per_rank[self.rank]
         try:
-            out = ("ok", execute(self._workers, op, key, mine, self._make_worker))
-        except Exception as err:   # every rank must hear of it, then raise it
-            out = ("error", describe(err, self._workers.get(key)))
+            out = execute(self._workers, op, key, mine, self._make_worker)
+        except Exception as err:   # this rank stops now; its peers may wait in a transfer
+            raise worker_failure(f"rank {self.rank}", self.rank,
+                                 describe(err, self._workers.get(key)), op,
+                                 "this rank stops, and the launcher stops the others: torchrun "
+                                 "does, srun with --kill-on-bad-exit=1") from err
         answers: list = [None] * self.n
         dist.all_gather_object(answers, out, group=self._control)
-        for rank, (kind, info) in enumerate(answers):
-            if kind == "error":
-                raise worker_failure(f"rank {rank}", rank, info, op,
-                                     f"the job's rank {self.rank} stops too")
-        return {r: a[1] for r, a in enumerate(answers)}
+        return dict(enumerate(answers))
 
     def _make_worker(self, blob: bytes) -> Worker:
         return Worker(self.rank, load_bundle(blob), self._channel, self._device, self.timeout)

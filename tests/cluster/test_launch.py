@@ -32,10 +32,10 @@ def _gpt(tied: bool = False):
     return model, model.example_batch(batch_size=8, seed=0)
 
 
-def _saved(tmp_path, program, tied: bool = False):
+def _saved(tmp_path, program, tied: bool = False, with_batch: bool = True):
     model, batch = _gpt(tied)
     plan = pn.compile(pn.annotate(model, HALVES), program, batch)
-    path = plan.save(tmp_path / "plan", OPT, batch=batch, seed=0)
+    path = plan.save(tmp_path / "plan", OPT, batch=batch if with_batch else None, seed=0)
     return model, batch, plan, path
 
 
@@ -75,18 +75,37 @@ def test_torchrun_trains_a_pp2_dp2_zero3_plan_equal_to_one_process(tmp_path):
 
 
 def test_an_srun_job_trains_a_pp2_plan_equal_to_one_process(tmp_path):
-    model, batch, plan, path = _saved(tmp_path, S.one_f_one_b(2, 4, place=True))
+    """The plan saved without a batch; every rank draws it from `--data`, the user's
+    function (importable from the job's working directory)."""
+    model, batch, plan, path = _saved(tmp_path, S.one_f_one_b(2, 4, place=True),
+                                      with_batch=False)
+    (tmp_path / "mydata.py").write_text(
+        "import piper_nb as pn\n\n\ndef batch():\n    return pn.models.TinyGPT(vocab=64, "
+        "dim=32, layers=4, heads=2, seq=16).example_batch(batch_size=8, seed=0)\n")
     out, port = tmp_path / "out", free_port()
-    procs = [subprocess.Popen(
-        [sys.executable, "-m", "piper_nb", "launch", str(path), "--steps", str(STEPS),
-         "--out", str(out)], cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-        text=True, env=_env(SLURM_PROCID=str(r), SLURM_NTASKS="2", SLURM_LOCALID=str(r),
-                            SLURM_JOB_NODELIST="localhost", MASTER_PORT=str(port)))
+    cmd = [sys.executable, "-m", "piper_nb", "launch", str(path), "--steps", str(STEPS),
+           "--out", str(out), "--data", "mydata:batch"]
+    procs = [subprocess.Popen(cmd, cwd=tmp_path, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True, env=_env(
+                                  SLURM_PROCID=str(r), SLURM_NTASKS="2", SLURM_LOCALID=str(r),
+                                  SLURM_JOB_NODELIST="localhost", MASTER_PORT=str(port)))
         for r in range(2)]
     outs = [p.communicate(timeout=300)[0] for p in procs]
     assert [p.returncode for p in procs] == [0, 0], "\n".join(outs)
     assert "done: 3 steps" in outs[0] and "step " not in outs[1]
     _equal_to_reference(model, batch, plan, out)
+
+
+def test_a_rank_that_fails_stops_the_job_naming_itself_and_never_hangs(tmp_path):
+    _, _, _, path = _saved(tmp_path, PP2_DP2_ZERO3)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+           "4", "-m", "piper_nb", "launch", str(path), "--steps", str(STEPS), "--timeout", "600"]
+    done = subprocess.run(cmd, env=_env(PIPER_NB_FAIL_AT="1:r1:B0"), capture_output=True,
+                          text=True, timeout=240, cwd=tmp_path)
+    assert done.returncode != 0
+    said = done.stdout + done.stderr
+    assert "error: step 1: rank 1 failed at instruction r1:B0 during step" in said, said
+    assert "injected failure" in said and not (tmp_path / "piper_nb_launch" / "weights.pt").exists()
 
 
 def test_a_job_of_the_wrong_size_is_refused_before_any_process_group(tmp_path):
