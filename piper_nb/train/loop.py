@@ -30,7 +30,8 @@ def train(plan, batch_or_loader, steps: int, optimizer, cluster=None, *,
           clip_grad_norm: float | None = None, log_dir: str | os.PathLike | None = None,
           progress: Callable[[int, int, StepMetrics], None] | None = None,
           checkpoint_dir: str | os.PathLike | None = None, checkpoint_every: int | None = None,
-          resume: bool | str = False, seed: int | None = None, drop_last: bool = False) -> Result:
+          resume: bool | str = False, seed: int | None = None, drop_last: bool = False,
+          max_restarts: int = 0) -> Result:
     """Train `plan` for `steps` steps on local workers (or on `cluster`, left running).
 
     `optimizer` builds a `torch.optim` optimizer from parameters (`torch.optim.AdamW`,
@@ -66,35 +67,24 @@ def train(plan, batch_or_loader, steps: int, optimizer, cluster=None, *,
     from the run's start. A resume after the model, plan, optimizer or scheduler changed is
     refused, naming the change; `resume="weights_only"` loads only the weights (the optimizer
     and scheduler start fresh, the step and data position go on): `cluster.checkpoint`.
+
+    `max_restarts=N` (with `checkpoint_dir`) survives a lost worker: when a worker dies,
+    stops answering or raises, the cluster's workers are started again, the newest
+    checkpoint is loaded and the run goes on, at most N times; then the first failure is
+    raised. The result equals an uninterrupted run's (the steps after the newest
+    checkpoint are trained again). A loader must be iterable again from its start (a
+    DataLoader, a list), as a resume needs.
     """
     plan, spec, seed = _prepare(plan, optimizer, param_groups, lr_scheduler, clip_grad_norm,
                                 seed)
     check_float8(plan.capture.modules, plan.tp_groups, getattr(cluster, "device", None))
     ckpt = Checkpointer.for_train(plan, spec, checkpoint_dir, checkpoint_every, resume)
+    _check_restarts(max_restarts, ckpt)
     run = _Run(plan, steps, spec, seed, drop_last, progress, log_dir)
     own = cluster is None
     cluster = LocalCluster(plan.world) if own else cluster
     try:
-        cluster.reset(plan, spec, seed)
-        start = 0
-        if ckpt is not None:
-            start, run.losses, run.times, run.metrics = ckpt.restore(cluster, steps)
-        batches = batch_stream(batch_or_loader, "step", skip=start)   # each named once
-        for s in range(start + 1, steps + 1):
-            try:
-                batch = next(batches)
-            except StopIteration:
-                raise PlanError(f"the loader ran out after {s - 1} of {steps} steps") from None
-            try:
-                stepped = run.step(cluster, s, batch)
-            except RuntimeFailure as err:   # a worker failed or was lost: say in which step
-                raise err.at_step(s) from err
-            if stepped and ckpt is not None:
-                ckpt.after_step(cluster, s, steps, run.losses, run.times, run.metrics)
-        params = cluster.state(plan)
-        fetch = getattr(cluster, "train_state", None)   # a cluster of one's own may lack it
-        optim_state = {} if fetch is None else _optimizer_state(plan, spec,
-                                                                 fetch(plan)[:plan.world])
+        params, optim_state = _attempts(run, cluster, ckpt, batch_or_loader, max_restarts)
     finally:
         run.close()
         if own:
@@ -103,6 +93,73 @@ def train(plan, batch_or_loader, steps: int, optimizer, cluster=None, *,
     return Result(run.losses, run.times, run.trace, params, model_template(model),
                   param_aliases(model), sorted(run.leftover), run.skipped, run.metrics,
                   optim_state)
+
+
+def _attempts(run, cluster, ckpt, batch_or_loader, max_restarts: int) -> tuple[dict, dict]:
+    """`_attempt`, again from the newest checkpoint after a worker raised, died or stopped
+    answering, at most `max_restarts` times; then the first failure, with a note."""
+    failures: list[RuntimeFailure] = []
+    while True:
+        try:
+            return _attempt(run, cluster, ckpt, batch_or_loader)
+        except RuntimeFailure as err:
+            failures.append(err)
+            if len(failures) <= max_restarts:
+                _restarting(ckpt, run, err, len(failures), max_restarts)
+                continue
+            if max_restarts:
+                failures[0].add_note(f"pn.train restarted {max_restarts} times, and each "
+                                     f"attempt failed; the last: {str(err).splitlines()[0]}")
+            raise failures[0] from failures[0].__cause__
+
+
+def _attempt(run, cluster, ckpt, batch_or_loader) -> tuple[dict, dict]:
+    """Train from the start, or from the newest checkpoint when resuming, to the last
+    step: the final parameters and optimizer state."""
+    plan, spec, steps = run.plan, run.spec, run.steps
+    cluster.reset(plan, spec, run.seed)
+    start = 0
+    if ckpt is not None:
+        start, run.losses, run.times, run.metrics = ckpt.restore(cluster, steps)
+    run.skipped = [s for s in run.skipped if s <= start]   # a restart trains on from `start`
+    batches = batch_stream(batch_or_loader, "step", skip=start)   # each named once
+    for s in range(start + 1, steps + 1):
+        try:
+            batch = next(batches)
+        except StopIteration:
+            raise PlanError(f"the loader ran out after {s - 1} of {steps} steps") from None
+        try:
+            stepped = run.step(cluster, s, batch)
+        except RuntimeFailure as err:   # a worker failed or was lost: say in which step
+            raise err.at_step(s) from err
+        if stepped and ckpt is not None:
+            ckpt.after_step(cluster, s, steps, run.losses, run.times, run.metrics)
+    params = cluster.state(plan)
+    fetch = getattr(cluster, "train_state", None)   # a cluster of one's own may lack it
+    optim_state = {} if fetch is None else _optimizer_state(plan, spec,
+                                                             fetch(plan)[:plan.world])
+    return params, optim_state
+
+
+def _check_restarts(max_restarts, ckpt) -> None:
+    if isinstance(max_restarts, bool) or not isinstance(max_restarts, int) or max_restarts < 0:
+        raise PlanError(f"pn.train: max_restarts must be a non-negative int, got "
+                        f"{max_restarts!r}")
+    if max_restarts and ckpt is None:
+        raise PlanError("pn.train: max_restarts reloads the newest checkpoint after a lost "
+                        "worker; give checkpoint_dir= (and checkpoint_every=, how many steps "
+                        "a restart may train again)")
+
+
+def _restarting(ckpt, run, err: RuntimeFailure, n: int, most: int) -> None:
+    """Resume from the newest checkpoint on fresh workers (a cluster that lost or stopped a
+    worker stops its whole group; its next command starts a new one)."""
+    import warnings
+    first = str(err).splitlines()[0]
+    warnings.warn(f"pn.train: restart {n} of {most} after: {first}; reloading the newest "
+                  f"checkpoint in {ckpt.dir}", stacklevel=4)
+    ckpt.resume = True
+    run.restarted()
 
 
 def _optimizer_state(plan, spec: OptimizerSpec, states: list[dict]) -> dict:
@@ -190,6 +247,10 @@ class _Run:
         if self.progress is not None:
             self.progress(s, self.steps, m)
         return True
+
+    def restarted(self) -> None:
+        """The workers are new: every other-size plan is shipped again."""
+        self.shipped = set()
 
     def close(self) -> None:
         if self.log is not None:
