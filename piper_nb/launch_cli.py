@@ -11,7 +11,10 @@ package.module:function`, which returns a batch or a loader.
 Rank 0 prints a line per step and writes into `--out`: `metrics.jsonl` (a JSON object per
 step: loss, step time, tokens/s, samples/s, learning rate, gradient norm), TensorBoard
 event files (`tensorboard/`) and, after the last step, the trained weights (`weights.pt`,
-full tensors by parameter name). Checkpoints and restarts of a job are not here yet.
+full tensors by parameter name). With `--checkpoint-dir`, rank 0 checkpoints there
+(`pn.train`'s checkpoints) and every rank starts from the newest one: torchrun's own
+`--max-restarts N`, which starts every rank again when one fails, then continues the run
+(as does resubmitting the job).
 """
 
 from __future__ import annotations
@@ -38,6 +41,12 @@ def add_parser(sub) -> argparse.ArgumentParser:
                    help="cpu (gloo) or cuda (NCCL, the GPU of LOCAL_RANK / SLURM_LOCALID)")
     p.add_argument("--out", default="piper_nb_launch",
                    help="rank 0's folder for metrics.jsonl, tensorboard/ and weights.pt")
+    p.add_argument("--checkpoint-dir", default=None,
+                   help="rank 0 checkpoints there (on a shared filesystem); every rank "
+                        "resumes from the newest one, so torchrun --max-restarts N (or a "
+                        "rerun of the job) continues the run")
+    p.add_argument("--checkpoint-every", type=int, default=None,
+                   help="steps between checkpoints (default 1)")
     p.add_argument("--timeout", type=float, default=600.0,
                    help="seconds the rendezvous and each step may take")
     return p
@@ -52,11 +61,14 @@ def run(args) -> int:
         saved = _load(args.plan, env)
         data = _data(args.data) if args.data else None
         out = Path(args.out)
-        log = _Log(out, args.steps) if env.rank == 0 else None
+        log = _Log(out, args.checkpoint_dir is not None) if env.rank == 0 else None
         with JobRank(env, device=args.device, timeout=args.timeout) as cluster:
             result = train(saved.plan, _batch(saved, data), args.steps, saved.optimizer,
                            cluster, log_dir=None if log is None else out / "tensorboard",
-                           progress=None if log is None else log.step, **saved.settings)
+                           progress=None if log is None else log.step,
+                           checkpoint_dir=args.checkpoint_dir,
+                           checkpoint_every=args.checkpoint_every,
+                           resume=args.checkpoint_dir is not None, **saved.settings)
         if log is not None:
             log.finish(result)
     except (PlanError, RuntimeFailure, OSError) as err:
@@ -110,10 +122,11 @@ def _data(target: str):
 class _Log:
     """Rank 0's record of the run: a line per step, metrics.jsonl, the final weights."""
 
-    def __init__(self, out: Path, steps: int):
+    def __init__(self, out: Path, resumes: bool):
         out.mkdir(parents=True, exist_ok=True)
-        self.out, self.steps, self.t0 = out, steps, time.monotonic()
-        self.file = open(out / "metrics.jsonl", "w")
+        self.out, self.t0 = out, time.monotonic()
+        # a resumed job appends (the steps after its checkpoint appear twice, the later last)
+        self.file = open(out / "metrics.jsonl", "a" if resumes else "w")
 
     def step(self, s: int, steps: int, m) -> None:
         row = {"step": s, "loss": m.loss, "step_time": m.step_time,

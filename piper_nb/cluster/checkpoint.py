@@ -217,6 +217,8 @@ class Checkpointer:
         if step % self.every and step != steps:
             return None
         states = _require(cluster, "train_state")(self.plan)[:self.plan.world]
+        if not getattr(cluster, "writes_checkpoints", True):   # a job's other ranks
+            return None
         obj = {"format": FORMAT, "step": step, "data_position": step, "world": self.plan.world,
                "fingerprint": self.fingerprint, "written_by": self.written_by,
                "losses": [float(x) for x in losses], "step_times": [float(x) for x in times],

@@ -108,6 +108,12 @@ class JobRank(ClusterCommands):
         self._loaded, self._next_key, self._workers = [], 0, {}
         self._channel = self._device = self._control = None
 
+    @property
+    def writes_checkpoints(self) -> bool:
+        """Rank 0 writes a job's checkpoints (every rank gathers their states, and every
+        rank reads the newest one back when the job is restarted)."""
+        return self.rank == 0
+
     def _key(self, plan) -> int:
         if plan.world != self.n:
             raise PlanError(f"the plan runs on {plan.world} devices and this job has "
@@ -123,16 +129,25 @@ class JobRank(ClusterCommands):
         self._device, backend = pick_device(
             self.device_kind, self.rank, self.n, self.env.local_rank,
             backend="nccl" if self.device_kind == "cuda" else None)
-        # torchrun's agent already serves the store at MASTER_ADDR:MASTER_PORT (env://
-        # finds it); under srun rank 0 serves it
-        meet = ("env://" if self.env.launcher == "torchrun"
-                else f"tcp://{self.env.host}:{self.env.port}")
         bound = {"device_id": self._device} if backend == "nccl" else {}
-        dist.init_process_group(backend, init_method=meet, rank=self.rank, world_size=self.n,
-                                timeout=limit, **bound)
+        dist.init_process_group(backend, store=self._store(limit), rank=self.rank,
+                                world_size=self.n, timeout=limit, **bound)
         self._control = dist.new_group(backend="gloo") if backend != "gloo" else None
         self._channel = Comm(self.rank, self._device, backend)
         return self
+
+    def _store(self, limit: datetime.timedelta) -> dist.Store:
+        """The rendezvous store. torchrun's agent serves one at MASTER_ADDR:MASTER_PORT and
+        keeps it across the restarts of `--max-restarts`, so each round meets under its
+        own prefix (a restarted round would otherwise read the dead round's addresses);
+        under srun rank 0 serves it."""
+        agent = self.env.launcher == "torchrun" and os.environ.get(
+            "TORCHELASTIC_USE_AGENT_STORE") == "True"
+        store = dist.TCPStore(self.env.host, self.env.port, self.n,
+                              is_master=not agent and self.rank == 0, timeout=limit,
+                              wait_for_workers=False)
+        restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        return dist.PrefixStore(f"piper_nb/round{restart}/", store)
 
     def close(self) -> None:
         if self._channel is not None and dist.is_initialized():

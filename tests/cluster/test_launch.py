@@ -8,8 +8,10 @@ import functools
 import json
 import os
 import pickle
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -17,6 +19,7 @@ import torch
 import piper_nb as pn
 from piper_nb import schedules as S
 from piper_nb.cluster.job import JobEnv, first_host
+from piper_nb.cluster.local import LocalCluster
 from piper_nb.host import free_port
 from piper_nb.plan import files
 
@@ -106,6 +109,64 @@ def test_a_rank_that_fails_stops_the_job_naming_itself_and_never_hangs(tmp_path)
     said = done.stdout + done.stderr
     assert "error: step 1: rank 1 failed at instruction r1:B0 during step" in said, said
     assert "injected failure" in said and not (tmp_path / "piper_nb_launch" / "weights.pt").exists()
+
+
+def test_torchrun_restarts_a_killed_rank_and_the_job_resumes_from_its_checkpoint(tmp_path):
+    """SIGKILL of one rank mid-run (after step 12 of 40, checkpoints every 5 steps):
+    torchrun's --max-restarts starts every rank again, each resumes from the newest
+    checkpoint, and the job ends with the weights of one process's uninterrupted run."""
+    model, batch, plan, path = _saved(tmp_path, PP2_DP2_ZERO3)
+    out, ckpt, steps = tmp_path / "out", tmp_path / "ckpt", 40
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+           "4", "--max-restarts", "1", "-m", "piper_nb", "launch", str(path), "--steps",
+           str(steps), "--out", str(out), "--checkpoint-dir", str(ckpt),
+           "--checkpoint-every", "5"]
+    job = subprocess.Popen(cmd, env=_env(), cwd=tmp_path,
+                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and _logged(out) < 12:
+            time.sleep(0.02)
+        assert 12 <= _logged(out) < steps, "the job did not run long enough to be killed"
+        ranks = _children(job.pid)
+        assert len(ranks) == 4
+        os.kill(ranks[1], signal.SIGKILL)
+        said = job.communicate(timeout=240)[0]
+    finally:
+        job.kill()
+    assert job.returncode == 0, said
+    assert "done: " in said and not any(pid in _children(job.pid) for pid in ranks)
+    with LocalCluster(4) as cluster:                # the same cadence, never killed
+        full = pn.train(plan, batch, steps, OPT, cluster=cluster)
+    weights = torch.load(out / "weights.pt", weights_only=True)
+    for name, w in full.params.items():
+        assert torch.equal(weights[name], w), name
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert rows[-1]["step"] == steps and len(rows) > steps     # some steps trained twice
+    assert {r["step"]: r["loss"] for r in rows} == dict(enumerate(full.losses, 1))
+    assert all(r["loss"] == full.losses[r["step"] - 1] for r in rows)
+
+
+def _logged(out) -> int:
+    try:
+        return len((out / "metrics.jsonl").read_text().splitlines())
+    except FileNotFoundError:
+        return 0
+
+
+def _children(pid: int) -> list[int]:
+    """The live processes whose parent is `pid`, in pid order."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[1]) == pid and fields[0] != "Z":
+                found.append(int(entry))
+    return sorted(found)
 
 
 def test_a_job_of_the_wrong_size_is_refused_before_any_process_group(tmp_path):
