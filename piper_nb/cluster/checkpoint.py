@@ -1,17 +1,22 @@
-"""Checkpoints of a training run: written atomically, loaded without unpickling code.
+"""Checkpoints of a training run: written atomically (DCP directories, or piper_nb's own file).
 
-`pn.train(..., checkpoint_dir=d, checkpoint_every=K)` writes `d/step-000012.pt` every K
-steps and after the last one; `resume=True` continues from the newest file in `d`. A
-checkpoint holds the whole training state at a step boundary: every rank's parameters
+`pn.train(..., checkpoint_dir=d, checkpoint_every=K)` writes `d/step-000012/` (PyTorch's
+distributed checkpoint, `cluster.dcp`, which resumes on any plan of the same model) every
+K steps and after the last one; with `checkpoint_format="piper_nb"`, `d/step-000012.pt`
+(the format below, which resumes on the plan that wrote it); `resume=True` continues from
+the newest checkpoint in `d` (a file of the old format resumes, with a note). A checkpoint
+holds the whole training state at a step boundary: every rank's parameters
 (full, or its ZeRO-3 shards) and optimizer state with the step count (what the workers'
 `train_state` reports), the number of batches consumed (a loader is advanced past them on
 resume), the losses and step times so far, and what wrote it: a fingerprint of the captured
 model, the plan, the optimizer and the scheduler (`cluster.fingerprint`), so a resumed run
 ends bit for bit where an uninterrupted one would, and a resume where any of them changed is
-refused, naming the change. `resume="weights_only"` loads the parameters and buffers anyway
-and starts the optimizer and scheduler fresh at the checkpoint's step.
+refused, naming the change (a DCP checkpoint: the plan may differ). `resume="weights_only"`
+loads the parameters and buffers anyway and starts the optimizer and scheduler fresh at the
+checkpoint's step.
 
-A file is written to a temporary name in the same directory, flushed, fsynced and then
+A DCP checkpoint is written into a hidden temporary directory and renamed (`save_dcp`). A
+file is written to a temporary name in the same directory, flushed, fsynced and then
 renamed over its final name (`os.replace`, atomic on POSIX and Windows), and the directory
 is fsynced: a crash mid-write leaves the previous checkpoint intact and no torn file under
 a checkpoint's name. Files are read with `torch.load(weights_only=True)`: tensors, numbers,
@@ -25,13 +30,21 @@ import dataclasses
 import math
 import os
 import re
+import shutil
 import tempfile
 import warnings
 from pathlib import Path
 
 import torch
 
-from piper_nb.cluster.fingerprint import differences, fingerprint, plan_fingerprint
+from piper_nb.cluster import dcp
+from piper_nb.cluster.fingerprint import (
+    differences,
+    fingerprint,
+    model_changes,
+    plan_fingerprint,
+    whole_model,
+)
 from piper_nb.errors import PlanError, RuntimeFailure
 from piper_nb.metrics import StepMetrics
 from piper_nb.optim import check_optimizer
@@ -40,8 +53,10 @@ __all__ = ["FORMAT", "RESUME", "Checkpointer", "save", "load", "latest", "checkp
            "plan_fingerprint", "full_state"]
 
 FORMAT = "piper_nb.checkpoint/1"
-_NAME = re.compile(r"^step-(\d{6,})\.pt$")
+DCP_FORMAT = "piper_nb.dcp/1"
+_NAME = re.compile(r"^step-(\d{6,})(\.pt)?$")
 RESUME = (False, True, "weights_only")   # what `pn.train(resume=...)` takes
+FORMATS = ("dcp", "piper_nb")            # what `pn.train(checkpoint_format=...)` takes
 
 
 def checkpoints(directory: str | os.PathLike) -> list[tuple[int, Path]]:
@@ -49,7 +64,8 @@ def checkpoints(directory: str | os.PathLike) -> list[tuple[int, Path]]:
     d = Path(directory)
     if not d.is_dir():
         return []
-    found = [(int(m.group(1)), p) for p in d.iterdir() if (m := _NAME.match(p.name))]
+    found = [(int(m.group(1)), p) for p in d.iterdir() if (m := _NAME.match(p.name))
+             and (m.group(2) or dcp.is_dcp(p))]
     return sorted(found)
 
 
@@ -90,9 +106,40 @@ def save(directory: str | os.PathLike, obj: dict, keep: int | None = 2) -> Path:
         Path(tmp).unlink(missing_ok=True)
         raise
     _fsync_dir(d)
+    _drop_old(d, keep)
+    return final
+
+
+def _drop_old(d: Path, keep: int | None) -> None:
     if keep is not None:
         for _, old in checkpoints(d)[:-keep]:
-            old.unlink(missing_ok=True)
+            shutil.rmtree(old) if old.is_dir() else old.unlink(missing_ok=True)
+
+
+def save_dcp(directory: str | os.PathLike, plan, spec, states: list[dict], sidecar: dict,
+             keep: int | None = 2) -> Path:
+    """Write a DCP checkpoint (`cluster.dcp`) atomically: into a temporary directory beside
+    it, fsynced, then renamed to `step-000012/` (a directory left by a write that was cut
+    short, or killed, is removed by the next one and never read)."""
+    d = Path(directory)
+    d.mkdir(parents=True, exist_ok=True)
+    for stale in d.glob(".step-*.tmp"):
+        shutil.rmtree(stale, ignore_errors=True)
+    final = d / f"step-{sidecar['step']:06d}"
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", suffix=".tmp", dir=d))
+    try:
+        dcp.write(tmp, plan, spec, states, sidecar["step"], sidecar)
+        _fsync_dir(tmp)
+        if final.exists():               # the same step again, after a restart
+            gone = Path(tempfile.mkdtemp(prefix=f".{final.name}.", suffix=".tmp", dir=d))
+            os.replace(final, gone / final.name)
+            shutil.rmtree(gone)
+        os.replace(tmp, final)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    _fsync_dir(d)
+    _drop_old(d, keep)
     return final
 
 
@@ -118,7 +165,7 @@ class Checkpointer:
     step."""
 
     def __init__(self, plan, optimizer, directory: str | os.PathLike, every: int | None = None,
-                 resume: bool | str = False, keep: int | None = 2):
+                 resume: bool | str = False, keep: int | None = 2, format: str = "dcp"):
         every = 1 if every is None else every
         if isinstance(every, bool) or not isinstance(every, int) or every < 1:
             raise ValueError(f"checkpoint_every is a positive number of steps, got {every!r}")
@@ -126,21 +173,25 @@ class Checkpointer:
             raise ValueError(f"keep is None (keep all) or at least 1, got {keep!r}")
         if not any(resume is r or (isinstance(r, str) and resume == r) for r in RESUME):
             raise ValueError(f"resume is False, True or \"weights_only\", got {resume!r}")
+        if format not in FORMATS:
+            raise ValueError(f"checkpoint_format is \"dcp\" (PyTorch's distributed checkpoint) "
+                             f"or \"piper_nb\" (one .pt file), got {format!r}")
         optimizer = check_optimizer(optimizer, "pn.train")   # an OptimizerSpec stays itself
         self.plan, self.optimizer, self.dir = plan, optimizer, Path(directory)
-        self.every, self.resume, self.keep = every, resume, keep
+        self.every, self.resume, self.keep, self.format = every, resume, keep, format
         self.fingerprint = plan_fingerprint(plan)
         self.written_by = fingerprint(plan, optimizer)
         self.written: list[Path] = []
 
     @classmethod
-    def for_train(cls, plan, optimizer, directory, every, resume) -> Checkpointer | None:
+    def for_train(cls, plan, optimizer, directory, every, resume,
+                  format: str = "dcp") -> Checkpointer | None:
         """None when `train` was given no directory (and then asks for no checkpoints)."""
         if directory is None:
             if resume or every is not None:
                 raise ValueError("resume and checkpoint_every need checkpoint_dir=")
             return None
-        return cls(plan, optimizer, directory, every, resume)
+        return cls(plan, optimizer, directory, every, resume, format=format)
 
     def restore(self, cluster, steps: int | None = None
                 ) -> tuple[int, list[float], list[float], list[StepMetrics]]:
@@ -153,12 +204,16 @@ class Checkpointer:
         path = latest(self.dir) if self.resume else None
         if path is None:
             return 0, [], [], []
+        if path.is_dir():
+            return self._restore_dcp(cluster, path, steps)
+        if self.format == "dcp":
+            warnings.warn(f"{path} is in piper_nb's own checkpoint format, which still resumes "
+                          "this run; the checkpoints it writes now are PyTorch's DCP "
+                          "(checkpoint_format=\"dcp\"), which plain PyTorch and torchtitan "
+                          "load", stacklevel=4)
         obj = load(path)
         step = obj["step"]
-        if steps is not None and steps < step:
-            raise PlanError(f"{path} is at step {step}, beyond steps={steps}: steps counts from "
-                            f"the run's start, so pass steps greater than {step} to train on "
-                            "from it, or give a fresh checkpoint_dir to start over")
+        _step_of(path, steps, step)
         changed = self._changed(path, obj)
         weights_only = self.resume == "weights_only"
         if changed and not weights_only:
@@ -174,6 +229,51 @@ class Checkpointer:
         states += [empty] * (n - len(states))   # ranks beyond the plan's world hold nothing
         _require(cluster, "load_train_state")(self.plan, states)
         return step, list(obj["losses"]), list(obj["step_times"]), self.metrics(obj)
+
+    def _restore_dcp(self, cluster, path: Path, steps: int | None):
+        """Resume from a DCP checkpoint, onto this plan whatever plan wrote it: whole
+        tensors read back, cut as this plan's devices hold them. The model, optimizer and
+        scheduler must be the run's (the plan may differ)."""
+        state, side = dcp.read(path)
+        step = int(state["train_state.step"])
+        _step_of(path, steps, step)
+        missing = [n for n in dcp.Geometry(self.plan).shapes if n not in state]
+        if missing:
+            raise PlanError(f"{path} has no {', '.join(missing[:3])}: it holds another "
+                            "model's weights; resume from a checkpoint of this model, or give "
+                            "a fresh checkpoint_dir")
+        changed = [c for c in differences(side.get("written_by", {}), self.written_by)
+                   if c.startswith(("the optimizer", "the scheduler"))] if side else []
+        changed = model_changes(side.get("written_by", {}), self.written_by,
+                                side.get("model", {}), whole_model(self.plan)) + changed
+        weights_only = self.resume == "weights_only"
+        if changed and not weights_only:
+            raise PlanError(f"{path} was written by another run: {'; '.join(changed)}. Revert "
+                            "the change to resume, give a fresh checkpoint_dir, or pass "
+                            "resume=\"weights_only\" to load only the model's weights")
+        if changed:
+            warnings.warn(f"resume=\"weights_only\": loading the weights of {path} although "
+                          f"{'; '.join(changed)}; the optimizer and scheduler start fresh",
+                          stacklevel=4)
+        skeleton = _require(cluster, "train_state")(self.plan)
+        if weights_only:
+            state = {k: v for k, v in state.items() if not k.startswith(("optimizer.",
+                                                                          "lr_scheduler"))}
+        states = dcp.device_states(self.plan, self.optimizer, skeleton, state)
+        if weights_only:
+            for st in states:
+                st["optim"] = {}
+                st.pop("update", None)
+        _require(cluster, "load_train_state")(self.plan, states)
+        metrics = [StepMetrics(**m) for m in side.get("metrics", [])]
+        return step, list(side.get("losses", [])), list(side.get("step_times", [])), metrics
+
+    def _sidecar(self, step, losses, times, metrics) -> dict:
+        return {"format": DCP_FORMAT, "step": step, "data_position": step,
+                "world": self.plan.world, "fingerprint": self.fingerprint,
+                "written_by": self.written_by, "model": whole_model(self.plan),
+                "losses": [float(x) for x in losses], "step_times": [float(x) for x in times],
+                "metrics": [dataclasses.asdict(m) for m in metrics], "torch": str(torch.__version__)}
 
     def _changed(self, path: Path, obj: dict) -> list[str]:
         """What differs between the run that wrote `obj` and this one (a checkpoint from
@@ -219,6 +319,11 @@ class Checkpointer:
         states = _require(cluster, "train_state")(self.plan)[:self.plan.world]
         if not getattr(cluster, "writes_checkpoints", True):   # a job's other ranks
             return None
+        if self.format == "dcp":
+            path = save_dcp(self.dir, self.plan, self.optimizer, states,
+                            self._sidecar(step, losses, times, metrics), self.keep)
+            self.written.append(path)
+            return path
         obj = {"format": FORMAT, "step": step, "data_position": step, "world": self.plan.world,
                "fingerprint": self.fingerprint, "written_by": self.written_by,
                "losses": [float(x) for x in losses], "step_times": [float(x) for x in times],
@@ -235,3 +340,10 @@ def _require(cluster, method: str):
         raise PlanError(f"{type(cluster).__name__} cannot checkpoint: it has no {method}(); use "
                         "pn.LocalCluster or pn.IPyParallelCluster, or train without checkpoint_dir")
     return fn
+
+
+def _step_of(path: Path, steps: int | None, step: int) -> None:
+    if steps is not None and steps < step:
+        raise PlanError(f"{path} is at step {step}, beyond steps={steps}: steps counts from "
+                        f"the run's start, so pass steps greater than {step} to train on "
+                        "from it, or give a fresh checkpoint_dir to start over")

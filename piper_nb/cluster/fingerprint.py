@@ -95,6 +95,30 @@ def _target(t) -> str:
     return str(t) if name is None else name
 
 
+def whole_model(plan) -> dict:
+    """The model as any plan of it holds it, for a resume on another plan (a DCP checkpoint):
+    every region's ops in order however the regions are cut and placed, and the tensor-parallel
+    layout, which rewrites the ops (so ops are compared only between equal layouts)."""
+    cap = plan.capture
+    ops = [t for gm in cap.modules for n in gm.graph.nodes if (t := op_text(gm, n))]
+    return {"ops": ops, "tp": sorted([n, *v] for n, v in plan.tp_params.items())}
+
+
+def model_changes(old: dict, new: dict, old_whole: dict, new_whole: dict) -> list[str]:
+    """How the model of fingerprint `old` (and `whole_model` record `old_whole`) differs
+    from the new one's, when another plan may have written it: region by region where
+    both cut the model alike, else op by op; nothing where tensor parallelism lays it
+    out otherwise (its rewrite changes the ops; the parameters' names and shapes are
+    checked as they load)."""
+    if not old_whole or old_whole.get("tp") != new_whole["tp"]:
+        return []
+    if list(old.get("model", {})) == list(new["model"]):
+        return [c for c in differences(old, new) if c.startswith("the model")]
+    if old_whole["ops"] == new_whole["ops"]:
+        return []
+    return [f"the model changed ({_first_change(old_whole['ops'], new_whole['ops'], 'op')})"]
+
+
 def op_text(gm: fx.GraphModule, node: fx.Node) -> str | None:
     """One op as `module.path: what`, by value; None for inputs and the output."""
     if node.op in ("placeholder", "output"):

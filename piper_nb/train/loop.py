@@ -31,7 +31,7 @@ def train(plan, batch_or_loader, steps: int, optimizer, cluster=None, *,
           progress: Callable[[int, int, StepMetrics], None] | None = None,
           checkpoint_dir: str | os.PathLike | None = None, checkpoint_every: int | None = None,
           resume: bool | str = False, seed: int | None = None, drop_last: bool = False,
-          max_restarts: int = 0) -> Result:
+          max_restarts: int = 0, checkpoint_format: str = "dcp") -> Result:
     """Train `plan` for `steps` steps on local workers (or on `cluster`, left running).
 
     `optimizer` builds a `torch.optim` optimizer from parameters (`torch.optim.AdamW`,
@@ -67,6 +67,10 @@ def train(plan, batch_or_loader, steps: int, optimizer, cluster=None, *,
     from the run's start. A resume after the model, plan, optimizer or scheduler changed is
     refused, naming the change; `resume="weights_only"` loads only the weights (the optimizer
     and scheduler start fresh, the step and data position go on): `cluster.checkpoint`.
+    Checkpoints are PyTorch's distributed checkpoints (`checkpoint_format="dcp"`, a
+    directory per step that `torch.distributed.checkpoint.load` reads into a plain model and
+    optimizer, torchtitan, or another plan, which resumes from it: `cluster.dcp`), or
+    piper_nb's own single file (`"piper_nb"`, which this plan alone resumes from).
 
     `max_restarts=N` (with `checkpoint_dir`) survives a lost worker: when a worker dies,
     stops answering or raises, the cluster's workers are started again, the newest
@@ -78,7 +82,8 @@ def train(plan, batch_or_loader, steps: int, optimizer, cluster=None, *,
     plan, spec, seed = _prepare(plan, optimizer, param_groups, lr_scheduler, clip_grad_norm,
                                 seed)
     check_float8(plan.capture.modules, plan.tp_groups, getattr(cluster, "device", None))
-    ckpt = Checkpointer.for_train(plan, spec, checkpoint_dir, checkpoint_every, resume)
+    ckpt = Checkpointer.for_train(plan, spec, checkpoint_dir, checkpoint_every, resume,
+                                  checkpoint_format)
     _check_restarts(max_restarts, ckpt)
     run = _Run(plan, steps, spec, seed, drop_last, progress, log_dir)
     own = cluster is None

@@ -16,6 +16,7 @@ import torch
 import piper_nb as pn
 from piper_nb import optim
 from piper_nb.cluster import checkpoint as ck
+from piper_nb.cluster import dcp
 from piper_nb.cluster.local import LocalCluster
 from piper_nb.errors import PlanError, RuntimeFailure, WorkerLost
 from piper_nb.train import train
@@ -50,7 +51,9 @@ def _setup(name: str):
 @needs_hooks
 @pytest.mark.dist
 @pytest.mark.parametrize("name", sorted(PLANS))
-def test_killed_and_resumed_run_equals_an_uninterrupted_one(cluster, tmp_path, monkeypatch, name):
+@pytest.mark.parametrize("fmt", ck.FORMATS)
+def test_killed_and_resumed_run_equals_an_uninterrupted_one(cluster, tmp_path, monkeypatch, name,
+                                                            fmt):
     _, batches, plan = _setup(name)
     opt = optim.AdamW(1e-2)   # optimizer state and the step count both matter
     full = train(plan, batches, STEPS, opt, cluster=cluster)
@@ -63,10 +66,11 @@ def test_killed_and_resumed_run_equals_an_uninterrupted_one(cluster, tmp_path, m
 
     with pytest.raises(WorkerLost, match=rf"^step {KILL_AFTER + 1}: the worker of device 0"):
         train(plan, batches, STEPS, opt, cluster=cluster, progress=kill_after_step_3,
-              checkpoint_dir=tmp_path, checkpoint_every=1)
+              checkpoint_dir=tmp_path, checkpoint_every=1, checkpoint_format=fmt)
     monkeypatch.delenv("PIPER_NB_FAIL_AT")
     assert [s for s, _ in ck.checkpoints(tmp_path)] == [2, 3]     # keep=2, nothing torn
-    resumed = train(plan, batches, STEPS, opt, cluster=cluster, checkpoint_dir=tmp_path, resume=True)
+    resumed = train(plan, batches, STEPS, opt, cluster=cluster, checkpoint_dir=tmp_path,
+                    resume=True, checkpoint_format=fmt)
     assert resumed.losses == full.losses
     assert [m.step for m in resumed.metrics] == list(range(1, STEPS + 1))  # the resumed and before
     assert [m.loss for m in resumed.metrics] == full.losses
@@ -74,22 +78,33 @@ def test_killed_and_resumed_run_equals_an_uninterrupted_one(cluster, tmp_path, m
     for name_, want in full.params.items():
         assert torch.equal(resumed.params[name_], want), name_
     assert [s for s, _ in ck.checkpoints(tmp_path)] == [5, 6]
-    obj = ck.load(ck.latest(tmp_path))
-    assert obj["step"] == obj["data_position"] == STEPS
-    for name_, t in ck.full_state(obj, plan).items():
-        assert torch.equal(t, full.params[name_])
+    if fmt == "dcp":
+        whole, side = dcp.read(ck.latest(tmp_path))
+        assert int(whole["train_state.step"]) == side["data_position"] == STEPS
+    else:
+        obj = ck.load(ck.latest(tmp_path))
+        assert obj["step"] == obj["data_position"] == STEPS
+        whole = ck.full_state(obj, plan)
+    for name_, want in full.params.items():
+        assert torch.equal(whole[name_], want)
 
 
 @needs_hooks
 @pytest.mark.dist
-def test_resume_refuses_another_plan_or_optimizer(cluster, tmp_path):
+@pytest.mark.parametrize("fmt", ck.FORMATS)
+def test_resume_refuses_another_optimizer_and_its_own_format_another_plan(cluster, tmp_path,
+                                                                          fmt):
     model, batches, plan = _setup("pp-1f1b")
-    train(plan, batches, 2, optim.SGD(0.1), cluster=cluster, checkpoint_dir=tmp_path)
+    train(plan, batches, 2, optim.SGD(0.1), cluster=cluster, checkpoint_dir=tmp_path,
+          checkpoint_format=fmt)
     with pytest.raises(PlanError, match=r"the optimizer changed: lr 0\.1 -> 0\.2"):
-        train(plan, batches, 3, optim.SGD(0.2), cluster=cluster, checkpoint_dir=tmp_path, resume=True)
-    _, _, other = _setup("dp-zero1")
-    with pytest.raises(PlanError, match=r"the plan changed: microbatches 4 -> 2"):
-        train(other, batches, 3, optim.SGD(0.1), cluster=cluster, checkpoint_dir=tmp_path, resume=True)
+        train(plan, batches, 3, optim.SGD(0.2), cluster=cluster, checkpoint_dir=tmp_path,
+              resume=True, checkpoint_format=fmt)
+    if fmt == "piper_nb":     # a DCP checkpoint resumes on any plan (tests/cluster/test_dcp.py)
+        _, _, other = _setup("dp-zero1")
+        with pytest.raises(PlanError, match=r"the plan changed: microbatches 4 -> 2"):
+            train(other, batches, 3, optim.SGD(0.1), cluster=cluster, checkpoint_dir=tmp_path,
+                  resume=True, checkpoint_format=fmt)
 
 
 def _obj(step: int) -> dict:

@@ -121,6 +121,27 @@ def test_killed_engine_is_worker_lost_then_replaced(cluster, setup):
 
 
 @pytest.mark.full
+def test_max_restarts_replaces_an_engine_killed_mid_run_and_ends_as_if_it_was_not(
+        cluster, setup, tmp_path):
+    _, batch, plan, _ = setup
+    full = train(plan, batch, 6, optim.AdamW(1e-2), cluster=cluster)
+    victims = []
+
+    def kill_engine_1(step, steps, metrics):
+        if step == 3 and not victims:                # between checkpoints 2 and 4
+            victims.append(cluster.info[1]["engine_pid"])
+            os.kill(victims[0], signal.SIGKILL)
+
+    with pytest.warns(UserWarning, match=r"restart 1 of 2 after: step 4: .*device 1"):
+        got = train(plan, batch, 6, optim.AdamW(1e-2), cluster=cluster, progress=kill_engine_1,
+                    checkpoint_dir=tmp_path, checkpoint_every=2, max_restarts=2)
+    assert cluster.running and cluster.info[1]["engine_pid"] != victims[0]   # replaced
+    assert got.losses == full.losses
+    for name, want in full.params.items():
+        assert torch.equal(got.params[name], want), name
+
+
+@pytest.mark.full
 def test_silent_engine_is_lost_after_lost_after(cluster, setup):
     _, batch, plan, _ = setup
     _trains(cluster, setup)

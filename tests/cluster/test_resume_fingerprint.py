@@ -142,7 +142,7 @@ def test_a_changed_activation_is_refused_naming_it_and_the_fixes_work(cluster, t
     with pytest.warns(UserWarning, match=r"weights_only.*Tanh\(\) -> GELU"):   # fix: weights only
         r = train(gelu, batches, 3, opt, cluster=cluster, checkpoint_dir=tmp_path, resume="weights_only")
     assert len(r.losses) == 3 and [m.step for m in r.metrics] == [1, 2, 3]
-    assert ck.latest(tmp_path).name == "step-000003.pt"
+    assert ck.latest(tmp_path).name == "step-000003"
     r = train(gelu, batches, 3, opt, cluster=cluster, checkpoint_dir=tmp_path / "fresh", resume=True)
     assert len(r.losses) == 3                                              # fix: a fresh directory
     r = train(gelu, batches, 4, opt, cluster=cluster, checkpoint_dir=tmp_path, resume=True)
@@ -175,15 +175,21 @@ def test_a_lambda_with_another_lr_is_refused_and_weights_only_takes_the_new_lr(c
 
 
 @pytest.mark.dist
-def test_weights_only_refuses_another_parameter_layout(cluster, tmp_path):
+def test_weights_only_loads_another_parameter_layout_from_dcp_alone(cluster, tmp_path):
     plan, batches = _plan()
     opt = functools.partial(torch.optim.SGD, lr=0.1)
-    train(plan, batches, 2, opt, cluster=cluster, checkpoint_dir=tmp_path)
+    train(plan, batches, 2, opt, cluster=cluster, checkpoint_dir=tmp_path / "own",
+          checkpoint_format="piper_nb")
     zero3, _ = _plan(program=[pn.replicate({}, [0, 1], zero=3), pn.split({}, "MB", 2)])
     with pytest.raises(PlanError, match="lays them out differently.*fresh checkpoint_dir"):
-        train(zero3, batches, 3, opt, cluster=cluster, checkpoint_dir=tmp_path, resume="weights_only")
+        train(zero3, batches, 3, opt, cluster=cluster, checkpoint_dir=tmp_path / "own",
+              resume="weights_only", checkpoint_format="piper_nb")
     r = train(zero3, batches, 3, opt, cluster=cluster, checkpoint_dir=tmp_path / "fresh")
     assert len(r.losses) == 3                                              # the fix
+    full = train(plan, batches, 3, opt, cluster=cluster, checkpoint_dir=tmp_path / "dcp")
+    r = train(zero3, batches, 4, opt, cluster=cluster, checkpoint_dir=tmp_path / "dcp",
+              resume="weights_only")                          # DCP: any layout loads
+    assert r.losses[:3] == full.losses and len(r.losses) == 4
 
 
 @pytest.mark.dist
