@@ -12,9 +12,10 @@ Rank 0 prints a line per step and writes into `--out`: `metrics.jsonl` (a JSON o
 step: loss, step time, tokens/s, samples/s, learning rate, gradient norm), TensorBoard
 event files (`tensorboard/`) and, after the last step, the trained weights (`weights.pt`,
 full tensors by parameter name). With `--checkpoint-dir`, rank 0 checkpoints there
-(`pn.train`'s checkpoints) and every rank starts from the newest one: torchrun's own
-`--max-restarts N`, which starts every rank again when one fails, then continues the run
-(as does resubmitting the job).
+(`pn.train`'s DCP checkpoints) and every rank starts from the newest one, so a job that
+torchrun starts again after a rank fails (`--max-restarts N`), or a resubmitted job,
+continues the run. `launch --max-restarts N` outside any job starts that torchrun job on
+this machine itself.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -47,6 +49,12 @@ def add_parser(sub) -> argparse.ArgumentParser:
                         "rerun of the job) continues the run")
     p.add_argument("--checkpoint-every", type=int, default=None,
                    help="steps between checkpoints (default 1)")
+    p.add_argument("--max-restarts", type=int, default=None, metavar="N",
+                   help="after a rank fails, start every rank again from the newest "
+                        "checkpoint, at most N times (needs --checkpoint-dir). Run outside "
+                        "a job, launch starts one on this machine itself (torchrun "
+                        "--standalone, a rank per device of the plan); under torchrun, "
+                        "give torchrun the same --max-restarts")
     p.add_argument("--timeout", type=float, default=600.0,
                    help="seconds the rendezvous and each step may take")
     return p
@@ -57,7 +65,7 @@ def run(args) -> int:
     from piper_nb.errors import PlanError, RuntimeFailure
     from piper_nb.train import train
     try:
-        env = JobEnv.read()
+        env = _restarts(args, JobEnv)
         saved = _load(args.plan, env)
         data = _data(args.data) if args.data else None
         out = Path(args.out)
@@ -75,6 +83,57 @@ def run(args) -> int:
         print(f"error: {err}", file=sys.stderr, flush=True)
         return 2
     return 0
+
+
+def _restarts(args, job_env):
+    """This rank's `JobEnv`, after checking `--max-restarts` against the launcher; outside
+    any job with `--max-restarts`, this process becomes torchrun starting the job."""
+    from piper_nb.errors import PlanError
+    n = args.max_restarts
+    if n is None:
+        return job_env.read()
+    if n < 0:
+        raise PlanError(f"--max-restarts {n}: give a number of restarts, 0 or more")
+    if args.checkpoint_dir is None:
+        raise PlanError("--max-restarts needs --checkpoint-dir: a restarted job resumes "
+                        "from the newest checkpoint there (on a filesystem every rank sees)")
+    try:
+        env = job_env.read()
+    except PlanError:
+        _become_torchrun(args)               # returns only when the plan cannot be read
+        from piper_nb.plan.files import load_plan
+        load_plan(args.plan)                 # which says why
+        raise
+    agent = os.environ.get("TORCHELASTIC_MAX_RESTARTS")
+    if env.launcher == "srun":
+        raise PlanError(f"--max-restarts {n}: srun restarts no ranks; requeue or resubmit "
+                        "the job (sbatch --requeue): with --checkpoint-dir it resumes from "
+                        "the newest checkpoint")
+    if agent is not None and int(agent) != n:
+        raise PlanError(f"--max-restarts {n}, but torchrun was started with --max-restarts "
+                        f"{agent}: torchrun restarts its ranks, so give it --max-restarts {n}")
+    return env
+
+
+def _become_torchrun(args) -> None:
+    """Replace this process with `torchrun --standalone --nproc-per-node <the plan's
+    devices> --max-restarts N -m piper_nb launch ...` (the same arguments)."""
+    from piper_nb.plan.files import MANIFEST
+    try:
+        devices = int(json.loads((Path(args.plan) / MANIFEST).read_text())["devices"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return                                 # load_plan says what is wrong, in the job
+    flags = ["--steps", str(args.steps), "--device", args.device, "--out", args.out,
+             "--checkpoint-dir", args.checkpoint_dir, "--timeout", str(args.timeout),
+             "--max-restarts", str(args.max_restarts)]
+    flags += ["--data", args.data] if args.data else []
+    if args.checkpoint_every is not None:
+        flags += ["--checkpoint-every", str(args.checkpoint_every)]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+           str(devices), "--max-restarts", str(args.max_restarts), "-m", "piper_nb",
+           "launch", str(args.plan), *flags]
+    print(f"piper_nb launch: starting {devices} ranks: {' '.join(cmd[1:])}", flush=True)
+    os.execv(sys.executable, cmd)
 
 
 def _load(directory: str, env):

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -214,3 +215,71 @@ def test_a_checkpoint_in_the_old_format_still_resumes_with_a_note(cluster4, tmp_
     with pytest.raises(ValueError, match="checkpoint_format"):
         pn.train(plan, batch, 3, opt, cluster=cluster4, checkpoint_dir=tmp_path,
                  checkpoint_format="safetensors")
+
+
+@pytest.mark.dist
+def test_a_bf16_run_resumes_bit_for_bit_from_its_fp32_masters(cluster4, tmp_path):
+    """bf16 weights, fp32 masters (`optimizer.state.<name>.master`) and momenta round
+    trip: the same plan resumed ends where the uninterrupted run does, bit for bit; PP 4
+    resumes it as close to one bf16 process as bf16 allows. (SGD: Adam would turn the
+    zero gradient of the key bias, rounded differently by each plan, into steps of lr.)"""
+    model, batch = _gpt()
+    opt = functools.partial(torch.optim.SGD, lr=0.1, momentum=0.9)
+    plan = pn.compile(pn.annotate(model, HALVES), PP2_DP2_ZERO3, batch, precision="bf16")
+    full = pn.train(plan, batch, 4, opt, cluster=cluster4)
+    pn.train(plan, batch, 2, opt, cluster=cluster4, checkpoint_dir=tmp_path)
+    shutil.copytree(ck.latest(tmp_path), tmp_path / "pp4" / "step-000002")  # for PP 4 below
+    whole, _ = dcp.read(ck.latest(tmp_path))
+    name = "blocks.0.mlp.0.weight"
+    assert whole[name].dtype == torch.bfloat16
+    assert whole[f"optimizer.state.{name}.master"].dtype == torch.float32
+    assert torch.equal(whole[f"optimizer.state.{name}.master"].bfloat16(), whole[name])
+    again = pn.train(plan, batch, 4, opt, cluster=cluster4, checkpoint_dir=tmp_path,
+                     resume=True)
+    assert again.losses == full.losses
+    for n, want in full.params.items():
+        assert torch.equal(again.params[n], want), n
+    pp4 = pn.compile(pn.annotate(model, QUARTERS), PP4, batch, precision="bf16")
+    ref = pn.reference_train(model, batch, 4, 4, opt, precision="bf16")
+    resumed = pn.train(pp4, batch, 4, opt, cluster=cluster4, checkpoint_dir=tmp_path / "pp4",
+                       resume=True)
+    torch.testing.assert_close(resumed.losses, ref.losses, rtol=2e-2, atol=2e-2)
+    for n, want in ref.params.items():
+        torch.testing.assert_close(resumed.params[n].float(), want.float(), rtol=2e-2,
+                                   atol=2e-2)
+
+
+@pytest.mark.dist
+def test_a_transformers_llama_on_tp2_dp2_zero1_loads_into_a_plain_llama(cluster4, tmp_path):
+    """Llama from transformers on its own TP plan, TP 2 x DP 2 with ZeRO-1 (Adam moments as
+    flat pieces of tensor-parallel shards): DCP's API loads the checkpoint into a fresh
+    `LlamaForCausalLM` and its optimizer, equal to the run bit for bit."""
+    transformers = pytest.importorskip("transformers")
+    config = dict(vocab_size=32, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, pad_token_id=0,
+                  bos_token_id=1, eos_token_id=2)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**config))
+    ids = torch.randint(3, 32, (8, 8), generator=torch.Generator().manual_seed(0))
+    batch = {"input_ids": ids, "labels": ids}
+    opt = functools.partial(torch.optim.AdamW, lr=1e-2)
+    plan = pn.compile(pn.annotate(model, {"": {"PP": 0}}),
+                      [pn.replicate({}, [0, 2], zero=1),
+                       pn.tensor_parallel({}, [[0, 1], [2, 3]]), pn.split({}, num=2)], batch)
+    assert "lm_head.weight" in plan.tp_params
+    run = pn.train(plan, batch, 2, opt, cluster=cluster4, checkpoint_dir=tmp_path)
+    torch.manual_seed(1)
+    plain = transformers.LlamaForCausalLM(transformers.LlamaConfig(**config))
+    optimizer = opt(plain.parameters())
+    options = StateDictOptions(flatten_optimizer_state_dict=True)
+    state = {**plain.state_dict(),
+             "optimizer": get_optimizer_state_dict(plain, optimizer, options=options)}
+    dist_cp.load(state, checkpoint_id=ck.latest(tmp_path))
+    set_optimizer_state_dict(plain, optimizer, state["optimizer"], options=options)
+    params = dict(plain.named_parameters())
+    for name, p in params.items():
+        assert torch.equal(p.detach(), run.params[name]), name
+    for name, want in run.optimizer_state["state"].items():
+        for k, v in want.items():
+            got = optimizer.state[params[name]][k]
+            assert torch.equal(torch.as_tensor(got), torch.as_tensor(v)), (name, k)

@@ -127,15 +127,22 @@ def test_max_restarts_replaces_an_engine_killed_mid_run_and_ends_as_if_it_was_no
     full = train(plan, batch, 6, optim.AdamW(1e-2), cluster=cluster)
     victims = []
 
+    workers = [info["pid"] for info in cluster.info]
+
     def kill_engine_1(step, steps, metrics):
         if step == 3 and not victims:                # between checkpoints 2 and 4
             victims.append(cluster.info[1]["engine_pid"])
+            workers[:] = [info["pid"] for info in cluster.info]
             os.kill(victims[0], signal.SIGKILL)
 
     with pytest.warns(UserWarning, match=r"restart 1 of 2 after: step 4: .*device 1"):
         got = train(plan, batch, 6, optim.AdamW(1e-2), cluster=cluster, progress=kill_engine_1,
                     checkpoint_dir=tmp_path, checkpoint_every=2, max_restarts=2)
     assert cluster.running and cluster.info[1]["engine_pid"] != victims[0]   # replaced
+    deadline = time.monotonic() + 10
+    while any(_alive(p) for p in workers) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(_alive(p) for p in workers)      # the old group's workers, all gone
     assert got.losses == full.losses
     for name, want in full.params.items():
         assert torch.equal(got.params[name], want), name
@@ -321,3 +328,11 @@ def test_engines_that_each_see_one_gpu_use_nccl_when_the_gpus_differ():
     assert not gpus_apart([host("a", ["GPU-0"]), host("a", ["GPU-0"])])
     assert not gpus_apart([host("a", ["GPU-0", "GPU-1"])] * 3)
     assert not gpus_apart([host("a", [])])
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:      # a zombie is gone too
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False

@@ -8,6 +8,7 @@ import functools
 import json
 import os
 import pickle
+import re
 import signal
 import subprocess
 import sys
@@ -111,16 +112,16 @@ def test_a_rank_that_fails_stops_the_job_naming_itself_and_never_hangs(tmp_path)
     assert "injected failure" in said and not (tmp_path / "piper_nb_launch" / "weights.pt").exists()
 
 
-def test_torchrun_restarts_a_killed_rank_and_the_job_resumes_from_its_checkpoint(tmp_path):
-    """SIGKILL of one rank mid-run (after step 12 of 40, checkpoints every 5 steps):
-    torchrun's --max-restarts starts every rank again, each resumes from the newest
-    checkpoint, and the job ends with the weights of one process's uninterrupted run."""
+def test_launch_max_restarts_restarts_a_killed_rank_and_resumes_from_its_checkpoint(tmp_path):
+    """`launch --max-restarts 1` outside a job becomes `torchrun --max-restarts 1` over the
+    plan's 4 devices. SIGKILL of one rank mid-run (after step 12 of 40, checkpoints every 5
+    steps): torchrun starts every rank again, each resumes from the newest checkpoint, and
+    the job ends with the weights of an uninterrupted run."""
     model, batch, plan, path = _saved(tmp_path, PP2_DP2_ZERO3)
     out, ckpt, steps = tmp_path / "out", tmp_path / "ckpt", 40
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-           "4", "--max-restarts", "1", "-m", "piper_nb", "launch", str(path), "--steps",
-           str(steps), "--out", str(out), "--checkpoint-dir", str(ckpt),
-           "--checkpoint-every", "5"]
+    cmd = [sys.executable, "-m", "piper_nb", "launch", str(path), "--steps", str(steps),
+           "--out", str(out), "--checkpoint-dir", str(ckpt), "--checkpoint-every", "5",
+           "--max-restarts", "1"]
     job = subprocess.Popen(cmd, env=_env(), cwd=tmp_path,
                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
@@ -167,6 +168,24 @@ def _children(pid: int) -> list[int]:
             if int(fields[1]) == pid and fields[0] != "Z":
                 found.append(int(entry))
     return sorted(found)
+
+
+@pytest.mark.parametrize("flags, env, said", [
+    (["--max-restarts", "2"], {}, "--max-restarts needs --checkpoint-dir"),
+    (["--max-restarts", "2", "--checkpoint-dir", "ck"],
+     {"RANK": "0", "WORLD_SIZE": "4", "TORCHELASTIC_MAX_RESTARTS": "0"},
+     "torchrun was started with --max-restarts 0: .* give it --max-restarts 2"),
+    (["--max-restarts", "2", "--checkpoint-dir", "ck"],
+     {"SLURM_PROCID": "0", "SLURM_NTASKS": "4", "SLURM_JOB_NODELIST": "n1"},
+     "srun restarts no ranks; requeue or resubmit"),
+])
+def test_max_restarts_that_cannot_work_is_refused_before_any_process_group(tmp_path, flags,
+                                                                           env, said):
+    _, _, _, path = _saved(tmp_path, PP2_DP2_ZERO3)
+    done = subprocess.run([sys.executable, "-m", "piper_nb", "launch", str(path), "--steps",
+                           "2", *flags], env=_env(**env), cwd=tmp_path, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 2 and re.search(said, done.stderr), done.stderr
 
 
 def test_a_job_of_the_wrong_size_is_refused_before_any_process_group(tmp_path):
