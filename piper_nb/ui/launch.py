@@ -23,7 +23,7 @@ import plotly.graph_objects as go
 
 from piper_nb.errors import PlanError, RuntimeFailure
 from piper_nb.ui.job_panel import JobPanel
-from piper_nb.ui.render import comparison_figure, loss_figure
+from piper_nb.ui.render import comparison_figure, loss_figure, round_ticks
 from piper_nb.ui.widgets import replace_figure
 
 __all__ = ["StepReporter", "LaunchPanel"]
@@ -69,7 +69,9 @@ class LaunchPanel:
                              f"{html.escape(self.optimizer_text())} on the cluster (local "
                              "worker processes unless the Designer was given one), and "
                              "pn.reference_train beside it; <code>designer.result</code> is the "
-                             "last run's <code>pn.Result</code>.</span>")
+                             "last run's <code>pn.Result</code>. Its loss against the "
+                             "reference, and the measured timeline against the predicted, "
+                             "appear here once it runs.</span>")
         if optimizer is not None:
             self.lr.disabled = True
             self.lr.tooltip = "the optimizer given to pn.Designer sets its own rate"
@@ -77,8 +79,10 @@ class LaunchPanel:
         self.timelines = go.FigureWidget(comparison_figure(None, None))
         self.job = JobPanel(get_run, lambda: self.optimizer_for(self.lr.value),
                             lambda: self.steps.value)
+        # no empty plots before a launch: they show once one starts
+        self.plots = W.VBox([self.loss, self.timelines], layout=W.Layout(display="none"))
         self.widget = W.VBox([W.HBox([self.steps, self.lr, self.button, self.progress]),
-                              self.status, self.loss, self.timelines, self.job.widget])
+                              self.status, self.plots, self.job.widget])
         self.thread: threading.Thread | None = None
         self.result = None
         self.reference = None
@@ -116,6 +120,7 @@ class LaunchPanel:
         self.thread = threading.Thread(target=self._run, args=(plan, trace, model, batch, steps, lr, loss_fn),
                                        name="piper_nb-launch", daemon=True)
         self.button.disabled = True
+        self.plots.layout.display = ""
         self.thread.start()
         if wait:
             self.thread.join()
@@ -128,6 +133,7 @@ class LaunchPanel:
             self.loss.data[1].y = reference
             self.loss.data[2].x, self.loss.data[2].y = list(range(1, len(lrs) + 1)), list(lrs)
             self.loss.layout.xaxis.range = [0.5, steps + 0.5]
+            self.loss.layout.yaxis2.update(round_ticks(max(lrs, default=0.0)))
 
     def _run(self, plan, trace, model, batch, steps: int, lr: float, loss_fn=None) -> None:
         from piper_nb.train import reference_train, train

@@ -10,8 +10,10 @@ the predicted and measured timelines stacked in one figure, row for row.
 from __future__ import annotations
 
 import html
+import math
 
 import plotly.graph_objects as go
+from plotly.colors import qualitative
 from plotly.subplots import make_subplots
 
 from piper_nb.ui.compute import Outcome, Problem
@@ -92,7 +94,8 @@ def memory_figure(trace) -> go.Figure:
                         subplot_titles=("peak per device", "over the step"))
     devs = sorted(peaks)
     fig.add_trace(go.Bar(x=[f"dev{d}" for d in devs], y=[peaks[d] / div for d in devs],
-                         name="peak", marker_color="#4C78A8", showlegend=False,
+                         name="peak", marker_color=[device_color(d) for d in devs],
+                         showlegend=False,
                          hovertemplate="%{x}: %{y:.4g} " + unit + "<extra></extra>"), row=1, col=1)
     series: dict[int, tuple[list, list]] = {}
     for m in sorted(trace.memory, key=lambda m: (m.device, m.time)):
@@ -101,6 +104,7 @@ def memory_figure(trace) -> go.Figure:
         v.append(m.total / div)
     for d, (t, v) in series.items():
         fig.add_trace(go.Scatter(x=t, y=v, mode="lines", line_shape="hv", name=f"dev{d}",
+                                 line={"color": device_color(d)},
                                  hovertemplate=f"dev{d}: %{{y:.4g}} {unit}<extra></extra>"),
                       row=1, col=2)
     fig.update_yaxes(title_text=f"memory ({unit})", row=1, col=1)
@@ -109,6 +113,26 @@ def memory_figure(trace) -> go.Figure:
     fig.update_layout(height=340, title=f"{trace.source.capitalize()} memory: peak "
                       f"{bytes_text(max(peaks.values(), default=0))}")
     return fig
+
+
+def device_color(d: int) -> str:
+    """Device d's colour in every figure of the Designer (plotly's own cycle)."""
+    return qualitative.Plotly[d % len(qualitative.Plotly)]
+
+
+def round_ticks(top: float, ticks: int = 4) -> dict:
+    """An axis from 0 past `top` with ticks at round values (1, 2 or 5 x 10^k apart), as
+    plotly layout keys: a constant learning rate of 0.1 reads 0, 0.05, 0.1, not 0.0011,
+    0.0399, 0.0786."""
+    if not top > 0:
+        return {"rangemode": "tozero"}
+    raw = top / ticks
+    power = 10 ** math.floor(math.log10(raw))
+    step = next(m * power for m in (1, 2, 2.5, 5, 10) if m * power >= raw)
+    end = math.ceil(top / step * (1 + 1e-9)) * step
+    if end - top < step * 0.2:                 # room above the largest value
+        end += step
+    return {"range": [0, end], "tick0": 0, "dtick": step, "tickformat": "~g"}
 
 
 def loss_figure(losses: list[float], reference: list[float] | None = None,
@@ -128,7 +152,7 @@ def loss_figure(losses: list[float], reference: list[float] | None = None,
                       xaxis={"title": "step", "range": xrange, "dtick": 1},
                       yaxis={"title": "loss"},
                       yaxis2={"title": "learning rate", "overlaying": "y", "side": "right",
-                              "showgrid": False, "rangemode": "tozero"},
+                              "showgrid": False, **round_ticks(max(lrs or [0.0]))},
                       legend={"orientation": "h", "x": 1, "xanchor": "right", "y": 1.02,
                               "yanchor": "bottom"})
     return fig

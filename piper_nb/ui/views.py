@@ -144,7 +144,7 @@ class ViewsPanel:
         if name == "DAG":
             self._show_dag(plan.dag if plan is not None else None, self._state.collapse)
         elif name == "Timeline":
-            replace_figure(self.timeline, timeline_figure(trace, "predicted", self.group.value))
+            replace_figure(self.timeline, timeline_figure(trace, group=self.group.value))
             self.timeline_info.value = _bubbles(trace)
         elif name == "Memory":
             replace_figure(self.memory, memory_figure(trace))

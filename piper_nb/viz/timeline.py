@@ -11,7 +11,7 @@ At scale (`viz/replicas.py`): devices whose timelines are identical (data-parall
 replicas) share one row, "devices 0,8,16,...,120 (x16) compute"; `group=False` draws each,
 and a small enough figure carries both views behind two buttons. Each bar carries its
 microbatch (with its chunk or direction) as text and its instruction on hover; times are
-in s, ms or us by the step's length and memory in GiB, MiB or KiB by its peak
+in s, ms or µs by the step's length and memory in GiB, MiB or KiB by its peak
 (`viz/units.py`); the legend stands on the right, clear of both axis titles.
 
 The Chrome trace (Trace Event Format, opens in Perfetto) has one process (pid) per

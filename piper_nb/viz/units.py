@@ -2,7 +2,7 @@
 
 Bytes are drawn in the binary unit their magnitude calls for (GiB from 1 GiB, MiB from
 1 MiB, then KiB and B), chosen once per figure from its largest value so an axis and its
-hover agree. Times in seconds are drawn in s, ms or us by the step's length; a cost model's
+hover agree. Times in seconds are drawn in s, ms or µs by the step's length; a cost model's
 abstract unit reads "unit" / "units".
 """
 
@@ -38,7 +38,7 @@ def time_scale(span: float, unit: str) -> tuple[float, str]:
         return 1.0, "units" if unit == "unit" else unit
     if span >= 1 or span <= 0:
         return 1.0, "s"
-    return (1e3, "ms") if span >= 1e-3 else (1e6, "us")
+    return (1e3, "ms") if span >= 1e-3 else (1e6, "µs")
 
 
 def time_text(value: float, unit: str) -> str:

@@ -81,7 +81,7 @@ def test_microbatch_edit_recompiles_and_redraws_in_place(designer):
     designer.microbatches.value = 8
     assert designer.plan.microbatches == 8 and designer.state.rows[2]["microbatches"] == 8
     assert bars(designer.views.timeline) > before_bars and designer.views.grid.value != before_grid
-    assert "predicted" in timeline.layout.title.text
+    assert timeline.layout.title.text.startswith("Simulated timeline")
     assert dag.svg == before_svg and "DAG" in designer.views.stale   # hidden: drawn on show
     show(designer, "DAG")
     assert "F[PP=0,MB=7]" in dag.svg
@@ -246,9 +246,14 @@ def test_edits_are_debounced_into_one_refresh(gpt):
 def test_launch_trains_and_matches_the_reference(gpt):
     d = Designer(*gpt, debounce=None)
     try:
+        assert d.launcher.plots.layout.display == "none"    # no empty plots before a launch
+        assert "appear here once it runs" in d.launcher.status.value
         d.launch(steps=2, wait=True)
         run = d.launcher
         assert run.error is None, run.status.value
+        assert run.plots.layout.display == ""
+        y2 = run.loss.layout.yaxis2                  # the constant lr 0.1 at round ticks
+        assert (y2.tick0, y2.dtick, tuple(y2.range)) == (0, 0.025, (0, 0.125))
         assert run.progress.value == 2 and "done" in run.status.value
         assert run.result.losses == pytest.approx(run.reference.losses, rel=1e-5, abs=4e-5)
         assert list(run.loss.data[0].y) == pytest.approx(run.result.losses)
@@ -381,3 +386,19 @@ def test_the_run_tab_saves_the_plan_for_a_batch_job(designer, tmp_path):
     job.directory.value = str(tmp_path / "file")
     job.button.click()
     assert "is a file" in job.status.value and (tmp_path / "file").read_text() == "mine"
+
+
+def test_figures_say_each_thing_once_in_device_colours(designer):
+    """One title per figure (no "predicted: Simulated timeline"), µs for short steps, and
+    the peak bars in the colours of their devices' lines."""
+    from piper_nb.ui.render import device_color, memory_figure
+    from piper_nb.viz.units import time_scale
+    designer.views.draw("Timeline")
+    title = designer.views.timeline.layout.title.text
+    assert title.startswith("Simulated timeline: step") and "predicted" not in title
+    assert time_scale(2e-4, "s") == (1e6, "µs")
+    fig = memory_figure(designer.trace)
+    bars, lines = fig.data[0], fig.data[1:]
+    assert list(bars.marker.color) == [device_color(int(x[3:])) for x in bars.x]
+    assert {t.name: t.line.color for t in lines} == {f"dev{int(x[3:])}": device_color(int(x[3:]))
+                                                     for x in bars.x}
