@@ -68,6 +68,33 @@ def test_a_worker_killed_mid_run_is_replaced_and_the_run_ends_as_if_it_was_not(t
 
 
 @pytest.mark.dist
+def test_a_worker_that_hangs_mid_run_is_replaced_and_the_run_ends_as_if_it_did_not(tmp_path):
+    """SIGSTOP: the worker is alive but answers nothing. After the cluster's timeout the
+    group is stopped (the frozen process killed with it) and the run goes on."""
+    batches, plan = _setup()
+    opt = optim.AdamW(1e-2)
+    with LocalCluster(2, timeout=5.0) as cluster:
+        full = pn.train(plan, batches, STEPS, opt, cluster=cluster)
+        frozen = []
+
+        def freeze_worker_0(step, steps, metrics):
+            if step == 3 and not frozen:
+                frozen.append(cluster.info[0]["pid"])
+                os.kill(frozen[0], signal.SIGSTOP)
+
+        with pytest.warns(UserWarning, match=r"restart 1 of 1 after: step 4: "):
+            got = pn.train(plan, batches, STEPS, opt, cluster=cluster, progress=freeze_worker_0,
+                           checkpoint_dir=tmp_path, checkpoint_every=2, max_restarts=1)
+        deadline = time.monotonic() + 10
+        while _alive(frozen[0]) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not _alive(frozen[0])                     # not left behind, stopped
+    assert got.losses == full.losses
+    for name, want in full.params.items():
+        assert torch.equal(got.params[name], want), name
+
+
+@pytest.mark.dist
 def test_a_fault_that_repeats_stops_after_n_restarts_with_the_original_error(tmp_path,
                                                                               monkeypatch):
     batches, plan = _setup()
