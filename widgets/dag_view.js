@@ -39,7 +39,44 @@ function button(text, title) {
   return b;
 }
 
+// Plotly's figure widgets size themselves to their element only when JupyterLab sends
+// them a resize message, which ipywidgets 8 in JupyterLab 4 does not deliver to a widget
+// inside a Tab: drawn first in a hidden tab, they keep plotly's fallback of 700 px
+// whatever the panel. One watcher per page gives every figure of a Designer its element's
+// width, as the widget relays Python's layout edits (not echoed back to Python), when a
+// panel changes size and whenever a figure is drawn again.
+function followFigureWidths() {
+  if (window.__pnFigureWidths) return;
+  window.__pnFigureWidths = true;
+  let queued = false;
+  const observer = new ResizeObserver(() => later());
+  const fit = () => {
+    queued = false;
+    const Plotly = window.Plotly;   // the widget bundle's own plotly.js sets it
+    document.querySelectorAll(".pn-designer .js-plotly-plot").forEach((plot) => {
+      if (!plot.pnWatched) {
+        plot.pnWatched = true;
+        observer.observe(plot);
+      }
+      if (!Plotly || plot.offsetParent === null || !plot._fullLayout) return;
+      const width = Math.floor(plot.getBoundingClientRect().width);
+      if (width > 0 && Math.abs(plot._fullLayout.width - width) > 2) {
+        Plotly.relayout(plot, { width, _doNotReportToPy: true });
+      }
+    });
+  };
+  const later = () => {
+    if (!queued) {
+      queued = true;
+      requestAnimationFrame(fit);
+    }
+  };
+  new MutationObserver(later).observe(document.body, { childList: true, subtree: true });
+  later();
+}
+
 function render({ model, el }) {
+  followFigureWidths();
   el.classList.add("pn-dag");
   const bar = document.createElement("div");
   bar.className = "pn-dag-bar";

@@ -158,6 +158,20 @@ _CLIPPED = """() => [...document.querySelectorAll('.pn-designer .js-plotly-plot'
                                r.right > shown.right + 1 || r.top < box.top - 1);
       }).map(e => e.textContent.slice(0, 80));
   })"""
+_NARROW = """() => [...document.querySelectorAll('.pn-designer .js-plotly-plot')]
+  .filter(p => p.offsetParent !== null && p.querySelector('.main-svg'))
+  .filter(p => {   // a figure narrower than the panel it sits in
+    const drawn = p.querySelector('.main-svg').getBoundingClientRect().width;
+    return drawn < 0.95 * p.parentElement.clientWidth;
+  }).map(p => (p.querySelector('.gtitle') || {textContent: 'a figure'}).textContent
+              .slice(0, 60) + ` (${Math.round(p.querySelector('.main-svg')
+              .getBoundingClientRect().width)} of ${p.parentElement.clientWidth} px)`)"""
+_SCROLLED = """() => [...document.querySelectorAll('.pn-designer .js-plotly-plot')]
+  .filter(p => p.offsetParent !== null)   // a legend with a scrollbar hides entries
+  .filter(p => [...p.querySelectorAll('.legend .scrollbar')]
+                .some(b => b.getBoundingClientRect().height > 0))
+  .map(p => (p.querySelector('.gtitle') || {textContent: 'a figure'}).textContent
+            .slice(0, 60))"""
 SIZES = ((1280, 800), (1920, 1080))
 DOCS_SIZE = SIZES[0]
 SHOTS = ROOT / "artifacts" / "screenshots"
@@ -165,8 +179,9 @@ SHOTS = ROOT / "artifacts" / "screenshots"
 
 def _check_layout_at_both_sizes(page) -> None:
     """At 1280 x 800 and 1920 x 1080, every tab of the editors and of the views: no row
-    wraps or runs past its panel, no legend or title runs out of its plot (bounding boxes,
-    not pixels); a screenshot of each into the ignored artifacts folder."""
+    wraps or runs past its panel, no legend or title runs out of its plot, no legend
+    scrolls, every figure fills its panel's width (bounding boxes, not pixels); a
+    screenshot of each into the ignored artifacts folder."""
     (SHOTS / "tabs").mkdir(parents=True, exist_ok=True)
     problems = []
     for width, height in SIZES:
@@ -180,7 +195,9 @@ def _check_layout_at_both_sizes(page) -> None:
             page.wait_for_timeout(700)
             for what, found in (("wraps", page.evaluate(_WRAPPED_ROWS)),
                                 ("runs past its panel", page.evaluate(_CUT_ROWS)),
-                                ("is clipped", page.evaluate(_CLIPPED))):
+                                ("is clipped", page.evaluate(_CLIPPED)),
+                                ("does not fill its panel", page.evaluate(_NARROW)),
+                                ("has a legend that scrolls", page.evaluate(_SCROLLED))):
                 problems += [f"{width}x{height} {tab}: {text!r} {what}" for text in found]
             tabs.first.evaluate("t => t.scrollIntoView({block: 'start'})")   # from the tab down
             page.screenshot(path=str(SHOTS / f"designer-{width}x{height}-{tab.lower()}.png"))
