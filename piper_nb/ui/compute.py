@@ -13,8 +13,10 @@ contend (10-20x slower on a loaded 2-core machine), so it runs on one intra-op t
 
 from __future__ import annotations
 
+import ast
 import contextlib
 import json
+import re
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -71,13 +73,66 @@ class Outcome:
     seconds: dict[str, float] = field(default_factory=dict)
 
 
-def _from_error(err: PlanError, stage: str, rows=()) -> Problem:
+def _from_error(err: PlanError, stage: str, rows=(), annotations=None) -> Problem:
     """The error as a problem of the row the user wrote: a schedule row, not the order or
-    split it expands to."""
+    split it expands to; a stage no row places, as a problem of the layer tagged with it."""
     row = err.directive
     if row is not None and 0 <= row < len(rows) and isinstance(rows[row], dict):
         return Problem(err.reason, row=row, op=_row_name(rows[row]), stage=stage)
+    unplaced = _UNPLACED.search(err.reason)
+    if row is None and unplaced and annotations:
+        with contextlib.suppress(ValueError, SyntaxError):
+            tags = ast.literal_eval(unplaced.group(1))
+            layer = next((path for path, own in annotations.items() if isinstance(own, dict)
+                          and tags and all(own.get(k) == v for k, v in tags.items())), None)
+            if layer is not None:
+                return Problem(err.reason, layer=layer, stage=stage)
     return Problem(err.reason, row=row, op=err.op, stage=stage)
+
+
+_UNPLACED = re.compile(r"add a place directive for (\{.*\})")
+
+
+def schedule_problems(state: DesignerState) -> list[Problem]:
+    """Stages numbered with a gap (a layer set to PP 5 of 4): the layers past it. A
+    schedule row whose stages are not the layers' (ranks=2 over a model cut into 4 stages
+    deadlocks, or leaves stages unordered): the row, and its ranks set right."""
+    stages = {own["PP"] for own in state.annotations.values()
+              if isinstance(own, dict) and isinstance(own.get("PP"), int)}
+    if stages != set(range(len(stages))):    # a gap: the layers past it are wrong
+        gap = min(set(range(max(stages) + 1)) - stages)
+        return [Problem(f"PP {own['PP']} leaves PP {gap} without a layer (the stages are "
+                        f"{', '.join(map(str, sorted(stages)))}): number the stages from 0 "
+                        f"without a gap, PP {gap} here or below", layer=path, stage="layer")
+                for path, own in state.annotations.items()
+                if isinstance(own, dict) and isinstance(own.get("PP"), int) and own["PP"] > gap]
+    out = []
+    for i, row in enumerate(state.rows):
+        if not (isinstance(row, dict) and row.get("op") == "schedule" and stages
+                and isinstance(row.get("ranks"), int)):
+            continue
+        try:
+            expanded = expand([directive_from_json(row)])
+        except PlanError:
+            continue                                      # row_problems says why
+        ordered = {g["PP"] for _, d in expanded if getattr(d, "op", "") == "order"
+                   for group in d.groups for g in group if isinstance(g.get("PP"), int)}
+        if not ordered or ordered == stages:
+            continue
+        ranks = row["ranks"] * len(stages) / len(ordered)
+        fix = (f"set ranks={int(ranks)}" if ranks == int(ranks) else
+               f"cut the layers into a multiple of {len(ordered) // row['ranks']} stages")
+        out.append(Problem(
+            f"ranks={row['ranks']} orders {_stages(ordered)}, but the layers are cut into "
+            f"{_stages(stages)}: {fix}", row=i, op=_row_name(row), stage="directive"))
+    return out
+
+
+def _stages(pp: set[int]) -> str:
+    n = len(pp)
+    span = (f"PP {min(pp)}-{max(pp)}" if sorted(pp) == list(range(min(pp), max(pp) + 1))
+            else "PP " + ", ".join(map(str, sorted(pp))))
+    return f"{n} stage{'s' * (n != 1)} ({span})"
 
 
 def _row_name(row: dict) -> str | None:
@@ -142,6 +197,7 @@ def compile_state(state: DesignerState, cache: dict | None = None) -> tuple[Any,
     if key not in cache:        # one annotate per layer: checked once per annotation set
         cache[key] = layer_problems(state)
     problems = list(cache[key]) + row_problems(state)
+    problems = problems or schedule_problems(state)
     if problems:
         return None, problems
     if not state.rows:
@@ -154,7 +210,7 @@ def compile_state(state: DesignerState, cache: dict | None = None) -> tuple[Any,
             return compile_plan(_spec(state, cache), Program(state.rows), state.batch,
                                 loss_fn=state.loss_fn), []
     except PlanError as err:
-        return None, [_from_error(err, "compile", state.rows)]
+        return None, [_from_error(err, "compile", state.rows, state.annotations)]
     except Exception as err:  # a bug below us: show it as a problem, not a traceback
         return None, [_internal(err, "compile")]
 

@@ -58,9 +58,13 @@ def problems_html(problems: list[Problem]) -> str:
     items = []
     for p in problems:
         style = " style='color: #b00020'" if p.stage == "memory" else ""   # does not fit
+        first, _, rest = p.message.partition("\n")   # a deadlock's grid: folded, monospace
+        more = (f"<details><summary>details</summary><pre class='pn-grid' style='font-family: "
+                f"monospace; font-size: 12px; overflow: auto'>{html.escape(rest)}</pre>"
+                "</details>" if rest else "")
         items.append(f"<li class='pn-problem pn-{p.stage}'{style} "
                      f"data-row='{'' if p.row is None else p.row}'>"
-                     f"<b>{html.escape(p.where)}</b>: {html.escape(p.message)}</li>")
+                     f"<b>{html.escape(p.where)}</b>: {html.escape(first)}{more}</li>")
     return "<ul class='pn-problems'>" + "".join(items) + "</ul>"
 
 

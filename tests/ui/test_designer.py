@@ -402,3 +402,44 @@ def test_figures_say_each_thing_once_in_device_colours(designer):
     assert list(bars.marker.color) == [device_color(int(x[3:])) for x in bars.x]
     assert {t.name: t.line.color for t in lines} == {f"dev{int(x[3:])}": device_color(int(x[3:]))
                                                      for x in bars.x}
+
+
+def test_compile_problems_point_at_the_row_or_layer_to_change(designer):
+    """Issue 59's cases: four stages under a schedule of ranks=2 name the schedule row and
+    the ranks to set; a layer set to PP 5, and a stage no row places, mark the layer; a
+    deadlock's grid sits under a details toggle, monospace."""
+    designer.layers.cut_n.value = 4
+    designer.layers.cut()
+    for pp in (2, 3):
+        designer.directives.op.value = "place"
+        designer.directives.add.click()
+        row = designer.directives.rows[-1]
+        row.widget("filter").value = f"PP={pp}"
+        row.widget("devices").value = str(pp)
+    (problem,) = designer.problems
+    assert (problem.row, problem.op) == (2, "schedule 1f1b")
+    assert problem.message == ("ranks=2 orders 2 stages (PP 0-1), but the layers are cut "
+                               "into 4 stages (PP 0-3): set ranks=4")
+    assert "pn-row-error" in designer.directives.rows[2].box._dom_classes
+    designer.directives.rows[2].widget("ranks").value = 4
+    assert designer.problems == []
+
+    designer.layers.rows["blocks.3"].pp.value = "5"
+    (problem,) = designer.problems
+    assert problem.layer == "blocks.3" and problem.message.startswith(
+        "PP 5 leaves PP 4 without a layer (the stages are 0, 1, 2, 3, 5)")
+    assert "pn-layer-error" in designer.layers.rows["blocks.3"].row._dom_classes
+    designer.layers.rows["blocks.3"].pp.value = "3"
+    designer.directives.rows[-1].remove.click()              # no row places PP 3 now
+    (problem,) = designer.problems
+    assert problem.layer in ("blocks.3", "head") and "{'PP': 3}" in problem.message
+
+
+def test_a_deadlock_grid_is_a_grid_under_details():
+    from piper_nb.ui.compute import Problem
+    from piper_nb.ui.render import problems_html
+    text = problems_html([Problem("deadlock: no device can make progress; set ranks=4\n"
+                                  "      dev0   dev1\n  0  r0:F0  r1:F0", stage="compile")])
+    head, _, rest = text.partition("<details>")
+    assert "set ranks=4" in head and "dev0" not in head
+    assert rest.startswith("<summary>details</summary><pre") and "r0:F0  r1:F0" in rest
