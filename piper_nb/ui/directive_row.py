@@ -47,9 +47,10 @@ class Field:
     write: Callable[[Any, dict], tuple[dict, tuple[str, ...]]]   # value, row -> (set, drop)
 
 
-def _text(placeholder: str, width: str) -> Callable[[], W.Widget]:
-    return lambda: W.Text(placeholder=placeholder, continuous_update=False,
-                          layout=W.Layout(width=width))
+def _text(label: str, placeholder: str, width: str) -> Callable[[], W.Widget]:
+    """A text field labelled `label` (a filled field keeps saying what it is)."""
+    return lambda: W.Text(description=label, placeholder=placeholder, continuous_update=False,
+                          layout=W.Layout(width=width), style={"description_width": "initial"})
 
 
 def _int(description: str, width: str = "120px", cls: str = "") -> Callable[[], W.Widget]:
@@ -83,30 +84,31 @@ def _options(row: dict) -> list[tuple[str, str]]:
     return opts
 
 
-FILTER = Field("filter", _text("filter, e.g. PP=0", "120px"),
+FILTER = Field("filter", _text("filter", "e.g. PP=0", "165px"),
                lambda r: filter_text(r.get("filter", {})), lambda v, r: ({"filter": parse_filter(v)}, ()))
-DEVICES = Field("devices", _text("devices 0,1", "80px"), lambda r: devices_text(r.get("devices")),
+DEVICES = Field("devices", _text("devices", "0,1", "130px"), lambda r: devices_text(r.get("devices")),
                 lambda v, r: ({"devices": parse_devices(v)}, ()))
-STREAM = Field("stream", _text("stream", "70px"), lambda r: r.get("stream") or "",
+STREAM = Field("stream", _text("stream", "default", "135px"), lambda r: r.get("stream") or "",
                lambda v, r: ({"stream": v.strip()}, ()) if v.strip() else ({}, ("stream",)))
 ZERO = Field("zero", lambda: W.Dropdown(options=[(f"ZeRO-{z}", z) for z in range(4)],
                                         layout=W.Layout(width="90px")),
              _zero, lambda v, r: ({"zero": v}, ("shard_grads", "shard_params")))
-DIM = Field("dim_name", _text("dim", "50px"), lambda r: str(r.get("dim_name", "MB")),
+DIM = Field("dim_name", _text("dim", "MB", "80px"), lambda r: str(r.get("dim_name", "MB")),
             lambda v, r: ({"dim_name": v.strip()}, ()))
-NUM = Field("num_microbatches", _int("microbatches", cls="pn-microbatches"),
+NUM = Field("num_microbatches", _int("microbatches", "150px", "pn-microbatches"),
             lambda r: r.get("num_microbatches") if isinstance(r.get("num_microbatches"), int) else 1,
             lambda v, r: ({"num_microbatches": v}, ()))
-SLOTS = Field("filters", lambda: W.Textarea(continuous_update=False, rows=4,
+SLOTS = Field("filters", lambda: W.Textarea(continuous_update=False, rows=4, description="slots",
+                                            style={"description_width": "initial"},
                                             placeholder="one slot per line: PP=0,MB=0,PASS=F | ...",
-                                            layout=W.Layout(width="300px")),
+                                            layout=W.Layout(width="345px")),
               lambda r: slots_text(r.get("filters")), lambda v, r: ({"filters": parse_slots(v)}, ()))
 NAME = Field("name", lambda: W.Dropdown(options=list(SCHEDULES.items()), layout=W.Layout(width="120px")),
              lambda r: schedule_key(r.get("name")), _name_write)
 RANKS = Field("ranks", _int("ranks", "85px"),
               lambda r: r.get("ranks") if isinstance(r.get("ranks"), int) else 1,
               lambda v, r: ({"ranks": v}, ()))
-MICRO = Field("microbatches", _int("microbatches", "130px", "pn-microbatches"),
+MICRO = Field("microbatches", _int("microbatches", "150px", "pn-microbatches"),
               lambda r: r.get("microbatches") if isinstance(r.get("microbatches"), int) else 1,
               lambda v, r: ({"microbatches": v}, ()))
 CHUNKS = Field("chunks", _int("chunks", "90px"),
@@ -116,7 +118,7 @@ PLACE = Field("place", lambda: W.Checkbox(description="place stages", indent=Fal
                                           layout=W.Layout(width="112px")),
               lambda r: bool(r.get("place")),
               lambda v, r: ({"place": True}, ()) if v else ({}, ("place",)))
-GROUPS = Field("devices", _text("groups 0,1 | 2,3", "130px"),
+GROUPS = Field("devices", _text("groups", "0,1 | 2,3", "160px"),
                lambda r: groups_text(r.get("devices")),
                lambda v, r: ({"devices": parse_groups(v)}, ()))
 SEQUENCE = Field("sequence_parallel",
@@ -168,8 +170,8 @@ class DirectiveRow:
                         layout=W.Layout(flex="0 0 auto", flex_flow="row nowrap",
                                         align_items="center"))
         buttons = W.HBox([self.up, self.down, self.remove],
-                         layout=W.Layout(flex="0 0 auto", margin="0 0 0 auto"))
-        # one line: label | fields | move and remove at the right; scrolls, never wraps
+                         layout=W.Layout(flex="0 0 auto", margin="0 0 0 8px"))
+        # one line: label | fields | move and remove beside them; scrolls, never wraps
         line = W.HBox([self.label, fields, buttons],
                       layout=W.Layout(align_items="center", flex_flow="row nowrap",
                                       width="100%", overflow="auto hidden"))
