@@ -48,13 +48,16 @@ docs: $(STAMP) $(SYSDEPS)
 
 # the Designer's screenshots the docs show: the browser test saves fresh ones into the ignored
 # artifacts/screenshots/ (tests never rewrite tracked files); this copies them over the
-# committed docs/_static/designer.png and search.png (the Search tab)
+# committed docs/_static/designer.png, search.png (the Search tab) and designer/, a
+# screenshot per tab for the Designer guide (docs/designer.md)
 screenshots: $(STAMP) $(SYSDEPS)
 	rm -f artifacts/screenshots/designer.png
 	$(BIN)/python -m pytest -q -p no:cacheprovider -rs tests/ui/test_browser.py
 	@test -f artifacts/screenshots/designer.png || { echo "no screenshot: the browser test was skipped (above)"; exit 1; }
 	cp artifacts/screenshots/designer.png docs/_static/designer.png
 	cp artifacts/screenshots/tabs/search.png docs/_static/search.png
+	mkdir -p docs/_static/designer
+	cp artifacts/screenshots/tabs/*.png docs/_static/designer/
 
 lint: $(STAMP)
 	$(BIN)/ruff check piper_nb tests benchmarks

@@ -178,7 +178,10 @@ def comparison_figure(predicted, measured) -> go.Figure:
         scales = [time_scale(longer.step_time, longer.unit)] * 2
     else:
         scales = [d.time for d in sides]
-    fig = make_subplots(rows=2, cols=1, shared_xaxes=same_clock, vertical_spacing=0.12,
+    height = 220 + 2 * 24 * len(rows)
+    # room between the halves for the upper axis's title (two clocks) and the lower title
+    gap = (45 if same_clock else 90) / (height - 100)
+    fig = make_subplots(rows=2, cols=1, shared_xaxes=same_clock, vertical_spacing=gap,
                         subplot_titles=(
                             f"predicted: step {time_text(predicted.step_time, predicted.unit)}",
                             f"measured: step {time_text(measured.step_time, measured.unit)}"))
@@ -199,7 +202,7 @@ def comparison_figure(predicted, measured) -> go.Figure:
                          categoryarray=list(reversed(rows)), row=at, col=1)
         if not same_clock or at == 2:
             fig.update_xaxes(title_text=f"time ({tname})", showticklabels=True, row=at, col=1)
-    fig.update_layout(barmode="overlay", bargap=0.1, height=220 + 2 * 24 * len(rows),
+    fig.update_layout(barmode="overlay", bargap=0.1, height=height,
                       uniformtext={"minsize": 8, "mode": "hide"},
                       legend={"title": {"text": legend_title(sides[0].key)}, "x": 1.02,
                               "xanchor": "left"},
