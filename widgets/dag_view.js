@@ -11,7 +11,7 @@
 // pointer; double-click zooms in there, shift + double-click out; with the picture
 // focused, + and - zoom, 0 goes back to readable and f fits the whole graph.
 
-const LEGIBLE = 0.85;   // the smallest scale the picture opens at: labels of about 10 px
+const LEGIBLE = 0.95;   // the smallest scale the picture opens at: labels of 11.4 px
 const LARGEST = 1.25;   // a small graph is enlarged to fill the panel up to this scale
 const STEP = 1.25;      // one zoom step (buttons, keys, a wheel notch, a double-click)
 const MIN_ZOOM = 0.05;
