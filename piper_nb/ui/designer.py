@@ -32,6 +32,7 @@ from piper_nb.ui.views import ViewsPanel
 __all__ = ["Designer", "default_design", "EDITOR_TABS"]
 
 EDITOR_TABS = ("Layers", "Directives", "JSON", "Python", "Search")
+PANE = 820   # px the widest rows of a pane take (the Search tab's controls, the DAG's bar)
 
 
 def default_design(model, batch_size: int | None = None, stages: int = 2,
@@ -111,13 +112,15 @@ class Designer:
 
     def arrange(self, how: str) -> None:
         """"below": editors above the views, each the full width; "beside": side by side
-        (editors 44%, views 56%), for a wide screen."""
+        where both fit (each pane needs `PANE` px for its rows, so on a narrower screen
+        the views wrap below the editors rather than clip them)."""
         below = how == "below"
         self.panes.layout = W.Layout(display="flex", width="100%",
-                                     flex_flow="column" if below else "row nowrap")
-        self.left.layout = W.Layout(width="100%" if below else "44%", min_width="0px",
-                                    overflow="auto")
-        self.right.layout = W.Layout(width="100%" if below else "56%", min_width="0px")
+                                     flex_flow="column" if below else "row wrap")
+        self.left.layout = W.Layout(width="100%" if below else "auto", min_width="0px",
+                                    overflow="auto", flex="none" if below else f"1 1 {PANE}px")
+        self.right.layout = W.Layout(width="100%" if below else "auto", min_width="0px",
+                                     flex="none" if below else f"1 1 {PANE}px")
         if self.arrangement.value != how:
             self.arrangement.value = how
 

@@ -160,7 +160,7 @@ class DirectiveRow:
         self.op = row.get("op")
         self.fields = {f.key: (f, f.make()) for f in FIELDS.get(self.op, (RAW,))}
         self.label = W.HTML(f"<b>#{index}</b> {html.escape(str(self.op))}",
-                            layout=W.Layout(width="95px", flex="0 0 auto"))
+                            layout=W.Layout(width="115px", flex="0 0 auto"))
         self.up = W.Button(description="↑", tooltip="move up", layout=_SMALL)
         self.down = W.Button(description="↓", tooltip="move down", layout=_SMALL)
         self.remove = W.Button(description="✕", tooltip="remove", layout=_SMALL)

@@ -14,6 +14,7 @@ documentation site shows.
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import secrets
@@ -184,8 +185,11 @@ def _check_layout_at_both_sizes(page) -> None:
     screenshot of each into the ignored artifacts folder."""
     (SHOTS / "tabs").mkdir(parents=True, exist_ok=True)
     problems = []
-    for width, height in SIZES:
+    for (width, height), arrangement in itertools.product(SIZES, ("side by side",
+                                                                   "views below")):
         page.set_viewport_size({"width": width, "height": height})
+        page.locator(".pn-arrangement button", has_text=arrangement).first.click()
+        page.wait_for_timeout(500)
         for tab in ("Layers", "Directives", "JSON", "Python", "Search", "DAG", "Timeline",
                     "Memory", "Plan", "Problems", "Run"):
             tabs = page.locator(".pn-designer .widget-tab .lm-TabBar-tab", has_text=tab)
@@ -198,10 +202,12 @@ def _check_layout_at_both_sizes(page) -> None:
                                 ("is clipped", page.evaluate(_CLIPPED)),
                                 ("does not fill its panel", page.evaluate(_NARROW)),
                                 ("has a legend that scrolls", page.evaluate(_SCROLLED))):
-                problems += [f"{width}x{height} {tab}: {text!r} {what}" for text in found]
+                problems += [f"{width}x{height} {arrangement} {tab}: {text!r} {what}"
+                             for text in found]
             tabs.first.evaluate("t => t.scrollIntoView({block: 'start'})")   # from the tab down
-            page.screenshot(path=str(SHOTS / f"designer-{width}x{height}-{tab.lower()}.png"))
-            if (width, height) == DOCS_SIZE:   # the tab's panel alone, for the Designer guide
+            page.screenshot(path=str(SHOTS / f"designer-{width}x{height}-"
+                                          f"{arrangement.split()[0]}-{tab.lower()}.png"))
+            if (width, height) == DOCS_SIZE and arrangement == "views below":   # for the guide
                 panel = tabs.first.locator(   # the tab widget itself, not its bar
                     "xpath=ancestor::div[contains(concat(' ', normalize-space(@class), ' '),"
                     " ' widget-tab ')][1]")
