@@ -21,7 +21,7 @@ from piper_nb.viz.replicas import group_label
 
 __all__ = ["DagGroups", "dag_groups", "draw_groups", "dag_svg", "node_details", "MAX_NODES"]
 
-MAX_NODES = 150     # beyond this, "auto" collapses microbatches
+MAX_NODES = 48      # beyond this, "auto" collapses microbatches (8 of 2 stages: 67 nodes)
 
 
 @dataclass

@@ -83,7 +83,9 @@ def test_microbatch_edit_recompiles_and_redraws_in_place(designer):
     assert bars(designer.views.timeline) > before_bars and designer.views.grid.value != before_grid
     assert timeline.layout.title.text.startswith("Simulated timeline")
     assert dag.svg == before_svg and "DAG" in designer.views.stale   # hidden: drawn on show
-    show(designer, "DAG")
+    show(designer, "DAG")      # 67 nodes: "auto" opens it collapsed by microbatch
+    assert "F[PP=0,MB=7]" not in dag.svg and 'id="F[PP=0,MB=0]"' in dag.svg
+    designer.views.collapse.value = "none"
     assert "F[PP=0,MB=7]" in dag.svg
     assert designer.views.timeline is timeline and designer.views.memory is memory
     assert designer.views.dag is dag
