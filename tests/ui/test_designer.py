@@ -5,6 +5,7 @@ clicked with `.click()`) and check the views, rows and problems that follow."""
 from __future__ import annotations
 
 import json
+import re
 import time
 from pathlib import Path
 
@@ -445,3 +446,15 @@ def test_a_deadlock_grid_is_a_grid_under_details():
     head, _, rest = text.partition("<details>")
     assert "set ranks=4" in head and "dev0" not in head
     assert rest.startswith("<summary>details</summary><pre") and "r0:F0  r1:F0" in rest
+
+
+def test_the_analytic_model_shows_compute_and_a_believable_bubble(designer):
+    """Issue 59: under the analytic H100 model every device read "bubble 100%" with no
+    visible compute bars (a small model's kernels priced at nothing)."""
+    designer.views.cost.value = "analytic"
+    trace = designer.trace
+    compute = [e.duration for e in trace.events if e.kind in ("F", "B")]
+    assert compute and min(compute) > 0.01 * trace.step_time      # bars one can see
+    show(designer, "Timeline")
+    shares = [int(x) for x in re.findall(r"dev\d+ (\d+)%", designer.views.timeline_info.value)]
+    assert len(shares) == 2 and all(0 < s < 60 for s in shares), shares
