@@ -118,11 +118,9 @@ def _restarts(args, job_env):
 def _become_torchrun(args) -> None:
     """Replace this process with `torchrun --standalone --nproc-per-node <the plan's
     devices> --max-restarts N -m piper_nb launch ...` (the same arguments)."""
-    from piper_nb.plan.files import MANIFEST
-    try:
-        devices = int(json.loads((Path(args.plan) / MANIFEST).read_text())["devices"])
-    except (OSError, ValueError, KeyError, TypeError):
-        return                                 # load_plan says what is wrong, in the job
+    devices = _devices(args.plan)
+    if not isinstance(devices, int):
+        return                                 # load_plan says what is wrong
     flags = ["--steps", str(args.steps), "--device", args.device, "--out", args.out,
              "--checkpoint-dir", args.checkpoint_dir, "--timeout", str(args.timeout),
              "--max-restarts", str(args.max_restarts)]
@@ -136,14 +134,21 @@ def _become_torchrun(args) -> None:
     os.execv(sys.executable, cmd)
 
 
+def _devices(directory: str):
+    """The device count the plan directory's manifest gives (None when it cannot be read:
+    `load_plan` says what is wrong with the directory)."""
+    from piper_nb.plan.files import MANIFEST
+    try:
+        return json.loads((Path(directory) / MANIFEST).read_text()).get("devices")
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
 def _load(directory: str, env):
     """The saved plan, after its manifest says the job has the plan's device count."""
     from piper_nb.errors import PlanError
-    from piper_nb.plan.files import MANIFEST, load_plan
-    try:
-        devices = json.loads((Path(directory) / MANIFEST).read_text()).get("devices")
-    except (OSError, ValueError, AttributeError):
-        devices = None    # load_plan says what is wrong with the directory
+    from piper_nb.plan.files import load_plan
+    devices = _devices(directory)
     if devices is not None and devices != env.world:
         raise PlanError(f"{directory}: the plan runs on {devices} devices and this "
                         f"{env.launcher} job has {env.world} ranks; launch {devices} "

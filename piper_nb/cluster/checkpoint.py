@@ -256,14 +256,10 @@ class Checkpointer:
                           f"{'; '.join(changed)}; the optimizer and scheduler start fresh",
                           stacklevel=4)
         skeleton = _require(cluster, "train_state")(self.plan)
-        if weights_only:
+        if weights_only:   # no optimizer state; the groups and scheduler as built fresh
             state = {k: v for k, v in state.items() if not k.startswith(("optimizer.",
                                                                           "lr_scheduler"))}
         states = dcp.device_states(self.plan, self.optimizer, skeleton, state)
-        if weights_only:
-            for st in states:
-                st["optim"] = {}
-                st.pop("update", None)
         _require(cluster, "load_train_state")(self.plan, states)
         metrics = [StepMetrics(**m) for m in side.get("metrics", [])]
         return step, list(side.get("losses", [])), list(side.get("step_times", [])), metrics

@@ -48,7 +48,6 @@ from torch.distributed.checkpoint.planner import (
 )
 
 from piper_nb.cluster.dcp_layout import Geometry, boxes
-from piper_nb.optim import shard_pieces
 from piper_nb.runtime.layout import bucket_layouts
 
 __all__ = ["SIDECAR", "write", "read", "device_states", "is_dcp"]
@@ -170,9 +169,7 @@ class _Writer:
         _, b, first = key
         lay = self.layouts[b]
         pos = lay.position(d)
-        sizes = [(n, math.prod(s)) for n, s in zip(lay.names, lay.shapes, strict=True)]
-        lo, hi = next((p[1], p[2]) for p in shard_pieces(sizes, lay.shard, pos,
-                                                           self.spec.group_of) if p[0] == first)
+        lo, hi = lay.piece(d, self.spec.group_of, first)
         if isinstance(v, torch.Tensor) and v.dim() == 1 and v.numel() == hi - lo:
             return self.flat(d, OPT, b, pos * lay.shard + lo, v, f".{k}")
         start, stop = pos * lay.shard + lo, pos * lay.shard + hi
@@ -255,10 +252,17 @@ def device_states(plan, spec, skeleton: list[dict], state: dict) -> list[dict]:
     def local(name: str, d: int, prefix: str = "", key: str = "") -> torch.Tensor:
         return geo.local(name, geo.tp_rank(d), state[f"{prefix}{geo.fqn(name)}{key}"])
 
+    flats: dict[tuple, torch.Tensor] = {}
+
     def flat(b: int, d: int, prefix: str = "", key: str = "") -> torch.Tensor:
+        """Bucket b as device d's tensor-parallel rank lays it out flat (made once per
+        rank, not per replica and piece)."""
         lay = layouts[b]
-        return lay.flatten([local(n, d, prefix, key) for n in lay.names],
-                           like=state[f"{prefix}{geo.fqn(lay.names[0])}{key}"])
+        at = (b, geo.tp_rank(d), prefix, key)
+        if at not in flats:
+            flats[at] = lay.flatten([local(n, d, prefix, key) for n in lay.names],
+                                    like=state[f"{prefix}{geo.fqn(lay.names[0])}{key}"])
+        return flats[at]
 
     out = []
     for d, sk in enumerate(skeleton):
@@ -303,8 +307,7 @@ def _optim(plan, spec, d, state, geo, layouts, local, flat) -> dict:
     for b in sorted(buckets):
         lay = layouts[b]
         pos = lay.position(d)
-        sizes = [(n, math.prod(s)) for n, s in zip(lay.names, lay.shapes, strict=True)]
-        for first, lo, hi, _ in shard_pieces(sizes, lay.shard, pos, spec.group_of):
+        for first, lo, hi, _ in lay.pieces(d, spec.group_of):
             st = {}
             for k in keys(first):
                 v = state[f"{OPT}{geo.fqn(first)}.{k}"]

@@ -59,6 +59,17 @@ class Layout:
         pos = self.position(device)
         return flat[pos * self.shard:(pos + 1) * self.shard]
 
+    def pieces(self, device: int, group_of) -> list[tuple[str, int, int, int]]:
+        """`device`'s shard cut where the parameter group changes (`optim.shard_pieces`):
+        (first name, start, stop, group), start and stop inside the shard."""
+        sizes = [(n, math.prod(s)) for n, s in zip(self.names, self.shapes, strict=True)]
+        return shard_pieces(sizes, self.shard, self.position(device), group_of)
+
+    def piece(self, device: int, group_of, first: str) -> tuple[int, int]:
+        """(start, stop) inside `device`'s shard of the piece that begins at `first`."""
+        return next((lo, hi) for name, lo, hi, _ in self.pieces(device, group_of)
+                    if name == first)
+
 
 def bucket_layouts(plan) -> dict[int, Layout]:
     """Layout of every bucket of `plan` (shapes from `plan.params`)."""
@@ -191,9 +202,7 @@ def _optim_state(plan, per_device: list[dict], group_of) -> dict[str, dict]:
                 _, b, first = key
                 lay = layouts[b]
                 pos = lay.position(rank)
-                sizes = [(n, math.prod(s)) for n, s in zip(lay.names, lay.shapes, strict=True)]
-                lo, hi = next((p[1], p[2]) for p in shard_pieces(sizes, lay.shard, pos, group_of)
-                              if p[0] == first)
+                lo, hi = lay.piece(rank, group_of, first)
                 for k, v in state.items():
                     if isinstance(v, torch.Tensor) and v.dim() == 1 and v.numel() == hi - lo:
                         flat = flats.setdefault((b, k), torch.zeros(lay.padded, dtype=v.dtype))

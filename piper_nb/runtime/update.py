@@ -18,12 +18,10 @@ gradient by `min(1, max_norm / (norm + 1e-6))` first, as `clip_grad_norm_` does.
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from piper_nb.ir.kinds import Op
-from piper_nb.optim import OptimizerSpec, shard_pieces
+from piper_nb.optim import OptimizerSpec
 from piper_nb.plan.clipping import norm_weights
 from piper_nb.runtime.stores import ParamStore
 
@@ -49,9 +47,7 @@ class Updater:
         self.weights = norm_weights(plan) if self.max_norm is not None else {}
 
     def _pieces(self, b: int, group_of) -> list[tuple]:
-        lay = self.store.layouts[b]
-        sizes = [(n, math.prod(s)) for n, s in zip(lay.names, lay.shapes, strict=True)]
-        return shard_pieces(sizes, lay.shard, lay.position(self.store.device_id), group_of)
+        return self.store.layouts[b].pieces(self.store.device_id, group_of)
 
     # -- the update --
     def update(self, names: tuple[str, ...], buckets: tuple[int, ...]) -> None:

@@ -47,8 +47,13 @@ def grid_html(plan) -> str:
     """The per-device instruction grid (`plan.grid()`), monospace."""
     if plan is None:
         return "<p class='pn-muted'>No plan: see Problems.</p>"
+    return grid_pre(plan.grid())
+
+
+def grid_pre(text: str) -> str:
+    """An instruction grid's text, monospace, scrolling past 520 px."""
     return ("<pre class='pn-grid' style='font-family: monospace; font-size: 12px; "
-            f"line-height: 1.25; overflow: auto; max-height: 520px'>{html.escape(plan.grid())}</pre>")
+            f"line-height: 1.25; overflow: auto; max-height: 520px'>{html.escape(text)}</pre>")
 
 
 def problems_html(problems: list[Problem]) -> str:
@@ -59,9 +64,7 @@ def problems_html(problems: list[Problem]) -> str:
     for p in problems:
         style = " style='color: #b00020'" if p.stage == "memory" else ""   # does not fit
         first, _, rest = p.message.partition("\n")   # a deadlock's grid: folded, monospace
-        more = (f"<details><summary>details</summary><pre class='pn-grid' style='font-family: "
-                f"monospace; font-size: 12px; overflow: auto'>{html.escape(rest)}</pre>"
-                "</details>" if rest else "")
+        more = f"<details><summary>details</summary>{grid_pre(rest)}</details>" if rest else ""
         items.append(f"<li class='pn-problem pn-{p.stage}'{style} "
                      f"data-row='{'' if p.row is None else p.row}'>"
                      f"<b>{html.escape(p.where)}</b>: {html.escape(first)}{more}</li>")
