@@ -9,6 +9,7 @@ from piper_nb import extras, models, optim, profile, schedules
 from piper_nb.capture import annotate, cut_stages, expert_slices, pipeline_units, region
 from piper_nb.cluster import IPyParallelCluster, JobRank, LocalCluster
 from piper_nb.compiler.compile import compile
+from piper_nb.cp import context_parallel
 from piper_nb.directives.spec import (
     Program,
     float8,
@@ -37,7 +38,7 @@ from piper_nb.train import Result, reference_train, train
 
 __all__ = ["annotate", "cut_stages", "expert_slices", "region", "compile", "Plan", "DevicePlan",
            "Instr", "Program", "place", "replicate", "shard", "split", "order", "recompute",
-           "float8", "tensor_parallel", "PlanError",
+           "float8", "tensor_parallel", "context_parallel", "PlanError",
            "RuntimeFailure", "WorkerLost", "TrainingDAG", "Node", "Edge", "Op", "Purpose", "validate",
            "models", "schedules", "CostModel", "HostModel", "HardwareSpec", "Topology",
            "MemorySettings",

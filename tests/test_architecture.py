@@ -20,18 +20,19 @@ FLOORS = {
     "schedules": 4,
     "plan": 5,                       # the values the runtime and the simulator read
     "tp": 6,                         # one home: directive, rewrite, passes, widening
-    "compiler": 7,
-    "viz": 8,
-    "sim": 9, "runtime": 9,          # side by side: neither imports the other
-    "profile": 10,                   # measures by running the runtime, feeds the simulator
-    "cluster": 11, "strategies": 11,
-    "planner": 11,                   # compiles and prices (profiled: runs workers) many plans
-    "train": 12,                     # local workers by default: above the clusters
-    "ui": 13,
-    "__init__": 14,                  # the public face
-    "search_cli": 15,                # the command line uses the public face
-    "launch_cli": 15,
-    "__main__": 16,
+    "cp": 7,                         # context parallelism: cuts regions into parts as tp does
+    "compiler": 8,
+    "viz": 9,
+    "sim": 10, "runtime": 10,        # side by side: neither imports the other
+    "profile": 11,                   # measures by running the runtime, feeds the simulator
+    "cluster": 12, "strategies": 12,
+    "planner": 12,                   # compiles and prices (profiled: runs workers) many plans
+    "train": 13,                     # local workers by default: above the clusters
+    "ui": 14,
+    "__init__": 15,                  # the public face
+    "search_cli": 16,                # the command line uses the public face
+    "launch_cli": 16,
+    "__main__": 17,
 }
 
 

@@ -59,6 +59,9 @@ class RegionInfo:
     buffers: tuple[str, ...]
     inputs: tuple[str, ...]   # value names it reads: batch names or other regions' outputs
     outputs: tuple[str, ...]  # value names it produces for other regions (LOSS for the loss)
+    # cut over a context: (degree, load balance, the batch inputs it reads cut along the
+    # sequence) (`cp.rewrite`); () when the region runs on whole sequences
+    context: tuple = ()
 
     @property
     def name(self) -> str:
@@ -88,6 +91,7 @@ class Capture:
     loss_mean: str = "microbatch"              # what the loss region returns (`capture.loss`)
     tp: Any = None                             # `tp.rewrite.TPLayout`, if sharded
     tp_local: dict = field(default_factory=dict)   # sharded parameter -> device 0's shard
+    cp: Any = None                             # `cp.rewrite.CPLayout`, if cut over a context
 
     def named_parameters(self, whole: bool = False) -> list[tuple[str, torch.Tensor]]:
         """The parameters the regions hold: the model's, each stacked parameter of sliced

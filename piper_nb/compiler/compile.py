@@ -27,6 +27,7 @@ from piper_nb.compiler.plan_passes import PlanContext
 from piper_nb.compiler.precision import cast_batch, cast_spec, check_precision
 from piper_nb.compiler.shapes import propagate
 from piper_nb.compiler.token_rows import token_rows
+from piper_nb.cp import context_degree, share_batch
 from piper_nb.directives.base import CaptureContext, Context
 from piper_nb.directives.replicate import check_widths, replica_width
 from piper_nb.directives.shard import routes_tokens
@@ -167,10 +168,11 @@ def _placed(capture, directives, named: Batch, bsz: int, micro: int,
     directives give the width, and when the placed DAG's differs (their regions are placed
     on smaller groups, a stage's two copies) the shapes and the DAG are made again for it."""
     frozen = frozenset(n for n, p in capture.named_parameters() if not p.requires_grad)
-    width = replica_width(directives, bsz // micro)
+    per = context_degree(directives)   # devices sharing one sample's sequence
+    width = replica_width(directives, bsz // micro, per)
     shapes = _shapes(capture, directives, named, bsz // micro // width)
     dag = run_phase(DAG, None, directives, _context(capture, shapes, frozen), consumed)
-    actual = check_widths(dag, directives, bsz, micro)
+    actual = check_widths(dag, directives, bsz, micro, per)
     if actual != width:
         shapes = _shapes(capture, directives, named, bsz // micro // actual)
         dag = run_phase(DAG, None, directives, _context(capture, shapes, frozen), consumed)
@@ -188,12 +190,13 @@ def _shapes(capture, directives, named: Batch, part: int) -> dict:
     torch.set_num_threads(1)  # tiny tensors: worker threads only get in each other's way
     try:
         with untouched(capture.model):   # the user's buffers and random state stay as they are
-            values, saved, _, changed, kept, aliases = propagate(capture,
-                                                                 named.slice(slice(part)))
+            mine = named.slice(slice(part))
+            if capture.cp is not None:   # a device's share of the sequence
+                mine = Batch(share_batch(mine, capture.cp))
+            values, saved, _, changed, kept, aliases = propagate(capture, mine)
             rows, saved_rows = {}, {}
             if routes_tokens(directives):  # routed rows: symbolic
-                rows, saved_rows = token_rows(capture, named.slice(slice(part)), saved,
-                                              values)
+                rows, saved_rows = token_rows(capture, mine, saved, values)
     finally:
         torch.set_num_threads(threads)
     params = list(capture.model.parameters())

@@ -14,7 +14,7 @@ from collections import Counter, defaultdict
 
 from piper_nb.compiler.gradflow import Flow
 from piper_nb.errors import PlanError
-from piper_nb.ir.kinds import COLLECTIVES, REDUCTIONS, Op, Purpose
+from piper_nb.ir.kinds import COLLECTIVES, REDUCTIONS, Op
 from piper_nb.ir.text import wait_text
 from piper_nb.plan.plan import Plan, columns_text
 
@@ -24,7 +24,7 @@ __all__ = ["dry_run", "p2p_key", "who_orders"]
 def _moves_grads(ins) -> bool:
     """A collective the gradient flow follows: reductions, and a tensor-parallel sum of any
     kind (under sequence parallelism an all-gather of gradient slices)."""
-    return ins.kind in REDUCTIONS or ins.purpose == Purpose.TP
+    return ins.kind in REDUCTIONS or ins.sums_values
 
 
 def p2p_key(dev: int, ins) -> tuple:

@@ -77,7 +77,9 @@ class Flow:
         # sums is one device's share: bit `shift + region` until that all-reduce's WAIT
         # makes it the region's bit
         tp = getattr(getattr(plan, "capture", None), "tp", None)
-        self.shared = tp.grad_sum if tp is not None else frozenset()
+        cp = getattr(getattr(plan, "capture", None), "cp", None)
+        self.shared = (tp.grad_sum if tp is not None else frozenset()) | (
+            cp.grad_sum if cp is not None else frozenset())
         self.shift = len(plan.regions)
         self.units = Units(plan, self._widths(plan), frozenset(plan.frozen))
         self.position: dict[tuple[int, int], int] = {}   # (device, region) -> replica
@@ -263,7 +265,7 @@ class Flow:
         seq = self.coll_next[d][ins.data.group]
         self.coll_next[d][ins.data.group] = seq + 1
         self.coll_seq[(d, i)] = seq
-        if ins.purpose == Purpose.TP:        # the group's sum of per-device shares
+        if ins.sums_values:        # the group's sum of per-device shares
             grads = self.grads[d]
             payload = {v: grads.get((v, ins.mb), 0) for v in ins.data.values} if ins.data.grad else None
         elif ins.kind == Op.ALL_REDUCE:
@@ -285,7 +287,7 @@ class Flow:
         if src.kind == Op.ALL_TO_ALL:
             self._exchanged(d, src, key)
             return
-        if src.purpose == Purpose.TP:
+        if src.sums_values:
             if src.data.grad:
                 self._shares_summed(d, src, key)
             return
@@ -340,7 +342,7 @@ class Flow:
                 out[m] = got[m]
             else:
                 t = self.template[m]
-                if src.purpose == Purpose.TP:   # the members' shares mirror each other
+                if src.sums_values:   # the members' shares mirror each other
                     out[m] = got.get(t, next(iter(got.values())))
                 else:
                     out[m] = (got[t] if src.kind == Op.ALL_TO_ALL

@@ -46,6 +46,12 @@ from piper_nb.compiler.plan_passes import (
 from piper_nb.compiler.regather import regather_inputs
 from piper_nb.compiler.send_recv import insert_send_recv
 from piper_nb.compiler.stage_order import check_stage_order
+from piper_nb.cp import (
+    ContextParallel,
+    cut_context,
+    insert_cp_collectives,
+    place_context,
+)
 from piper_nb.directives.base import CaptureContext, Context, Directive, Directives
 from piper_nb.directives.float8 import Float8, apply_float8
 from piper_nb.directives.order import Order, apply_orders
@@ -104,6 +110,8 @@ CAPTURE_PASSES: tuple[Pass, ...] = (
     Pass("stage order check", _check_stage_order),                   # stages contiguous
     Pass("tensor-parallel sharding", shard_regions,                  # regions cut into parts,
          consumes=(TensorParallel,)),                                # layers sharded
+    Pass("context cut", cut_context, consumes=(ContextParallel,)),  # a device's tokens,
+                                                                     # ring attention
     Pass("selective recompute", recompute_attention,                 # attention cores run
          reads=(Recompute,)),                                        # again in the backward
     Pass("float8", apply_float8, consumes=(Float8,)),                # linears in Float8
@@ -118,10 +126,14 @@ DAG_PASSES: tuple[Pass, ...] = (
     Pass("expert placement", place_experts, reads=(Shard,)),         # each expert's device
     Pass("tensor-parallel placement", place_tensor_parallel,         # one group's first
          reads=(TensorParallel,)),                                   # device
+    Pass("context placement", place_context,                         # the context group
+         reads=(ContextParallel,)),
     Pass("placement check", check_placement),                        # all placed; U placed
     Pass("send/recv", insert_send_recv),                             # a pair per crossing
     Pass("tensor-parallel collectives", insert_tp_collectives,       # all-reduces between
          reads=(TensorParallel,)),                                   # a region's parts
+    Pass("context collectives", insert_cp_collectives,              # keys and values
+         reads=(ContextParallel,)),                                  # gathered
     Pass("gradient sync", insert_grad_sync, consumes=(Replicate,)),  # buckets, ZeRO
     Pass("shard", apply_shards, consumes=(Shard,)),                  # experts' surroundings
     Pass("all-to-all", insert_all_to_all),                           # dispatch and combine

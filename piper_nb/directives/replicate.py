@@ -361,18 +361,21 @@ def insert_grad_sync(dag: TrainingDAG, replicates: Directives, ctx: Context) -> 
                        step=f"{len(buckets)} buckets")
 
 
-def replica_width(directives: Directives, share: int) -> int:
+def replica_width(directives: Directives, share: int, per: int = 1) -> int:
     """The replicas a microbatch of `share` samples is cut into, as the program's
     replicates say: the widest, unless it does not divide the microbatch (its regions are
-    then placed on smaller groups, as a stage's two copies; `check_widths` says which)."""
-    width = max((len(d.devices) for _, d in directives if isinstance(d, Replicate)), default=1)
+    then placed on smaller groups, as a stage's two copies; `check_widths` says which).
+    `per`: devices sharing one sample (context parallelism cuts its sequence)."""
+    width = max((len(d.devices) // per for _, d in directives if isinstance(d, Replicate)),
+                default=1)
     return width if share % width == 0 else 1
 
 
-def check_widths(dag: TrainingDAG, directives: Directives, bsz: int, micro: int) -> int:
-    """The replica width (devices per forward) of the placed DAG, checked to divide a
-    microbatch."""
-    widths = {len(n.devices) for n in dag.nodes if n.op == Op.F}
+def check_widths(dag: TrainingDAG, directives: Directives, bsz: int, micro: int,
+                 per: int = 1) -> int:
+    """The replica width (devices per forward, over `per` devices sharing one sample) of
+    the placed DAG, checked to divide a microbatch."""
+    widths = {max(len(n.devices) // per, 1) for n in dag.nodes if n.op == Op.F}
     for w in sorted(widths, reverse=True):
         if (bsz // micro) % w:
             idx = next((i for i, d in directives if isinstance(d, Replicate)

@@ -49,6 +49,8 @@ class Purpose(StrEnum):
     COUNT = "count"                  # the all-reduce of the global-batch loss's count
     TP = "tp"                        # tensor parallelism: a sharded part's partial sums, or
                                      # the gradient shares of its inputs (`tensor_parallel`)
+    CP = "cp"                        # context parallelism: every member's keys and values
+                                     # gathered, their gradients' shares reduce-scattered
 
     def __str__(self) -> str:
         return self.value

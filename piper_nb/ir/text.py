@@ -115,7 +115,7 @@ def instr_text(ins: Any) -> str:
         return f"{scope}{k}_{'B' if ins.data.grad else 'F'}{_mb(ins)}{arrow}{ins.data.peer}"
     if k == Op.ALL_TO_ALL and ins.purpose in (Purpose.DISPATCH, Purpose.COMBINE):
         return f"{scope}{ins.purpose.upper()}_{'B' if ins.data.grad else 'F'}{_mb(ins)}"
-    if k in SHORT and ins.purpose == Purpose.TP:   # tensor parallelism, between parts; R:
+    if k in SHORT and ins.purpose in (Purpose.TP, Purpose.CP):   # between parts; R:
         phase = "R" if ins.data.regather else "B" if ins.data.grad else "F"   # gathered again
         return f"{scope}{SHORT[k]}_{phase}{_mb(ins)}"
     if k in SHORT and ins.purpose in (Purpose.NORM, Purpose.COUNT):   # clipping's norm, the

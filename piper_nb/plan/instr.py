@@ -160,6 +160,13 @@ class Instr:
         return self.data.bucket if self.kind in COLLECTIVES else -1
 
     @property
+    def sums_values(self) -> bool:
+        """A collective over values between the parts of a region cut over a group (tensor
+        or context parallelism), not over a bucket: partial sums, gathered slices, and the
+        dual sums of their gradients."""
+        return self.kind in COLLECTIVES and self.data.purpose in (Purpose.TP, Purpose.CP)
+
+    @property
     def is_regather(self) -> bool:
         """Sequence parallelism's all-gather, before a backward, of the slices its forward
         kept of an input (`compiler.regather`)."""

@@ -215,7 +215,12 @@ class Plan:
         on: per microbatch, and per replica within it when the loss region is replicated,
         in batch order; so a PP x DP plan equals the reference with microbatches x replicas.
         Under `loss_mean="global"` the loss is the whole batch's whatever the slicing: 1."""
-        return 1 if self.loss_mean == "global" else round(1 / self.loss_scale)
+        if self.loss_mean == "global":
+            return 1
+        # devices sharing one sample's sequence (context parallelism) average their shares'
+        # means, which is the sample's mean: one slice, not one per device
+        per = next((r.context[0] for r in self.regions if r.has_loss and r.context), 1)
+        return round(1 / self.loss_scale) // per
 
     def __repr__(self) -> str:
         n = sum(len(d.stamp[0]) if d.stamp and d.stamp[0] else len(d.instrs) for d in self.devices)
@@ -234,7 +239,9 @@ class Plan:
             "world": self.world, "microbatches": self.microbatches,
             "batch_size": self.batch_size, "loss_scale": self.loss_scale,
             "regions": [{"index": r.index, "tags": dict(r.tags), "inputs": list(r.inputs),
-                         "outputs": list(r.outputs), "params": list(r.params)}
+                         "outputs": list(r.outputs), "params": list(r.params),
+                         **({"context": [r.context[0], r.context[1], list(r.context[2])]}
+                            if r.context else {})}
                         for r in self.regions],
             "buckets": [asdict(b) for b in self.buckets],
             "values": {k: {"shape": list(v.shape), "dtype": v.dtype,
@@ -264,7 +271,9 @@ class Plan:
         obj = json.loads(text)
         regions = tuple(RegionInfo(index=r["index"], tags=freeze_tags(r["tags"]), modules=(),
                                    params=tuple(r["params"]), buffers=(), inputs=tuple(r["inputs"]),
-                                   outputs=tuple(r["outputs"])) for r in obj["regions"])
+                                   outputs=tuple(r["outputs"]),
+                                   context=_context(r.get("context")))
+                        for r in obj["regions"])
         buckets = tuple(Bucket(**{k: tuple(v) if isinstance(v, list) else v for k, v in b.items()})
                         for b in obj["buckets"])
         values = {k: ValueInfo(k, tuple(v["shape"]), v["dtype"], v["requires_grad"])
@@ -308,3 +317,8 @@ def columns_text(cols: list[list[str]], mark: dict[int, int] | None = None) -> s
             cells.append(cell.ljust(width[ci] + 2))
         lines.append("".join(cells).rstrip())
     return "\n".join(lines)
+
+
+def _context(obj) -> tuple:
+    """A region's `context` from its JSON form: (degree, load balance, the inputs cut)."""
+    return () if not obj else (obj[0], obj[1], tuple(obj[2]))

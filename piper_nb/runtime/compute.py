@@ -23,6 +23,7 @@ import contextlib
 
 import torch
 
+from piper_nb.capture.ring_attention import take_share
 from piper_nb.capture.sequence_ops import SEQ_DIM
 from piper_nb.ir.kinds import Op, Unit
 from piper_nb.ir.loss_outputs import LOSS, is_loss_output
@@ -72,7 +73,7 @@ class ComputePasses:
         args, raw, entering = [], [], []
         for k, v in enumerate(info.inputs):
             if v in self.batch:
-                t = self._batch_part(v, mb, ins.replica, ins.replicas)
+                t = self._share(v, ins, info)
                 raw.append(None)
             else:
                 t = self.values.acts.get((v, mb))
@@ -162,6 +163,15 @@ class ComputePasses:
                                                           count=self.tracing)
         st.roots = roots(outputs)
         st.args = st.rng = st.raw = None
+
+    def _share(self, v: str, ins, info) -> torch.Tensor:
+        """Batch input `v` as forward `ins` of region `info` takes it: its microbatch and
+        replica's samples, and under context parallelism this device's tokens of them."""
+        if not info.context:
+            return self._batch_part(v, ins.mb, ins.replica, ins.replicas)
+        degree, balance, cut = info.context
+        t = self._batch_part(v, ins.mb, ins.replica // degree, max(ins.replicas // degree, 1))
+        return take_share(t, degree, ins.replica % degree, balance) if v in cut else t
 
     def _batch_part(self, v: str, mb: int, replica: int, replicas: int) -> torch.Tensor:
         """`batch_part` of batch input `v`, from views cut once per step (one split per

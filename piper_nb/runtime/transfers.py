@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from piper_nb.capture.sequence_ops import member_slice
-from piper_nb.ir.kinds import Op, Purpose
+from piper_nb.ir.kinds import Op
 from piper_nb.plan.instr import slice_name
 from piper_nb.plan.streams import communicator
 from piper_nb.trace import Memory
@@ -33,7 +33,7 @@ class Transfers:
         if ins.kind == Op.RECV:   # received act:/grad: buffers, as the simulator counts them
             t = comm.recv(self.recv_specs[idx], ins.data.peer, ins.data.tag, key)
             return t, Memory.ACTIVATIONS, t.bufs, None
-        if ins.purpose == Purpose.TP:   # one flat copy, and what comes back
+        if ins.sums_values:   # one flat copy, and what comes back
             t = self._tp_sum(ins, key)
             return t, Memory.BUFFERS, t.bufs, None
         if ins.kind == Op.ALL_REDUCE:

@@ -20,7 +20,8 @@ import torch
 
 from piper_nb.capture.batch import Batch
 from piper_nb.capture.float8 import check_training as check_float8
-from piper_nb.ir.kinds import P2P, PASSES, Held, Memory, Op, Purpose
+from piper_nb.cp import CP_RANK
+from piper_nb.ir.kinds import P2P, PASSES, Held, Memory, Op
 from piper_nb.ir.loss_outputs import COUNT, metric_name
 from piper_nb.optim import check_optimizer
 from piper_nb.plan.instr import parse_free
@@ -78,6 +79,9 @@ class Worker(ComputePasses, Transfers):
             rank_of = getattr(mod, TP_RANK, None)   # a vocabulary-parallel part's own range
             if isinstance(rank_of, torch.Tensor):
                 rank_of.fill_(self.tp_rank)
+            in_context = getattr(mod, CP_RANK, None)   # a context-parallel part's rank
+            if isinstance(in_context, torch.Tensor):
+                in_context.fill_(self._context_rank(r))
             bind_params(mod, self.store.params, bundle.aliases)
             self.modules[r] = mod   # each module in the mode the user left it (eval, train)
         self.buffers = Buffers(plan, self.modules, self.instrs)
@@ -226,6 +230,12 @@ class Worker(ComputePasses, Transfers):
         self.losses: list[torch.Tensor] = []   # each forward's detached loss, summed at the end
         self.ends: dict[str, list[torch.Tensor]] = {}   # count and metrics, per forward
 
+    def _context_rank(self, region: int) -> int:
+        """This device's rank in the context group that runs `region` (its place among the
+        forward's devices)."""
+        first = next(i for i in self.instrs if i.kind == Op.F and i.region == region)
+        return first.replica % self.plan.regions[region].context[0]
+
     def count_share(self) -> torch.Tensor:
         """What this device's loss forwards counted this step (float64), for `count:AR`."""
         counts = self.ends.get(COUNT, []) if not self.tp_rank else []
@@ -322,7 +332,7 @@ class Worker(ComputePasses, Transfers):
             self.updater.set_norm(results[0])
         elif src.is_count:   # the global-batch loss's count
             self.updater.set_count(results[0])
-        elif src.purpose == Purpose.TP:   # a tensor-parallel sum: partial outputs, gradients
+        elif src.sums_values:   # a tensor- or context-parallel sum: partials, gradients
             self._summed(src, results[0])
         elif src.kind == Op.ALL_REDUCE:
             self.store.set_grads(src.data.bucket, results[0])

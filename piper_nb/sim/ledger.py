@@ -243,7 +243,7 @@ class Ledger(ParamLedger):
             self.pending[i] = (BUFFERS, NORM_BYTES)
             self.level[BUFFERS] += NORM_BYTES
             return
-        if ins.purpose == Purpose.TP:   # one flat copy of the values it sums, and under
+        if ins.sums_values:   # one flat copy of the values it sums, and under
             nbytes = sum(self._vb(v, ins.mb) for v in ins.data.values)   # SP a member's slices
             if k != Op.ALL_REDUCE:
                 nbytes += sum(self._vb(v, ins.mb) // len(ins.data.group) for v in ins.data.values)

@@ -17,7 +17,8 @@ the rewrite of a sharded region in `rewrite` and the modules it calls (`parts`, 
 `fused`, `reductions`, `vocab`, `loss`, `dropout`, `checks`, `match`). The plan records the
 groups and the sharded parameters as typed fields (`Plan.tp_groups`, `Plan.tp_params`);
 the runtime cuts and joins parameters with `local_shard` and `join_shards`, and names a
-part's graph (`PART`) and a device's rank in its group (`TP_RANK`) as they do.
+part's graph (`PART`) and a device's rank in its group (`TP_RANK`) as they do. Context
+parallelism (`cp`) cuts its regions into parts with the same `build_parts`.
 """
 
 from piper_nb.tp.directive import (
@@ -28,7 +29,9 @@ from piper_nb.tp.directive import (
     tensor_parallel,
     tp_groups,
 )
-from piper_nb.tp.parts import PART
+from piper_nb.tp.parts import PART, Info, build_parts
+from piper_nb.tp.parts import P as PARTIAL
+from piper_nb.tp.parts import R as REPLICATED
 from piper_nb.tp.rewrite import TPLayout
 from piper_nb.tp.shards import join_shards, local_shard
 from piper_nb.tp.styles import Style, model_tp_plan, style_of
@@ -37,4 +40,5 @@ from piper_nb.tp.widen import widen_plan
 
 __all__ = ["TensorParallel", "tensor_parallel", "tp_groups", "shard_regions",
            "place_tensor_parallel", "insert_tp_collectives", "widen_plan", "TPLayout",
-           "local_shard", "join_shards", "Style", "model_tp_plan", "style_of", "PART", "TP_RANK"]
+           "local_shard", "join_shards", "Style", "model_tp_plan", "style_of", "PART", "TP_RANK",
+           "Info", "build_parts", "PARTIAL", "REPLICATED"]

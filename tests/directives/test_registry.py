@@ -28,6 +28,7 @@ EXAMPLES = {
                                                  "layers.*.down": "rowwise"},
                                            sequence_parallel=True),
                         pn.tensor_parallel({"PP": 1}, [2, 3])],
+    "context_parallel": [pn.context_parallel({"PP": 0}, [0, 1, 2, 3], load_balance="contiguous")],
     "order": [pn.order([[{"PP": 0, "MB": 0, "PASS": "F"}],
                         [{"PP": 0, "MB": 1, "PASS": "F"}, {"PP": 0, "MB": 0, "PASS": "B"}]])],
     "schedule": [directive_from_json({"op": "schedule", "name": "interleaved", "ranks": 2,
@@ -105,7 +106,7 @@ def test_print_program_is_its_json_one_directive_per_line():
     ({"op": "order"}, "order: missing field 'filters'"),
     ({"op": "split", "filter": {}, "num_microbatches": 0},
      "split: num (JSON num_microbatches) must be a positive integer"),
-    ({"op": "checkpoint"}, "unknown op 'checkpoint'; the ops are float8, order, place, recompute"),
+    ({"op": "checkpoint"}, "unknown op 'checkpoint'; the ops are context_parallel, float8, order, place"),
     ({"op": "recompute"}, "recompute: missing field 'filter'"),
     ({"op": "recompute", "filter": {"PASS": "F"}}, "recompute filter {'PASS': 'F'} names a PASS"),
 ])

@@ -7,6 +7,10 @@ from __future__ import annotations
 import copy
 
 import torch
+import torch.nn.functional as F
+from torch import nn
+
+from piper_nb.models.gpt import LanguageModel
 
 RTOL, ATOL = 1e-5, 4e-5
 
@@ -76,3 +80,36 @@ def plain_loop(model, batches, microbatches: int, lr: float, loss_fn=None):
         opt.step()
         losses.append(total)
     return losses, model.state_dict()
+
+
+class Attend(LanguageModel):
+    """A one-layer model: its attention fused with a mask tensor (`mask="sdpa"`) or with
+    dropout, or eager (`eager=True`) with a mask (`"causal"`, `"window"`: a sliding
+    window of 4 tokens)."""
+
+    def __init__(self, mask: str | None = None, dropout: float = 0.0, eager: bool = False,
+                 seq: int = 16):
+        super().__init__()
+        self.config, self.name = dict(vocab=32, seq=seq), "Attend"
+        self.embed, self.qkv, self.head = nn.Embedding(32, 16), nn.Linear(16, 48), nn.Linear(16, 32)
+        self.mask, self.dropout, self.eager = mask, dropout, eager
+
+    def forward(self, tokens):
+        x = self.embed(tokens)
+        b, t = x.size(0), x.size(1)
+        q, k, v = self.qkv(x).reshape(b, t, 3, 2, 8).permute(2, 0, 3, 1, 4).unbind(0)
+        if self.eager:
+            s = q @ k.transpose(-2, -1) / 8 ** 0.5
+            if self.mask:
+                i = torch.arange(t, device=x.device)
+                above = i[None, :] > i[:, None]
+                if self.mask == "window":
+                    above = above | (i[None, :] < i[:, None] - 4)
+                s = s.masked_fill(above, float("-inf"))
+            y = torch.softmax(s, dim=-1) @ v
+        elif self.mask:
+            m = torch.ones(t, t, dtype=torch.bool, device=x.device).tril()
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=m)
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout, is_causal=True)
+        return self.head(y.transpose(1, 2).reshape(b, t, 16))

@@ -202,6 +202,17 @@ def _float8():
     return model, pn.cut_stages(model, 2), program
 
 
+def _context(extra: str | None):
+    """CP 2 (each device's tokens, every member's keys and values gathered between parts,
+    their gradients reduce-scattered), with ZeRO-3 or full recompute."""
+    model = pn.models.Llama(vocab=32, dim=32, layers=2, heads=4, kv_heads=2, hidden=64, seq=8)
+    more = {None: [], "zero3": [pn.replicate({}, [0, 1], zero=3)],
+            "recompute": [pn.recompute({"L": 0})]}[extra]
+    ann = {"embed": {"PP": 0}, **{f"blocks.{i}": {"PP": 0, "L": i} for i in range(2)},
+           "head": {"PP": 0, "L": 2}}
+    return model, ann, [pn.context_parallel({}, [0, 1]), pn.split({}, "MB", 2), *more]
+
+
 MORE = {**{f"tied-zero{z}-pp2-dp2": lambda z=z: _tied(z) for z in (1, 2, 3)},
         **{f"dualpipe-copies-zero{z}": lambda z=z: _dualpipe_zero(z) for z in (2, 3)},
         **{f"recompute-{k}": lambda k=k: _recompute(k) for k in ("zb1p", "zero3", "1f1b")},
@@ -210,6 +221,7 @@ MORE = {**{f"tied-zero{z}-pp2-dp2": lambda z=z: _tied(z) for z in (1, 2, 3)},
            for r in (None, "full", "selective")},
         **{f"tp2{'-sp' if sp else ''}-units": lambda sp=sp: _units(sp) for sp in (False, True)},
         "float8-zb1p-zero1": lambda: _float8(),
+        **{f"cp2{'-' + x if x else ''}": lambda x=x: _context(x) for x in (None, "zero3", "recompute")},
         "pp2-dp2-zero3-step-sync": lambda: _pp2_dp2_zero3(True, "step"),
         "pp2-dp2-zero3-noreshard-microbatch-sync": lambda: _pp2_dp2_zero3(False, "microbatch")}
 

@@ -1,0 +1,301 @@
+"""Context parallelism on a captured model: every region run on each device's share of the
+sequence, its attention over the whole sequence (ring attention), its positions global.
+
+A region cut over a context group of `degree` devices runs on each device's tokens
+(`capture.ring_attention.positions`: chunks `r` and `2 x degree - 1 - r` under `zigzag`).
+Three things in its graph would see only those tokens, and are rewritten:
+
+- **positions**: an `arange` over the sequence (the positions a learned embedding looks
+  up, the angles of rotary embeddings) gives this device's global positions instead
+  (`context_arange`). Which aranges count the sequence is found by running the regions
+  twice, on shares of two lengths: those whose length follows the share's;
+- **attention**: `scaled_dot_product_attention(q, k, v)` becomes `ring_attention` over
+  every member's keys and values. Each device's keys and values are laid at its place in
+  zeros of the whole (`pad_sequence`, on [batch, tokens, heads, dim]), and the region is
+  cut there into *parts* (`PART=k`, as tensor parallelism cuts, `tp.parts`): between them
+  the group all-gathers those values, and in the backward reduce-scatters their gradients'
+  shares, so each member gets the sum of every member's gradient for its own keys and
+  values. The collectives are the plan's instructions (`cp.directive`);
+- **what cannot be cut** is a PlanError before anything runs: an attention with a mask
+  tensor, with dropout, or not written as `scaled_dot_product_attention`; a sequence the
+  load balance cannot cut.
+
+Everything else (embeddings, norms, the MLP, the loss) runs on the share as written. The
+loss of a share is its mean; the plan averages the members' (`Plan.loss_scale`), which is
+the whole sequence's mean when every member counts the same tokens.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+import torch.fx as fx
+
+from piper_nb.capture.meta_routing import on_meta
+from piper_nb.capture.ring_attention import (
+    check_length,
+    context_arange,
+    ring_attention,
+    take_share,
+)
+from piper_nb.capture.sequence_ops import SEQ_DIM, pad_sequence
+from piper_nb.capture.untouched import untouched
+from piper_nb.cp.attention import attentions, causal_mask, mask_input, refused
+from piper_nb.errors import PlanError
+from piper_nb.ir.kinds import Op
+from piper_nb.tp import PARTIAL, REPLICATED, Info, build_parts
+
+__all__ = ["CP_RANK", "CPLayout", "cut_capture", "sequence_inputs", "share_batch"]
+
+CP_RANK = "_pn_cp_rank"   # a part's own rank in its context group, set by each worker
+_ARANGE = {torch.arange, torch.ops.aten.arange.default, torch.ops.aten.arange.start,
+           torch.ops.aten.arange.start_step}
+_T = torch.transpose
+
+
+@dataclass(frozen=True)
+class CPLayout:
+    """What cutting over a context changed: the degree and load balance, the whole
+    sequence's length, the batch inputs cut along it, per part region its original region
+    and part number, the values all-gathered after a forward and those whose gradients'
+    shares are reduce-scattered."""
+
+    degree: int
+    balance: str
+    seq: int
+    inputs: frozenset[str]
+    parts: Mapping[int, tuple[int, int]]
+    gathered: frozenset[str]
+    grad_sum: frozenset[str]
+    directive: int = -1
+
+
+def sequence_inputs(batch: Mapping[str, torch.Tensor]) -> tuple[int, frozenset[str]]:
+    """(the sequence's length, the batch inputs that hold it): dimension 1 of the first
+    input with two or more, and every input with that length there."""
+    seq = next((t.shape[SEQ_DIM] for t in batch.values()
+                if isinstance(t, torch.Tensor) and t.dim() > SEQ_DIM), None)
+    if seq is None:
+        raise PlanError("context_parallel needs inputs of [batch, sequence, ...]; the batch "
+                        "has " + ", ".join(f"{k} {list(t.shape)}" for k, t in batch.items()))
+    return seq, frozenset(k for k, t in batch.items()
+                          if t.dim() > SEQ_DIM and t.shape[SEQ_DIM] == seq)
+
+
+def share_batch(batch: Mapping[str, torch.Tensor], layout: CPLayout, rank: int = 0) -> dict:
+    """Device `rank`'s share of the batch: its tokens of every input that holds the
+    sequence."""
+    return {k: take_share(t, layout.degree, rank, layout.balance) if k in layout.inputs else t
+            for k, t in batch.items()}
+
+
+def cut_capture(capture, degree: int, balance: str, directive: int, batch: Mapping):
+    """`capture` with every region cut over a context of `degree` devices (see the module
+    docstring)."""
+    seq, inputs = sequence_inputs(batch)
+    need = check_length(seq, degree, balance)
+    if need:
+        raise PlanError(f"context_parallel: load_balance={balance!r} cuts the sequence of "
+                        f"{seq} tokens into {need} chunks ({degree} devices), which do not "
+                        f"divide it; pad the sequence to {-(-seq // need) * need} tokens, or "
+                        "use a degree whose chunks divide it", directive=directive,
+                        op="context_parallel")
+    layout = CPLayout(degree, balance, seq, inputs, {}, frozenset(), frozenset(), directive)
+    masks = set()   # what cannot be rewritten is said before any run; masks are read in it
+    for info, gm in zip(capture.regions, capture.modules, strict=True):
+        masks |= {m.name for a in attentions(gm, info) if (m := mask_input(a)) is not None}
+    share = share_batch(batch, layout)
+    meta = any(t.is_meta for t in batch.values())
+    runs = on_meta(meta, _record, capture, share, inputs, masks)
+    names = {v for r in capture.regions for v in (*r.inputs, *r.outputs)}
+    canonical = _canonical(capture.model)
+    regions, modules, parts = [], [], {}
+    gathered, grad_sum = set(), set()
+    for info, gm0 in zip(capture.regions, capture.modules, strict=True):
+        infos, positions, values = runs[info.index]
+        gm = fx.GraphModule(gm0, _copy_graph(gm0.graph))
+        _global_positions(gm, positions, layout)
+        pads = _ring_attention(gm, info, layout, infos, values)
+        status = {n: PARTIAL if n in pads else REPLICATED for n in gm.graph.nodes}
+        cut = build_parts(gm, info, status, _levels(gm, pads), infos, names,
+                          {p.name for p in pads}, {}, canonical,
+                          {p.name: Op.ALL_GATHER for p in pads})
+        gathered |= cut.partial
+        grad_sum |= cut.grad_sum
+        for k, (pinfo, pgm) in enumerate(cut.parts):
+            names |= {*pinfo.inputs, *pinfo.outputs}
+            parts[len(regions)] = (info.index, k)
+            regions.append(dataclasses.replace(
+                pinfo, index=len(regions),
+                context=(degree, balance, tuple(sorted(inputs & set(pinfo.inputs))))))
+            modules.append(pgm)
+    layout = dataclasses.replace(layout, parts=parts, gathered=frozenset(gathered),
+                                 grad_sum=frozenset(grad_sum))
+    return _rebuilt(capture, regions, modules, layout)
+
+
+def _canonical(model) -> dict[str, str]:
+    first: dict[int, str] = {}
+    return {n: first.setdefault(id(p), n) for n, p in model.named_parameters(remove_duplicate=False)}
+
+
+def _copy_graph(graph: fx.Graph) -> fx.Graph:
+    g = fx.Graph()
+    g.output(g.graph_copy(graph, {}))
+    return g
+
+
+class _Recorder(fx.Interpreter):
+    """One run of a region, recording what each op made (`Info`), each arange's length and
+    the values of the ops named `keep`."""
+
+    def __init__(self, gm, seen: dict, lengths: dict, keep: set = frozenset(),
+                 values: dict | None = None):
+        super().__init__(gm)
+        self.seen, self.lengths, self.keep, self.values = seen, lengths, keep, values
+
+    def run_node(self, n):
+        v = super().run_node(n)
+        t = isinstance(v, torch.Tensor)
+        if n.name in self.keep and self.values is not None:
+            self.values[n.name] = v
+        self.seen[n.name] = Info(t, t and v.is_floating_point() and v.requires_grad,
+                                 tuple(v.shape) if t else None, t and v.is_floating_point())
+        if n.op == "call_function" and n.target in _ARANGE and t:
+            self.lengths[n.name] = v.numel()
+        return v
+
+
+def _record(capture, share: dict, inputs: frozenset, keep: set) -> dict[int, tuple]:
+    """Per region: what a run on the share records (`Info` per node), the aranges over the
+    sequence (those whose length is the share's, and half of it on half the share), and the
+    values of the ops `keep` names (masks)."""
+    local = next(share[k].shape[SEQ_DIM] for k in inputs)
+    half = {k: t.narrow(SEQ_DIM, 0, local // 2) if k in inputs else t for k, t in share.items()}
+    full_runs = _run(capture, share, keep)
+    half_runs = _run(capture, half, set()) if local >= 2 else {}
+    out = {}
+    for r, (seen, lengths, values) in full_runs.items():
+        halves = half_runs.get(r, ({}, {}, {}))[1]
+        out[r] = (seen, {n for n, k in lengths.items()
+                         if k == local and halves.get(n) == local // 2}, values)
+    return out
+
+
+def _run(capture, batch: dict, keep: set) -> dict[int, tuple[dict, dict, dict]]:
+    vals, out = dict(batch), {}
+    with untouched(capture.model):
+        for info, gm in zip(capture.regions, capture.modules, strict=True):
+            args = [vals[v].detach().requires_grad_(True)
+                    if v not in batch and vals[v].is_floating_point() else vals[v]
+                    for v in info.inputs]
+            seen, lengths, values = {}, {}, {}
+            try:
+                outs = _Recorder(gm, seen, lengths, keep, values).run(*args)
+            except Exception as err:   # noqa: BLE001 - PyTorch's words, with where and what
+                raise PlanError(
+                    f"context_parallel: region {info.name} fails on a device's share of the "
+                    f"sequence ({', '.join(f'{k} {list(t.shape)}' for k, t in batch.items())})"
+                    f": {type(err).__name__}: {str(err).splitlines()[0]}. Its graph may hold "
+                    "the whole sequence's length as a constant (torch.export writes sizes "
+                    "down); capture it with torch.fx, or compute sizes from the tensors",
+                    op="context_parallel") from err
+            out[info.index] = (seen, lengths, values)
+            vals.update(zip(info.outputs, outs, strict=True))
+    return out
+
+
+def _rank(gm) -> fx.Node:
+    """A get_attr of the part's context rank buffer (made, as 0, on first use)."""
+    if not hasattr(gm, CP_RANK):
+        gm.register_buffer(CP_RANK, torch.tensor(0))
+    return gm.graph.get_attr(CP_RANK)
+
+
+def _global_positions(gm, positions: set, layout: CPLayout) -> None:
+    g = gm.graph
+    for n in [n for n in g.nodes if n.name in positions]:
+        with g.inserting_before(n):
+            rank = _rank(gm)
+            new = g.call_function(context_arange, (layout.degree, rank, layout.balance,
+                                                   *n.args), dict(n.kwargs))
+        new.meta = dict(n.meta)
+        n.replace_all_uses_with(new)
+        g.erase_node(n)
+    g.lint()
+
+
+def _ring_attention(gm, info, layout: CPLayout, infos: dict, values: dict) -> set[fx.Node]:
+    """Each attention made ring attention over the group's keys and values (see the module
+    docstring); -> the padded keys and values, which the group gathers."""
+    g = gm.graph
+    pads = set()
+    for att in attentions(gm, info):
+        causal = att.causal
+        mask = mask_input(att)
+        if mask is not None:
+            if not causal_mask(att.mask, values[mask.name]):
+                raise refused(info, att.mask, "its mask is not causal (a padding mask, a "
+                              "sliding window), which context parallelism cannot cut; use "
+                              "a causal mask or none")
+            causal = True
+        with g.inserting_before(att.out):
+            rank = _rank(gm)
+            whole = []
+            for x in (att.k, att.v):
+                pad = g.call_function(pad_sequence, (g.call_function(_T, (x, 1, 2)),
+                                                     layout.degree, rank))
+                infos[pad.name] = Info(True, bool(infos[x.name].grad), None, True)
+                pads.add(pad)
+                whole.append(g.call_function(_T, (pad, 1, 2)))
+            ring = g.call_function(ring_attention, (
+                att.q, *whole, layout.degree, rank, layout.balance, causal, att.scale, att.gqa))
+        ring.meta = dict(att.out.meta)
+        infos[ring.name] = infos[att.out.name]
+        att.out.replace_all_uses_with(ring)
+        for n in reversed(att.nodes):
+            if not n.users:
+                g.erase_node(n)
+    g.eliminate_dead_code()
+    g.lint()
+    gm.recompile()
+    return pads
+
+
+def _levels(gm, pads: set) -> dict:
+    """Each op's part: a reader of a padded value one part after it (the gather between);
+    ops on constants only float to the earliest part that reads them."""
+    level, floating = {}, []
+    for n in gm.graph.nodes:
+        if n.op == "output":
+            continue
+        if n.op == "placeholder":
+            level[n] = 0
+            continue
+        ins = [a for a in n.all_input_nodes if a in level]
+        if not ins:
+            floating.append(n)
+            continue
+        level[n] = max(level[a] + (a in pads) for a in ins)
+    for n in reversed(floating):
+        level[n] = min((level[u] for u in n.users if u in level), default=0)
+    return level
+
+
+def _rebuilt(capture, regions, modules, layout: CPLayout):
+    producer: dict[str, int] = {v: -1 for v, p in capture.producer.items() if p < 0}
+    consumers: dict[str, list[int]] = {}
+    for r in regions:
+        for v in r.outputs:
+            producer[v] = r.index
+        for v in r.inputs:
+            consumers.setdefault(v, []).append(r.index)
+    tied = {p: holders for p in capture.tied
+            if len(holders := tuple(r.index for r in regions if p in r.params)) > 1}
+    return dataclasses.replace(capture, regions=tuple(regions), modules=tuple(modules),
+                               producer=producer,
+                               consumers={v: tuple(cs) for v, cs in consumers.items()},
+                               tied=tied, cp=layout)

@@ -1,0 +1,100 @@
+"""Context parallelism trains exactly like one process: CP 2 and CP 4, zigzag and
+contiguous, with ZeRO-3 and with full recompute, PP 2 x CP 2 under 1F1B, CP 2 x DP 2 with
+ZeRO-3, on TinyGPT (learned position embeddings), Llama (rotary positions, grouped
+key/value heads) and an eager attention (products, a causal mask, softmax), each against
+`pn.reference_train`.
+fp32, rtol 1e-5: ring attention sums its softmax block by block (`capture.ring_attention`),
+which moves the last bit or two (atol 4e-5, as the other fidelity tests)."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+
+import piper_nb as pn
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from plain import Attend  # noqa: E402
+
+pytestmark = pytest.mark.dist
+SGD = pn.optim.SGD(lr=0.1)
+RTOL, ATOL = 1e-5, 4e-5
+ONE = {"": {"PP": 0}}
+
+
+def llama():
+    return pn.models.Llama(vocab=32, dim=32, layers=2, heads=4, kv_heads=2, hidden=64, seq=16)
+
+
+def _train(model, program, cluster, steps=3, opt=SGD, ann=ONE):
+    batch = model.example_batch(batch_size=4, seed=0)
+    plan = pn.compile(pn.annotate(model, ann), program, batch)
+    result = pn.train(plan, batch, steps, opt, cluster=cluster)
+    ref = pn.reference_train(model, batch, steps, plan.reference_microbatches, opt)
+    torch.testing.assert_close(torch.tensor(result.losses), torch.tensor(ref.losses),
+                               rtol=RTOL, atol=ATOL)
+    got, want = result.state_dict(), ref.state_dict()
+    assert got.keys() == want.keys()
+    for k, v in want.items():
+        torch.testing.assert_close(got[k], v, rtol=RTOL, atol=ATOL,
+                                   msg=lambda m, k=k: f"{k}: {m}")
+    return plan
+
+
+def _gathers(plan) -> list[str]:
+    return [str(i) for i in plan.devices[0].instrs if i.purpose == pn.Purpose.CP]
+
+
+def test_cp2_zigzag_tinygpt_learned_positions(cluster2):
+    model = pn.models.TinyGPT(vocab=32, dim=32, layers=2, heads=4, seq=16)
+    plan = _train(model, [pn.context_parallel({}, [0, 1]), pn.split({}, num=2)], cluster2)
+    # each device holds 8 of the 16 tokens; every member's keys and values gathered (16)
+    gathered = plan.capture.cp.gathered
+    assert len(gathered) == 4 and all(plan.values[v].shape[1] == 16 for v in gathered)
+    assert plan.values["inputs"].shape == (2, 8)
+    streams = [v for v in plan.values.values() if len(v.shape) == 3]
+    assert streams and all(v.shape[1] == 8 for v in streams)
+    gathers = _gathers(plan)
+    assert sum(g.startswith("r0:AG_F") or g.startswith("r1:AG_F") for g in gathers) == 4
+    assert sum("RS_B" in g for g in gathers) == 4
+    assert plan.reference_microbatches == 2
+
+
+def test_cp4_zigzag_llama_rotary(cluster4):
+    _train(llama(), [pn.context_parallel({}, [0, 1, 2, 3]), pn.split({}, num=2)], cluster4)
+
+
+def test_cp2_contiguous_llama(cluster2):
+    _train(llama(), [pn.context_parallel({}, [0, 1], load_balance="contiguous")], cluster2)
+
+
+@pytest.mark.parametrize("more", [
+    [pn.replicate({}, [0, 1], zero=3)],
+    [pn.recompute({"PP": 0})],
+], ids=["zero3", "recompute"])
+def test_cp2_composes(cluster2, more):
+    _train(llama(), [pn.context_parallel({}, [0, 1]), pn.split({}, num=2), *more], cluster2,
+           opt=pn.optim.AdamW(1e-2))
+
+
+def test_cp2_eager_causal_attention(cluster2):
+    plan = _train(Attend(eager=True, mask="causal"), [pn.context_parallel({}, [0, 1])], cluster2)
+    assert len(plan.capture.cp.gathered) == 2
+
+
+def test_pp2_cp2_1f1b(cluster4):
+    model = llama()
+    _train(model, [*pn.schedules.one_f_one_b(2, 4), pn.place({"PP": 0}, [0, 1]),
+                   pn.place({"PP": 1}, [2, 3]), pn.context_parallel({}, [[0, 1], [2, 3]])],
+           cluster4, ann=pn.cut_stages(model, 2))
+
+
+def test_cp2_dp2_zero3(cluster4):
+    plan = _train(llama(), [pn.replicate({}, [0, 1, 2, 3], zero=3),
+                            pn.context_parallel({}, [[0, 1], [2, 3]]), pn.split({}, num=2)],
+                  cluster4, opt=pn.optim.AdamW(1e-2))
+    assert plan.buckets[0].group == (0, 1, 2, 3)   # ZeRO shards over data and context
+    assert plan.reference_microbatches == 4        # 2 microbatches x 2 replicas
