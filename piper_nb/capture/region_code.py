@@ -18,7 +18,7 @@ import torch.fx as fx
 from torch import nn
 
 from piper_nb.capture.functions import apply_function
-from piper_nb.capture.ring_attention import context_arange, ring_attention
+from piper_nb.capture.ring_attention import context_arange, ring_attention, take_share
 from piper_nb.capture.sequence_ops import narrow_sequence, pad_sequence, whole_like, with_params
 from piper_nb.capture.slice_dropout import slice_dropout
 
@@ -80,7 +80,8 @@ class RegionTracer(fx.Tracer):
         super().__init__(autowrap_modules, (*autowrap_functions, pack_size, unpack_size,
                                             apply_function, call_op, slice_dropout,
                                             narrow_sequence, pad_sequence, whole_like,
-                                            with_params, context_arange, ring_attention))
+                                            with_params, context_arange, ring_attention,
+                                            take_share))
 
 
 def unpack_size(t: torch.Tensor):

@@ -189,7 +189,8 @@ def insert_cp_collectives(dag: TrainingDAG, directives: Directives, ctx: Context
                                 ("values", tuple(moved))))
                           for k in range(0, len(a.devices), n)]
             nodes.extend(made[a.id])
-            edges.extend(Edge(a.id, c.id, EdgeKind.DATA, ()) for c in made[a.id])
+            # the values on the way in too: what the lowering frees reads them there
+            edges.extend(Edge(a.id, c.id, EdgeKind.DATA, tuple(moved)) for c in made[a.id])
         edges.extend(Edge(c.id, b.id, EdgeKind.DATA, tuple(moved)) for c in made[a.id])
         rest = tuple(v for v in e.values if v not in moved)
         if rest:

@@ -8,7 +8,10 @@ Three things in its graph would see only those tokens, and are rewritten:
 - **positions**: an `arange` over the sequence (the positions a learned embedding looks
   up, the angles of rotary embeddings) gives this device's global positions instead
   (`context_arange`). Which aranges count the sequence is found by running the regions
-  twice, on shares of two lengths: those whose length follows the share's;
+  on the whole sequence and on half of it: those whose length follows the sequence's, or
+  (torch.export writes lengths down) a constant one of the whole sequence's length;
+- **sizes** a graph wrote down for the whole sequence (torch.export's `view(x, [B, 16, 4,
+  8])`) are made the share's (`tp.localize`, as tensor parallelism does for heads);
 - **attention**: `scaled_dot_product_attention(q, k, v)` becomes `ring_attention` over
   every member's keys and values. Each device's keys and values are laid at its place in
   zeros of the whole (`pad_sequence`, on [batch, tokens, heads, dim]), and the region is
@@ -46,7 +49,7 @@ from piper_nb.capture.untouched import untouched
 from piper_nb.cp.attention import attentions, causal_mask, mask_input, refused
 from piper_nb.errors import PlanError
 from piper_nb.ir.kinds import Op
-from piper_nb.tp import PARTIAL, REPLICATED, Info, build_parts
+from piper_nb.tp import PARTIAL, REPLICATED, Info, build_parts, localize
 
 __all__ = ["CP_RANK", "CPLayout", "cut_capture", "sequence_inputs", "share_batch"]
 
@@ -107,21 +110,27 @@ def cut_capture(capture, degree: int, balance: str, directive: int, batch: Mappi
     masks = set()   # what cannot be rewritten is said before any run; masks are read in it
     for info, gm in zip(capture.regions, capture.modules, strict=True):
         masks |= {m.name for a in attentions(gm, info) if (m := mask_input(a)) is not None}
-    share = share_batch(batch, layout)
     meta = any(t.is_meta for t in batch.values())
-    runs = on_meta(meta, _record, capture, share, inputs, masks)
+    wholes = on_meta(meta, _wholes, capture, batch, inputs, seq, masks)
+    share = share_batch(batch, layout)
+    vals = dict(share)
     names = {v for r in capture.regions for v in (*r.inputs, *r.outputs)}
     canonical = _canonical(capture.model)
     regions, modules, parts = [], [], {}
     gathered, grad_sum = set(), set()
     for info, gm0 in zip(capture.regions, capture.modules, strict=True):
-        infos, positions, values = runs[info.index]
+        full, traced, constant, values = wholes[info.index]
         gm = fx.GraphModule(gm0, _copy_graph(gm0.graph))
-        _global_positions(gm, positions, layout)
-        pads = _ring_attention(gm, info, layout, infos, values)
+        _global_positions(gm, traced, constant, layout)
+        args = _args(info, vals, share)
+        on_meta(meta, localize, gm, args, full, {n.name for n in gm.graph.nodes}, degree, {},
+                f"region {info.name}", op="context_parallel")   # sizes written down, cut
+        pads = _ring_attention(gm, info, layout, values)
+        infos, outs = on_meta(meta, _share_run, gm, info, args, share)
+        vals.update(zip(info.outputs, outs, strict=True))
         status = {n: PARTIAL if n in pads else REPLICATED for n in gm.graph.nodes}
         cut = build_parts(gm, info, status, _levels(gm, pads), infos, names,
-                          {p.name for p in pads}, {}, canonical,
+                          {p.name for p in pads if infos[p.name].grad}, {}, canonical,
                           {p.name: Op.ALL_GATHER for p in pads})
         gathered |= cut.partial
         grad_sum |= cut.grad_sum
@@ -152,15 +161,14 @@ class _Recorder(fx.Interpreter):
     """One run of a region, recording what each op made (`Info`), each arange's length and
     the values of the ops named `keep`."""
 
-    def __init__(self, gm, seen: dict, lengths: dict, keep: set = frozenset(),
-                 values: dict | None = None):
+    def __init__(self, gm, keep: set = frozenset()):
         super().__init__(gm)
-        self.seen, self.lengths, self.keep, self.values = seen, lengths, keep, values
+        self.seen, self.lengths, self.keep, self.values = {}, {}, keep, {}
 
     def run_node(self, n):
         v = super().run_node(n)
         t = isinstance(v, torch.Tensor)
-        if n.name in self.keep and self.values is not None:
+        if n.name in self.keep:
             self.values[n.name] = v
         self.seen[n.name] = Info(t, t and v.is_floating_point() and v.requires_grad,
                                  tuple(v.shape) if t else None, t and v.is_floating_point())
@@ -169,43 +177,62 @@ class _Recorder(fx.Interpreter):
         return v
 
 
-def _record(capture, share: dict, inputs: frozenset, keep: set) -> dict[int, tuple]:
-    """Per region: what a run on the share records (`Info` per node), the aranges over the
-    sequence (those whose length is the share's, and half of it on half the share), and the
-    values of the ops `keep` names (masks)."""
-    local = next(share[k].shape[SEQ_DIM] for k in inputs)
-    half = {k: t.narrow(SEQ_DIM, 0, local // 2) if k in inputs else t for k, t in share.items()}
-    full_runs = _run(capture, share, keep)
-    half_runs = _run(capture, half, set()) if local >= 2 else {}
+def _wholes(capture, batch: Mapping, inputs: frozenset, seq: int, keep: set) -> dict:
+    """Per region, from runs on the whole sequence: each op's shape, the aranges over the
+    sequence (traced ones, whose length follows the sequence's on half of it; constant
+    ones, written down at its length by torch.export) and the values of the ops `keep`
+    names (masks)."""
+    half = {k: t.narrow(SEQ_DIM, 0, seq // 2) if k in inputs else t for k, t in batch.items()}
+    runs = _run(capture, batch, keep)
+    try:   # a graph holding the sequence's length as a constant fails here: no traced arange
+        halves = _run(capture, half, set())
+    except Exception:   # noqa: BLE001
+        halves = {}
     out = {}
-    for r, (seen, lengths, values) in full_runs.items():
-        halves = half_runs.get(r, ({}, {}, {}))[1]
-        out[r] = (seen, {n for n, k in lengths.items()
-                         if k == local and halves.get(n) == local // 2}, values)
+    for r, rec in runs.items():
+        gm = capture.modules[r]
+        by_name = {n.name: n for n in gm.graph.nodes}
+        half_lengths = halves[r].lengths if r in halves else {}
+        traced = {n for n, k in rec.lengths.items() if k == seq and by_name[n].all_input_nodes
+                  and half_lengths.get(n) == seq // 2}
+        constant = {n for n, k in rec.lengths.items() if k == seq
+                    and not by_name[n].all_input_nodes}
+        out[r] = ({k: i.shape for k, i in rec.seen.items()}, traced, constant, rec.values)
     return out
 
 
-def _run(capture, batch: dict, keep: set) -> dict[int, tuple[dict, dict, dict]]:
+def _run(capture, batch: Mapping, keep: set) -> dict[int, _Recorder]:
     vals, out = dict(batch), {}
     with untouched(capture.model):
         for info, gm in zip(capture.regions, capture.modules, strict=True):
-            args = [vals[v].detach().requires_grad_(True)
-                    if v not in batch and vals[v].is_floating_point() else vals[v]
-                    for v in info.inputs]
-            seen, lengths, values = {}, {}, {}
-            try:
-                outs = _Recorder(gm, seen, lengths, keep, values).run(*args)
-            except Exception as err:   # noqa: BLE001 - PyTorch's words, with where and what
-                raise PlanError(
-                    f"context_parallel: region {info.name} fails on a device's share of the "
-                    f"sequence ({', '.join(f'{k} {list(t.shape)}' for k, t in batch.items())})"
-                    f": {type(err).__name__}: {str(err).splitlines()[0]}. Its graph may hold "
-                    "the whole sequence's length as a constant (torch.export writes sizes "
-                    "down); capture it with torch.fx, or compute sizes from the tensors",
-                    op="context_parallel") from err
-            out[info.index] = (seen, lengths, values)
+            rec = _Recorder(gm, keep)
+            outs = rec.run(*_args(info, vals, batch))
+            out[info.index] = rec
             vals.update(zip(info.outputs, outs, strict=True))
     return out
+
+
+def _args(info, vals: dict, batch: Mapping) -> list:
+    """A region's inputs as its forward takes them: what another region made as a fresh
+    leaf needing a gradient."""
+    return [vals[v].detach().requires_grad_(True)
+            if v not in batch and vals[v].is_floating_point() else vals[v]
+            for v in info.inputs]
+
+
+def _share_run(gm, info, args: list, share: Mapping) -> tuple[dict, tuple]:
+    """The rewritten region run on a device's share: what each op made, and its outputs."""
+    rec = _Recorder(gm)
+    try:
+        outs = rec.run(*args)
+    except Exception as err:   # noqa: BLE001 - PyTorch's words, with where and what
+        raise PlanError(
+            f"context_parallel: region {info.name} fails on a device's share of the "
+            f"sequence ({', '.join(f'{k} {list(t.shape)}' for k, t in share.items())}): "
+            f"{type(err).__name__}: {str(err).splitlines()[0]}; compute its sizes from the "
+            "tensors it reads, or capture the model with torch.fx",
+            op="context_parallel") from err
+    return rec.seen, outs
 
 
 def _rank(gm) -> fx.Node:
@@ -215,20 +242,29 @@ def _rank(gm) -> fx.Node:
     return gm.graph.get_attr(CP_RANK)
 
 
-def _global_positions(gm, positions: set, layout: CPLayout) -> None:
+def _global_positions(gm, traced: set, constant: set, layout: CPLayout) -> None:
+    """Aranges over the sequence made this device's global positions: a traced one (its
+    length the share's at run time) as `context_arange`, a constant one (the whole
+    sequence's) cut to the device's share."""
     g = gm.graph
-    for n in [n for n in g.nodes if n.name in positions]:
+    for n in [n for n in g.nodes if n.name in traced | constant]:
         with g.inserting_before(n):
             rank = _rank(gm)
-            new = g.call_function(context_arange, (layout.degree, rank, layout.balance,
-                                                   *n.args), dict(n.kwargs))
+            if n.name in traced:
+                new = g.call_function(context_arange, (layout.degree, rank, layout.balance,
+                                                       *n.args), dict(n.kwargs))
+            else:
+                whole = g.call_function(n.target, n.args, dict(n.kwargs))
+                new = g.call_function(take_share, (whole, layout.degree, rank,
+                                                   layout.balance, 0))
         new.meta = dict(n.meta)
         n.replace_all_uses_with(new)
         g.erase_node(n)
     g.lint()
+    gm.recompile()
 
 
-def _ring_attention(gm, info, layout: CPLayout, infos: dict, values: dict) -> set[fx.Node]:
+def _ring_attention(gm, info, layout: CPLayout, values: dict) -> set[fx.Node]:
     """Each attention made ring attention over the group's keys and values (see the module
     docstring); -> the padded keys and values, which the group gathers."""
     g = gm.graph
@@ -248,13 +284,11 @@ def _ring_attention(gm, info, layout: CPLayout, infos: dict, values: dict) -> se
             for x in (att.k, att.v):
                 pad = g.call_function(pad_sequence, (g.call_function(_T, (x, 1, 2)),
                                                      layout.degree, rank))
-                infos[pad.name] = Info(True, bool(infos[x.name].grad), None, True)
                 pads.add(pad)
                 whole.append(g.call_function(_T, (pad, 1, 2)))
             ring = g.call_function(ring_attention, (
                 att.q, *whole, layout.degree, rank, layout.balance, causal, att.scale, att.gqa))
         ring.meta = dict(att.out.meta)
-        infos[ring.name] = infos[att.out.name]
         att.out.replace_all_uses_with(ring)
         for n in reversed(att.nodes):
             if not n.users:

@@ -39,15 +39,17 @@ _CAT = {_A.cat.default, torch.cat}
 def localize(gm: fx.GraphModule, args: list, full: dict[str, tuple | None], sharded: set,
              degree: int, local: dict, where: str,
              origins: dict[str, Origin] | None = None,
-             sequence: set = frozenset()) -> dict[str, int | None]:
+             sequence: set = frozenset(), op: str = "tensor_parallel") -> dict[str, int | None]:
     """Rewrite the shapes of the ops in `sharded` (node names) in `gm`'s graph for one
     device's share; `full` gives each node's whole-model shape, `local` the sharded
     parameters (get_attr target -> device 0's shard), `args` the region's inputs, `origins`
     the colwise layers' outputs (node name -> `tp_fused.Origin`), followed to their splits,
     `sequence` the ops on slices of the sequence (`tp.sequence`). Returns, per sharded op,
-    the dimension its first input is cut along (None: not one)."""
+    the dimension its first input is cut along (None: not one). `op`: the directive cutting
+    (`"context_parallel"` cuts the sequence of every op: a reduction over it, a loss's
+    mean, is that directive's own business)."""
     localizer = _Localizer(gm, full, sharded, degree, local, where, dict(origins or {}))
-    localizer.sequence = sequence
+    localizer.sequence, localizer.op = sequence, op
     # the run rewrites the graph as it goes, so it cannot be retried: the mode is on from
     # the start where the graph routes tokens on the meta device
     meta = any(isinstance(a, torch.Tensor) and a.is_meta for a in args) and routes(gm)
@@ -69,6 +71,7 @@ class _Localizer(fx.Interpreter):
         self.local, self.where = local, where
         self.dims: dict[str, int | None] = {}   # sharded op -> its first input's cut dimension
         self.sequence: set = frozenset()   # ops on slices of the sequence (tp.sequence)
+        self.op = "tensor_parallel"        # the directive cutting
 
     def get_attr(self, target, args, kwargs):
         return self.local.get(str(target)) if str(target) in self.local else \
@@ -78,8 +81,9 @@ class _Localizer(fx.Interpreter):
         if n.name in self.sharded:
             first = next(iter(n.all_input_nodes), None)
             self.dims[n.name] = self._sharded_dim(first) if first is not None else None
-            self._check_reduction(n)
-            self._follow(n)
+            if self.op == "tensor_parallel":
+                self._check_reduction(n)
+                self._follow(n)
             try:
                 self._fix(n)
             except PlanError:
@@ -89,16 +93,18 @@ class _Localizer(fx.Interpreter):
         try:
             return super().run_node(n)
         except Exception as err:   # noqa: BLE001
-            raise PlanError(f"tensor_parallel: {self.where}: {n.format_node()} fails on a "
-                            f"device's share ({type(err).__name__}: {err}); shard the layers "
-                            "around it otherwise, or keep them whole (replicate)") from None
+            fix = ("shard the layers around it otherwise, or keep them whole (replicate)"
+                   if self.op == "tensor_parallel" else "compute its sizes from the tensors "
+                   "it reads, or capture the model with torch.fx")
+            raise PlanError(f"{self.op}: {self.where}: {n.format_node()} fails on a "
+                            f"device's share ({type(err).__name__}: {err}); {fix}") from None
 
     def _fail(self, n: fx.Node, why: str):
         hint = ("; it runs on slices of the sequence (sequence_parallel=True): annotate the "
                 "layers that take the whole sequence (an LM head and its loss) as a region of "
                 "their own, shard them in the plan, or drop sequence_parallel"
                 if n.name in self.sequence else "")
-        raise PlanError(f"tensor_parallel: {self.where}: {n.format_node()} cannot be made a "
+        raise PlanError(f"{self.op}: {self.where}: {n.format_node()} cannot be made a "
                         f"device's share: {why}{hint}")
 
     def _follow(self, n: fx.Node) -> None:
@@ -166,6 +172,9 @@ class _Localizer(fx.Interpreter):
         else:
             prefix = math.prod(whole_in[:d])
             ends = [k for k in range(len(out)) if math.prod(out[:k]) == prefix and out[k] > 1]
+            if not ends and self.op != "tensor_parallel":   # the sequence merged with the
+                upto = prefix * whole_in[d]                  # batch: the dim holding its end
+                ends = [k for k in range(len(out)) if math.prod(out[:k + 1]) >= upto][:1]
             if not ends:
                 self._fail(n, f"its sharded dimension {d} of {list(whole_in)} does not start a "
                            f"dimension of {list(out)}")
@@ -177,7 +186,8 @@ class _Localizer(fx.Interpreter):
         if out[j] % self.degree:
             fused = f"; if {o.path.removeprefix('model.')} fuses {out[j]} projections, give " \
                 f"it 'colwise:{out[j]}'" if o is not None and o.blocks == 1 else ""
-            self._fail(n, f"dimension {j} of {list(out)} ({out[j]}: heads or features) is not "
+            what = "heads or features" if self.op == "tensor_parallel" else "tokens"
+            self._fail(n, f"dimension {j} of {list(out)} ({out[j]}: {what}) is not "
                        f"divisible by {self.degree} devices{fused}")
         want = list(out)
         want[j] = out[j] // self.degree

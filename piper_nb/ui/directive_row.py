@@ -133,6 +133,15 @@ MODE = Field("mode", lambda: W.Dropdown(options=[("full", "full"), ("selective",
                                         layout=W.Layout(width="100px")),
              lambda r: r.get("mode") if r.get("mode") in ("full", "selective") else "full",
              lambda v, r: ({"mode": v}, ()) if v == "selective" else ({}, ("mode",)))
+BALANCE = Field("load_balance",
+                lambda: W.Dropdown(options=[("zigzag", "zigzag"), ("contiguous", "contiguous")],
+                                   tooltip="zigzag: device r holds chunks r and 2n-1-r "
+                                   "(the causal mask's work evened out); contiguous: chunk r",
+                                   layout=W.Layout(width="110px")),
+                lambda r: r.get("load_balance") if r.get("load_balance") in (
+                    "zigzag", "contiguous") else "zigzag",
+                lambda v, r: ({"load_balance": v}, ()) if v == "contiguous" else
+                ({}, ("load_balance",)))
 RAW = Field("*", lambda: W.Textarea(continuous_update=False, rows=2, layout=W.Layout(width="300px")),
             lambda r: json.dumps(r), lambda v, r: _raw_write(v, r))
 
@@ -149,7 +158,8 @@ FIELDS = {"place": (FILTER, DEVICES, STREAM), "shard": (FILTER, DEVICES, STREAM)
           "replicate": (FILTER, DEVICES, ZERO), "split": (FILTER, DIM, NUM), "order": (SLOTS,),
           "schedule": (NAME, RANKS, MICRO, CHUNKS, PLACE), "recompute": (FILTER, MODE),
           "float8": (FILTER,),
-          "tensor_parallel": (FILTER, GROUPS, SEQUENCE)}
+          "tensor_parallel": (FILTER, GROUPS, SEQUENCE),
+          "context_parallel": (FILTER, GROUPS, BALANCE)}
 
 
 class DirectiveRow:

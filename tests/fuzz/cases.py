@@ -20,7 +20,8 @@ step (each new length compiled once), and the global-batch loss (`loss_mean="glo
 over targets partly masked out (NaN: the padded labels of a regression), whose
 microbatches count different numbers of valid elements. Some stages' linears multiply in
 Float8 (`pn.float8`, width 16), compared with one process running the same Float8
-linears. The
+linears. Some cases cut every sequence over context groups of two (`pn.context_parallel`,
+zigzag or contiguous, attention on some stages: ring attention). The
 check: the losses and every entry of the trained `state_dict()` equal the single-process
 reference's (rtol 1e-5, atol 4e-5, PyTorch's pipelining tests' tolerance), with clipping
 the gradient norms too, and the plan leaves no buffer behind. With dropout, the
@@ -52,7 +53,7 @@ from dataclasses import dataclass, field
 import torch
 
 import piper_nb as pn
-from piper_nb.directives.spec import Place
+from piper_nb.directives.spec import Place, Replicate
 from piper_nb.models import GraphSpec, StageGraph
 
 RTOL, ATOL = 1e-5, 4e-5
@@ -89,11 +90,13 @@ class Case:
     grad_sync: str | None = None  # ZeRO-3: gradients reduced per "microbatch" or per "step"
     selective: tuple[int, ...] = ()   # stages with attention recomputed selectively
     float8: tuple[int, ...] = ()      # stages whose linears multiply in Float8 (pn.float8)
+    cp: int = 1                   # context-parallel degree: every device's sequence shared
+    balance: str = "zigzag"       # ... with this load balance
     notes: list[str] = field(default_factory=list)
 
     @property
     def world(self) -> int:
-        return self.ranks * self.dp * self.tp
+        return self.ranks * self.dp * self.tp * self.cp
 
     @property
     def units(self) -> bool:
@@ -131,6 +134,8 @@ class Case:
         rc += (f", selective recompute of stages {list(self.selective)} (attention in "
                f"{list(s.attns)})" if self.selective else "")
         rc += f", Float8 in stages {list(self.float8)}" if self.float8 else ""
+        rc += (f", CP {self.cp} ({self.balance}), attention in {list(s.attns)}"
+               if self.cp > 1 else "")
         rc += (f", a head of {s.classes} classes (label smoothing {s.smoothing})"
                if s.classes else "")
         return (f"seed {self.seed}: {self.schedule} x{self.ranks} ranks, DP {self.dp}, "
@@ -182,7 +187,32 @@ def draw(seed: int) -> Case:
     _draw_tp(rng, case)
     _draw_selective(case)
     _draw_float8(case)
+    _draw_cp(case)
     return case
+
+
+def _draw_cp(case: Case) -> None:
+    """Context parallelism of degree 2 (each pipeline rank and replica widened into a
+    group sharing the sequence: two replicas at most, or one on two ranks, 4 devices in
+    all), zigzag or contiguous, over sequences of a length both cut, attention on some
+    stages, BatchNorm taken out (its statistics are over every token); not with TP,
+    dropout, Float8 (scales from each share's amax) or selective recompute, nor DualPipe's
+    stage copies. Its own stream of draws: the fields it does not name keep their draw."""
+    rng = random.Random(f"{case.seed}:cp")
+    spec = case.spec
+    if (case.tp > 1 or (spec.dropout and not spec.eval_dropout) or case.float8
+            or case.selective or case.ranks > 2 or case.schedule == "dualpipe"
+            or rng.random() >= 0.35):
+        return
+    if case.ranks * case.dp > 2:
+        case.dp = 2 // case.ranks
+        if case.dp == 1:
+            case.zero, case.grad_sync = 0, None
+    case.cp, case.balance = 2, rng.choice(["zigzag", "contiguous"])
+    case.lengths = (4 * rng.choice([1, 2]),) * case.steps
+    stages = spec.stages
+    case.spec = dataclasses.replace(spec, norms=(), attns=tuple(sorted(
+        rng.sample(range(stages), rng.randint(1, stages)))))
 
 
 def _draw_float8(case: Case) -> None:
@@ -335,11 +365,23 @@ def program(case: Case) -> list:
     into the replica group [r, r + ranks, ...] and replicated with the case's ZeRO level;
     under TP, each of those devices d leads the group [d, d + ranks x dp, ...]."""
     out = _program(case)
+    if case.cp > 1:   # device d leads the context group [d, d + ranks x dp, ...]
+        lead = case.ranks * case.dp
+        group = {d: [d + k * lead for k in range(case.cp)] for d in range(lead)}
+        out = [_in_groups(d, group) for d in out]
+        out.append(pn.context_parallel({}, list(group.values()), load_balance=case.balance))
     if case.tp > 1:
         lead = case.ranks * case.dp
         out.append(pn.tensor_parallel({}, [[d + k * lead for k in range(case.tp)]
                                            for d in range(lead)], sequence_parallel=case.sp))
     return out
+
+
+def _in_groups(d, group: dict):
+    """A place or replicate over devices made one over their context groups, in order."""
+    if isinstance(d, (Place, Replicate)):
+        return dataclasses.replace(d, devices=tuple(m for x in d.devices for m in group[x]))
+    return d
 
 
 def _program(case: Case) -> list:

@@ -134,3 +134,19 @@ def test_a_drawn_classifier_head_sends_per_token_numbers_not_its_logits():
 
 def test_a_case_replays_from_its_seed():
     assert draw(7) == draw(7) and draw(7).replay().endswith("--seed 7")
+
+
+def test_make_fuzz_draws_context_parallel():
+    """Context parallelism of degree 2, zigzag and contiguous, with pipelines (split
+    backwards among them), data parallelism under ZeRO-3, recompute and the global loss
+    over masked targets, among the 500 cases of `make fuzz` (83 of them)."""
+    cases = [c for c in map(draw, range(500)) if c.cp > 1]
+    assert len(cases) > 60 and {c.balance for c in cases} == {"zigzag", "contiguous"}
+    assert any(c.ranks > 1 and c.schedule in ("zb1p", "dualpipev") for c in cases)
+    assert any(c.dp > 1 and c.zero == 3 for c in cases)
+    assert any(c.recompute for c in cases) and any(c.global_loss for c in cases)
+    case = next(c for c in cases if c.ranks > 1)
+    model = StageGraph(case.spec)
+    plan = pn.compile(pn.annotate(model, model.annotation()), program(case),
+                      batches(case, model)[0])
+    assert any(i.purpose == pn.Purpose.CP for d in plan.devices for i in d.instrs)

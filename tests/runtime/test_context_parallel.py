@@ -36,6 +36,7 @@ def _train(model, program, cluster, steps=3, opt=SGD, ann=ONE):
     ref = pn.reference_train(model, batch, steps, plan.reference_microbatches, opt)
     torch.testing.assert_close(torch.tensor(result.losses), torch.tensor(ref.losses),
                                rtol=RTOL, atol=ATOL)
+    assert result.leftover == [], f"buffers never freed: {result.leftover[:4]}"
     got, want = result.state_dict(), ref.state_dict()
     assert got.keys() == want.keys()
     for k, v in want.items():

@@ -458,3 +458,21 @@ def test_the_analytic_model_shows_compute_and_a_believable_bubble(designer):
     show(designer, "Timeline")
     shares = [int(x) for x in re.findall(r"dev\d+ (\d+)%", designer.views.timeline_info.value)]
     assert len(shares) == 2 and all(0 < s < 60 for s in shares), shares
+
+
+def test_a_context_parallel_row_picks_its_load_balance():
+    model = pn.models.Llama(vocab=32, dim=32, layers=2, heads=4, kv_heads=2, hidden=64, seq=8)
+    d = Designer(model, model.example_batch(batch_size=4, seed=0), debounce=None,
+                 program=[pn.context_parallel({}, [0, 1])])
+    try:
+        assert d.problems == [] and d.plan.capture.cp.balance == "zigzag"
+        row = d.directives.rows[0]
+        assert row.widget("load_balance").value == "zigzag"
+        row.widget("load_balance").value = "contiguous"
+        assert d.state.rows[0]["load_balance"] == "contiguous" and d.problems == []
+        assert d.plan.capture.cp.balance == "contiguous"
+        assert 'load_balance="contiguous"' in python_code(d.state)
+        row.widget("devices").value = "0,1 | 2,3"   # two groups: nothing runs on the second
+        assert d.problems and "context" in " ".join(map(str, d.problems))
+    finally:
+        d.close()
