@@ -2,13 +2,15 @@
 values, scale and causal mask, whether fused (`scaled_dot_product_attention`) or written
 as products and a softmax (eager attention), and what it cannot rewrite, said by name.
 
-An eager attention is the core `capture.attention_core.cores` finds (the scores `q k^T`,
-what is computed from them, their product with `v`), read as a chain: the scores of `q`
-and `k` transposed in its last two dimensions, scaled by constants (`*`, `/`), perhaps
-masked (`masked_fill(mask, -inf)`, or `+ mask` of an additive mask), a softmax over the
-last dimension, the product with `v`. A mask is causal when, on the run of a device's
-share, it hides exactly the keys after each query (`causal_mask`); any other is refused,
-as are dropout on the probabilities and any op the chain does not name.
+A fused attention's mask is its `attn_mask` (Hugging Face's sdpa passes the causal mask as
+a tensor). An eager attention is the core `capture.attention_core.cores` finds (the scores
+`q k^T`, what is computed from them, their product with `v`), read as a chain: the scores
+of `q` and `k` transposed in its last two dimensions, scaled by constants (`*`, `/`),
+perhaps masked (`masked_fill(mask, -inf)`, or `+ mask` of an additive mask), a softmax
+over the last dimension, casts and a dropout of 0 (Hugging Face's eager attention), the
+product with `v`. A mask is causal when, on the run of the whole sequence, it hides
+exactly the keys after each query (`causal_mask`); any other is refused, as are dropout
+on the probabilities and any op the chain does not name.
 """
 
 from __future__ import annotations
@@ -53,6 +55,7 @@ class Attention:
     mask: fx.Node | None
     nodes: list
     gqa: bool = False
+    fused_mask: bool = False   # the mask is a fused attention's attn_mask (True: attend)
 
 
 def _target(n: fx.Node):
@@ -67,15 +70,15 @@ def attentions(gm: fx.GraphModule, info) -> list[Attention]:
     for n in fused:
         a = dict(zip(_SDPA_ARGS, n.args, strict=False))
         a.update(n.kwargs)
-        if a.get("attn_mask") is not None:
-            raise refused(info, n, "it takes a mask tensor, which context parallelism cannot "
-                          "cut; use is_causal=True (Hugging Face: no padding mask) or no mask")
+        mask = a.get("attn_mask")
+        if mask is not None and not isinstance(mask, fx.Node):
+            raise refused(info, n, "its mask is not a tensor of the graph")
         if a.get("dropout_p", 0.0) not in (0, 0.0):
             raise refused(info, n, "it applies dropout to the attention probabilities; set "
                           "the attention dropout to 0")
         out.append(Attention(n, a["query"], a["key"], a["value"], a.get("scale"),
-                             bool(a.get("is_causal", False)), None, [n],
-                             bool(a.get("enable_gqa", False))))
+                             bool(a.get("is_causal", False)), n if mask is not None else None,
+                             [n], bool(a.get("enable_gqa", False)), mask is not None))
     for core in cores(gm):
         if not set(core) & set(fused):
             out.append(_eager(core, info))
@@ -90,9 +93,16 @@ def _eager(core: list[fx.Node], info) -> Attention:
         raise refused(info, scores, "its scores are not q times k transposed in its last two "
                       "dimensions; write q @ k.transpose(-2, -1), or use "
                       "scaled_dot_product_attention")
-    scale, mask, at = 1.0, None, scores
+    scale, mask, at, soft = 1.0, None, scores, None
     for n in core[1:-1]:
         t = _target(n)
+        if soft is not None:   # after the softmax: a cast, or dropout that drops nothing
+            if n.args[0] is at and _identity(n):
+                at = n
+                continue
+            raise refused(info, n, "it computes from the probabilities before their "
+                          "product with v (dropout, a second mask); context parallelism "
+                          "takes softmax(scores) @ v")
         other = [a for a in (*n.args, *n.kwargs.values()) if a is not at]
         if n.args[0] is not at and not (t in _MUL | _ADD and at in n.args):
             raise refused(info, n, "its ops between the scores and the softmax are not one "
@@ -104,20 +114,30 @@ def _eager(core: list[fx.Node], info) -> Attention:
         elif t in _ADD and mask is None and len(other) == 1 and isinstance(other[0], fx.Node):
             mask = n
         elif t in _SOFTMAX and _last(n):
-            if n is not core[-2]:
-                raise refused(info, n, "it computes from the probabilities before their "
-                              "product with v (dropout, a second mask); context parallelism "
-                              "takes softmax(scores) @ v")
+            soft = n
         else:
             raise refused(info, n, "context parallelism reads an eager attention as scores, "
                           "constant scaling, a causal mask, softmax over the keys and the "
                           "product with v, and this op is none of those; use "
                           "scaled_dot_product_attention")
         at = n
-    if _target(core[-2]) not in _SOFTMAX or product.args[0] is not core[-2]:
+    if soft is None or product.args[0] is not at:
         raise refused(info, product, "it has no softmax over the keys right before the "
                       "product with v")
     return Attention(product, q, kt.args[0], product.args[1], scale, False, mask, core)
+
+
+_CASTS = {_A.to.dtype, _A._to_copy.default, _A.to.dtype_layout, "to", "float", "type_as"}
+_DROPOUT = {_A.dropout.default, F.dropout, torch.dropout}
+
+
+def _identity(n: fx.Node) -> bool:
+    """A cast (Hugging Face's softmax in fp32 cast back), or dropout of probability 0."""
+    t = _target(n)
+    if t in _CASTS:
+        return True
+    p = n.kwargs.get("p", n.args[1] if len(n.args) > 1 else 0.5)
+    return t in _DROPOUT and p in (0, 0.0)
 
 
 def _last(n: fx.Node) -> bool:
@@ -129,22 +149,30 @@ def mask_input(att: Attention) -> fx.Node | None:
     """The tensor an eager attention's mask op reads as its mask (None: unmasked)."""
     if att.mask is None:
         return None
+    if att.fused_mask:
+        a = dict(zip(_SDPA_ARGS, att.mask.args, strict=False))
+        a.update(att.mask.kwargs)
+        return a["attn_mask"]
     if _target(att.mask) in _FILL:
         return att.mask.args[1]
     return next(a for a in att.mask.args if isinstance(a, fx.Node) and a not in att.nodes)
 
 
-def causal_mask(node: fx.Node, value: torch.Tensor) -> bool:
-    """Whether the mask `node` applies (`value`, on a device's share of L tokens) hides
+def causal_mask(att: Attention, value: torch.Tensor) -> bool:
+    """Whether the mask attention `att` applies (`value`, on the whole sequence) hides
     exactly the keys after each query: a boolean `masked_fill` mask true above the
-    diagonal, or an additive one that is 0 on and below it and -inf (or below -1e4) above."""
+    diagonal, a fused attention's boolean mask true on and below it (sdpa's: true
+    attends), or an additive one that is 0 on and below it and -inf (or below -1e4)
+    above."""
     length = value.shape[-1]
+    if value.is_meta or value.shape[-2:] != (length, length):
+        return value.is_meta   # planning on meta: no values to read, as written
     above = torch.ones(length, length, dtype=torch.bool).triu(1)
-    if value.shape[-2:] != (length, length):
-        return False
     v = value.detach().cpu().reshape(-1, length, length)
-    if _target(node) in _FILL:
-        return v.dtype == torch.bool and bool((v == above).all())
+    if v.dtype == torch.bool:
+        return bool((v == (~above if att.fused_mask else above)).all())
+    if _target(att.mask) in _FILL:
+        return False
     return bool(((v == 0) == ~above).all() and (v[:, above] < -1e4).all())
 
 

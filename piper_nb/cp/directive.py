@@ -19,6 +19,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from piper_nb.capture.loss import model_loss
 from piper_nb.capture.ring_attention import BALANCES
 from piper_nb.capture.untouched import untouched
 from piper_nb.cp.rewrite import cut_capture
@@ -134,6 +135,13 @@ def cut_context(capture, directives: Directives, ctx: CaptureContext):
     if capture.tp is not None:
         raise PlanError("context_parallel with tensor_parallel in one program is not "
                         "supported yet; drop one of them", directive=i, op=d.op)
+    if capture.loss_fn is model_loss and capture.loss_mean != "global":
+        raise PlanError("context_parallel: the model's own loss (Hugging Face's) is each "
+                        "device's mean over the labels it holds, and the devices hold "
+                        "different numbers of them (a shifted sequence's last is -100), so "
+                        "their mean is not the sequence's; compile with loss_mean='global' "
+                        "(the sum over every device's labels over their count)",
+                        directive=i, op=d.op)
     with untouched(capture.model):
         return cut_capture(capture, d.degree, d.load_balance, i, ctx.batch)
 

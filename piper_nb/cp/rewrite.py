@@ -31,6 +31,7 @@ the whole sequence's mean when every member counts the same tokens.
 from __future__ import annotations
 
 import dataclasses
+import operator
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -110,6 +111,7 @@ def cut_capture(capture, degree: int, balance: str, directive: int, batch: Mappi
     masks = set()   # what cannot be rewritten is said before any run; masks are read in it
     for info, gm in zip(capture.regions, capture.modules, strict=True):
         masks |= {m.name for a in attentions(gm, info) if (m := mask_input(a)) is not None}
+        _check_no_shift(gm, info, inputs)
     meta = any(t.is_meta for t in batch.values())
     wholes = on_meta(meta, _wholes, capture, batch, inputs, seq, masks)
     share = share_batch(batch, layout)
@@ -122,10 +124,10 @@ def cut_capture(capture, degree: int, balance: str, directive: int, batch: Mappi
         full, traced, constant, values = wholes[info.index]
         gm = fx.GraphModule(gm0, _copy_graph(gm0.graph))
         _global_positions(gm, traced, constant, layout)
+        pads = _ring_attention(gm, info, layout, values, full)
         args = _args(info, vals, share)
         on_meta(meta, localize, gm, args, full, {n.name for n in gm.graph.nodes}, degree, {},
                 f"region {info.name}", op="context_parallel")   # sizes written down, cut
-        pads = _ring_attention(gm, info, layout, values)
         infos, outs = on_meta(meta, _share_run, gm, info, args, share)
         vals.update(zip(info.outputs, outs, strict=True))
         status = {n: PARTIAL if n in pads else REPLICATED for n in gm.graph.nodes}
@@ -144,6 +146,40 @@ def cut_capture(capture, degree: int, balance: str, directive: int, batch: Mappi
     layout = dataclasses.replace(layout, parts=parts, gathered=frozenset(gathered),
                                  grad_sum=frozenset(grad_sum))
     return _rebuilt(capture, regions, modules, layout)
+
+
+_SHIFTS = {torch.ops.aten.pad.default, torch.ops.aten.constant_pad_nd.default,
+           torch.nn.functional.pad, torch.roll, torch.ops.aten.roll.default, "roll"}
+
+
+def _check_no_shift(gm, info, inputs: frozenset) -> None:
+    """A batch input cut along the sequence must not be shifted along it (a causal LM's
+    `labels[..., 1:]`): each device would shift its own share, and the tokens at its
+    chunks' edges would get the wrong labels."""
+    phs = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    for ph, name in zip(phs, info.inputs, strict=True):
+        if name not in inputs:
+            continue
+        for u in ph.users:
+            if u.target in _SHIFTS or _slices_after_first(u):
+                raise PlanError(
+                    f"context_parallel: region {info.name} shifts the batch's {name} along "
+                    f"the sequence at {u.name} ({u.format_node()}): each device would shift "
+                    "its own share, and the tokens at its chunks' edges would read the wrong "
+                    "ones; pass it shifted already (Hugging Face: the batch's shift_labels, "
+                    "the labels moved one left with -100 last, as torchtitan's loader does)",
+                    op="context_parallel")
+
+
+def _slices_after_first(n: fx.Node) -> bool:
+    """A slice of the sequence not from its first token (`x[:, 1:]`, `aten.slice(x, 1, 1)`)."""
+    if n.target is torch.ops.aten.slice.Tensor:
+        return len(n.args) > 2 and n.args[1] not in (0,) and n.args[2] not in (0, None)
+    if n.target is operator.getitem and isinstance(n.args[1], tuple):
+        return any(isinstance(s, slice) and s.start not in (0, None)
+                   for s in n.args[1][1:]) or (n.args[1] and n.args[1][0] is Ellipsis and any(
+                       isinstance(s, slice) and s.start not in (0, None) for s in n.args[1]))
+    return False
 
 
 def _canonical(model) -> dict[str, str]:
@@ -264,16 +300,17 @@ def _global_positions(gm, traced: set, constant: set, layout: CPLayout) -> None:
     gm.recompile()
 
 
-def _ring_attention(gm, info, layout: CPLayout, values: dict) -> set[fx.Node]:
+def _ring_attention(gm, info, layout: CPLayout, values: dict, full: dict) -> set[fx.Node]:
     """Each attention made ring attention over the group's keys and values (see the module
-    docstring); -> the padded keys and values, which the group gathers."""
+    docstring; its whole shape recorded in `full` as the attention's); -> the padded keys
+    and values, which the group gathers. The mask it no longer reads goes."""
     g = gm.graph
     pads = set()
     for att in attentions(gm, info):
         causal = att.causal
         mask = mask_input(att)
         if mask is not None:
-            if not causal_mask(att.mask, values[mask.name]):
+            if not causal_mask(att, values[mask.name]):
                 raise refused(info, att.mask, "its mask is not causal (a padding mask, a "
                               "sliding window), which context parallelism cannot cut; use "
                               "a causal mask or none")
@@ -289,14 +326,29 @@ def _ring_attention(gm, info, layout: CPLayout, values: dict) -> set[fx.Node]:
             ring = g.call_function(ring_attention, (
                 att.q, *whole, layout.degree, rank, layout.balance, causal, att.scale, att.gqa))
         ring.meta = dict(att.out.meta)
+        full[ring.name] = full.get(att.out.name)
         att.out.replace_all_uses_with(ring)
-        for n in reversed(att.nodes):
-            if not n.users:
-                g.erase_node(n)
-    g.eliminate_dead_code()
+        inputs = []
+        for n in reversed(att.nodes):   # the attention itself, random op or not
+            inputs += n.all_input_nodes
+            g.erase_node(n)
+        _prune(g, [a for a in inputs if a not in att.nodes and not a.users])
     g.lint()
     gm.recompile()
     return pads
+
+
+def _prune(g: fx.Graph, dead: list[fx.Node]) -> None:
+    """Erase `dead` and what only they read, back to anything read elsewhere or impure."""
+    gone: set[fx.Node] = set()
+    while dead:
+        n = dead.pop()
+        if n in gone or n.users or n.op in ("placeholder", "output") or n.is_impure():
+            continue
+        ins = n.all_input_nodes
+        g.erase_node(n)
+        gone.add(n)
+        dead.extend(a for a in ins if not a.users)
 
 
 def _levels(gm, pads: set) -> dict:

@@ -50,7 +50,7 @@ def test_a_sequence_the_balance_cannot_cut_is_refused():
 
 
 @pytest.mark.parametrize("model,words", [
-    (Attend(mask="sdpa"), "takes a mask tensor"),
+    (Attend(mask="sdpa-window"), "its mask is not causal"),
     (Attend(dropout=0.1), "applies dropout"),
     (Attend(eager=True, mask="window"), "its mask is not causal"),
     (pn.models.MegatronGPT(vocab=32, dim=32, layers=1, heads=4, seq=16),

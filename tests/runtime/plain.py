@@ -83,9 +83,9 @@ def plain_loop(model, batches, microbatches: int, lr: float, loss_fn=None):
 
 
 class Attend(LanguageModel):
-    """A one-layer model: its attention fused with a mask tensor (`mask="sdpa"`) or with
-    dropout, or eager (`eager=True`) with a mask (`"causal"`, `"window"`: a sliding
-    window of 4 tokens)."""
+    """A one-layer model: its attention fused with a mask tensor (`mask="sdpa"`, causal;
+    `"sdpa-window"`, a sliding window) or with dropout, or eager (`eager=True`) with a mask
+    (`"causal"`, `"window"`: a sliding window of 4 tokens)."""
 
     def __init__(self, mask: str | None = None, dropout: float = 0.0, eager: bool = False,
                  seq: int = 16):
@@ -107,8 +107,10 @@ class Attend(LanguageModel):
                     above = above | (i[None, :] < i[:, None] - 4)
                 s = s.masked_fill(above, float("-inf"))
             y = torch.softmax(s, dim=-1) @ v
-        elif self.mask:
+        elif self.mask:   # "sdpa": causal as a tensor; "sdpa-window": 4 tokens back at most
             m = torch.ones(t, t, dtype=torch.bool, device=x.device).tril()
+            if self.mask == "sdpa-window":
+                m = m & ~torch.ones(t, t, dtype=torch.bool, device=x.device).tril(-5)
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=m)
         else:
             y = F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout, is_causal=True)

@@ -17,7 +17,7 @@ import torch
 import piper_nb as pn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from plain import Attend  # noqa: E402
+from plain import Attend, tiny_family  # noqa: E402
 
 pytestmark = pytest.mark.dist
 SGD = pn.optim.SGD(lr=0.1)
@@ -81,8 +81,12 @@ def test_cp2_composes(cluster2, more):
            opt=pn.optim.AdamW(1e-2))
 
 
-def test_cp2_eager_causal_attention(cluster2):
-    plan = _train(Attend(eager=True, mask="causal"), [pn.context_parallel({}, [0, 1])], cluster2)
+@pytest.mark.parametrize("model", [Attend(eager=True, mask="causal"), Attend(mask="sdpa")],
+                         ids=["eager-masked", "sdpa-mask-tensor"])
+def test_cp2_causal_masks_written_out(cluster2, model):
+    """An eager attention's causal mask, and a fused one's as a tensor (torch.export's
+    capture: the sizes it wrote down are cut too)."""
+    plan = _train(model, [pn.context_parallel({}, [0, 1])], cluster2)
     assert len(plan.capture.cp.gathered) == 2
 
 
@@ -99,3 +103,40 @@ def test_cp2_dp2_zero3(cluster4):
                   cluster4, opt=pn.optim.AdamW(1e-2))
     assert plan.buckets[0].group == (0, 1, 2, 3)   # ZeRO shards over data and context
     assert plan.reference_microbatches == 4        # 2 microbatches x 2 replicas
+
+
+@pytest.mark.parametrize("family,attention", [("llama", "sdpa"), ("qwen3", "sdpa"),
+                                              ("llama", "eager")])
+def test_cp2_transformers_own_attention(cluster2, family, attention):
+    """Llama and Qwen3 from transformers through their own attention modules (sdpa with
+    the causal mask as a tensor, or eager: scores, the additive mask, softmax in fp32, a
+    dropout of 0; Qwen3's per-head norms), exported: the batch carries the labels shifted
+    already (`shift_labels`), and the loss is the global token mean."""
+    transformers = pytest.importorskip("transformers")
+    model = tiny_family(transformers, family)
+    model.config._attn_implementation = attention
+    ids = torch.randint(3, 32, (4, 16), generator=torch.Generator().manual_seed(0))
+    batch = {"input_ids": ids, "labels": ids,
+             "shift_labels": torch.cat([ids[:, 1:], torch.full((4, 1), -100)], 1)}
+    opt = SGD   # Adam's division by each element's own scale turns a rounding into a step
+    plan = pn.compile(model, [pn.context_parallel({}, [0, 1]), pn.split({}, num=2)], batch,
+                      loss_mean="global")
+    assert plan.capture.method == "export" and len(plan.capture.cp.gathered) == 4
+    result = pn.train(plan, batch, 3, opt, cluster=cluster2)
+    ref = pn.reference_train(model, batch, 3, plan.reference_microbatches, opt,
+                             loss_mean="global")
+    torch.testing.assert_close(torch.tensor(result.losses), torch.tensor(ref.losses),
+                               rtol=RTOL, atol=ATOL)
+    assert result.leftover == []
+    got, want = result.state_dict(), ref.state_dict()
+    for k, v in want.items():
+        torch.testing.assert_close(got[k], v, rtol=RTOL, atol=ATOL,
+                                   msg=lambda m, k=k: f"{k}: {m}")
+    # the labels shifted inside, or each device's mean: refused, never a silent answer
+    del batch["shift_labels"]
+    with pytest.raises(pn.PlanError, match="shifts the batch's labels along the sequence"):
+        pn.compile(tiny_family(transformers, family), [pn.context_parallel({}, [0, 1])],
+                   batch, loss_mean="global")
+    with pytest.raises(pn.PlanError, match="compile with loss_mean='global'"):
+        pn.compile(tiny_family(transformers, family), [pn.context_parallel({}, [0, 1])],
+                   batch)
