@@ -48,7 +48,8 @@ class Run:
     fp8: bool                  # Float8 linears (torchao)
     dims: dict                 # the model's shape
     parallel: dict             # dp, tp, pp, local (sequences per replica), micro, schedule,
-                               # recompute (True: every layer; k: every k-th; "selective")
+                               # recompute (True: every layer; k: every k-th; "selective"),
+                               # and optionally cp (context-parallel degree), seq (tokens)
     note: str = ""
 
 
@@ -104,7 +105,20 @@ TORCHTITAN = {
                             dict(dp=8, tp=8, pp=8, local=32, micro=8, schedule="interleaved",
                                  recompute=True), _PP_MICRO),
 }
-RUNS = {**MEGATRON, **TORCHTITAN}
+# torchtitan's Table 2: FSDP x CP on 8 H100, torch.compile + Float8, local batch 1 (a
+# sequence per data-parallel replica, cut over its CP group), full AC; FSDP shards over all
+# 8 (its dp_shard_cp mesh). Ring attention with the all-gather rotation (torchtitan's
+# default), its blocks priced as the eager ops `capture.ring_attention` runs, not as flash
+# kernels per block (the runs used cuDNN/flash SDPA on each block)
+_CP_NOTE = "ring attention's blocks priced as eager ops, not flash kernels"
+CONTEXT = {f"8b-fsdp{8 // cp}-cp{cp}": Run(
+    f"8b-fsdp{8 // cp}-cp{cp}", f"Llama 3.1 8B, 8x H100, FSDP {8 // cp} x CP {cp}, "
+    f"{seq // 1024}k tokens", "H100-96GB", "tokens/s/GPU", tps, gib, True, True, _8B,
+    dict(dp=8 // cp, tp=1, pp=1, cp=cp, seq=seq, local=1, micro=1, schedule=None,
+         recompute=True), _CP_NOTE)
+    for cp, seq, tps, gib in ((1, 32768, 3890.0, 83.9), (2, 65536, 2540.0, 84.2),
+                              (4, 131072, 1071.0, 84.0), (8, 262144, 548.0, 84.5))}
+RUNS = {**MEGATRON, **TORCHTITAN, **CONTEXT}
 
 
 def megatron_flops(B, s, L, h, V):
@@ -114,13 +128,14 @@ def megatron_flops(B, s, L, h, V):
 
 def throughput(run: Run, step: float) -> float:
     """The run's throughput for a step of `step` seconds, in its unit."""
-    p, gpus = run.parallel, run.parallel["dp"] * run.parallel["tp"] * run.parallel["pp"]
+    p = run.parallel
+    gpus = p["dp"] * p["tp"] * p["pp"] * p.get("cp", 1)
     batch = p["dp"] * p["local"]
     if run.unit == "TFLOP/s/GPU":
         d = run.dims
         return megatron_flops(batch, SEQ_MEGATRON, d["layers"], d["dim"], VOCAB_MEGATRON) / (
             step * gpus) / 1e12
-    return batch * SEQ_LLAMA / step / gpus
+    return batch * p.get("seq", SEQ_LLAMA) / step / gpus
 
 
 def model_of(run: Run, sequence_parallel: bool = True):
@@ -133,8 +148,8 @@ def model_of(run: Run, sequence_parallel: bool = True):
                                           heads=d["heads"], seq=SEQ_MEGATRON)
             seq = SEQ_MEGATRON
         else:
-            model = pn.models.Llama(vocab=VOCAB_LLAMA, seq=SEQ_LLAMA, attention="flash", **d)
-            seq = SEQ_LLAMA
+            seq = p.get("seq", SEQ_LLAMA)
+            model = pn.models.Llama(vocab=VOCAB_LLAMA, seq=seq, attention="flash", **d)
         ids = torch.zeros(p["dp"] * p["local"], seq, dtype=torch.long)
     ann, program = _program(run, sequence_parallel)
     return model, (ids, ids), ann, program
@@ -142,7 +157,9 @@ def model_of(run: Run, sequence_parallel: bool = True):
 
 def _program(run: Run, sp: bool) -> tuple[dict, list]:
     p, layers = run.parallel, run.dims["layers"]
-    dp, tp, pp = p["dp"], p["tp"], p["pp"]
+    dp, tp, pp, cp = p["dp"], p["tp"], p["pp"], p.get("cp", 1)
+    if cp > 1:   # replicas of context groups (one stage, no TP): FSDP over every device
+        dp *= cp
     lead = lambda r, k: (k * pp + r) * tp   # noqa: E731 - first device of rank r, replica k
     stages = 2 * pp if p["schedule"] == "interleaved" else pp
     per = -(-layers // stages)
@@ -155,6 +172,9 @@ def _program(run: Run, sp: bool) -> tuple[dict, list]:
         # torchtitan under PP gathers a stage's weights once a step (no resharding)
         program += [pn.place({"PP": s}, devs),
                     pn.replicate({"PP": s}, devs, zero=zero, reshard=pp == 1 or zero < 3)]
+    if cp > 1:
+        program.append(pn.context_parallel({}, [list(range(k, k + cp))
+                                                for k in range(0, dp, cp)]))
     if tp > 1:
         model_plan = pn.models.Llama.tp_plan if run.unit == "tokens/s/GPU" \
             else pn.models.MegatronGPT.tp_plan

@@ -15,10 +15,12 @@ device's block of keys at its place in member order) and visits the blocks one b
 its own first (whose diagonal every causal row sees), then the ring's order backwards:
 each block's scores are masked by the global positions of the queries and keys, and the
 running maximum, denominator and numerator are rescaled as the flash-attention recurrence
-does. The running maximum is a constant of the result (it cancels), so it is kept out of
-autograd, and the gradient is exact softmax attention's. In fp32 the result equals
-one process's attention to a few units in the last place: the sums are taken block by
-block rather than row by row.
+does. Like flash attention it keeps its inputs, its output and each row's log-sum-exp
+only, and its backward computes each block's probabilities again from them (the memory
+of a device's attention is its share's, never a block of scores per member). Grouped
+key/value heads are repeated block by block, never kept. In fp32 the result and the
+gradients equal one process's attention to a few units in the last place: the sums are
+taken block by block rather than row by row.
 """
 
 from __future__ import annotations
@@ -96,34 +98,88 @@ def ring_attention(q: torch.Tensor, k_all: torch.Tensor, v_all: torch.Tensor, de
                    gqa: bool = False) -> torch.Tensor:
     """Attention of this device's queries `q` [batch, heads, local, dim] over the whole
     sequence's keys and values `k_all`, `v_all` [batch, kv_heads, degree x local, dim], each
-    device's block at its place in member order; causal by global position."""
+    device's block at its place in member order; causal by global position. Like flash
+    attention it keeps only its inputs, its output and each row's log-sum-exp, and runs
+    the blocks again in the backward (`_Ring`)."""
     local = q.shape[-2]
     if k_all.shape[-2] != local * degree:
         raise ValueError(f"ring_attention: keys hold {k_all.shape[-2]} tokens, not "
                          f"{degree} blocks of {local}")
-    if gqa and k_all.shape[1] != q.shape[1]:
-        rep = q.shape[1] // k_all.shape[1]
-        k_all, v_all = k_all.repeat_interleave(rep, 1), v_all.repeat_interleave(rep, 1)
+    if k_all.shape[1] != q.shape[1] and not (gqa and q.shape[1] % k_all.shape[1] == 0):
+        raise ValueError(f"ring_attention: {q.shape[1]} query heads over {k_all.shape[1]} "
+                         "key heads need gqa=True and a multiple")
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-    me = _rank(rank)
-    q_pos = positions(local, degree, me, balance, q.device)
-    top = m = den = num = None
+    return _Ring.apply(q, k_all, v_all, degree, _rank(rank), balance, causal, scale)
+
+
+class _Ring(torch.autograd.Function):
+    """Ring attention's forward (the online softmax over the blocks, own block first) and
+    its backward (each block's probabilities again from the saved log-sum-exp: flash
+    attention's backward, block by block)."""
+
+    @staticmethod
+    def forward(ctx, q, k_all, v_all, degree, me, balance, causal, scale):
+        local, rep = q.shape[-2], q.shape[1] // k_all.shape[1]
+        top = den = num = None
+        for _, k, v, mask in _blocks(q, k_all, v_all, degree, me, balance, causal, rep):
+            s = _scores(q, k, scale, mask)
+            m = s.amax(-1, keepdim=True) if top is None else torch.maximum(
+                top, s.amax(-1, keepdim=True))
+            p = torch.exp(s - m)
+            if top is None:
+                den, num = p.sum(-1, keepdim=True), torch.matmul(p, v)
+            else:
+                alpha = torch.exp(top - m)
+                den = den * alpha + p.sum(-1, keepdim=True)
+                num = num * alpha + torch.matmul(p, v)
+            top = m
+        out = num / den
+        lse = top + torch.log(den)
+        ctx.save_for_backward(q, k_all, v_all, out, lse)
+        ctx.args = (degree, me, balance, causal, scale, local, rep)
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k_all, v_all, out, lse = ctx.saved_tensors
+        degree, me, balance, causal, scale, local, rep = ctx.args
+        row = (dout * out).sum(-1, keepdim=True)
+        dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k_all), torch.zeros_like(v_all)
+        for j, k, v, mask in _blocks(q, k_all, v_all, degree, me, balance, causal, rep):
+            p = torch.exp(_scores(q, k, scale, mask) - lse)
+            ds = p * (torch.matmul(dout, v.transpose(-2, -1)) - row)
+            dq += torch.matmul(ds, k) * scale
+            at = slice(j * local, (j + 1) * local)
+            dk[..., at, :] += _grouped(torch.matmul(ds.transpose(-2, -1), q) * scale, rep)
+            dv[..., at, :] += _grouped(torch.matmul(p.transpose(-2, -1), dout), rep)
+        return dq, dk, dv, None, None, None, None, None
+
+
+def _blocks(q, k_all, v_all, degree: int, me: int, balance: str, causal: bool, rep: int):
+    """(member j, its keys, its values, the causal mask of this device's queries over
+    them or None) for each member, this device first, then the ring's order backwards;
+    keys and values repeated to the query heads."""
+    local = q.shape[-2]
+    q_pos = positions(local, degree, me, balance, q.device) if causal else None
     for step in range(degree):
         j = (me - step) % degree
-        k, v = k_all.narrow(-2, j * local, local), v_all.narrow(-2, j * local, local)
-        s = torch.matmul(q, k.transpose(-2, -1)) * scale
-        if causal:
-            k_pos = positions(local, degree, j, balance, q.device)
-            s = s.masked_fill(q_pos[:, None] < k_pos[None, :], float("-inf"))
-        top = s.detach().amax(-1, keepdim=True)
-        if m is not None:
-            top = torch.maximum(m, top)
-        p = torch.exp(s - top)
-        if m is None:
-            den, num = p.sum(-1, keepdim=True), torch.matmul(p, v)
-        else:
-            alpha = torch.exp(m - top)
-            den = den * alpha + p.sum(-1, keepdim=True)
-            num = num * alpha + torch.matmul(p, v)
-        m = top
-    return num / den
+        k = k_all.narrow(-2, j * local, local)
+        v = v_all.narrow(-2, j * local, local)
+        if rep > 1:
+            k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
+        mask = (q_pos[:, None] < positions(local, degree, j, balance, q.device)[None, :]
+                if causal else None)
+        yield j, k, v, mask
+
+
+def _scores(q, k, scale: float, mask):
+    s = torch.matmul(q, k.transpose(-2, -1)) * scale
+    return s if mask is None else s.masked_fill(mask, float("-inf"))
+
+
+def _grouped(x: torch.Tensor, rep: int) -> torch.Tensor:
+    """A gradient over the query heads summed over each key head's group."""
+    if rep == 1:
+        return x
+    b, h, n, d = x.shape
+    return x.view(b, h // rep, rep, n, d).sum(2)

@@ -32,6 +32,9 @@ _A = torch.ops.aten
 _SDPA = {F.scaled_dot_product_attention, _A.scaled_dot_product_attention.default}
 _SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale",
               "enable_gqa")
+# flash kernels, returning (output, log-sum-exp, ...): their output is the `[0]`
+_FLASH = {_A._scaled_dot_product_flash_attention, _A._scaled_dot_product_flash_attention_for_cpu}
+_FLASH_ARGS = ("query", "key", "value", "dropout_p", "is_causal")
 _TRANSPOSE = {torch.transpose, _A.transpose.int, "transpose"}
 _SOFTMAX = {torch.softmax, F.softmax, _A.softmax.int, _A._softmax.default, "softmax"}
 _MUL = {operator.mul, torch.mul, _A.mul.Tensor, _A.mul.Scalar, "mul"}
@@ -79,10 +82,29 @@ def attentions(gm: fx.GraphModule, info) -> list[Attention]:
         out.append(Attention(n, a["query"], a["key"], a["value"], a.get("scale"),
                              bool(a.get("is_causal", False)), n if mask is not None else None,
                              [n], bool(a.get("enable_gqa", False)), mask is not None))
+    for n in gm.graph.nodes:
+        if n.op == "call_function" and getattr(n.target, "overloadpacket", n.target) in _FLASH:
+            out.append(_flash(n, info))
+            fused.append(n)
     for core in cores(gm):
         if not set(core) & set(fused):
             out.append(_eager(core, info))
     return out
+
+
+def _flash(n: fx.Node, info) -> Attention:
+    """A flash kernel whose output alone is read (`kernel(...)[0]`)."""
+    a = dict(zip(_FLASH_ARGS, n.args, strict=False))
+    a.update(n.kwargs)
+    users = list(n.users)
+    if len(users) != 1 or users[0].target is not operator.getitem or users[0].args[1] != 0:
+        raise refused(info, n, "more than its output is read (its log-sum-exp); call "
+                      "scaled_dot_product_attention")
+    if a.get("dropout_p", 0.0) not in (0, 0.0) or n.kwargs.get("attn_mask") is not None:
+        raise refused(info, n, "it applies dropout or a mask tensor; set the attention "
+                      "dropout to 0 and use is_causal")
+    return Attention(users[0], a["query"], a["key"], a["value"], n.kwargs.get("scale"),
+                     bool(a.get("is_causal", False)), None, [n, users[0]])
 
 
 def _eager(core: list[fx.Node], info) -> Attention:

@@ -48,6 +48,7 @@ from piper_nb.capture.ring_attention import (
 from piper_nb.capture.sequence_ops import SEQ_DIM, pad_sequence
 from piper_nb.capture.untouched import untouched
 from piper_nb.cp.attention import attentions, causal_mask, mask_input, refused
+from piper_nb.cp.mixing import check_mixing
 from piper_nb.errors import PlanError
 from piper_nb.ir.kinds import Op
 from piper_nb.tp import PARTIAL, REPLICATED, Info, build_parts, localize
@@ -126,9 +127,10 @@ def cut_capture(capture, degree: int, balance: str, directive: int, batch: Mappi
         _global_positions(gm, traced, constant, layout)
         pads = _ring_attention(gm, info, layout, values, full)
         args = _args(info, vals, share)
-        on_meta(meta, localize, gm, args, full, {n.name for n in gm.graph.nodes}, degree, {},
-                f"region {info.name}", op="context_parallel")   # sizes written down, cut
+        cut_at = on_meta(meta, localize, gm, args, full, {n.name for n in gm.graph.nodes},
+                         degree, {}, f"region {info.name}", op="context_parallel")
         infos, outs = on_meta(meta, _share_run, gm, info, args, share)
+        check_mixing(gm, info, cut_at, {k: i.shape for k, i in infos.items()})
         vals.update(zip(info.outputs, outs, strict=True))
         status = {n: PARTIAL if n in pads else REPLICATED for n in gm.graph.nodes}
         cut = build_parts(gm, info, status, _levels(gm, pads), infos, names,

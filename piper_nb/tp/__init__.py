@@ -32,8 +32,9 @@ from piper_nb.tp.directive import (
 from piper_nb.tp.parts import PART, Info, build_parts
 from piper_nb.tp.parts import P as PARTIAL
 from piper_nb.tp.parts import R as REPLICATED
+from piper_nb.tp.reductions import reduced_dims
 from piper_nb.tp.rewrite import TPLayout
-from piper_nb.tp.shapes import localize
+from piper_nb.tp.shapes import localize, op_target
 from piper_nb.tp.shards import join_shards, local_shard
 from piper_nb.tp.styles import Style, model_tp_plan, style_of
 from piper_nb.tp.vocab import TP_RANK
@@ -42,4 +43,5 @@ from piper_nb.tp.widen import widen_plan
 __all__ = ["TensorParallel", "tensor_parallel", "tp_groups", "shard_regions",
            "place_tensor_parallel", "insert_tp_collectives", "widen_plan", "TPLayout",
            "local_shard", "join_shards", "Style", "model_tp_plan", "style_of", "PART", "TP_RANK",
-           "Info", "build_parts", "PARTIAL", "REPLICATED", "localize"]
+           "Info", "build_parts", "PARTIAL", "REPLICATED", "localize",
+           "op_target", "reduced_dims"]

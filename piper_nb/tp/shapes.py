@@ -94,8 +94,9 @@ class _Localizer(fx.Interpreter):
             return super().run_node(n)
         except Exception as err:   # noqa: BLE001
             fix = ("shard the layers around it otherwise, or keep them whole (replicate)"
-                   if self.op == "tensor_parallel" else "compute its sizes from the tensors "
-                   "it reads, or capture the model with torch.fx")
+                   if self.op == "tensor_parallel" else "it mixes the tokens across the "
+                   "sequence (a layer sized by it), which only attention may, or holds sizes "
+                   "written for the whole sequence: compute them from the tensors it reads")
             raise PlanError(f"{self.op}: {self.where}: {n.format_node()} fails on a "
                             f"device's share ({type(err).__name__}: {err}); {fix}") from None
 

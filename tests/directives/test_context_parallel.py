@@ -9,6 +9,9 @@ import os
 import sys
 
 import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
 
 import piper_nb as pn
 from piper_nb.plan.plan import Plan
@@ -73,3 +76,33 @@ def test_what_it_cannot_hold_is_a_plan_error():
         pn.context_parallel({}, [0, 1], load_balance="striped")
     with pytest.raises(pn.PlanError, match="with tensor_parallel"):
         compile_cp(model, [pn.tensor_parallel({}, [0, 1]), pn.context_parallel({}, [0, 1])])
+
+
+class Pool(nn.Module):
+    """Tokens mixed outside attention: a mean over the sequence (`"mean"`), a running sum
+    along it (`"cumsum"`) or a linear layer across it (`"across"`)."""
+
+    def __init__(self, how: str):
+        super().__init__()
+        self.embed, self.head, self.how = nn.Embedding(32, 16), nn.Linear(16, 32), how
+        if how == "across":
+            self.across = nn.Linear(16, 16)
+
+    def forward(self, tokens):
+        x = self.embed(tokens)
+        if self.how == "mean":
+            x = x + x.mean(dim=1, keepdim=True)
+        elif self.how == "cumsum":
+            x = x.cumsum(dim=1)
+        else:
+            x = self.across(x.transpose(1, 2)).transpose(1, 2)
+        return self.head(x)
+
+
+@pytest.mark.parametrize("how", ["mean", "cumsum", "across"])
+def test_tokens_mixed_outside_attention_are_refused(how):
+    tokens = torch.randint(0, 32, (4, 16))
+    with pytest.raises(pn.PlanError, match="mixes the tokens (of|across) the sequence"):
+        pn.compile(pn.annotate(Pool(how), ONE), [pn.context_parallel({}, [0, 1])],
+                   (tokens, tokens), loss_fn=lambda out, t: F.cross_entropy(
+                       out.flatten(0, 1), t.flatten()))

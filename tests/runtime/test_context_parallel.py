@@ -25,8 +25,9 @@ RTOL, ATOL = 1e-5, 4e-5
 ONE = {"": {"PP": 0}}
 
 
-def llama():
-    return pn.models.Llama(vocab=32, dim=32, layers=2, heads=4, kv_heads=2, hidden=64, seq=16)
+def llama(attention: str = "sdpa"):
+    return pn.models.Llama(vocab=32, dim=32, layers=2, heads=4, kv_heads=2, hidden=64, seq=16,
+                           attention=attention)
 
 
 def _train(model, program, cluster, steps=3, opt=SGD, ann=ONE):
@@ -70,6 +71,12 @@ def test_cp4_zigzag_llama_rotary(cluster4):
 
 def test_cp2_contiguous_llama(cluster2):
     _train(llama(), [pn.context_parallel({}, [0, 1], load_balance="contiguous")], cluster2)
+
+
+def test_cp2_llama_flash_kernel(cluster2):
+    """The flash-attention op (`kernel(q, k, v, 0.0, True)[0]`) made ring attention."""
+    plan = _train(llama("flash"), [pn.context_parallel({}, [0, 1])], cluster2)
+    assert len(plan.capture.cp.gathered) == 4
 
 
 @pytest.mark.parametrize("more", [
