@@ -108,9 +108,10 @@ TORCHTITAN = {
 # torchtitan's Table 2: FSDP x CP on 8 H100, torch.compile + Float8, local batch 1 (a
 # sequence per data-parallel replica, cut over its CP group), full AC; FSDP shards over all
 # 8 (its dp_shard_cp mesh). Ring attention with the all-gather rotation (torchtitan's
-# default), its blocks priced as the eager ops `capture.ring_attention` runs, not as flash
-# kernels per block (the runs used cuDNN/flash SDPA on each block)
-_CP_NOTE = "ring attention's blocks priced as eager ops, not flash kernels"
+# default), priced as flash kernels over a device's queries and the whole sequence's keys
+# (half the blocks' work under the causal mask), each layer recomputed as one unit
+_CP_NOTE = ("ring attention priced as one flash kernel per layer; the keys' and values' "
+            "all-gather waited for, not overlapped block by block")
 CONTEXT = {f"8b-fsdp{8 // cp}-cp{cp}": Run(
     f"8b-fsdp{8 // cp}-cp{cp}", f"Llama 3.1 8B, 8x H100, FSDP {8 // cp} x CP {cp}, "
     f"{seq // 1024}k tokens", "H100-96GB", "tokens/s/GPU", tps, gib, True, True, _8B,

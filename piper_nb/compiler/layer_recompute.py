@@ -1,11 +1,16 @@
-"""Full recompute of a tensor-parallel layer as one unit: it keeps only the layer's input.
+"""Full recompute of a tensor- or context-parallel layer as one unit: it keeps only the
+layer's input.
 
 `pn.recompute` marks every forward and backward it matches (`directives.recompute`), and a
 recomputed region keeps its inputs until its backward runs its forward again. A region cut
 into tensor-parallel parts (`tp.rewrite`) would then keep every part's inputs: the
 all-reduced (under SP, all-gathered) activations between the parts, about five times the
 layer's input, where Megatron's full recompute keeps the input alone (2sbh bytes in bf16,
-over t with SP; Korthikanti et al. 2022, section 5).
+over t with SP; Korthikanti et al. 2022, section 5). A region cut over the context
+(`cp.rewrite`) likewise keeps its queries and every member's gathered keys and values
+between its parts, which grow with the whole sequence; as a unit it keeps its share of
+the input, and gathers the keys and values again before its backward, as torchtitan's
+activation checkpointing around ring attention does.
 
 So when every part of a (region, microbatch) is recomputed in full, this pass, run right
 after the recompute pass, recomputes them together:
@@ -41,13 +46,14 @@ from piper_nb.ir.node import Edge, Node
 __all__ = ["recompute_layers", "pulled_gather", "AGAIN"]
 
 AGAIN = "#again"   # the id suffix of a second run and of its collectives' copies
+_BETWEEN_PARTS = (Purpose.TP, Purpose.CP)   # the collectives between a region's parts
 
 
 def recompute_layers(dag: TrainingDAG, _: Directives, ctx: Context) -> TrainingDAG:
     """The DAG with each fully recomputed tensor-parallel (region, microbatch) run again as
     one unit (the module docstring). One pass over the nodes and edges for all of them: a
     405B plan has thousands of units."""
-    layout = ctx.capture.tp
+    layout = ctx.capture.tp or ctx.capture.cp   # one of them per program (`cp.cut_context`)
     if layout is None:
         return dag
     forwards: dict[tuple, dict[int, Node]] = defaultdict(dict)
@@ -79,13 +85,13 @@ class _Unit:
         self.fids = fids = frozenset(f.id for f in forwards.values())
         mine = [n for f in forwards.values() for n in by_part[(f.region, f.mb)]]
         self.collectives = {n.id for f in fids for e in dag.out_edges(f)   # to a part
-                            if (n := dag[e.dst]).attr("purpose") == Purpose.TP
+                            if (n := dag[e.dst]).attr("purpose") in _BETWEEN_PARTS
                             and not n.attr("grad")
                             and any(x.dst in fids for x in dag.out_edges(n.id))}
         self.copied = fids | self.collectives            # what runs again, by its copy
         self.backwards = {n.id for n in mine if n.op in BACKWARDS}
         self.inside = self.copied | self.backwards | {
-            n.id for n in mine if n.attr("purpose") == Purpose.TP}
+            n.id for n in mine if n.attr("purpose") in _BETWEEN_PARTS}
         self.first = forwards[min(forwards)].id
         self.keep: dict[str, list[str]] = defaultdict(list)
         inner, outer = set(), set()   # values handed between the parts, and out of the layer

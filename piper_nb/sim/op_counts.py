@@ -30,6 +30,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from piper_nb.capture.ring_attention import RING_KERNELS
 from piper_nb.ir.kinds import Op
 from piper_nb.plan.sizes import storage_key
 
@@ -89,12 +90,14 @@ class OpCounter(TorchDispatchMode):
     def __enter__(self):
         OpCounter.active.append(self)
         self._attention.__enter__()
+        RING_KERNELS.append(_ring_kernel)
         return super().__enter__()
 
     def __exit__(self, *exc):
         try:
             return super().__exit__(*exc)
         finally:
+            RING_KERNELS.pop()
             self._attention.__exit__(*exc)
             OpCounter.active.pop()
 
@@ -268,6 +271,13 @@ class _Attention(torch.autograd.Function):
             counter.add(Kind.ATTENTION, grad.dtype, 2.5 * ctx.flops,
                         ctx.nbytes + _nbytes(grad, *grads), (grad,), tuple(grads))
         return (None, None, *grads, *([None] * ctx.extra))
+
+
+def _ring_kernel(run, q, k, v, causal: bool):
+    """Ring attention (`capture.ring_attention`) as the kernels a GPU runs for it: one
+    flash attention per block, priced together as one of a device's queries over the whole
+    sequence's keys (causal: half its blocks' work, the zigzag cut evening it out)."""
+    return _Attention.apply(lambda q, k, v, **_: run(q, k, v), {"is_causal": causal}, q, k, v)
 
 
 def region_ops(plan, compiled: bool = False) -> dict[int, dict[Op, tuple[OpTally, ...]]]:

@@ -84,8 +84,13 @@ def test_cp2_llama_flash_kernel(cluster2):
     [pn.recompute({"PP": 0})],
 ], ids=["zero3", "recompute"])
 def test_cp2_composes(cluster2, more):
-    _train(llama(), [pn.context_parallel({}, [0, 1]), pn.split({}, num=2), *more], cluster2,
-           opt=pn.optim.AdamW(1e-2))
+    plan = _train(llama(), [pn.context_parallel({}, [0, 1]), pn.split({}, num=2), *more],
+                  cluster2, opt=pn.optim.AdamW(1e-2))
+    if isinstance(more[0], pn.directives.spec.Recompute):   # each layer's parts as one unit:
+        assert any(i.kind == pn.Op.F and i.data.unit == pn.ir.kinds.Unit.AGAIN   # its
+                   for i in plan.devices[0].instrs)          # keys and values gathered again
+        assert sum(i.purpose == pn.Purpose.CP and not i.data.grad
+                   for i in plan.devices[0].instrs) == 8   # 2 layers x 2 microbatches x 2
 
 
 @pytest.mark.parametrize("model", [Attend(eager=True, mask="causal"), Attend(mask="sdpa")],

@@ -87,3 +87,23 @@ def test_scaled_dot_product_attention_is_the_one_kernel_a_gpu_runs():
     attention = [t for t in c.tallies() if t.kind == Kind.ATTENTION]
     assert [(t.count, t.flops) for t in attention] == [(1, 2.5 * causal)]
     assert all(t.kind != Kind.MATMUL for t in c.tallies())   # not the math path's products
+
+
+def test_ring_attention_is_priced_as_fused_attention_kernels():
+    """Context parallelism's ring attention (`capture.ring_attention`, written as block
+    matmuls and an online softmax) counted as the flash kernels a GPU runs for its blocks:
+    a device's queries over the whole sequence's keys, half the work under the causal
+    mask, and 2.5 times that backward."""
+    from piper_nb.capture.ring_attention import ring_attention
+    q = meta(1, 4, 256, 64, grad=True)
+    k, v = meta(1, 2, 1024, 64, grad=True), meta(1, 2, 1024, 64, grad=True)
+    with OpCounter() as c:
+        out = ring_attention(q, k, v, 4, torch.tensor(1, device="meta"), "zigzag", True,
+                             gqa=True)
+    kernels = c.tallies()
+    assert [(t.kind, t.count) for t in kernels] == [(Kind.ATTENTION, 1)]
+    assert kernels[0].flops == 4 * 4 * 256 * 1024 * 64 * 0.5
+    with OpCounter() as back:
+        out.backward(torch.ones_like(out))
+    attention = [t for t in back.tallies() if t.kind == Kind.ATTENTION]   # (the rest: the
+    assert [(t.count, t.flops) for t in attention] == [(1, 2.5 * kernels[0].flops)]  # leaves)
