@@ -51,11 +51,25 @@ def spread(fn: Callable, shared, items: Iterable, jobs: int) -> Iterator[Iterato
         warnings.simplefilter("ignore", DeprecationWarning)   # the workers start no thread
         pool = multiprocessing.get_context("fork").Pool(jobs, initializer=_start_worker)
     try:
-        yield pool.imap(_run, items)
+        yield _results(pool.imap(_run, items))
     finally:
         pool.terminate()
         pool.join()
         _TASK = None
+
+
+class _Interrupted(Exception):
+    """A worker's task interrupted: sent back as an exception, so that the worker lives on
+    (one that dies of a KeyboardInterrupt may hold the pool's queue lock, and the pool's
+    termination then waits for it forever)."""
+
+
+def _results(it: Iterator) -> Iterator:
+    """The workers' results; an interrupted task is the caller's KeyboardInterrupt."""
+    try:
+        yield from it
+    except _Interrupted:
+        raise KeyboardInterrupt from None
 
 
 def _start_worker() -> None:
@@ -68,4 +82,7 @@ def _start_worker() -> None:
 
 def _run(item):
     fn, shared = _TASK
-    return fn(shared, item)
+    try:
+        return fn(shared, item)
+    except KeyboardInterrupt:
+        raise _Interrupted() from None
