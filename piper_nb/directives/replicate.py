@@ -366,8 +366,8 @@ def replica_width(directives: Directives, share: int, per: int = 1) -> int:
     replicates say: the widest, unless it does not divide the microbatch (its regions are
     then placed on smaller groups, as a stage's two copies; `check_widths` says which).
     `per`: devices sharing one sample (context parallelism cuts its sequence)."""
-    width = max((len(d.devices) // per for _, d in directives if isinstance(d, Replicate)),
-                default=1)
+    width = max((max(len(d.devices) // per, 1) for _, d in directives
+                 if isinstance(d, Replicate)), default=1)
     return width if share % width == 0 else 1
 
 
