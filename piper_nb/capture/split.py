@@ -23,6 +23,7 @@ their parameters cut into pieces, which the regions then hold (`Capture.named_pa
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -108,6 +109,24 @@ class Capture:
             out += [(p, t[lo:hi]) for p, lo, hi in cut[name]] if name in cut else [(name, t)]
         local = {} if whole else self.tp_local
         return [(n, local.get(n, t)) for n, t in out if n in held]
+
+    def with_regions(self, regions, modules, **fields) -> Capture:
+        """This capture with other regions and modules (parts that tensor or context
+        parallelism cut): who makes and who reads each value and which regions hold each
+        tied weight follow them; `fields` replace others (the layout of the cut)."""
+        producer: dict[str, int] = {v: -1 for v, p in self.producer.items() if p < 0}
+        consumers: dict[str, list[int]] = {}
+        for r in regions:
+            for v in r.outputs:
+                producer[v] = r.index
+            for v in r.inputs:
+                consumers.setdefault(v, []).append(r.index)
+        tied = {p: holders for p in self.tied
+                if len(holders := tuple(r.index for r in regions if p in r.params)) > 1}
+        return dataclasses.replace(self, regions=tuple(regions), modules=tuple(modules),
+                                   producer=producer, tied=tied,
+                                   consumers={v: tuple(cs) for v, cs in consumers.items()},
+                                   **fields)
 
     def region_of_tags(self, tags: dict) -> int:
         key = freeze_tags(tags)

@@ -29,7 +29,9 @@ from piper_nb.directives.base import (
     Directive,
     Directives,
     call_code,
-    check_devices,
+    check_groups,
+    groups_code,
+    groups_of,
 )
 from piper_nb.directives.spec import register
 from piper_nb.errors import PlanError
@@ -57,28 +59,17 @@ class ContextParallel(Directive):
     def __post_init__(self):
         object.__setattr__(self, "filter", as_filter(self.filter,
                                                      where="context_parallel filter"))
-        groups = self.devices
-        nested = isinstance(groups, (list, tuple)) and groups and all(
-            isinstance(g, (list, tuple)) for g in groups)
-        groups = [check_devices(g, "context_parallel") for g in (groups if nested else [groups])]
-        if len({len(g) for g in groups}) > 1:
-            raise PlanError(f"context_parallel: groups {[list(g) for g in groups]} differ in "
-                            "size; give every group the same number of devices")
-        if len(groups[0]) < 2:
-            raise PlanError(f"context_parallel: devices {list(groups[0])} is one device; "
+        object.__setattr__(self, "devices", check_groups(self.devices, "context_parallel"))
+        if self.degree < 2:
+            raise PlanError(f"context_parallel: devices {list(self.groups[0])} is one device; "
                             "give the group of two or more devices that share the sequence")
-        seen = [d for g in groups for d in g]
-        if len(set(seen)) != len(seen):
-            raise PlanError(f"context_parallel: a device is in two groups of "
-                            f"{[list(g) for g in groups]}")
-        object.__setattr__(self, "devices", tuple(groups) if nested else groups[0])
         if self.load_balance not in BALANCES:
             raise PlanError(f"context_parallel: load_balance is one of {', '.join(BALANCES)}, "
                             f"got {self.load_balance!r}")
 
     @property
     def groups(self) -> tuple[tuple[int, ...], ...]:
-        return self.devices if isinstance(self.devices[0], tuple) else (self.devices,)
+        return groups_of(self.devices)
 
     @property
     def degree(self) -> int:
@@ -89,10 +80,8 @@ class ContextParallel(Directive):
         return {"op": "context_parallel", "filter": {}, "devices": [0, 1]}
 
     def code(self) -> str:
-        values = dict(vars(self))
-        values["devices"] = [list(g) for g in self.devices] if isinstance(
-            self.devices[0], tuple) else list(self.devices)
-        return call_code("pn.context_parallel", context_parallel, values)
+        return call_code("pn.context_parallel", context_parallel,
+                         {**vars(self), "devices": groups_code(self.devices)})
 
 
 register(ContextParallel)

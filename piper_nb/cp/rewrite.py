@@ -147,7 +147,7 @@ def cut_capture(capture, degree: int, balance: str, directive: int, batch: Mappi
             modules.append(pgm)
     layout = dataclasses.replace(layout, parts=parts, gathered=frozenset(gathered),
                                  grad_sum=frozenset(grad_sum))
-    return _rebuilt(capture, regions, modules, layout)
+    return capture.with_regions(regions, modules, cp=layout)
 
 
 _SHIFTS = {torch.ops.aten.pad.default, torch.ops.aten.constant_pad_nd.default,
@@ -371,19 +371,3 @@ def _levels(gm, pads: set) -> dict:
     for n in reversed(floating):
         level[n] = min((level[u] for u in n.users if u in level), default=0)
     return level
-
-
-def _rebuilt(capture, regions, modules, layout: CPLayout):
-    producer: dict[str, int] = {v: -1 for v, p in capture.producer.items() if p < 0}
-    consumers: dict[str, list[int]] = {}
-    for r in regions:
-        for v in r.outputs:
-            producer[v] = r.index
-        for v in r.inputs:
-            consumers.setdefault(v, []).append(r.index)
-    tied = {p: holders for p in capture.tied
-            if len(holders := tuple(r.index for r in regions if p in r.params)) > 1}
-    return dataclasses.replace(capture, regions=tuple(regions), modules=tuple(modules),
-                               producer=producer,
-                               consumers={v: tuple(cs) for v, cs in consumers.items()},
-                               tied=tied, cp=layout)

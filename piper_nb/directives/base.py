@@ -19,7 +19,8 @@ from typing import Any, ClassVar
 from piper_nb.errors import PlanError
 from piper_nb.ir.dag import TrainingDAG
 
-__all__ = ["Directive", "Context", "CaptureContext", "Directives", "each", "check_devices", "check_stream",
+__all__ = ["Directive", "Context", "CaptureContext", "Directives", "each", "check_devices", "check_groups",
+           "groups_of", "groups_code", "check_stream",
            "py_literal", "call_code"]
 
 
@@ -76,6 +77,32 @@ def check_devices(value: Any, where: str) -> tuple[int, ...]:
     if len(set(out)) != len(out):
         raise PlanError(f"{where}: devices {out} repeat a device id; list each device once")
     return tuple(out)
+
+
+def check_groups(value: Any, where: str) -> tuple:
+    """One device group (`[0, 1]`: a tuple of ids) or several (`[[0, 1], [4, 5]]`: a tuple
+    of tuples), checked: each a device list, all of one size, no device in two."""
+    nested = isinstance(value, (list, tuple)) and value and all(
+        isinstance(g, (list, tuple)) for g in value)
+    groups = [check_devices(g, where) for g in (value if nested else [value])]
+    if len({len(g) for g in groups}) > 1:
+        raise PlanError(f"{where}: groups {[list(g) for g in groups]} differ in size; "
+                        "give every group the same number of devices")
+    seen = [d for g in groups for d in g]
+    if len(set(seen)) != len(seen):
+        raise PlanError(f"{where}: a device is in two groups of {[list(g) for g in groups]}")
+    return tuple(groups) if nested else groups[0]
+
+
+def groups_of(devices: tuple) -> tuple[tuple[int, ...], ...]:
+    """The groups `check_groups` gave: several as they are, one as a group of one."""
+    return devices if devices and isinstance(devices[0], tuple) else (devices,)
+
+
+def groups_code(devices: tuple) -> list:
+    """Devices as a program writes them: `[0, 1]`, or `[[0, 1], [4, 5]]`."""
+    return [list(g) for g in devices] if devices and isinstance(devices[0], tuple) \
+        else list(devices)
 
 
 def check_stream(value: Any, where: str) -> str | None:

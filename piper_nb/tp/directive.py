@@ -31,7 +31,9 @@ from piper_nb.directives.base import (
     Directive,
     Directives,
     call_code,
-    check_devices,
+    check_groups,
+    groups_code,
+    groups_of,
 )
 from piper_nb.directives.spec import register
 from piper_nb.errors import PlanError
@@ -61,18 +63,7 @@ class TensorParallel(Directive):
 
     def __post_init__(self):
         object.__setattr__(self, "filter", as_filter(self.filter, where="tensor_parallel filter"))
-        groups = self.devices
-        nested = isinstance(groups, (list, tuple)) and groups and all(
-            isinstance(g, (list, tuple)) for g in groups)
-        groups = [check_devices(g, "tensor_parallel") for g in (groups if nested else [groups])]
-        sizes = {len(g) for g in groups}
-        if len(sizes) > 1:
-            raise PlanError(f"tensor_parallel: groups {[list(g) for g in groups]} differ in size; "
-                            "give every group the same number of devices")
-        seen = [d for g in groups for d in g]
-        if len(set(seen)) != len(seen):
-            raise PlanError(f"tensor_parallel: a device is in two groups of {[list(g) for g in groups]}")
-        object.__setattr__(self, "devices", tuple(groups) if nested else groups[0])
+        object.__setattr__(self, "devices", check_groups(self.devices, "tensor_parallel"))
         plan = check_plan(self.plan)
         object.__setattr__(self, "plan", plan or None)
         if not isinstance(self.sequence_parallel, bool):
@@ -80,8 +71,7 @@ class TensorParallel(Directive):
 
     @property
     def groups(self) -> tuple[tuple[int, ...], ...]:
-        return self.devices if self.devices and isinstance(self.devices[0], tuple) \
-            else (self.devices,)
+        return groups_of(self.devices)
 
     @property
     def degree(self) -> int:
@@ -92,10 +82,8 @@ class TensorParallel(Directive):
         return {"op": "tensor_parallel", "filter": {"PP": 0}, "devices": [0, 1]}
 
     def code(self) -> str:
-        values = dict(vars(self))
-        values["devices"] = [list(g) for g in self.devices] if isinstance(
-            self.devices[0], tuple) else list(self.devices)
-        return call_code("pn.tensor_parallel", tensor_parallel, values)
+        return call_code("pn.tensor_parallel", tensor_parallel,
+                         {**vars(self), "devices": groups_code(self.devices)})
 
 
 register(TensorParallel)

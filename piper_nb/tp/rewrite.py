@@ -144,10 +144,9 @@ def shard_capture(capture, requests: list[TPRequest], batch: dict):
     check_readers(capture.regions, cut_of, params, aliases)
     for gm in modules:
         _bind_local(gm, local, aliases)
-    return _rebuilt(capture, regions, modules,
-                    TPLayout(params, frozenset(partial), frozenset(grad_sum), parts, degree,
-                             frozenset(seq.regions), sums),
-                    local)
+    return capture.with_regions(regions, modules, tp_local=local, tp=TPLayout(
+        params, frozenset(partial), frozenset(grad_sum), parts, degree, frozenset(seq.regions),
+        sums))
 
 
 def _choose(capture, requests: list[TPRequest]) -> dict[int, TPRequest]:
@@ -379,22 +378,3 @@ def _bind_local(gm: fx.GraphModule, local: dict, aliases: dict) -> None:
         if name in local:
             owner, _, leaf = str(n.target).rpartition(".")
             setattr(gm.get_submodule(owner), leaf, local[name])
-
-
-def _rebuilt(capture, regions, modules, layout: TPLayout, local: dict):
-    producer: dict[str, int] = {v: -1 for v, p in capture.producer.items() if p < 0}
-    consumers: dict[str, list[int]] = {}
-    for r in regions:
-        for v in r.outputs:
-            producer[v] = r.index
-        for v in r.inputs:
-            consumers.setdefault(v, []).append(r.index)
-    tied = {}
-    for p in capture.tied:
-        holders = tuple(r.index for r in regions if p in r.params)
-        if len(holders) > 1:
-            tied[p] = holders
-    return dataclasses.replace(capture, regions=tuple(regions), modules=tuple(modules),
-                               producer=producer,
-                               consumers={v: tuple(cs) for v, cs in consumers.items()},
-                               tied=tied, tp=layout, tp_local=local)
