@@ -22,7 +22,8 @@ from piper_nb.capture.ring_attention import context_arange, ring_attention, take
 from piper_nb.capture.sequence_ops import narrow_sequence, pad_sequence, whole_like, with_params
 from piper_nb.capture.slice_dropout import slice_dropout
 
-__all__ = ["region_module", "RegionTracer", "pack_size", "unpack_size", "call_op"]
+__all__ = ["region_module", "RegionTracer", "pack_size", "unpack_size", "call_op", "own_copy",
+           "param_aliases"]
 
 
 _SIZE_DTYPE, _INT_DTYPE = torch.uint8, torch.int8
@@ -156,3 +157,18 @@ def _changes_in_place(user: fx.Node, value: fx.Node, root: nn.Module) -> bool:
     return False
 
 
+
+
+def own_copy(gm: fx.GraphModule) -> fx.GraphModule:
+    """A GraphModule over `gm`'s module tree with a graph of its own: a rewrite of it leaves
+    `gm` (the capture's region) as it was."""
+    g = fx.Graph()
+    g.output(g.graph_copy(gm.graph, {}))
+    return fx.GraphModule(gm, g)
+
+
+def param_aliases(model: nn.Module) -> dict[str, str]:
+    """Every parameter path of `model` -> the canonical (first) name of that tensor."""
+    first: dict[int, str] = {}
+    return {n: first.setdefault(id(p), n)
+            for n, p in model.named_parameters(remove_duplicate=False)}

@@ -37,13 +37,11 @@ from piper_nb.directives.spec import register
 from piper_nb.errors import PlanError
 from piper_nb.ir.dag import TrainingDAG
 from piper_nb.ir.filters import as_filter, matches
-from piper_nb.ir.kinds import EdgeKind, Op, Purpose
+from piper_nb.ir.kinds import PASSES, EdgeKind, Op, Purpose
 from piper_nb.ir.node import Edge, Node, node_id
 
 __all__ = ["ContextParallel", "context_parallel", "context_degree", "cut_context",
            "place_context", "insert_cp_collectives"]
-
-_PASSES = (Op.F, Op.B, Op.BI, Op.BW)
 
 
 @dataclass(frozen=True)
@@ -146,7 +144,7 @@ def place_context(dag: TrainingDAG, directives: Directives, ctx: Context) -> Tra
     lead = {g[0]: g for g in d.groups}
     nodes = []
     for n in dag.nodes:
-        if n.op in _PASSES:
+        if n.op in PASSES:
             if not n.devices and len(d.groups) == 1:
                 n = dataclasses.replace(n, devices=d.groups[0])
             runs = tuple(n.devices)

@@ -33,14 +33,17 @@ def check_mixing(gm: fx.GraphModule, info, cut: dict, shapes: dict) -> None:
     """PlanError at the first op of `gm` (region `info`) that mixes the tokens along the
     dimension its input is cut along (`cut`: op name -> that dimension; `shapes`: node
     name -> its shape on the share), unless only the loss reads it."""
+    loss_only = None   # what only the loss outputs read: found at the first reduction
     for n in gm.graph.nodes:
         d = cut.get(n.name)
         x = next(iter(n.all_input_nodes), None)
         if d is None or x is None or shapes.get(x.name) is None:
             continue
         scalar = shapes.get(n.name) is not None and all(s == 1 for s in shapes[n.name])
-        if scalar and n in _loss_only(gm, info):
-            continue
+        if scalar:
+            loss_only = _loss_only(gm, info) if loss_only is None else loss_only
+            if n in loss_only:
+                continue
         ndim = len(shapes[x.name])
         if _mixes(gm, n, d, ndim):
             raise PlanError(
@@ -67,10 +70,7 @@ def _mixes(gm, n: fx.Node, d: int, ndim: int) -> bool:
 
 
 def _loss_only(gm: fx.GraphModule, info) -> set[fx.Node]:
-    """The ops only the region's loss outputs read (cached on the graph module)."""
-    cached = getattr(gm, "_pn_loss_only", None)
-    if cached is not None:
-        return cached
+    """The ops only the region's loss outputs read."""
     out = next(n for n in gm.graph.nodes if n.op == "output")
     others = [a for v, a in zip(info.outputs, out.args[0], strict=True)
               if not is_loss_output(v) and isinstance(a, fx.Node)]
@@ -80,6 +80,4 @@ def _loss_only(gm: fx.GraphModule, info) -> set[fx.Node]:
         if n not in reach:
             reach.add(n)
             todo.extend(n.all_input_nodes)
-    only = {n for n in gm.graph.nodes if n not in reach and n.op != "output"}
-    gm._pn_loss_only = only
-    return only
+    return {n for n in gm.graph.nodes if n not in reach and n.op != "output"}

@@ -39,6 +39,7 @@ import torch
 import torch.fx as fx
 
 from piper_nb.capture.meta_routing import on_meta
+from piper_nb.capture.region_code import own_copy, param_aliases
 from piper_nb.capture.ring_attention import (
     check_length,
     context_arange,
@@ -118,12 +119,12 @@ def cut_capture(capture, degree: int, balance: str, directive: int, batch: Mappi
     share = share_batch(batch, layout)
     vals = dict(share)
     names = {v for r in capture.regions for v in (*r.inputs, *r.outputs)}
-    canonical = _canonical(capture.model)
+    canonical = param_aliases(capture.model)
     regions, modules, parts = [], [], {}
     gathered, grad_sum = set(), set()
     for info, gm0 in zip(capture.regions, capture.modules, strict=True):
         full, traced, constant, values = wholes[info.index]
-        gm = fx.GraphModule(gm0, _copy_graph(gm0.graph))
+        gm = own_copy(gm0)
         _global_positions(gm, traced, constant, layout)
         pads = _ring_attention(gm, info, layout, values, full)
         args = _args(info, vals, share)
@@ -182,17 +183,6 @@ def _slices_after_first(n: fx.Node) -> bool:
                    for s in n.args[1][1:]) or (n.args[1] and n.args[1][0] is Ellipsis and any(
                        isinstance(s, slice) and s.start not in (0, None) for s in n.args[1]))
     return False
-
-
-def _canonical(model) -> dict[str, str]:
-    first: dict[int, str] = {}
-    return {n: first.setdefault(id(p), n) for n, p in model.named_parameters(remove_duplicate=False)}
-
-
-def _copy_graph(graph: fx.Graph) -> fx.Graph:
-    g = fx.Graph()
-    g.output(g.graph_copy(graph, {}))
-    return g
 
 
 class _Recorder(fx.Interpreter):

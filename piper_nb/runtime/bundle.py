@@ -22,6 +22,7 @@ import torch.fx as fx
 from torch import nn
 
 from piper_nb.capture.functions import register
+from piper_nb.capture.region_code import param_aliases
 from piper_nb.errors import PlanError
 
 __all__ = ["Bundle", "make_bundle", "load_bundle", "bind_params", "direct_calls",
@@ -34,15 +35,6 @@ class Bundle:
     modules: tuple[nn.Module, ...]      # one GraphModule per region
     init: dict[str, torch.Tensor]       # canonical name -> initial value
     aliases: dict[str, str]             # every parameter name -> canonical name
-
-
-def param_aliases(model: nn.Module) -> dict[str, str]:
-    """Every parameter path of `model` -> the canonical (first) name of that tensor."""
-    first: dict[int, str] = {}
-    out = {}
-    for name, p in model.named_parameters(remove_duplicate=False):
-        out[name] = first.setdefault(id(p), name)
-    return out
 
 
 def make_bundle(plan) -> bytes:

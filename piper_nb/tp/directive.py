@@ -39,7 +39,7 @@ from piper_nb.directives.spec import register
 from piper_nb.errors import PlanError
 from piper_nb.ir.dag import TrainingDAG
 from piper_nb.ir.filters import as_filter
-from piper_nb.ir.kinds import EdgeKind, Op, Purpose
+from piper_nb.ir.kinds import PASSES, EdgeKind, Op, Purpose
 from piper_nb.ir.node import Edge, Node, node_id
 from piper_nb.tp.match import check_patterns
 from piper_nb.tp.rewrite import TPRequest, shard_capture
@@ -47,8 +47,6 @@ from piper_nb.tp.styles import check_plan, model_tp_plan
 
 __all__ = ["TensorParallel", "tensor_parallel", "tp_groups", "shard_regions",
            "place_tensor_parallel", "insert_tp_collectives"]
-
-_PASSES = (Op.F, Op.B, Op.BI, Op.BW)
 
 
 @dataclass(frozen=True)
@@ -144,7 +142,7 @@ def place_tensor_parallel(dag: TrainingDAG, directives: Directives, ctx: Context
         return dag
     nodes = []
     for n in dag.nodes:
-        if not n.devices and n.op in _PASSES:
+        if not n.devices and n.op in PASSES:
             for _, d in directives:
                 if n.selected_by(d.filter) and len(d.groups) == 1:
                     n = dataclasses.replace(n, devices=(d.groups[0][0],))
@@ -162,7 +160,7 @@ def insert_tp_collectives(dag: TrainingDAG, directives: Directives, ctx: Context
     groups = tp_groups(directives)
     members = {m: g for g in groups.values() for m in g[1:]}
     for n in dag.nodes:
-        if n.op not in _PASSES:
+        if n.op not in PASSES:
             continue
         for dev in n.devices:
             if dev in members:

@@ -35,6 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from piper_nb.capture.meta_routing import on_meta
+from piper_nb.capture.region_code import own_copy, param_aliases
 from piper_nb.capture.untouched import untouched
 from piper_nb.errors import PlanError
 from piper_nb.ir.filters import matches
@@ -106,7 +107,7 @@ def shard_capture(capture, requests: list[TPRequest], batch: dict):
         check_types(capture.model, req.plan, [p for r in mine for p in r.modules], req.directive)
     infos = on_meta(any(t.is_meta for t in batch.values()), _node_infos, capture,
                     set(chosen), batch)
-    aliases = _canonical(capture.model)
+    aliases = param_aliases(capture.model)
     regions, modules, parts, degree = [], [], {}, {}
     params: dict[str, tuple[int, int, int]] = {}
     local: dict[str, nn.Parameter] = {}   # device 0's shard of each sharded parameter
@@ -173,11 +174,6 @@ def _regions_of(capture, chosen: dict[int, TPRequest]) -> list[tuple[TPRequest, 
         if r.index in chosen:
             out.setdefault(id(chosen[r.index]), (chosen[r.index], []))[1].append(r)
     return list(out.values())
-
-
-def _canonical(model: nn.Module) -> dict[str, str]:
-    first: dict[int, str] = {}
-    return {n: first.setdefault(id(p), n) for n, p in model.named_parameters(remove_duplicate=False)}
 
 
 def _node_infos(capture, wanted: set[int], batch: dict) -> dict[int, tuple[dict, list]]:
@@ -279,7 +275,7 @@ def _cut(gm0, info, req: TPRequest, recorded: tuple, names: set, aliases: dict,
     if not found:
         return None
     infos, args = recorded
-    gm = fx.GraphModule(gm0, _copy_graph(gm0.graph))   # the capture's own stays as it was
+    gm = own_copy(gm0)   # the capture's own stays as it was
     found = [(m, p, s) for (n, p, s) in found for m in gm.graph.nodes if m.name == n.name]
     col, row, params, origins, streams = set(), set(), {}, {}, set()
     for n, path, sh in found:
@@ -342,13 +338,6 @@ def _cut(gm0, info, req: TPRequest, recorded: tuple, names: set, aliases: dict,
         build_parts(gm, info, status, level, infos, names, grad_sum, params, aliases,
                     on_slices.sums),
         local=local)
-
-
-def _copy_graph(graph: fx.Graph) -> fx.Graph:
-    g = fx.Graph()
-    out = g.graph_copy(graph, {})
-    g.output(out)
-    return g
 
 
 def _split(w: torch.Tensor, sh: Sharding, degree: int, path: str, info) -> tuple:
