@@ -13,18 +13,24 @@ Cases (`--case`):
   explore tier's step and peak over the simulator's on the compiled plan.
 - `accuracy-moe`: the same for a Mixtral-shaped MoE (8 experts, top 2) on 16 H100s, 12
   candidates with expert parallelism (EP = DP).
+- `accuracy-cp`: the 1 B-class Llama at 32,768 tokens a sequence on 16 H100s, 12
+  candidates with context parallelism (CP 2-16).
 - `ranking`: TinyGPT on 4 CPU workers with profiled costs: the 8 fastest candidates, each
   trained (median step of 6 after 2 warm-up steps) against its prediction; Spearman's rho;
   and whether each trained equal to `pn.reference_train` (fp32, rtol 1e-5).
 - `published`: Megatron's five runs of `published.py` (SC'21 Table 1, GPT 1.7B on 32 A100s
   to 39.1B on 512) searched with no pins, and the published configuration priced under
   the same model (every knob pinned): best over published, and which knobs differ.
+- `published-cp`: torchtitan's context-parallel runs (Table 2: Llama 3.1 8B on 8 H100,
+  FSDP x CP at 32k to 256k tokens), searched with no pins against the published
+  configuration (FSDP = ZeRO-3 over DP x CP, every layer recomputed) priced alike.
 - `verify`: the time to verify one candidate at scale: notebook 10's best plan of the 70B
   on 128 H100s (PP 4 x TP 4 + SP x DP 8, ZeRO-3, DualPipeV, 32 microbatches of one 4096
   sequence), every knob pinned: probe, explore and verify seconds, its step and peak.
 
 Run: .venv/bin/python benchmarks/bench_search.py
-[--case all|scale|accuracy|accuracy-moe|ranking|published|verify]
+[--case all|scale|accuracy|accuracy-moe|accuracy-cp|ranking|published|published-cp|
+ verify]
 """
 
 from __future__ import annotations
@@ -102,6 +108,14 @@ def accuracy_moe(n: int = 12, seed: int = 0) -> dict:
                      model, (ids, ids), n, seed, keep=lambda k: k.ep > 1)
 
 
+def accuracy_cp(n: int = 12, seed: int = 0) -> dict:
+    """The 1 B-class Llama at 32k tokens a sequence on 16 H100: CP candidates only."""
+    model, batch = llama(dict(dim=1024, heads=16, kv_heads=4, hidden=2816, layers=8), 16,
+                         seq=32768, vocab=32000)
+    return _accuracy("1 B-class Llama at 32k, 16 H100, CP candidates, estimate / simulated",
+                     model, batch, n, seed, keep=lambda k: k.cp > 1)
+
+
 def _accuracy(case: str, model, batch, n: int, seed: int, keep=lambda k: True) -> dict:
     """The explore tier's step and peak over the simulator's for `n` candidates drawn at
     random (seeded) from the search's own space on 16 H100 (`keep`: which of them)."""
@@ -114,8 +128,8 @@ def _accuracy(case: str, model, batch, n: int, seed: int, keep=lambda k: True) -
     setup = engine._Setup(model, batch, batch[0].numel(), units, pn.sim.gpus.spec_of("H100"),
                           pn.Topology.of("H100"), "bf16", settings, "analytic", None, "auto",
                           experts, engine._holding(units, experts))
-    cands = [k for k in space(16, samples, len(units), gpus_per_node=8, experts=experts)
-             if keep(k)]
+    cands = [k for k in space(16, samples, len(units), gpus_per_node=8, experts=experts,
+                              sequence=batch[0].shape[1]) if keep(k)]
     sizes = explore.probe_sizes(cands, samples)
     spec = setup.unit_spec()
     random.Random(seed).shuffle(cands)
@@ -123,8 +137,10 @@ def _accuracy(case: str, model, batch, n: int, seed: int, keep=lambda k: True) -
     for k in cands:
         if len(steps) == n:
             break
-        p = probes.get((k.tp, k.sp)) or probes.setdefault((k.tp, k.sp), probe(
-            spec, units, batch, sizes[k.tp], k.tp, k.sp, setup.price, precision="bf16"))
+        key = explore._key(k)
+        p = probes.get(key) or probes.setdefault(key, probe(
+            spec, units, batch, sizes[k.tp, k.cp], k.tp, k.sp, setup.price, precision="bf16",
+            cp=k.cp))
         if p.error:
             continue
         ctx = Context(batch=samples, links=p.links, param_bytes=None, grad_bytes=None,
@@ -199,13 +215,15 @@ def published(keys=("megatron-1.7b", "megatron-3.6b", "megatron-7.5b", "megatron
         run = RUNS[key]
         p = run.parallel
         model, batch, _, _ = model_of(run)
-        devices = p["dp"] * p["tp"] * p["pp"]
+        cp = p.get("cp", 1)
+        devices = p["dp"] * p["tp"] * p["pp"] * cp
         memory = pn.MIXED_PRECISION_ADAM
         sched = Schedule.ONE_F_ONE_B if p["pp"] > 1 else Schedule.NONE
-        theirs = Knobs(p["pp"], p["tp"], p["dp"], 0, sched, p["micro"],
-                       p["pp"] if p["recompute"] is True else 0, False)
+        zero = 3 if run.unit == "tokens/s/GPU" else 0     # FSDP, or Megatron's DDP
+        theirs = Knobs(p["pp"], p["tp"], p["dp"], zero, sched, p["micro"],
+                       p["pp"] if p["recompute"] is True else 0, False, cp=cp)
         pin = {k: getattr(theirs, k) for k in ("pp", "tp", "dp", "zero", "microbatches",
-                                                "recompute", "sp")}
+                                                "recompute", "sp", "cp")}
         pin["schedule"] = str(theirs.schedule)
         pin["float8"] = False   # the runs multiplied in 16 bits (and A100s have no FP8)
         pin["every"] = 1        # and recomputed every layer
@@ -230,6 +248,13 @@ def published(keys=("megatron-1.7b", "megatron-3.6b", "megatron-7.5b", "megatron
     return rows
 
 
+def published_cp() -> list[dict]:
+    """torchtitan's Table 2 (Llama 3.1 8B on 8 H100, FSDP x CP at 32k-256k tokens): the
+    search unpinned against the published configuration priced under the same model."""
+    from published import CONTEXT
+    return published(tuple(CONTEXT))
+
+
 def verify() -> dict:
     model, batch = llama(LLAMA3["70b"], 256, seq=4096)
     pin = {"pp": 4, "tp": 4, "zero": 3, "schedule": "dualpipev", "microbatches": 32,
@@ -247,11 +272,14 @@ def verify() -> dict:
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--case", default="all",
-                    choices=["all", "scale", "accuracy", "accuracy-moe", "ranking",
+                    choices=["all", "scale", "accuracy", "accuracy-moe", "accuracy-cp", "ranking",
+                             "published-cp",
                              "published", "verify"])
     args = ap.parse_args()
     for name, fn in (("accuracy", accuracy), ("accuracy-moe", accuracy_moe),
+                     ("accuracy-cp", accuracy_cp),
                      ("ranking", ranking), ("published", published),
+                     ("published-cp", published_cp),
                      ("scale", scale), ("verify", verify)):
         if args.case in ("all", name):
             fn()

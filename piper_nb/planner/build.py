@@ -1,8 +1,10 @@
 """A candidate's knobs as what a user would write: the stage cut (a `pn.annotate` mapping)
 and the directive program (`pn.Program`), and the tokens a step trains on.
 
-Devices are numbered TP innermost, then pipeline rank, then replica (Megatron's order; a TP
-group is consecutive devices, inside one node). Stages are cut over the pipeline units
+Devices are numbered TP innermost, then context rank, then pipeline rank, then replica
+(Megatron's order; a TP group is consecutive devices, inside one node). A stage is
+replicated over its replicas' context groups (ZeRO shards over both, torchtitan's
+`dp_shard_cp`). Stages are cut over the pipeline units
 (`pn.cut_stages`' units: embedding, layers, head) so the largest stage's forward and
 backward time is smallest, which leaves the first and last stages fewer layers where the
 embedding and the head weigh. A stage is recomputed when its rank is among the first
@@ -19,7 +21,8 @@ from piper_nb.capture.annotate import _linear_partition
 from piper_nb.capture.batch import Batch
 from piper_nb.planner.knobs import Knobs, Schedule
 
-__all__ = ["token_count", "cut", "annotation", "program", "is_layer", "recomputes"]
+__all__ = ["token_count", "sequence_length", "cut", "annotation", "program", "is_layer",
+           "recomputes"]
 
 
 def token_count(batch: Batch) -> int:
@@ -28,6 +31,12 @@ def token_count(batch: Batch) -> int:
         if not t.is_floating_point() and t.dim() >= 2:
             return t.numel()
     return batch.size
+
+
+def sequence_length(batch: Batch) -> int | None:
+    """Tokens a sequence holds: dimension 1 of the first input with two or more (as
+    `pn.context_parallel` cuts it), None without one."""
+    return next((t.shape[1] for t in batch.values() if t.dim() >= 2), None)
 
 
 def cut(weights: list[float], stages: int) -> list[int]:
@@ -73,16 +82,18 @@ def program(k: Knobs, stage_of: list[int], expert_units=()) -> list:
     docstring); with EP, each stage holding one of `expert_units` (unit indices) shards its
     experts over its replicas."""
     from piper_nb import schedules
+    from piper_nb.cp import context_parallel
     from piper_nb.directives.float8 import float8
     from piper_nb.directives.shard import shard
     from piper_nb.directives.spec import place, recompute, replicate, split
     from piper_nb.tp import tensor_parallel
-    lead = lambda r, rep: (rep * k.pp + r) * k.tp   # noqa: E731 - rank r's first device
+    # the first device of pipeline rank r's context member c in replica rep
+    lead = lambda r, rep, c=0: ((rep * k.pp + r) * k.cp + c) * k.tp   # noqa: E731
     out = []
     for s in range(k.stages):
-        devs = [lead(k.rank_of(s), rep) for rep in range(k.dp)]
+        devs = [lead(k.rank_of(s), rep, c) for rep in range(k.dp) for c in range(k.cp)]
         out.append(place({"PP": s}, devs))
-        if k.dp > 1:
+        if k.dp > 1 or k.zero:
             out.append(replicate({"PP": s}, devs, zero=k.zero,
                                     reshard=k.pp == 1 or k.zero < 3))
         if k.ep > 1 and any(stage_of[i] == s for i in expert_units):
@@ -91,6 +102,10 @@ def program(k: Knobs, stage_of: list[int], expert_units=()) -> list:
         groups = [[lead(r, rep) + t for t in range(k.tp)] for rep in range(k.dp)
                   for r in range(k.pp)]
         out.append(tensor_parallel({"PP": "*"}, groups, sequence_parallel=k.sp))
+    if k.cp > 1:
+        groups = [[lead(r, rep, c) for c in range(k.cp)] for rep in range(k.dp)
+                  for r in range(k.pp)]
+        out.append(context_parallel({}, groups))
     m, pp = k.microbatches, k.pp
     out += {Schedule.NONE: lambda: [split({}, "MB", m)],
             Schedule.GPIPE: lambda: schedules.gpipe(pp, m),

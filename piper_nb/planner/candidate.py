@@ -45,7 +45,7 @@ class Candidate:
 
     def row(self, batch: int) -> dict:
         k = self.knobs
-        return {"PP": k.pp, "TP": k.tp, "DP": k.dp, "EP": k.ep, "ZeRO": k.zero,
+        return {"PP": k.pp, "TP": k.tp, "CP": k.cp, "DP": k.dp, "EP": k.ep, "ZeRO": k.zero,
                 "schedule": str(k.schedule), "micro": k.microbatches,
                 "mb size": batch // (k.dp * k.microbatches),
                 "recompute": (k.recompute if k.every == 1 else

@@ -33,7 +33,7 @@ from piper_nb.capture.batch import Batch
 from piper_nb.compiler.compile import compile
 from piper_nb.directives.spec import Program
 from piper_nb.errors import PlanError
-from piper_nb.planner.build import annotation, is_layer, program, token_count
+from piper_nb.planner.build import annotation, is_layer, program, sequence_length, token_count
 from piper_nb.planner.estimate import Context
 from piper_nb.planner.experts import find_experts
 from piper_nb.planner.explore import explore, rate
@@ -65,6 +65,7 @@ class _Setup:
     capture: str
     experts: object = None      # planner.experts.Experts of a MoE model
     expert_units: tuple = ()    # the units holding them
+    loss_mean: str = "microbatch"   # the compile's (`pn.compile`)
 
     def annotation(self, k: Knobs, stage_of) -> dict:
         tags = self.experts.tags(self.model, k.ep) if self.experts else None
@@ -91,7 +92,8 @@ class _Setup:
 def search(model, batch, devices: int, hardware="H100", *, topology=None, pin=None,
            precision: str | None = None, memory=None, capacity: float | None = None,
            cost: str = "analytic", top: int = 5, budget: float | None = None,
-           loss_fn=None, capture: str = "auto", jobs: int | None = None,
+           loss_fn=None, capture: str = "auto", loss_mean: str = "microbatch",
+           jobs: int | None = None,
            progress: bool | Callable[[str, int, int], bool | None] = True) -> SearchResult:
     """Search the plans of `model` on `batch` (a whole step's batch) over `devices` devices.
 
@@ -103,7 +105,9 @@ def search(model, batch, devices: int, hardware="H100", *, topology=None, pin=No
     `precision` is the compile's ("bf16" by default for analytic costs, "fp32" for
     profiled); `memory` the `pn.MemorySettings` the memory model charges (default AdamW's
     state); `capacity` the bytes a device holds (default the GPU's memory; unlimited when
-    profiled). `top` candidates are compiled and simulated in full (a compile at hundreds
+    profiled); `loss_fn`, `capture` and `loss_mean` are the compile's (`pn.compile`; a
+    Hugging Face model's own loss under context parallelism needs `loss_mean="global"`).
+    `top` candidates are compiled and simulated in full (a compile at hundreds
     of devices takes tens of seconds); with `budget` seconds, none is started after that
     once one fits. `jobs` is how many processes probe and estimate (default: one per core;
     analytic costs on Linux only, `planner.spread`). `progress` is a tqdm bar (True),
@@ -125,21 +129,14 @@ def search(model, batch, devices: int, hardware="H100", *, topology=None, pin=No
     samples = batch.size
     units = unit_names(model, batch)
     pins = check_pins(pin)
-    if True in pins.get("float8", ()) and cost == "analytic" and not spec.fp8_flops:
-        raise PlanError(f"pn.search: pin float8=True needs FP8 matmuls, which the "
-                        f"{spec.name} has none of; search on a GPU with them (H100, H200) "
-                        "or drop the pin")
     experts = find_experts(model)
-    if experts is None and pins.get("ep", {1}) - {1}:
-        raise PlanError(f"pn.search: pin ep={pin['ep']!r} spreads experts, and "
-                        f"{type(model).__name__} has none (no stacked-experts module, no "
-                        "ModuleList named experts); drop the pin")
+    _check_combined(pins, pin, spec, cost, model, experts)
     candidates = list(space(devices, samples, len(units), gpus_per_node=topo.gpus_per_node,
-                            pins=pins, experts=experts))
+                            pins=pins, experts=experts, sequence=sequence_length(batch)))
     if not candidates:
         raise PlanError(_empty(devices, samples, len(units), topo.gpus_per_node, pin))
     setup = _Setup(model, batch, token_count(batch), units, spec, topo, precision, settings,
-                   cost, loss_fn, capture, experts, _holding(units, experts))
+                   cost, loss_fn, capture, experts, _holding(units, experts), loss_mean)
     ctx = Context(batch=samples, links=None, param_bytes=settings.param_bytes,
                   grad_bytes=settings.grad_bytes,
                   optim_bytes=settings.optim_per_param() + (4 if precision == "bf16" else 0),
@@ -175,6 +172,22 @@ def unit_names(model, batch: Batch) -> list[str]:
     return _execution_order(model, [u for u in pipeline_units(model)
                                     if next(model.get_submodule(u).parameters(), None)
                                     is not None] or pipeline_units(model), batch)
+
+
+def _check_combined(pins: dict, pin, spec, cost: str, model, experts) -> None:
+    """Pins the hardware, the model or each other rule out."""
+    if True in pins.get("float8", ()) and cost == "analytic" and not spec.fp8_flops:
+        raise PlanError(f"pn.search: pin float8=True needs FP8 matmuls, which the "
+                        f"{spec.name} has none of; search on a GPU with them (H100, H200) "
+                        "or drop the pin")
+    if experts is None and pins.get("ep", {1}) - {1}:
+        raise PlanError(f"pn.search: pin ep={pin['ep']!r} spreads experts, and "
+                        f"{type(model).__name__} has none (no stacked-experts module, no "
+                        "ModuleList named experts); drop the pin")
+    if pins.get("cp", {1}) - {1} and 1 not in pins.get("tp", {1}):
+        raise PlanError(f"pn.search: pins cp={pin['cp']!r} and tp={pin['tp']!r}: context "
+                        "parallelism with tensor parallelism is not supported yet; pin one "
+                        "of them to 1")
 
 
 def _check_args(devices, cost, top, jobs) -> None:
@@ -217,7 +230,7 @@ def _verify(setup: _Setup, kept, refused, top, capacity, devices, progress, budg
             try:
                 plan = compile(annotate(setup.model, row.annotation), row.program,
                                   setup.batch, loss_fn=setup.loss_fn, precision=setup.precision,
-                                  capture=setup.capture)
+                                  capture=setup.capture, loss_mean=setup.loss_mean)
                 trace = simulate(plan, setup.price(plan), memory=setup.settings)
             except PlanError as e:
                 refused.append(replace(row, status=Status.REFUSED,
@@ -255,8 +268,8 @@ def _shortfall(refused: list[Candidate], capacity: float) -> str:
 
 
 def _empty(devices: int, samples: int, units: int, node: int, pin) -> str:
-    return (f"pn.search: no PP x TP x DP split of {devices} devices fits: DP must divide the "
-            f"batch of {samples} samples, TP a node of {node} devices, PP at most the "
-            f"model's {units} pipeline units" + (f", and the pins {dict(pin)} hold" if pin
-                                                 else "")
+    return (f"pn.search: no PP x TP x CP x DP split of {devices} devices fits: DP must divide "
+            f"the batch of {samples} samples, TP a node of {node} devices, CP the devices "
+            f"left by TP, PP at most the model's {units} pipeline units"
+            + (f", and the pins {dict(pin)} hold" if pin else "")
             + "; change the device count or the batch, or loosen the pins")

@@ -14,6 +14,9 @@ probe (`planner.probe`), without compiling it: how a search explores thousands.
   holds at once (`pipeline.peaks`): stashes, the gradients a backward makes, a recomputed
   layer made again. `bound` is the floor a search prunes by first: model states and one
   microbatch's stash.
+- Context parallelism: the probe of a CP class ran each unit on a device's share of the
+  sequence with its ring's all-gathers and reduce-scatters; the replicas' collectives and
+  ZeRO's shards span the replicas and their context groups (`Knobs.shards`).
 - Expert parallelism (a MoE model's experts spread over each stage's replicas): the
   experts' states are divided by EP and left out of the reductions, ZeRO's shards and
   gathers; each MoE layer's passes wait for their dispatch and combine all-to-alls.
@@ -113,7 +116,7 @@ def _states(k: Knobs, units, ctx: Context, on_rank) -> list[float]:
         n, pbytes = _replicated(k, units, mine)
         pb = ctx.param_bytes * n if ctx.param_bytes is not None else pbytes
         gb = ctx.grad_bytes * n if ctx.grad_bytes is not None else pbytes
-        dp = k.dp
+        dp = k.shards   # ZeRO shards over the replicas and their context groups
         total = (pb / (dp if k.zero == 3 else 1) + gb / (dp if k.zero >= 2 else 1)
                  + ctx.optim_bytes * n / (dp if k.zero >= 1 else 1))
         if k.ep > 1:   # the experts, spread over the replicas, neither reduced nor sharded
@@ -147,7 +150,7 @@ def _update(k: Knobs, units, mine) -> float:
     for i in mine:
         u = units[i]
         share = u.expert_params / u.params if k.ep > 1 and u.params else 0.0
-        t += u.u * ((1 - share) / (k.dp if k.zero >= 1 else 1) + share / k.ep)
+        t += u.u * ((1 - share) / (k.shards if k.zero >= 1 else 1) + share / k.ep)
     return t
 
 
@@ -215,7 +218,7 @@ def estimate(k: Knobs, lay: Layout, ctx: Context) -> Estimate:
     else:
         first = _firsts(stage_of, k.stages)
         hop_bytes = max((units[first[s]].inputs for s in range(1, k.stages)), default=0.0)
-        hop = ctx.links.link_time("p2p", (0, k.tp if k.pp > 1 else 0), hop_bytes)
+        hop = ctx.links.link_time("p2p", (0, k.tp * k.cp if k.pp > 1 else 0), hop_bytes)
         step, busy = _timing(k.schedule, k.pp, k.microbatches, tuple(f), tuple(b), tuple(w),
                              hop)
     step += _data_parallel(k, units, ctx, on_rank, b, stage_of)
@@ -253,8 +256,10 @@ def _data_parallel(k: Knobs, units, ctx: Context, on_rank, b, stage_of) -> float
     gathered when it is next, behind the short part before it, a recomputed layer's parts
     again before their second forward, and each reduction is waited for before the next
     is issued, so every gather and reduction is charged whole (Llama 70B's shape, TP 2 x
-    DP 64 on 128 H100s, simulated: within 2%; hidden as without TP, 0.54)."""
-    if k.dp == 1:
+    DP 64 on 128 H100s, simulated: within 2%; hidden as without TP, 0.54). Under CP, whose
+    layers are cut into parts at their attentions, alike. The replica group is a stage's
+    replicas and their context groups (`Knobs.shards`)."""
+    if k.shards == 1:
         return 0.0
     worst = 0.0
     link = ctx.links.link_time
@@ -262,14 +267,15 @@ def _data_parallel(k: Knobs, units, ctx: Context, on_rank, b, stage_of) -> float
     for r, mine in enumerate(on_rank):
         if not mine:
             continue
-        group = tuple((rep * k.pp + r) * k.tp for rep in range(k.dp))
+        group = tuple(((rep * k.pp + r) * k.cp + c) * k.tp for rep in range(k.dp)
+                      for c in range(k.cp))
         n, pbytes = _replicated(k, units, mine)
         backward = sum(b[s] for s in {stage_of[i] for i in mine})
         last = 1 / len(mine)
         kind = Op.ALL_REDUCE if k.zero == 0 else Op.REDUCE_SCATTER
         sync = link(kind, group, n * ctx.reduce_bytes)
         each = link(Op.ALL_GATHER, group, pbytes)
-        if k.zero == 3 and k.pp == 1 and k.tp > 1:
+        if k.zero == 3 and k.pp == 1 and (k.tp > 1 or k.cp > 1):
             again = sum(_replicated(k, units, [i])[1] for i in mine
                     if recomputes(k, stage_of[i], i, n_units)) / max(pbytes, 1)
             worst = max(worst, k.microbatches * (sync + each * (2 + again)))

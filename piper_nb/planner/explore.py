@@ -75,12 +75,12 @@ def explore(setup, candidates: list[Knobs], ctx: Context, capacity: float, devic
     return kept, refused, interrupted
 
 
-def probe_sizes(candidates: list[Knobs], samples: int) -> dict[int, tuple[int, ...]]:
-    """Per TP degree, the smallest and the largest microbatch its candidates use."""
-    out: dict[int, set] = {}
+def probe_sizes(candidates: list[Knobs], samples: int) -> dict[tuple, tuple[int, ...]]:
+    """Per (TP, CP) degrees, the smallest and the largest microbatch their candidates use."""
+    out: dict[tuple, set] = {}
     for k in candidates:
-        out.setdefault(k.tp, set()).add(samples // (k.dp * k.microbatches))
-    return {tp: tuple(sorted({min(s), max(s)})) for tp, s in out.items()}
+        out.setdefault((k.tp, k.cp), set()).add(samples // (k.dp * k.microbatches))
+    return {tc: tuple(sorted({min(s), max(s)})) for tc, s in out.items()}
 
 
 def rate(tokens: int, step: float, devices: int) -> float:
@@ -89,16 +89,16 @@ def rate(tokens: int, step: float, devices: int) -> float:
 
 
 def _key(k: Knobs) -> tuple:
-    return (k.tp, k.sp, k.float8)
+    return (k.tp, k.sp, k.float8, k.cp)
 
 
 def _probe_all(setup, candidates: list[Knobs], progress, jobs: int):
-    """Each TP class's probe ({(tp, sp, float8): Probe}), and whether the user interrupted.
+    """Each class's probe ({(tp, sp, float8, cp): Probe}), and whether the user interrupted.
     The model's own class (TP 1, no Float8) goes first, in this process: its failing is a
     PlanError (no candidate could compile), and its time says whether the other classes
     are worth spreading over processes (`SLOW_PROBE`)."""
     sizes = probe_sizes(candidates, setup.batch.size)
-    own = (1, False, False)
+    own = (1, False, False, 1)
     classes = sorted({_key(k) for k in candidates}, key=lambda c: (c != own, -c[0], -c[1], c))
     shared = (setup, setup.unit_spec(), sizes)
     probes: dict[tuple, Probe] = {}
@@ -133,10 +133,10 @@ def _check_own(p: Probe | None) -> None:
 
 def _probe_class(shared, c: tuple) -> Probe:
     setup, unit_spec, sizes = shared
-    tp, sp, float8 = c
-    return probe(unit_spec, setup.units, setup.batch, sizes[tp], tp, sp, setup.price,
+    tp, sp, float8, cp = c
+    return probe(unit_spec, setup.units, setup.batch, sizes[tp, cp], tp, sp, setup.price,
                  precision=setup.precision, loss_fn=setup.loss_fn, capture=setup.capture,
-                 float8=float8)
+                 float8=float8, cp=cp, loss_mean=setup.loss_mean)
 
 
 def _estimate_chunk(shared, span: tuple[int, int]):

@@ -2,8 +2,8 @@
 candidate's settings) and `space` (every combination a device count, a batch and the
 user's pins allow, in a fixed order).
 
-A candidate is PP x TP x DP = the device count (TP innermost and inside one node, then PP,
-then DP, Megatron's numbering), a ZeRO level (DP > 1), a schedule (none without PP; GPipe,
+A candidate is PP x TP x CP x DP = the device count (TP innermost and inside one node, then
+CP, then PP, then DP, Megatron's numbering), a ZeRO level (DP > 1), a schedule (none without PP; GPipe,
 1F1B, interleaved 1F1B with two stages a rank, ZB1P, DualPipeV with PP), a microbatch count
 dividing each replica's share of the batch, how many leading pipeline ranks recompute their
 layers (`recompute`: 0 none, PP all) and, where every rank does, which of them (`every`: one
@@ -13,7 +13,11 @@ scaling) without TP (Float8 under TP prices but does not train: its scales would
 shard). Float8 is not tried unless pinned: regions run eagerly, where its casts cost more
 than its matmuls save, and its probe would cost a class of its own. For a mixture-of-experts
 model, expert parallelism (`ep`): the experts replicated with their stage (1), or spread
-over its DP group (DP, `pn.shard`) where their count allows.
+over its DP group (DP, `pn.shard`) where their count allows. Context parallelism (`cp`,
+`pn.context_parallel`: the sequence cut over CP devices, attention a ring) is tried for
+long sequences (`LONG_SEQUENCE` tokens and more), at the degrees whose zigzag chunks keep
+`CP_CHUNK` tokens or more, or as pinned; not with TP or EP yet (the directive refuses TP in
+the same program). ZeRO shards over DP x CP, as torchtitan's `dp_shard_cp` does.
 """
 
 from __future__ import annotations
@@ -24,7 +28,8 @@ from enum import StrEnum
 
 from piper_nb.errors import PlanError
 
-__all__ = ["Schedule", "Knobs", "KNOBS", "space", "divisors", "check_pins", "stage_rank"]
+__all__ = ["Schedule", "Knobs", "KNOBS", "space", "divisors", "check_pins", "stage_rank",
+           "context_degrees", "LONG_SEQUENCE"]
 
 
 class Schedule(StrEnum):
@@ -58,6 +63,13 @@ class Knobs:
     float8: bool = False    # the layers' linears multiply in Float8 (`pn.float8`), TP 1
     every: int = 1          # of the recomputing ranks' layers, one in `every` (layer 0, k, ..)
     ep: int = 1             # experts spread over each stage's DP group (1, or DP: `pn.shard`)
+    cp: int = 1             # devices sharing each sequence (`pn.context_parallel`), TP 1
+
+    @property
+    def shards(self) -> int:
+        """Devices a stage's parameters are replicated over (and ZeRO shards them over):
+        its replicas and their context groups."""
+        return self.dp * self.cp
 
     @property
     def stages(self) -> int:
@@ -68,8 +80,10 @@ class Knobs:
         return stage_rank(self.schedule, self.pp, stage)
 
     def label(self) -> str:
-        """A short text form, e.g. `PP4 TP8 DP4 Z1 1f1b m16 rc4 sp` (`EP4` after DP)."""
-        parts = [f"PP{self.pp}", f"TP{self.tp}", f"DP{self.dp}",
+        """A short text form, e.g. `PP4 TP8 DP4 Z1 1f1b m16 rc4 sp` (`CP2` after TP, `EP4`
+        after DP)."""
+        parts = [f"PP{self.pp}", f"TP{self.tp}", *([f"CP{self.cp}"] if self.cp > 1 else []),
+                 f"DP{self.dp}",
                  *([f"EP{self.ep}"] if self.ep > 1 else []), f"Z{self.zero}",
                  str(self.schedule), f"m{self.microbatches}"]
         if self.recompute:
@@ -92,8 +106,14 @@ def stage_rank(schedule: Schedule, pp: int, stage: int) -> int:
 
 
 KNOBS = ("pp", "tp", "dp", "zero", "schedule", "microbatches", "recompute", "sp", "float8",
-         "every", "ep")
+         "every", "ep", "cp")
 EVERY = (1, 2)   # one layer in k recomputed where every rank recomputes (others: pin them)
+# context parallelism is tried unpinned from this many tokens a sequence (Megatron's and
+# torchtitan's long-context runs start at 8k-32k; shorter ones fit without it) ...
+LONG_SEQUENCE = 8192
+# ... at degrees whose zigzag chunks (2 CP a sequence) keep this many tokens: a ring step
+# over fewer is bound by latency, not by the attention it overlaps
+CP_CHUNK = 1024
 
 
 def divisors(n: int) -> list[int]:
@@ -134,19 +154,23 @@ def check_pins(pin: Mapping | None) -> dict:
 
 
 def space(devices: int, batch_size: int, stages_max: int, *, gpus_per_node: int,
-          pins: Mapping[str, set] | None = None, experts=None) -> Iterator[Knobs]:
-    """Every candidate for `devices` devices and a batch of `batch_size` sequences (samples):
-    a model of `stages_max` pipeline units can hold at most that many stages; TP at most
-    `gpus_per_node` (one node), dividing the node; Float8 as pinned, without TP; with
-    `experts` (`planner.experts.Experts`, a MoE model), EP 1 or DP where they allow it."""
+          pins: Mapping[str, set] | None = None, experts=None,
+          sequence: int | None = None) -> Iterator[Knobs]:
+    """Every candidate for `devices` devices and a batch of `batch_size` sequences (samples)
+    of `sequence` tokens: a model of `stages_max` pipeline units can hold at most that many
+    stages; TP at most `gpus_per_node` (one node), dividing the node; CP for long sequences
+    or as pinned (`context_degrees`); Float8 as pinned, without TP; with `experts`
+    (`planner.experts.Experts`, a MoE model), EP 1 or DP where they allow it."""
     pins = pins or {}
     ok = lambda k, v: k not in pins or v in pins[k]   # noqa: E731
     node = min(gpus_per_node, devices)
-    for tp in (t for t in divisors(node) if gpus_per_node % t == 0 or t == devices):
-        if not ok("tp", tp) or devices % tp:
+    for tp, cp in ((t, c) for t in divisors(node) if gpus_per_node % t == 0 or t == devices
+                   for c in context_degrees(devices // t, sequence, pins)
+                   if t == 1 or c == 1):
+        if not ok("tp", tp) or devices % (tp * cp):
             continue
-        for pp in divisors(devices // tp):
-            dp = devices // (tp * pp)
+        for pp in divisors(devices // (tp * cp)):
+            dp = devices // (tp * cp * pp)
             if not (ok("pp", pp) and ok("dp", dp)) or batch_size % dp:
                 continue
             local = batch_size // dp
@@ -156,7 +180,7 @@ def space(devices: int, batch_size: int, stages_max: int, *, gpus_per_node: int,
                 for m in divisors(local):
                     if not ok("microbatches", m) or not _fits_schedule(schedule, pp, m):
                         continue
-                    for zero, ep in _zeros(dp, experts):
+                    for zero, ep in _zeros(dp, cp, experts):
                         if not (ok("zero", zero) and ok("ep", ep)):
                             continue
                         for rc, every in _recomputes(pp, pins):
@@ -169,14 +193,29 @@ def space(devices: int, batch_size: int, stages_max: int, *, gpus_per_node: int,
                                         else (False,):
                                     if ok("float8", f8):
                                         yield Knobs(pp, tp, dp, zero, schedule, m, rc, sp,
-                                                    f8, every, ep)
+                                                    f8, every, ep, cp)
 
 
-def _zeros(dp: int, experts) -> list[tuple[int, int]]:
-    """(ZeRO level, EP) pairs: ZeRO 0-3 with DP, each with the experts replicated and, where
-    they allow it, spread over the DP group."""
-    eps = (1, dp) if dp > 1 and experts is not None and experts.allows(dp) else (1,)
-    return [(z, ep) for z in ((0, 1, 2, 3) if dp > 1 else (0,)) for ep in eps]
+def context_degrees(devices: int, sequence: int | None, pins: Mapping[str, set]) -> list[int]:
+    """The CP degrees tried on `devices` devices: the pinned ones that divide them; else 1,
+    and for a sequence of `LONG_SEQUENCE` tokens or more each degree dividing the devices
+    whose zigzag chunks divide it and keep `CP_CHUNK` tokens."""
+    pinned = pins.get("cp")
+    if pinned is not None:
+        return sorted(c for c in pinned if c >= 1 and devices % c == 0)
+    if not sequence or sequence < LONG_SEQUENCE:
+        return [1]
+    return [c for c in divisors(devices)
+            if c == 1 or (sequence % (2 * c) == 0 and sequence // (2 * c) >= CP_CHUNK)]
+
+
+def _zeros(dp: int, cp: int, experts) -> list[tuple[int, int]]:
+    """(ZeRO level, EP) pairs: ZeRO 0-3 with DP or CP (sharded over both), each with the
+    experts replicated and, where they allow it (and without CP), spread over the DP
+    group."""
+    eps = ((1, dp) if dp > 1 and cp == 1 and experts is not None and experts.allows(dp)
+           else (1,))
+    return [(z, ep) for z in ((0, 1, 2, 3) if dp * cp > 1 else (0,)) for ep in eps]
 
 
 def _recomputes(pp: int, pins: Mapping[str, set]) -> list[tuple[int, int]]:

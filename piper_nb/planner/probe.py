@@ -1,11 +1,13 @@
 """What one compile of each TP class tells a search about the model's pipeline units.
 
 A search prices thousands of candidates without compiling them. It compiles the model once
-per (TP degree, sequence parallelism, Float8) class instead, on one device (and its TP group), on
+per (TP degree, sequence parallelism, Float8, CP degree) class instead, on one device (and
+its TP or context group), on
 `rows` samples of the batch, one region per pipeline unit (`pn.cut_stages`' units: the
 embedding, each layer, the head), and simulates that plan with the cost model the search
 uses. Per unit it keeps (`UnitCost`): the forward and backward times with the unit's TP
-collectives (on the critical path as they run), the weight-gradient share of the backward,
+and CP collectives (on the critical path as they run; under CP the unit runs on a device's
+share of the sequence), the weight-gradient share of the backward,
 the update, the parameters one TP rank holds, what autograd saves and what the unit reads
 per microbatch; in a MoE model, which of the parameters are its experts' and what its
 experts read and give back (what EP's all-to-all moves; the probe's experts are regions
@@ -72,6 +74,7 @@ class Probe:
     _at: dict = field(default_factory=dict, compare=False, repr=False)
     _cuts: dict = field(default_factory=dict, compare=False, repr=False)
     float8: bool = False   # the layers' linears in Float8 (`pn.float8` on the AC-tagged units)
+    cp: int = 1            # devices sharing each sequence (`pn.context_parallel`)
 
     def at(self, n: float) -> tuple[UnitCost, ...]:
         got = self._at.get(n)
@@ -100,20 +103,24 @@ class Probe:
 
 
 def probe(spec, units: list[str], batch, rows: tuple[int, ...], tp: int, sp: bool, price, *,
-          precision: str, loss_fn=None, capture: str = "auto", float8: bool = False) -> Probe:
+          precision: str, loss_fn=None, capture: str = "auto", float8: bool = False,
+          cp: int = 1, loss_mean: str = "microbatch") -> Probe:
     """Compile `spec` (the model, one region per unit tagged `UNIT_TAG`, its layers `AC`)
-    on each of `rows` samples of `batch` with TP `tp` (and SP, and Float8 in the layers),
-    price each with `price(plan)` (a CostModel), and read each unit's costs. The capture is
-    the spec's, made once for every class."""
+    on each of `rows` samples of `batch` with TP `tp` (and SP, and Float8 in the layers)
+    or CP `cp`, price each with `price(plan)` (a CostModel), and read each unit's costs.
+    The capture is the spec's, made once for every class."""
     import time
 
     from piper_nb.compiler.compile import compile, rebatch
+    from piper_nb.cp import context_parallel
     from piper_nb.directives.float8 import float8 as float8_layers
     from piper_nb.directives.spec import place
     from piper_nb.profile import simulate
     from piper_nb.tp import tensor_parallel
     t0 = time.perf_counter()
-    program = [place({}, [0])]
+    program = [place({}, list(range(cp)))]
+    if cp > 1:
+        program.append(context_parallel({}, list(range(cp))))
     if tp > 1:
         program.append(tensor_parallel({}, list(range(tp)), sequence_parallel=sp))
     if float8:
@@ -127,24 +134,26 @@ def probe(spec, units: list[str], batch, rows: tuple[int, ...], tp: int, sp: boo
             if plan is None and n == 1:
                 try:
                     plan = compile(spec, program, part, loss_fn=loss_fn, precision=precision,
-                                   capture=capture)
+                                   capture=capture, loss_mean=loss_mean)
                 except PlanError as e:
                     if SPECIALISED not in str(e) or whole.size < 2:
                         raise
                     # torch.export captures no batch of 1: a line through 2 and more
                     rows = _from_two(rows, whole.size)
                     return probe(spec, units, batch, rows, tp, sp, price, precision=precision,
-                                 loss_fn=loss_fn, capture=capture, float8=float8)
+                                 loss_fn=loss_fn, capture=capture, float8=float8, cp=cp,
+                                 loss_mean=loss_mean)
             else:
                 plan = (compile(spec, program, part, loss_fn=loss_fn, precision=precision,
-                                capture=capture) if plan is None else rebatch(plan, part))
+                                capture=capture, loss_mean=loss_mean)
+                        if plan is None else rebatch(plan, part))
             cost = price(plan)
             measured.append(_units(plan, cost, simulate(plan, cost), units))
     except PlanError as e:
         return Probe(tp, sp, tuple(rows), error=str(e).split("\n")[0],
-                     seconds=time.perf_counter() - t0, float8=float8)
+                     seconds=time.perf_counter() - t0, float8=float8, cp=cp)
     return Probe(tp, sp, tuple(rows), tuple(measured), None, time.perf_counter() - t0, cost,
-                 float8=float8)
+                 float8=float8, cp=cp)
 
 
 def _from_two(rows: tuple[int, ...], samples: int) -> tuple[int, ...]:
@@ -163,7 +172,8 @@ def _units(plan, cost, trace, names: list[str]) -> tuple[UnitCost, ...]:
             continue
         if e.kind == Op.U:
             u[k] += e.duration
-        elif e.kind == Op.F or (e.kind in COMM and "#tpF" in e.node and "#regather" not in e.node):
+        elif e.kind == Op.F or (e.kind in COMM and ("#tpF" in e.node or "#cpF" in e.node)
+                                and "#regather" not in e.node):
             f[k] += e.duration
         else:
             b[k] += e.duration

@@ -18,7 +18,7 @@ from piper_nb.viz.units import bytes_text, time_text
 __all__ = ["Status", "Candidate", "SearchResult", "COLUMNS", "html_table"]
 
 # the table's columns (a row's dict has its status and reason besides)
-COLUMNS = ("PP", "TP", "DP", "EP", "ZeRO", "schedule", "micro", "mb size", "recompute", "SP",
+COLUMNS = ("PP", "TP", "CP", "DP", "EP", "ZeRO", "schedule", "micro", "mb size", "recompute", "SP",
            "Float8", "step s", "tok/s/dev", "bubble", "peak GiB")
 SORTS = {"step": lambda c: c.step, "tokens": lambda c: -c.tokens_per_s,
          "memory": lambda c: c.peak, "bubble": lambda c: c.bubble}
