@@ -5,7 +5,7 @@ BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
 SYSDEPS := $(VENV)/.sysdeps
 
-.PHONY: test check demo lab lint docs screenshots bench fuzz gpu-check clean
+.PHONY: test test-all check demo lab lint docs screenshots bench fuzz gpu-check clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -26,8 +26,12 @@ $(STAMP): pyproject.toml | $(BIN)/python
 # everything, notebooks included: before a change is done, and what CI runs
 test: $(STAMP) $(SYSDEPS)
 	$(BIN)/ruff check piper_nb tests benchmarks
-	$(BIN)/python -m pytest -q -p no:cacheprovider tests
+	$(BIN)/python -m pytest -q -p no:cacheprovider --tier test tests
 	$(BIN)/python -m pytest -q -p no:cacheprovider --nbval-lax --nbval-current-env --nbval-cell-timeout=300 notebooks
+
+# what CI leaves out besides: the tests marked `extended` (tests/conftest.py)
+test-all: test
+	$(BIN)/python -m pytest -q -p no:cacheprovider -m extended tests
 
 # the loop of editing (a few minutes): ruff, every in-process test, the first case of each
 # test that starts workers, the README example (tests/conftest.py says what is left out)

@@ -7,12 +7,16 @@ as a GPU would, so a plan that would hang under NCCL fails here. `pn.train` with
 cluster, and the clusters tests make for themselves, run gloo natively. `same` compares a
 run with `pn.reference_train`.
 
-Two tiers. `make test` (CI) runs every test. `make check` (`pytest --tier check`) is the
-loop of editing: every test that runs in this process, and of each test that starts
-workers (marked `dist`, `cluster` or `browser`) only its first case: the other cases of
-such a cross product (every family x every strategy, the fuzz tier's seeds) repeat its proof
-on other inputs. Tests marked `full` (a whole build, a browser, a slow negative control)
-run only in `make test`.`pytest --collect-only -q --tier check` lists what a check runs."""
+Three tiers. `make test-all` (`pytest --tier all`, and plain `pytest`) runs every test.
+`make test` (CI, `--tier test`) leaves out the tests marked `extended`: a proof repeated on
+another launcher or a fault injected again (ipyparallel's fault tests, which LocalCluster's
+make too; torchrun's restart, a repeating fault's give-up; binder's fresh environment).
+`make check` (`--tier check`) is the loop of editing: every test that runs in this process,
+and of each test that starts workers (marked `dist`, `cluster` or `browser`) only its first
+case: the other cases of such a cross product (every family x every strategy, the fuzz
+tier's seeds) repeat its proof on other inputs; tests marked `full` (a whole build, a
+browser, a slow negative control) run only in `make test`. `pytest --collect-only -q --tier
+check` lists what a check runs."""
 
 from __future__ import annotations
 
@@ -26,24 +30,29 @@ WORKERS = ("dist", "cluster", "browser")   # markers of tests that start process
 
 
 def pytest_addoption(parser):
-    parser.addoption("--tier", choices=("check", "test"), default="test",
-                     help="check: the fast tier of `make check` (see tests/conftest.py); "
-                          "test: everything, as `make test` and CI run it")
+    parser.addoption("--tier", choices=("check", "test", "all"), default="all",
+                     help="check: the fast tier of `make check`; test: what `make test` and "
+                          "CI run (all but `extended`); all: everything, `make test-all` "
+                          "(see tests/conftest.py)")
 
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
-    """Under `--tier check`, leave out `full` tests and the repeated cases of tests that
-    start workers (runs before `-m`/`-k` select, so they compose)."""
-    if config.getoption("--tier") != "check":
+    """Under `--tier test`, leave out `extended` tests; under `--tier check`, `full` ones
+    too and the repeated cases of tests that start workers (runs before `-m`/`-k` select,
+    so they compose)."""
+    tier = config.getoption("--tier")
+    if tier == "all":
         return
     seen, keep, left = set(), [], []
     for item in items:
         starts = any(item.get_closest_marker(m) for m in WORKERS)
         case = getattr(item, "originalname", item.name), item.path
-        repeat = starts and hasattr(item, "callspec") and case in seen
+        repeat = tier == "check" and starts and hasattr(item, "callspec") and case in seen
         seen.add(case)
-        (left if repeat or item.get_closest_marker("full") else keep).append(item)
+        out = item.get_closest_marker("extended") or (
+            tier == "check" and item.get_closest_marker("full"))
+        (left if repeat or out else keep).append(item)
     if left:
         config.hook.pytest_deselected(items=left)
         items[:] = keep

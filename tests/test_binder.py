@@ -95,7 +95,7 @@ def _shipped_files() -> list[str]:
     return [f for f in out.split("\0") if f and (ROOT / f).is_file()]
 
 
-@pytest.mark.full
+@pytest.mark.extended
 @pytest.mark.timeout(180)
 def test_postbuild_makes_piper_nb_importable_in_a_fresh_environment(tmp_path):
     repo = tmp_path / "repo"

@@ -85,7 +85,7 @@ def test_trains_like_the_reference(cluster, setup):
     assert cluster.starts == 1
 
 
-@pytest.mark.full
+@pytest.mark.extended
 def test_worker_failures_name_the_device(cluster, setup, monkeypatch):
     _, batch, plan, _ = setup
     monkeypatch.setenv("PIPER_NB_FAIL_AT", "1:r1:B2")
@@ -120,7 +120,7 @@ def test_killed_engine_is_worker_lost_then_replaced(cluster, setup):
     assert cluster.running and cluster.info[1]["engine_pid"] != victim
 
 
-@pytest.mark.full
+@pytest.mark.extended
 def test_max_restarts_replaces_an_engine_killed_mid_run_and_ends_as_if_it_was_not(
         cluster, setup, tmp_path):
     _, batch, plan, _ = setup
@@ -148,7 +148,7 @@ def test_max_restarts_replaces_an_engine_killed_mid_run_and_ends_as_if_it_was_no
         assert torch.equal(got.params[name], want), name
 
 
-@pytest.mark.full
+@pytest.mark.extended
 def test_silent_engine_is_lost_after_lost_after(cluster, setup):
     _, batch, plan, _ = setup
     _trains(cluster, setup)
@@ -255,7 +255,7 @@ def test_connect_to_a_running_cluster(cluster, setup):
     _trains(cluster, setup)
 
 
-@pytest.mark.full
+@pytest.mark.extended
 def test_engines_on_two_machines_meet_at_engine_0(cluster, setup, monkeypatch):
     """The cross-machine path, on one machine: the engines are told they live on two hosts, so
     the group meets at engine 0's reported address instead of a loopback shortcut."""

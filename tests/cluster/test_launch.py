@@ -112,6 +112,7 @@ def test_a_rank_that_fails_stops_the_job_naming_itself_and_never_hangs(tmp_path)
     assert "injected failure" in said and not (tmp_path / "piper_nb_launch" / "weights.pt").exists()
 
 
+@pytest.mark.extended
 def test_launch_max_restarts_restarts_a_killed_rank_and_resumes_from_its_checkpoint(tmp_path):
     """`launch --max-restarts 1` outside a job becomes `torchrun --max-restarts 1` over the
     plan's 4 devices. SIGKILL of one rank mid-run (after step 12 of 40, checkpoints every 5

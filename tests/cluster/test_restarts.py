@@ -94,6 +94,7 @@ def test_a_worker_that_hangs_mid_run_is_replaced_and_the_run_ends_as_if_it_did_n
         assert torch.equal(got.params[name], want), name
 
 
+@pytest.mark.extended
 @pytest.mark.dist
 def test_a_fault_that_repeats_stops_after_n_restarts_with_the_original_error(tmp_path,
                                                                               monkeypatch):
