@@ -1,7 +1,8 @@
 """A device's slice of the dropout mask one process draws (`slice_dropout`): what a region
 cut along a dimension calls where the model applied dropout, so that each device keeps its
 share of the mask of the whole tensor. Tensor parallelism puts it there
-(`tp.dropout`); sequence and context parallelism cut along the sequence.
+(`tp.dropout`); sequence parallelism cuts along the sequence; context parallelism's shares
+are chunks of it (`share_dropout`, `cp.rewrite`).
 
 On the CPU the slice equals one process's mask bit for bit (tested). On CUDA,
 `torch.nn.functional.dropout` runs a fused kernel that draws otherwise, so there the masks
@@ -12,7 +13,9 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["slice_dropout"]
+from piper_nb.capture.ring_attention import take_share
+
+__all__ = ["slice_dropout", "share_dropout"]
 
 
 def slice_dropout(x: torch.Tensor, p: float, train: bool, dim: int, degree: int,
@@ -29,3 +32,18 @@ def slice_dropout(x: torch.Tensor, p: float, train: bool, dim: int, degree: int,
     noise = x.new_empty(shape).bernoulli_(1 - p).div_(1 - p)
     first = 0 if rank.is_meta else int(rank) * n   # planning on meta: any share's shape
     return x * noise.narrow(dim, first, n).clone()   # a copy: autograd keeps the share only
+
+
+def share_dropout(x: torch.Tensor, p: float, train: bool, dim: int, degree: int, rank,
+                  balance: str) -> torch.Tensor:
+    """`F.dropout(whole, p, train)` cut to this device's context share `x` (its chunks of
+    the sequence along `dim`, `capture.ring_attention.take_share`): the whole sequence's
+    mask drawn, this device's chunks of it applied."""
+    if not train or p == 0 or x.numel() == 0:
+        return x
+    if p == 1:
+        return x * torch.zeros((), dtype=x.dtype, device=x.device)
+    shape = list(x.shape)
+    shape[dim] = x.shape[dim] * degree
+    noise = x.new_empty(shape).bernoulli_(1 - p).div_(1 - p)
+    return x * take_share(noise, degree, rank, balance, dim)   # a copy: the share only

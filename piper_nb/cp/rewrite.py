@@ -23,7 +23,10 @@ Three things in its graph would see only those tokens, and are rewritten:
   tensor, with dropout, or not written as `scaled_dot_product_attention`; a sequence the
   load balance cannot cut.
 
-Everything else (embeddings, norms, the MLP, the loss) runs on the share as written. The
+Everything else (embeddings, norms, the MLP, the loss) runs on the share as written, but
+dropout: each device draws the whole sequence's mask, as one process does from the same
+generator state, and applies its chunks of it (`share_dropout`); another random op is a
+PlanError. The
 loss of a share is its mean; the plan averages the members' (`Plan.loss_scale`), which is
 the whole sequence's mean when every member counts the same tokens.
 """
@@ -34,6 +37,7 @@ import dataclasses
 import operator
 from collections.abc import Mapping
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 import torch.fx as fx
@@ -49,6 +53,7 @@ from piper_nb.capture.ring_attention import (
 from piper_nb.capture.sequence_ops import SEQ_DIM, pad_sequence
 from piper_nb.capture.untouched import untouched
 from piper_nb.cp.attention import attentions, causal_mask, mask_input, refused
+from piper_nb.cp.dropout import share_dropouts
 from piper_nb.cp.mixing import check_mixing
 from piper_nb.errors import PlanError
 from piper_nb.ir.kinds import Op
@@ -132,6 +137,8 @@ def cut_capture(capture, degree: int, balance: str, directive: int, batch: Mappi
                          degree, {}, f"region {info.name}", op="context_parallel")
         infos, outs = on_meta(meta, _share_run, gm, info, args, share)
         check_mixing(gm, info, cut_at, {k: i.shape for k, i in infos.items()})
+        if share_dropouts(gm, info, layout, full, infos, partial(_rank, gm)):   # run again:
+            infos, outs = on_meta(meta, _share_run, gm, info, args, share)
         vals.update(zip(info.outputs, outs, strict=True))
         status = {n: PARTIAL if n in pads else REPLICATED for n in gm.graph.nodes}
         cut = build_parts(gm, info, status, _levels(gm, pads), infos, names,

@@ -8,7 +8,9 @@ would be, and part k continues from the state part k - 1 left on this device for
 microbatch. So a sharded region draws, op for op, from the stream the unsharded region
 draws from, and the draws of its sharded dropouts (`tp.dropout`, a slice of the
 whole mask) stay in step with it. Every TP rank seeds alike: a replicated part draws the
-same masks on each.
+same masks on each. So do the members of a context group (`RegionInfo.context`), whose
+plan replicas `k x degree .. k x degree + degree - 1` are data-parallel replica `k`: each
+draws the whole sequence's mask and keeps its chunks of it (`cp.dropout`).
 
 A recomputed forward runs again from the state its first run started from (`start`
 returns it for such a forward, `restore` puts it back).
@@ -39,10 +41,13 @@ class ForwardRng:
     def __init__(self, plan, device: torch.device):
         self.device = device
         self.origin: dict[int, tuple[str, int]] = {}   # region -> (region cut from, part)
+        self.context: dict[int, int] = {}   # region -> its context degree (members alike)
         for r in plan.regions:
             tags = dict(r.tags)
             part = tags.pop(PART, None)
             self.origin[r.index] = (tags_text(tags) or "all", part)
+            if r.context:
+                self.context[r.index] = r.context[0]
         self.after: dict[tuple, tuple] = {}   # (step, region cut from, mb, replica) -> state
 
     def start(self, seed: int, step: int, ins) -> tuple | None:
@@ -53,7 +58,9 @@ class ForwardRng:
         if state is None:   # part 0, a whole region, or a part timed alone (the profiler)
             key = f"{name}#{part}" if part else name
             mb = max(ins.mb, 0)   # -1: a plan without microbatches, whose one is the 0th
-            s = forward_seed(seed, step, key, mb, ins.replica)
+            # a context group's members are one replica, seeded alike (`cp.dropout`)
+            replica = ins.replica // self.context.get(ins.region, 1)
+            s = forward_seed(seed, step, key, mb, replica)
             torch.default_generator.manual_seed(s)
             if self.device.type == "cuda":
                 torch.cuda.default_generators[self.device.index or 0].manual_seed(s)

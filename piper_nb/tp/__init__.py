@@ -29,6 +29,7 @@ from piper_nb.tp.directive import (
     tensor_parallel,
     tp_groups,
 )
+from piper_nb.tp.dropout import draws_random, dropout_of
 from piper_nb.tp.parts import PART, Info, build_parts
 from piper_nb.tp.parts import P as PARTIAL
 from piper_nb.tp.parts import R as REPLICATED
@@ -44,4 +45,4 @@ __all__ = ["TensorParallel", "tensor_parallel", "tp_groups", "shard_regions",
            "place_tensor_parallel", "insert_tp_collectives", "widen_plan", "TPLayout",
            "local_shard", "join_shards", "Style", "model_tp_plan", "style_of", "PART", "TP_RANK",
            "Info", "build_parts", "PARTIAL", "REPLICATED", "localize",
-           "op_target", "reduced_dims"]
+           "op_target", "reduced_dims", "dropout_of", "draws_random"]

@@ -24,7 +24,7 @@ from piper_nb.capture.slice_dropout import slice_dropout
 from piper_nb.errors import PlanError
 from piper_nb.tp.vocab import tp_rank
 
-__all__ = ["shard_dropouts"]
+__all__ = ["shard_dropouts", "dropout_of", "draws_random"]
 
 _A = torch.ops.aten
 _DROPOUTS = {_A.dropout.default, F.dropout, torch.dropout}
@@ -46,7 +46,7 @@ def shard_dropouts(gm: fx.GraphModule, sharded: set, dims: dict[str, int | None]
     for n in list(g.nodes):
         if n.name not in sharded:
             continue
-        spec = _dropout_of(gm, n)
+        spec = dropout_of(gm, n)
         if spec is None:
             _refuse_random(gm, n, where)
             continue
@@ -70,7 +70,7 @@ def shard_dropouts(gm: fx.GraphModule, sharded: set, dims: dict[str, int | None]
     return made
 
 
-def _dropout_of(gm: fx.GraphModule, n: fx.Node):
+def dropout_of(gm: fx.GraphModule, n: fx.Node):
     """(input, p, train) of a dropout node, else None."""
     if n.op == "call_module":
         mod = gm.get_submodule(str(n.target))
@@ -103,11 +103,15 @@ def _seeded(n: fx.Node) -> bool:
     return isinstance(p, fx.Node) or p != 0
 
 
-def _refuse_random(gm: fx.GraphModule, n: fx.Node, where: str) -> None:
-    random = (n.op == "call_module" and isinstance(gm.get_submodule(str(n.target)),
-                                                   _RANDOM_MODULES)) or \
+def draws_random(gm: fx.GraphModule, n: fx.Node) -> bool:
+    """Whether node `n` draws random numbers other than a dropout's (`dropout_of`)."""
+    return (n.op == "call_module" and isinstance(gm.get_submodule(str(n.target)),
+                                                 _RANDOM_MODULES)) or \
         (n.op == "call_function" and (n.target in _RANDOM_FUNCTIONS or _seeded(n)))
-    if random:
+
+
+def _refuse_random(gm: fx.GraphModule, n: fx.Node, where: str) -> None:
+    if draws_random(gm, n):
         raise PlanError(f"tensor_parallel: {where}: {n.format_node()} draws random numbers on "
                         "a device's share of heads or features, which only dropout knows how "
                         "to draw as one process does; keep the layers around it whole "

@@ -76,6 +76,15 @@ def test_what_it_cannot_hold_is_a_plan_error():
         pn.context_parallel({}, [0, 1], load_balance="striped")
     with pytest.raises(pn.PlanError, match="with tensor_parallel"):
         compile_cp(model, [pn.tensor_parallel({}, [0, 1]), pn.context_parallel({}, [0, 1])])
+    with pytest.raises(pn.PlanError, match="rand_like.*draws random numbers on a device's "
+                                           "share of the sequence"):
+        compile_cp(Attend(noise=True), [pn.context_parallel({}, [0, 1])])
+
+
+def test_a_dropout_on_a_share_draws_the_whole_sequences_mask():
+    plan = compile_cp(Attend(embed_dropout=0.3), [pn.context_parallel({}, [0, 1])])
+    code = "".join(m.code for m in plan.capture.modules)
+    assert "share_dropout" in code and "F.dropout" not in code
 
 
 class Pool(nn.Module):

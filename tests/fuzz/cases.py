@@ -195,12 +195,13 @@ def _draw_cp(case: Case) -> None:
     """Context parallelism of degree 2 (each pipeline rank and replica widened into a
     group sharing the sequence: two replicas at most, or one on two ranks, 4 devices in
     all), zigzag or contiguous, over sequences of a length both cut, attention on some
-    stages, BatchNorm taken out (its statistics are over every token); not with TP,
-    dropout, Float8 (scales from each share's amax) or selective recompute, nor DualPipe's
-    stage copies. Its own stream of draws: the fields it does not name keep their draw."""
+    stages, BatchNorm taken out (its statistics are over every token), dropout drawn as
+    one process's mask (`cp.dropout`); not with TP, Float8 (scales from each share's amax)
+    or selective recompute, nor DualPipe's stage copies. Its own stream of draws: the
+    fields it does not name keep their draw."""
     rng = random.Random(f"{case.seed}:cp")
     spec = case.spec
-    if (case.tp > 1 or (spec.dropout and not spec.eval_dropout) or case.float8
+    if (case.tp > 1 or case.float8
             or case.selective or case.ranks > 2 or case.schedule == "dualpipe"
             or rng.random() >= 0.35):
         return

@@ -138,13 +138,15 @@ def test_a_case_replays_from_its_seed():
 
 def test_make_fuzz_draws_context_parallel():
     """Context parallelism of degree 2, zigzag and contiguous, with pipelines (split
-    backwards among them), data parallelism under ZeRO-3, recompute and the global loss
-    over masked targets, among the 500 cases of `make fuzz` (83 of them)."""
+    backwards among them), data parallelism under ZeRO-3, recompute, dropout (one
+    process's masks) and the global loss over masked targets, among the 500 cases of `make
+    fuzz` (86 of them)."""
     cases = [c for c in map(draw, range(500)) if c.cp > 1]
     assert len(cases) > 60 and {c.balance for c in cases} == {"zigzag", "contiguous"}
     assert any(c.ranks > 1 and c.schedule in ("zb1p", "dualpipev") for c in cases)
     assert any(c.dp > 1 and c.zero == 3 for c in cases)
     assert any(c.recompute for c in cases) and any(c.global_loss for c in cases)
+    assert any(c.spec.dropout and not c.spec.eval_dropout for c in cases)
     case = next(c for c in cases if c.ranks > 1)
     model = StageGraph(case.spec)
     plan = pn.compile(pn.annotate(model, model.annotation()), program(case),

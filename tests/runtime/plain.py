@@ -85,17 +85,23 @@ def plain_loop(model, batches, microbatches: int, lr: float, loss_fn=None):
 class Attend(LanguageModel):
     """A one-layer model: its attention fused with a mask tensor (`mask="sdpa"`, causal;
     `"sdpa-window"`, a sliding window) or with dropout, or eager (`eager=True`) with a mask
-    (`"causal"`, `"window"`: a sliding window of 4 tokens)."""
+    (`"causal"`, `"window"`: a sliding window of 4 tokens); `embed_dropout` after the
+    embedding, `noise` adds `torch.rand_like` there (a random op other than dropout)."""
 
     def __init__(self, mask: str | None = None, dropout: float = 0.0, eager: bool = False,
-                 seq: int = 16):
+                 seq: int = 16, embed_dropout: float = 0.0, noise: bool = False):
         super().__init__()
         self.config, self.name = dict(vocab=32, seq=seq), "Attend"
         self.embed, self.qkv, self.head = nn.Embedding(32, 16), nn.Linear(16, 48), nn.Linear(16, 32)
         self.mask, self.dropout, self.eager = mask, dropout, eager
+        self.embed_dropout, self.noise = embed_dropout, noise
 
     def forward(self, tokens):
         x = self.embed(tokens)
+        if self.embed_dropout:
+            x = F.dropout(x, self.embed_dropout, self.training)
+        if self.noise:
+            x = x + torch.rand_like(x)
         b, t = x.size(0), x.size(1)
         q, k, v = self.qkv(x).reshape(b, t, 3, 2, 8).permute(2, 0, 3, 1, 4).unbind(0)
         if self.eager:

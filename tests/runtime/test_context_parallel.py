@@ -102,6 +102,25 @@ def test_cp2_causal_masks_written_out(cluster2, model):
     assert len(plan.capture.cp.gathered) == 2
 
 
+@pytest.mark.parametrize("more", [[], [pn.recompute({})]], ids=["", "recomputed"])
+def test_cp2_dropout_draws_one_process_mask(cluster2, more):
+    """Dropout on a share: each member draws the whole sequence's mask from the seed one
+    process draws from, and keeps its chunks (`cp.dropout`): equal to the seeded
+    reference (and, recomputed, the same mask again)."""
+    model = Attend(embed_dropout=0.3)
+    batch = model.example_batch(batch_size=4, seed=0)
+    spec = pn.annotate(model, ONE)
+    plan = pn.compile(spec, [pn.context_parallel({}, [0, 1]), *more], batch)
+    result = pn.train(plan, batch, 3, SGD, cluster=cluster2, seed=7)
+    ref = pn.reference_train(spec, batch, 3, plan.reference_microbatches, SGD, seed=7)
+    torch.testing.assert_close(torch.tensor(result.losses), torch.tensor(ref.losses),
+                               rtol=RTOL, atol=ATOL)
+    for k, v in ref.state_dict().items():
+        torch.testing.assert_close(result.state_dict()[k], v, rtol=RTOL, atol=ATOL)
+    plain = pn.reference_train(spec, batch, 3, plan.reference_microbatches, SGD, seed=8)
+    assert plain.losses != ref.losses   # the masks matter: another seed trains otherwise
+
+
 def test_pp2_cp2_1f1b(cluster4):
     model = llama()
     _train(model, [*pn.schedules.one_f_one_b(2, 4), pn.place({"PP": 0}, [0, 1]),
