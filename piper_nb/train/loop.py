@@ -13,6 +13,7 @@ from piper_nb.capture.float8 import check_training as check_float8
 from piper_nb.cluster.checkpoint import Checkpointer
 from piper_nb.cluster.local import LocalCluster
 from piper_nb.compiler.clip import with_grad_clipping
+from piper_nb.cp.labels import check_shares
 from piper_nb.errors import PlanError, RuntimeFailure
 from piper_nb.metrics import StepMetrics, TensorBoardLog, batch_tokens
 from piper_nb.optim import OptimizerSpec, check_optimizer
@@ -227,6 +228,7 @@ class _Run:
         if this is None:
             self.skipped.append(s)
             return False
+        check_shares(this, batch, s)   # context parallelism's microbatch mean: exact?
         sent = batch.in_order(plan.batch_names, f"step {s}")   # as the workers take it
         last = s == self.steps
         if this is plan:

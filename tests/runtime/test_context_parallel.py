@@ -121,6 +121,43 @@ def test_cp2_dropout_draws_one_process_mask(cluster2, more):
     assert plain.losses != ref.losses   # the masks matter: another seed trains otherwise
 
 
+def _token_mean(logits, targets):
+    return torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+def _token_sum(logits, targets):
+    return (torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten(),
+                                              reduction="sum"), (targets != -100).sum())
+
+
+def test_ignored_labels_uneven_over_the_shares_need_the_global_mean(cluster2):
+    """Under the microbatch mean each member's loss is the mean over its own labels: exact
+    when the shares count as many of them (ignored at positions 0 and 4: one in each
+    zigzag share), a PlanError before the step when they do not (the last label ignored, as
+    a causal LM's shifted labels are: device 0 holds it), and exact under the global mean."""
+    model = pn.models.TinyGPT(vocab=64, dim=32, layers=2, heads=2, seq=16)
+    tokens, targets = model.example_batch(batch_size=4, seed=0)
+    spec = pn.annotate(model, ONE)
+    even, uneven = targets.clone(), targets.clone()
+    even[:, [0, 4]] = -100
+    uneven[:, -1] = -100
+    for mean, batch in (("microbatch", (tokens, even)), ("global", (tokens, uneven))):
+        loss = _token_sum if mean == "global" else _token_mean
+        plan = pn.compile(spec, [pn.context_parallel({}, [0, 1])], batch, loss_fn=loss,
+                          loss_mean=mean)
+        result = pn.train(plan, batch, 2, SGD, cluster=cluster2)
+        ref = pn.reference_train(spec, batch, 2, plan.reference_microbatches, SGD, loss,
+                                 loss_mean=mean)
+        torch.testing.assert_close(torch.tensor(result.losses), torch.tensor(ref.losses),
+                                   rtol=RTOL, atol=ATOL)
+    plan = pn.compile(spec, [pn.context_parallel({}, [0, 1])], (tokens, uneven),
+                      loss_fn=_token_mean)
+    with pytest.raises(pn.PlanError, match=r"step 1: context_parallel: batch input "
+                                           r"'targets' holds ignored labels \(-100\) "
+                                           r"unevenly .*\[4, 0\] of .*loss_mean='global'"):
+        pn.train(plan, (tokens, uneven), 2, SGD, cluster=cluster2)
+
+
 def test_pp2_cp2_1f1b(cluster4):
     model = llama()
     _train(model, [*pn.schedules.one_f_one_b(2, 4), pn.place({"PP": 0}, [0, 1]),
