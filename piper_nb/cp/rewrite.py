@@ -25,10 +25,10 @@ Three things in its graph would see only those tokens, and are rewritten:
 
 Everything else (embeddings, norms, the MLP, the loss) runs on the share as written, but
 dropout: each device draws the whole sequence's mask, as one process does from the same
-generator state, and applies its chunks of it (`share_dropout`); another random op is a
-PlanError. The
-loss of a share is its mean; the plan averages the members' (`Plan.loss_scale`), which is
-the whole sequence's mean when every member counts the same tokens.
+generator state, and applies its chunks of it (`cp.dropout`); another random op is a
+PlanError. The loss of a share is its mean; the plan averages the members'
+(`Plan.loss_scale`), which is the whole sequence's mean when every member counts the same
+tokens (a step whose shares count ignored labels unevenly is stopped: `cp.labels`).
 """
 
 from __future__ import annotations
