@@ -36,16 +36,19 @@ def _compile(name: str):
 
 
 @pytest.fixture(scope="module")
-def clusters():
-    """One local cluster per world size, shared by the module's tests."""
-    made: dict[int, pn.LocalCluster] = {}
+def clusters(cluster2, cluster4):
+    """One local cluster per world size: the session's of 2 and 4 workers, and one of
+    any other size shared by the module's tests."""
+    made: dict[int, pn.LocalCluster] = {2: cluster2, 4: cluster4}
+    own = []
 
     def get(n: int) -> pn.LocalCluster:
         if n not in made:
             made[n] = pn.LocalCluster(n).start()
+            own.append(made[n])
         return made[n]
     yield get
-    for c in made.values():
+    for c in own:
         c.close()
 
 
