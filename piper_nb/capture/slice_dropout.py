@@ -22,16 +22,10 @@ def slice_dropout(x: torch.Tensor, p: float, train: bool, dim: int, degree: int,
                rank: torch.Tensor) -> torch.Tensor:
     """`F.dropout(whole, p, train)` cut to this device's share `x` along `dim` (`rank` of
     `degree`): the whole mask drawn, this share's slice applied."""
-    if not train or p == 0 or x.numel() == 0:
-        return x
-    if p == 1:
-        return x * torch.zeros((), dtype=x.dtype, device=x.device)
     n = x.shape[dim]
-    shape = list(x.shape)
-    shape[dim] = n * degree
-    noise = x.new_empty(shape).bernoulli_(1 - p).div_(1 - p)
     first = 0 if rank.is_meta else int(rank) * n   # planning on meta: any share's shape
-    return x * noise.narrow(dim, first, n).clone()   # a copy: autograd keeps the share only
+    # a copy: autograd keeps the share only
+    return _whole_mask(x, p, train, dim, degree, lambda m: m.narrow(dim, first, n).clone())
 
 
 def share_dropout(x: torch.Tensor, p: float, train: bool, dim: int, degree: int, rank,
@@ -39,11 +33,18 @@ def share_dropout(x: torch.Tensor, p: float, train: bool, dim: int, degree: int,
     """`F.dropout(whole, p, train)` cut to this device's context share `x` (its chunks of
     the sequence along `dim`, `capture.ring_attention.take_share`): the whole sequence's
     mask drawn, this device's chunks of it applied."""
+    return _whole_mask(x, p, train, dim, degree,
+                       lambda m: take_share(m, degree, rank, balance, dim))   # a copy
+
+
+def _whole_mask(x: torch.Tensor, p: float, train: bool, dim: int, degree: int,
+                mine) -> torch.Tensor:
+    """`x` times `mine(mask)`, the mask drawn as dropout draws it for `x` with `degree`
+    times its length along `dim`."""
     if not train or p == 0 or x.numel() == 0:
         return x
     if p == 1:
         return x * torch.zeros((), dtype=x.dtype, device=x.device)
     shape = list(x.shape)
     shape[dim] = x.shape[dim] * degree
-    noise = x.new_empty(shape).bernoulli_(1 - p).div_(1 - p)
-    return x * take_share(noise, degree, rank, balance, dim)   # a copy: the share only
+    return x * mine(x.new_empty(shape).bernoulli_(1 - p).div_(1 - p))

@@ -22,7 +22,8 @@ from piper_nb.cp.directive import (
     insert_cp_collectives,
     place_context,
 )
-from piper_nb.cp.rewrite import CP_RANK, CPLayout, share_batch
+from piper_nb.cp.rewrite import CP_RANK, CPLayout, sequence_length, share_batch
 
 __all__ = ["ContextParallel", "context_parallel", "context_degree", "cut_context",
-           "place_context", "insert_cp_collectives", "CP_RANK", "CPLayout", "share_batch"]
+           "place_context", "insert_cp_collectives", "CP_RANK", "CPLayout", "share_batch",
+           "sequence_length"]

@@ -22,9 +22,9 @@ def share_dropouts(gm, info, layout, full: dict, infos: dict, rank) -> bool:
     any was made."""
     g, made = gm.graph, False
     for n in list(g.nodes):
-        spec = dropout_of(gm, n) if n.op in ("call_function", "call_module") else None
+        spec = dropout_of(gm, n)
         if spec is None:
-            if n.op in ("call_function", "call_module") and draws_random(gm, n):
+            if draws_random(gm, n):
                 raise PlanError(f"context_parallel: region {info.name}: {n.format_node()} "
                                 "draws random numbers on a device's share of the sequence, "
                                 "which only dropout knows how to draw as one process does; "

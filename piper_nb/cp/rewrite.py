@@ -59,7 +59,8 @@ from piper_nb.errors import PlanError
 from piper_nb.ir.kinds import Op
 from piper_nb.tp import PARTIAL, REPLICATED, Info, build_parts, localize
 
-__all__ = ["CP_RANK", "CPLayout", "cut_capture", "sequence_inputs", "share_batch"]
+__all__ = ["CP_RANK", "CPLayout", "cut_capture", "sequence_inputs", "sequence_length",
+           "share_batch"]
 
 CP_RANK = "_pn_cp_rank"   # a part's own rank in its context group, set by each worker
 _ARANGE = {torch.arange, torch.ops.aten.arange.default, torch.ops.aten.arange.start,
@@ -84,11 +85,17 @@ class CPLayout:
     directive: int = -1
 
 
+def sequence_length(batch: Mapping[str, torch.Tensor]) -> int | None:
+    """The sequence's length: dimension 1 of the first input with two or more (None
+    without one)."""
+    return next((t.shape[SEQ_DIM] for t in batch.values()
+                 if isinstance(t, torch.Tensor) and t.dim() > SEQ_DIM), None)
+
+
 def sequence_inputs(batch: Mapping[str, torch.Tensor]) -> tuple[int, frozenset[str]]:
-    """(the sequence's length, the batch inputs that hold it): dimension 1 of the first
-    input with two or more, and every input with that length there."""
-    seq = next((t.shape[SEQ_DIM] for t in batch.values()
-                if isinstance(t, torch.Tensor) and t.dim() > SEQ_DIM), None)
+    """(the sequence's length, the batch inputs that hold it): `sequence_length`, and every
+    input with that length there."""
+    seq = sequence_length(batch)
     if seq is None:
         raise PlanError("context_parallel needs inputs of [batch, sequence, ...]; the batch "
                         "has " + ", ".join(f"{k} {list(t.shape)}" for k, t in batch.items()))

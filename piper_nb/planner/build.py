@@ -21,8 +21,7 @@ from piper_nb.capture.annotate import _linear_partition
 from piper_nb.capture.batch import Batch
 from piper_nb.planner.knobs import Knobs, Schedule
 
-__all__ = ["token_count", "sequence_length", "cut", "annotation", "program", "is_layer",
-           "recomputes"]
+__all__ = ["token_count", "cut", "annotation", "program", "is_layer", "recomputes"]
 
 
 def token_count(batch: Batch) -> int:
@@ -31,12 +30,6 @@ def token_count(batch: Batch) -> int:
         if not t.is_floating_point() and t.dim() >= 2:
             return t.numel()
     return batch.size
-
-
-def sequence_length(batch: Batch) -> int | None:
-    """Tokens a sequence holds: dimension 1 of the first input with two or more (as
-    `pn.context_parallel` cuts it), None without one."""
-    return next((t.shape[1] for t in batch.values() if t.dim() >= 2), None)
 
 
 def cut(weights: list[float], stages: int) -> list[int]:

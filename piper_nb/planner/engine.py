@@ -31,9 +31,10 @@ from dataclasses import dataclass, replace
 from piper_nb.capture.annotate import annotate
 from piper_nb.capture.batch import Batch
 from piper_nb.compiler.compile import compile
+from piper_nb.cp import sequence_length
 from piper_nb.directives.spec import Program
 from piper_nb.errors import PlanError
-from piper_nb.planner.build import annotation, is_layer, program, sequence_length, token_count
+from piper_nb.planner.build import annotation, is_layer, program, token_count
 from piper_nb.planner.estimate import Context
 from piper_nb.planner.experts import find_experts
 from piper_nb.planner.explore import explore, rate

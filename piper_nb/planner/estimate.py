@@ -116,18 +116,18 @@ def _states(k: Knobs, units, ctx: Context, on_rank) -> list[float]:
         n, pbytes = _replicated(k, units, mine)
         pb = ctx.param_bytes * n if ctx.param_bytes is not None else pbytes
         gb = ctx.grad_bytes * n if ctx.grad_bytes is not None else pbytes
-        dp = k.shards   # ZeRO shards over the replicas and their context groups
-        total = (pb / (dp if k.zero == 3 else 1) + gb / (dp if k.zero >= 2 else 1)
-                 + ctx.optim_bytes * n / (dp if k.zero >= 1 else 1))
+        shards = k.shards   # ZeRO shards over the replicas and their context groups
+        total = (pb / (shards if k.zero == 3 else 1) + gb / (shards if k.zero >= 2 else 1)
+                 + ctx.optim_bytes * n / (shards if k.zero >= 1 else 1))
         if k.ep > 1:   # the experts, spread over the replicas, neither reduced nor sharded
             ne = sum(units[i].expert_params for i in mine)
             ebytes = sum(units[i].expert_param_bytes for i in mine)
             total += ((ctx.param_bytes * ne if ctx.param_bytes is not None else ebytes)
                       + (ctx.grad_bytes * ne if ctx.grad_bytes is not None else ebytes)
                       + ctx.optim_bytes * ne) / k.ep
-        if k.zero == 3 and dp > 1 and mine:
+        if k.zero == 3 and shards > 1 and mine:
             if k.pp > 1:   # gathered once a step and kept, gradients reduced once (build)
-                total += pbytes + gb - gb / dp
+                total += pbytes + gb - gb / shards
             else:          # gathered, prefetched
                 total += 2 * max(_replicated(k, units, [i])[1] for i in mine)
         out.append(total)

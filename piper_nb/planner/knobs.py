@@ -3,7 +3,7 @@ candidate's settings) and `space` (every combination a device count, a batch and
 user's pins allow, in a fixed order).
 
 A candidate is PP x TP x CP x DP = the device count (TP innermost and inside one node, then
-CP, then PP, then DP, Megatron's numbering), a ZeRO level (DP > 1), a schedule (none without PP; GPipe,
+CP, then PP, then DP, Megatron's numbering), a ZeRO level (DP x CP > 1), a schedule (none without PP; GPipe,
 1F1B, interleaved 1F1B with two stages a rank, ZB1P, DualPipeV with PP), a microbatch count
 dividing each replica's share of the batch, how many leading pipeline ranks recompute their
 layers (`recompute`: 0 none, PP all) and, where every rank does, which of them (`every`: one
