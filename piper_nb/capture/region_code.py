@@ -100,8 +100,9 @@ def region_module(gm: fx.GraphModule, r: int, mine: list[fx.Node], in_names: lis
     """The GraphModule of region `r`: its ops, reading `in_names` and returning `out_names`."""
     g = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
-    for v in in_names:
+    for v in in_names:   # every placeholder first: a call's name never takes an input's
         env[by_name[v]] = g.placeholder(name_map.get(v, v))
+    for v in in_names:
         if by_name[v] in sizes:  # a shape crossing regions travels as a tensor
             env[by_name[v]] = g.call_function(unpack_size, (env[by_name[v]],))
 

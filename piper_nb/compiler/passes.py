@@ -127,7 +127,7 @@ DAG_PASSES: tuple[Pass, ...] = (
     Pass("tensor-parallel placement", place_tensor_parallel,         # one group's first
          reads=(TensorParallel,)),                                   # device
     Pass("context placement", place_context,                         # the context group
-         reads=(ContextParallel,)),
+         reads=(ContextParallel, TensorParallel)),                   # (over TP leads)
     Pass("placement check", check_placement),                        # all placed; U placed
     Pass("send/recv", insert_send_recv),                             # a pair per crossing
     Pass("tensor-parallel collectives", insert_tp_collectives,       # all-reduces between

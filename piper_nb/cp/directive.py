@@ -39,6 +39,7 @@ from piper_nb.ir.dag import TrainingDAG
 from piper_nb.ir.filters import as_filter, matches
 from piper_nb.ir.kinds import PASSES, EdgeKind, Op, Purpose
 from piper_nb.ir.node import Edge, Node, node_id
+from piper_nb.tp import tp_groups
 
 __all__ = ["ContextParallel", "context_parallel", "context_degree", "cut_context",
            "place_context", "insert_cp_collectives"]
@@ -119,9 +120,6 @@ def cut_context(capture, directives: Directives, ctx: CaptureContext):
                         f"{', '.join(missed)}; the sequence is cut where the batch comes in, "
                         "so every region must run on the context: use filter {}",
                         directive=i, op=d.op)
-    if capture.tp is not None:
-        raise PlanError("context_parallel with tensor_parallel in one program is not "
-                        "supported yet; drop one of them", directive=i, op=d.op)
     if capture.loss_fn is model_loss and capture.loss_mean != "global":
         raise PlanError("context_parallel: the model's own loss (Hugging Face's) is each "
                         "device's mean over the labels it holds, and the devices hold "
@@ -138,9 +136,11 @@ def place_context(dag: TrainingDAG, directives: Directives, ctx: Context) -> Tra
     `replicate` say which runs where); every pass must run on whole groups, each in its
     order (a replica group of groups: the device at place k is rank k mod n of its
     group, of data-parallel replica k div n)."""
-    if not directives or ctx.capture.cp is None:
+    cps = [(i, d) for i, d in directives if isinstance(d, ContextParallel)]
+    if not cps or ctx.capture.cp is None:
         return dag
-    i, d = directives[0]
+    i, d = cps[0]
+    _check_over_tp_leads(i, d, tp_groups(directives))
     lead = {g[0]: g for g in d.groups}
     nodes = []
     for n in dag.nodes:
@@ -156,6 +156,33 @@ def place_context(dag: TrainingDAG, directives: Directives, ctx: Context) -> Tra
                                 "devices, group after group", directive=i, op=d.op)
         nodes.append(n)
     return dag.replace(nodes=nodes, step=f"{len(d.groups)} groups of {d.degree}")
+
+
+def _check_over_tp_leads(i: int, d: ContextParallel, tp: dict) -> None:
+    """With tensor parallelism the context runs over the groups' first devices (each TP
+    group follows its first device, `tp.widen`): every context member must lead a group,
+    all of one degree."""
+    if not tp:
+        return
+    members = {m: g for g in tp.values() for m in g[1:]}
+    n, t = d.degree, len(next(iter(tp.values())))
+    for dev in (dev for g in d.groups for dev in g):
+        if dev in members or dev not in tp:
+            why = (f"is a member of the tensor-parallel group {list(members[dev])}"
+                   if dev in members else "leads no tensor-parallel group")
+            raise PlanError(f"context_parallel: device {dev} of context group "
+                            f"{[list(g) for g in d.groups]} {why}; with tensor "
+                            "parallelism the context runs over the groups' first devices, "
+                            f"each group following its first: for CP {n} x TP {t}, "
+                            f"context_parallel({{}}, {[k * t for k in range(n)]}) with "
+                            f"tensor_parallel({{}}, "
+                            f"{[list(range(k * t, k * t + t)) for k in range(n)]})",
+                            directive=i, op=d.op)
+    sizes = {len(tp[dev]) for g in d.groups for dev in g}
+    if len(sizes) > 1:
+        raise PlanError(f"context_parallel: its devices lead tensor-parallel groups of "
+                        f"sizes {sorted(sizes)}; give the groups one degree",
+                        directive=i, op=d.op)
 
 
 def insert_cp_collectives(dag: TrainingDAG, directives: Directives, ctx: Context

@@ -5,7 +5,8 @@ along): a reduction over the sequence (a mean over the tokens, a cumulative sum,
 softmax over them), a linear layer or product contracting it, a convolution or
 BatchNorm over it. A loss's reduction to its scalar is exempt (what only the loss outputs
 read, reduced to one number: each device's mean over its tokens, which the plan averages,
-`Plan.loss_scale`).
+`Plan.loss_scale`), also when the loss spans regions (a tensor-parallel region's parts: its
+label count made in the first part, `loss_values`).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from piper_nb.errors import PlanError
 from piper_nb.ir.loss_outputs import is_loss_output
 from piper_nb.tp import op_target, reduced_dims
 
-__all__ = ["check_mixing"]
+__all__ = ["check_mixing", "loss_values"]
 
 _A = torch.ops.aten
 _LINEAR = {_A.linear.default, F.linear}
@@ -29,10 +30,12 @@ _CONV = (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.modules.batchnorm._BatchNorm, nn.Gr
          nn.InstanceNorm1d)
 
 
-def check_mixing(gm: fx.GraphModule, info, cut: dict, shapes: dict) -> None:
+def check_mixing(gm: fx.GraphModule, info, cut: dict, shapes: dict,
+                 to_loss: frozenset[str] = frozenset()) -> None:
     """PlanError at the first op of `gm` (region `info`) that mixes the tokens along the
     dimension its input is cut along (`cut`: op name -> that dimension; `shapes`: node
-    name -> its shape on the share), unless only the loss reads it."""
+    name -> its shape on the share), unless only the loss reads it (`to_loss`: the
+    region outputs only later regions' losses read, `loss_values`)."""
     loss_only = None   # what only the loss outputs read: found at the first reduction
     for n in gm.graph.nodes:
         d = cut.get(n.name)
@@ -41,7 +44,7 @@ def check_mixing(gm: fx.GraphModule, info, cut: dict, shapes: dict) -> None:
             continue
         scalar = shapes.get(n.name) is not None and all(s == 1 for s in shapes[n.name])
         if scalar:
-            loss_only = _loss_only(gm, info) if loss_only is None else loss_only
+            loss_only = _loss_only(gm, info, to_loss) if loss_only is None else loss_only
             if n in loss_only:
                 continue
         ndim = len(shapes[x.name])
@@ -69,11 +72,27 @@ def _mixes(gm, n: fx.Node, d: int, ndim: int) -> bool:
     return False
 
 
-def _loss_only(gm: fx.GraphModule, info) -> set[fx.Node]:
-    """The ops only the region's loss outputs read."""
+def loss_values(regions, modules) -> frozenset[str]:
+    """The region outputs that only losses read, in whichever region they are made (a
+    label count the first part of a region makes for the loss in its last)."""
+    found: set[str] = set()
+    readers: dict[str, list[bool]] = {}   # value -> per reading region: only to its loss?
+    for info, gm in reversed(list(zip(regions, modules, strict=True))):
+        made = [v for v in info.outputs if not is_loss_output(v)]
+        found |= {v for v in made if readers.get(v) and all(readers[v])}
+        only = _loss_only(gm, info, frozenset(found))
+        phs = [n for n in gm.graph.nodes if n.op == "placeholder"]
+        for ph, v in zip(phs, info.inputs, strict=True):
+            readers.setdefault(v, []).append(ph in only)
+    return frozenset(found)
+
+
+def _loss_only(gm: fx.GraphModule, info, to_loss: frozenset[str] = frozenset()
+               ) -> set[fx.Node]:
+    """The ops only the region's loss outputs (and outputs in `to_loss`) read."""
     out = next(n for n in gm.graph.nodes if n.op == "output")
     others = [a for v, a in zip(info.outputs, out.args[0], strict=True)
-              if not is_loss_output(v) and isinstance(a, fx.Node)]
+              if not is_loss_output(v) and v not in to_loss and isinstance(a, fx.Node)]
     reach, todo = set(), list(others)
     while todo:
         n = todo.pop()

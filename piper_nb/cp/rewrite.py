@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import dataclasses
 import operator
+from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import partial
@@ -54,10 +55,12 @@ from piper_nb.capture.sequence_ops import SEQ_DIM, pad_sequence
 from piper_nb.capture.untouched import untouched
 from piper_nb.cp.attention import attentions, causal_mask, mask_input, refused
 from piper_nb.cp.dropout import share_dropouts
-from piper_nb.cp.mixing import check_mixing
+from piper_nb.cp.mixing import check_mixing, loss_values
+from piper_nb.cp.regions import drop_unread, origins_of, prune
 from piper_nb.errors import PlanError
+from piper_nb.ir.filters import freeze_tags
 from piper_nb.ir.kinds import Op
-from piper_nb.tp import PARTIAL, REPLICATED, Info, build_parts, localize
+from piper_nb.tp import PART, PARTIAL, REPLICATED, Info, build_parts, localize
 
 __all__ = ["CP_RANK", "CPLayout", "cut_capture", "sequence_inputs", "sequence_length",
            "share_batch"]
@@ -134,16 +137,22 @@ def cut_capture(capture, degree: int, balance: str, directive: int, batch: Mappi
     canonical = param_aliases(capture.model)
     regions, modules, parts = [], [], {}
     gathered, grad_sum = set(), set()
+    to_loss = loss_values(capture.regions, capture.modules)
+    origins, count, tp_parts = origins_of(capture), Counter(), {}
+    rewritten = []
     for info, gm0 in zip(capture.regions, capture.modules, strict=True):
         full, traced, constant, values = wholes[info.index]
         gm = own_copy(gm0)
         _global_positions(gm, traced, constant, layout)
-        pads = _ring_attention(gm, info, layout, values, full)
+        rewritten.append((gm, _ring_attention(gm, info, layout, values, full)))
+    kept = drop_unread(capture, [gm for gm, _ in rewritten])
+    for info, (gm, pads) in zip(kept, rewritten, strict=True):
+        full = wholes[info.index][0]
         args = _args(info, vals, share)
         cut_at = on_meta(meta, localize, gm, args, full, {n.name for n in gm.graph.nodes},
                          degree, {}, f"region {info.name}", op="context_parallel")
         infos, outs = on_meta(meta, _share_run, gm, info, args, share)
-        check_mixing(gm, info, cut_at, {k: i.shape for k, i in infos.items()})
+        check_mixing(gm, info, cut_at, {k: i.shape for k, i in infos.items()}, to_loss)
         if share_dropouts(gm, info, layout, full, infos, partial(_rank, gm)):   # run again:
             infos, outs = on_meta(meta, _share_run, gm, info, args, share)
         vals.update(zip(info.outputs, outs, strict=True))
@@ -153,16 +162,22 @@ def cut_capture(capture, degree: int, balance: str, directive: int, batch: Mappi
                           {p.name: Op.ALL_GATHER for p in pads})
         gathered |= cut.partial
         grad_sum |= cut.grad_sum
-        for k, (pinfo, pgm) in enumerate(cut.parts):
+        origin, tp_part = origins[info.index]
+        for pinfo, pgm in cut.parts:
             names |= {*pinfo.inputs, *pinfo.outputs}
-            parts[len(regions)] = (info.index, k)
+            k = count[origin]   # numbered over the region it was cut from (TP's parts too)
+            count[origin] += 1
+            parts[len(regions)] = (origin, k)
+            if tp_part is not None:
+                tp_parts[len(regions)] = (origin, k)
             regions.append(dataclasses.replace(
-                pinfo, index=len(regions),
+                pinfo, index=len(regions), tags=freeze_tags({**dict(pinfo.tags), PART: k}),
                 context=(degree, balance, tuple(sorted(inputs & set(pinfo.inputs))))))
             modules.append(pgm)
     layout = dataclasses.replace(layout, parts=parts, gathered=frozenset(gathered),
                                  grad_sum=frozenset(grad_sum))
-    return capture.with_regions(regions, modules, cp=layout)
+    tp = capture.tp and dataclasses.replace(capture.tp, parts=tp_parts)
+    return capture.with_regions(regions, modules, cp=layout, tp=tp)
 
 
 _SHIFTS = {torch.ops.aten.pad.default, torch.ops.aten.constant_pad_nd.default,
@@ -338,23 +353,10 @@ def _ring_attention(gm, info, layout: CPLayout, values: dict, full: dict) -> set
         for n in reversed(att.nodes):   # the attention itself, random op or not
             inputs += n.all_input_nodes
             g.erase_node(n)
-        _prune(g, [a for a in inputs if a not in att.nodes and not a.users])
+        prune(g, [a for a in inputs if a not in att.nodes and not a.users])
     g.lint()
     gm.recompile()
     return pads
-
-
-def _prune(g: fx.Graph, dead: list[fx.Node]) -> None:
-    """Erase `dead` and what only they read, back to anything read elsewhere or impure."""
-    gone: set[fx.Node] = set()
-    while dead:
-        n = dead.pop()
-        if n in gone or n.users or n.op in ("placeholder", "output") or n.is_impure():
-            continue
-        ins = n.all_input_nodes
-        g.erase_node(n)
-        gone.add(n)
-        dead.extend(a for a in ins if not a.users)
 
 
 def _levels(gm, pads: set) -> dict:

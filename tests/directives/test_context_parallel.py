@@ -74,8 +74,14 @@ def test_what_it_cannot_hold_is_a_plan_error():
         pn.context_parallel({}, [0])
     with pytest.raises(pn.PlanError, match="load_balance is one of zigzag, contiguous"):
         pn.context_parallel({}, [0, 1], load_balance="striped")
-    with pytest.raises(pn.PlanError, match="with tensor_parallel"):
+    # with TP, the context runs over the TP groups' first devices
+    fix = r"context_parallel\(\{\}, \[0, 2\]\) with tensor_parallel\(\{\}, \[\[0, 1\], \[2, 3\]\]\)"
+    with pytest.raises(pn.PlanError, match="device 1 of context group .* is a member of the "
+                                           "tensor-parallel group .*" + fix):
         compile_cp(model, [pn.tensor_parallel({}, [0, 1]), pn.context_parallel({}, [0, 1])])
+    with pytest.raises(pn.PlanError, match="device 2 of context group .* leads no "
+                                           "tensor-parallel group.*" + fix):
+        compile_cp(model, [pn.tensor_parallel({}, [0, 1]), pn.context_parallel({}, [0, 2])])
     with pytest.raises(pn.PlanError, match="rand_like.*draws random numbers on a device's "
                                            "share of the sequence"):
         compile_cp(Attend(noise=True), [pn.context_parallel({}, [0, 1])])

@@ -25,6 +25,10 @@ RTOL, ATOL = 1e-5, 4e-5
 ONE = {"": {"PP": 0}}
 
 
+def tinygpt():
+    return pn.models.TinyGPT(vocab=32, dim=32, layers=2, heads=4, seq=16)
+
+
 def llama(attention: str = "sdpa"):
     return pn.models.Llama(vocab=32, dim=32, layers=2, heads=4, kv_heads=2, hidden=64, seq=16,
                            attention=attention)
@@ -51,7 +55,7 @@ def _gathers(plan) -> list[str]:
 
 
 def test_cp2_zigzag_tinygpt_learned_positions(cluster2):
-    model = pn.models.TinyGPT(vocab=32, dim=32, layers=2, heads=4, seq=16)
+    model = tinygpt()
     plan = _train(model, [pn.context_parallel({}, [0, 1]), pn.split({}, num=2)], cluster2)
     # each device holds 8 of the 16 tokens; every member's keys and values gathered (16)
     gathered = plan.capture.cp.gathered
@@ -171,6 +175,53 @@ def test_cp2_dp2_zero3(cluster4):
                   cluster4, opt=pn.optim.AdamW(1e-2))
     assert plan.buckets[0].group == (0, 1, 2, 3)   # ZeRO shards over data and context
     assert plan.reference_microbatches == 4        # 2 microbatches x 2 replicas
+
+
+CP_TP = [pn.context_parallel({}, [0, 2]), pn.tensor_parallel({}, [[0, 1], [2, 3]])]
+
+
+@pytest.mark.parametrize("name", ["llama", "tinygpt-recompute", "llama-sp-recompute"])
+def test_cp2_tp2(cluster4, name):
+    """The context over the TP groups' first devices, each group following its first:
+    TP's parts cut again at the attentions, numbered over the region (`PART`); the
+    all-gathers of keys and values among the groups' members of one TP rank."""
+    model = tinygpt() if name.startswith("tinygpt") else llama()
+    sp = name.endswith("sp-recompute")
+    program = [CP_TP[0], pn.tensor_parallel({}, [[0, 1], [2, 3]], sequence_parallel=sp),
+               pn.split({}, num=2), *([pn.recompute({})] if "recompute" in name else [])]
+    plan = _train(model, program, cluster4)
+    names = [r.name for r in plan.regions]
+    assert len(set(names)) == len(names) and plan.capture.tp.parts.keys() <= set(
+        plan.capture.cp.parts)
+    groups = {d: {i.data.group for i in plan.devices[d].instrs if i.purpose == pn.Purpose.CP}
+              for d in range(4)}
+    assert groups == {0: {(0, 2)}, 1: {(1, 3)}, 2: {(0, 2)}, 3: {(1, 3)}}
+    if "recompute" in name:   # the region again as one unit over both cuts' parts, per
+        assert "layer recompute: 2 layers as units" in plan.dag.history   # microbatch
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_cp2_tp2_transformers_own_tp_plans(cluster4, family):
+    """Llama and Qwen3 from transformers on their own TP plans (the vocab-parallel
+    embedding and loss: its label count made in the first part, read by the loss in the
+    last) with CP 2 over the groups' first devices."""
+    transformers = pytest.importorskip("transformers")
+    model = tiny_family(transformers, family)
+    ids = torch.randint(3, 32, (4, 16), generator=torch.Generator().manual_seed(0))
+    batch = {"input_ids": ids, "labels": ids,
+             "shift_labels": torch.cat([ids[:, 1:], torch.full((4, 1), -100)], 1)}
+    plan = pn.compile(model, [*CP_TP, pn.split({}, num=2)], batch, loss_mean="global")
+    assert "lm_head.weight" in plan.tp_params and len(plan.capture.cp.gathered) == 4
+    result = pn.train(plan, batch, 3, SGD, cluster=cluster4)
+    ref = pn.reference_train(model, batch, 3, plan.reference_microbatches, SGD,
+                             loss_mean="global")
+    torch.testing.assert_close(torch.tensor(result.losses), torch.tensor(ref.losses),
+                               rtol=RTOL, atol=ATOL)
+    assert result.leftover == []
+    got = result.state_dict()
+    for k, v in ref.state_dict().items():
+        torch.testing.assert_close(got[k], v, rtol=RTOL, atol=ATOL,
+                                   msg=lambda m, k=k: f"{k}: {m}")
 
 
 @pytest.mark.parametrize("family,attention", [("llama", "sdpa"), ("qwen3", "sdpa"),

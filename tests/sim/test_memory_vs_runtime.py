@@ -216,6 +216,16 @@ def _context(extra: str | None):
     return model, ann, [pn.context_parallel({}, [0, 1]), pn.split({}, "MB", 2), *more]
 
 
+def _context_tensor(sp: bool):
+    """CP 2 x TP 2 (the context over the groups' first devices, each region cut by both:
+    TP's parts cut again at the attentions), with sequence parallelism and one layer
+    recomputed as a unit over both cuts' parts."""
+    model, ann, _ = _context(None)
+    return model, ann, [pn.context_parallel({}, [0, 2]),
+                        pn.tensor_parallel({}, [[0, 1], [2, 3]], sequence_parallel=sp),
+                        pn.split({}, "MB", 2), *([pn.recompute({"L": 0})] if sp else [])]
+
+
 MORE = {**{f"tied-zero{z}-pp2-dp2": lambda z=z: _tied(z) for z in (1, 2, 3)},
         **{f"dualpipe-copies-zero{z}": lambda z=z: _dualpipe_zero(z) for z in (2, 3)},
         **{f"recompute-{k}": lambda k=k: _recompute(k) for k in ("zb1p", "zero3", "1f1b")},
@@ -225,6 +235,8 @@ MORE = {**{f"tied-zero{z}-pp2-dp2": lambda z=z: _tied(z) for z in (1, 2, 3)},
         **{f"tp2{'-sp' if sp else ''}-units": lambda sp=sp: _units(sp) for sp in (False, True)},
         "float8-zb1p-zero1": lambda: _float8(),
         **{f"cp2{'-' + x if x else ''}": lambda x=x: _context(x) for x in (None, "zero3", "recompute")},
+        **{f"cp2-tp2{'-sp-units' if sp else ''}": lambda sp=sp: _context_tensor(sp)
+           for sp in (False, True)},
         "pp2-dp2-zero3-step-sync": lambda: _pp2_dp2_zero3(True, "step"),
         "pp2-dp2-zero3-noreshard-microbatch-sync": lambda: _pp2_dp2_zero3(False, "microbatch")}
 
