@@ -20,7 +20,7 @@ from torch import nn
 from piper_nb.capture.functions import apply_function
 from piper_nb.capture.ring_attention import context_arange, ring_attention, take_share
 from piper_nb.capture.sequence_ops import narrow_sequence, pad_sequence, whole_like, with_params
-from piper_nb.capture.slice_dropout import share_dropout, slice_dropout
+from piper_nb.capture.slice_dropout import share_dropout, share_slice_dropout, slice_dropout
 
 __all__ = ["region_module", "RegionTracer", "pack_size", "unpack_size", "call_op", "own_copy",
            "param_aliases"]
@@ -82,7 +82,7 @@ class RegionTracer(fx.Tracer):
                                             apply_function, call_op, slice_dropout,
                                             narrow_sequence, pad_sequence, whole_like,
                                             with_params, context_arange, ring_attention,
-                                            take_share, share_dropout))
+                                            take_share, share_dropout, share_slice_dropout))
 
 
 def unpack_size(t: torch.Tensor):

@@ -15,7 +15,7 @@ import torch
 
 from piper_nb.capture.ring_attention import take_share
 
-__all__ = ["slice_dropout", "share_dropout"]
+__all__ = ["slice_dropout", "share_dropout", "share_slice_dropout"]
 
 
 def slice_dropout(x: torch.Tensor, p: float, train: bool, dim: int, degree: int,
@@ -25,7 +25,7 @@ def slice_dropout(x: torch.Tensor, p: float, train: bool, dim: int, degree: int,
     n = x.shape[dim]
     first = 0 if rank.is_meta else int(rank) * n   # planning on meta: any share's shape
     # a copy: autograd keeps the share only
-    return _whole_mask(x, p, train, dim, degree, lambda m: m.narrow(dim, first, n).clone())
+    return _whole_mask(x, p, train, {dim: degree}, lambda m: m.narrow(dim, first, n).clone())
 
 
 def share_dropout(x: torch.Tensor, p: float, train: bool, dim: int, degree: int, rank,
@@ -33,18 +33,35 @@ def share_dropout(x: torch.Tensor, p: float, train: bool, dim: int, degree: int,
     """`F.dropout(whole, p, train)` cut to this device's context share `x` (its chunks of
     the sequence along `dim`, `capture.ring_attention.take_share`): the whole sequence's
     mask drawn, this device's chunks of it applied."""
-    return _whole_mask(x, p, train, dim, degree,
+    return _whole_mask(x, p, train, {dim: degree},
                        lambda m: take_share(m, degree, rank, balance, dim))   # a copy
 
 
-def _whole_mask(x: torch.Tensor, p: float, train: bool, dim: int, degree: int,
+def share_slice_dropout(x: torch.Tensor, p: float, train: bool, dim: int, degree: int,
+                        rank: torch.Tensor, cp_dim: int, cp_degree: int, cp_rank,
+                        balance: str) -> torch.Tensor:
+    """`slice_dropout` on a context share (context and tensor parallelism together): the
+    whole mask drawn, this device's context chunks of it taken along `cp_dim`, then its
+    tensor-parallel slice along `dim` (features, or the sequence under sequence
+    parallelism: a slice of the share)."""
+    n = x.shape[dim]
+    first = 0 if rank.is_meta else int(rank) * n
+    dim, cp_dim = dim % x.dim(), cp_dim % x.dim()
+    scale = {dim: degree}
+    scale[cp_dim] = scale.get(cp_dim, 1) * cp_degree
+    return _whole_mask(x, p, train, scale, lambda m: take_share(
+        m, cp_degree, cp_rank, balance, cp_dim).narrow(dim, first, n))   # a copy
+
+
+def _whole_mask(x: torch.Tensor, p: float, train: bool, scale: dict[int, int],
                 mine) -> torch.Tensor:
-    """`x` times `mine(mask)`, the mask drawn as dropout draws it for `x` with `degree`
-    times its length along `dim`."""
+    """`x` times `mine(mask)`, the mask drawn as dropout draws it for `x` with
+    `scale[d]` times its length along each dimension d."""
     if not train or p == 0 or x.numel() == 0:
         return x
     if p == 1:
         return x * torch.zeros((), dtype=x.dtype, device=x.device)
     shape = list(x.shape)
-    shape[dim] = x.shape[dim] * degree
+    for d, k in scale.items():
+        shape[d] *= k
     return x * mine(x.new_empty(shape).bernoulli_(1 - p).div_(1 - p))

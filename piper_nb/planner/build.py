@@ -92,8 +92,8 @@ def program(k: Knobs, stage_of: list[int], expert_units=()) -> list:
         if k.ep > 1 and any(stage_of[i] == s for i in expert_units):
             out.append(shard({"PP": s, "EP": "*"}, devs))
     if k.tp > 1:
-        groups = [[lead(r, rep) + t for t in range(k.tp)] for rep in range(k.dp)
-                  for r in range(k.pp)]
+        groups = [[lead(r, rep, c) + t for t in range(k.tp)] for rep in range(k.dp)
+                  for r in range(k.pp) for c in range(k.cp)]
         out.append(tensor_parallel({"PP": "*"}, groups, sequence_parallel=k.sp))
     if k.cp > 1:
         groups = [[lead(r, rep, c) for c in range(k.cp)] for rep in range(k.dp)

@@ -185,10 +185,6 @@ def _check_combined(pins: dict, pin, spec, cost: str, model, experts) -> None:
         raise PlanError(f"pn.search: pin ep={pin['ep']!r} spreads experts, and "
                         f"{type(model).__name__} has none (no stacked-experts module, no "
                         "ModuleList named experts); drop the pin")
-    if pins.get("cp", {1}) - {1} and 1 not in pins.get("tp", {1}):
-        raise PlanError(f"pn.search: pins cp={pin['cp']!r} and tp={pin['tp']!r}: context "
-                        "parallelism with tensor parallelism is not supported yet; pin one "
-                        "of them to 1")
 
 
 def _check_args(devices, cost, top, jobs) -> None:

@@ -16,8 +16,9 @@ model, expert parallelism (`ep`): the experts replicated with their stage (1), o
 over its DP group (DP, `pn.shard`) where their count allows. Context parallelism (`cp`,
 `pn.context_parallel`: the sequence cut over CP devices, attention a ring) is tried for
 long sequences (`LONG_SEQUENCE` tokens and more), at the degrees whose zigzag chunks keep
-`CP_CHUNK` tokens or more, or as pinned; not with TP or EP yet (the directive refuses TP in
-the same program). ZeRO shards over DP x CP, as torchtitan's `dp_shard_cp` does.
+`CP_CHUNK` tokens or more, or as pinned, with TP too (the context over the TP groups'
+first devices); not with EP yet. ZeRO shards over DP x CP, as torchtitan's `dp_shard_cp`
+does.
 """
 
 from __future__ import annotations
@@ -63,7 +64,7 @@ class Knobs:
     float8: bool = False    # the layers' linears multiply in Float8 (`pn.float8`), TP 1
     every: int = 1          # of the recomputing ranks' layers, one in `every` (layer 0, k, ..)
     ep: int = 1             # experts spread over each stage's DP group (1, or DP: `pn.shard`)
-    cp: int = 1             # devices sharing each sequence (`pn.context_parallel`), TP 1
+    cp: int = 1             # devices sharing each sequence (`pn.context_parallel`)
 
     @property
     def shards(self) -> int:
@@ -165,8 +166,7 @@ def space(devices: int, batch_size: int, stages_max: int, *, gpus_per_node: int,
     ok = lambda k, v: k not in pins or v in pins[k]   # noqa: E731
     node = min(gpus_per_node, devices)
     for tp, cp in ((t, c) for t in divisors(node) if gpus_per_node % t == 0 or t == devices
-                   for c in context_degrees(devices // t, sequence, pins)
-                   if t == 1 or c == 1):
+                   for c in context_degrees(devices // t, sequence, pins)):
         if not ok("tp", tp) or devices % (tp * cp):
             continue
         for pp in divisors(devices // (tp * cp)):

@@ -118,11 +118,13 @@ def probe(spec, units: list[str], batch, rows: tuple[int, ...], tp: int, sp: boo
     from piper_nb.profile import simulate
     from piper_nb.tp import tensor_parallel
     t0 = time.perf_counter()
-    program = [place({}, list(range(cp)))]
+    leads = [c * tp for c in range(cp)]   # the context over the TP groups' first devices
+    program = [place({}, leads)]
     if cp > 1:
-        program.append(context_parallel({}, list(range(cp))))
+        program.append(context_parallel({}, leads))
     if tp > 1:
-        program.append(tensor_parallel({}, list(range(tp)), sequence_parallel=sp))
+        program.append(tensor_parallel({}, [list(range(c, c + tp)) for c in leads],
+                                       sequence_parallel=sp))
     if float8:
         program.append(float8_layers({"AC": "*"}))
     measured, cost = [], None

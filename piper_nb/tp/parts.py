@@ -168,9 +168,10 @@ def build_parts(gm, info, status, level, infos, names: set, grad_sum: set, param
     out = next(n for n in gm.graph.nodes if n.op == "output")
     ends = dict(zip(info.outputs, out.args[0], strict=True))
     value_of = {ph: v for ph, v in zip(phs, info.inputs, strict=True)}
+    taken = set(names)
     for n in nodes:
         if n.name in grad_sum or any(level[u] != level[n] for u in n.users if u in level):
-            value_of[n] = n.name if n.name not in names else f"{n.name}_r{info.index}"
+            value_of[n] = _fresh(n.name, taken, info.index)
     count = max(level[n] for n in nodes) + 1
     by_name = {value_of[n]: n for n in value_of}
     sizes = {n for n in value_of if n.op != "placeholder" and not infos.get(n.name, Info(True, 0)).tensor}
@@ -197,6 +198,17 @@ def build_parts(gm, info, status, level, infos, names: set, grad_sum: set, param
     sums = sums or {}
     return Cut(parts, params, partial, {value_of[n] for n in value_of if n.name in grad_sum},
                sums={value_of[n]: sums[n.name] for n in value_of if n.name in sums})
+
+
+def _fresh(name: str, taken: set, index: int) -> str:
+    """A value's name no region uses yet (its op's, else with the region's index: a part
+    cut again, by CP after TP, names its values apart from the first cut's); taken."""
+    out, k = name, 0
+    while out in taken:
+        k += 1
+        out = f"{name}_r{index}" + (f"_{k - 1}" if k > 1 else "")
+    taken.add(out)
+    return out
 
 
 def _order(gm):

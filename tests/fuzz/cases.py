@@ -196,15 +196,19 @@ def _draw_cp(case: Case) -> None:
     group sharing the sequence: two replicas at most, or one on two ranks, 4 devices in
     all), zigzag or contiguous, over sequences of a length both cut, attention on some
     stages, BatchNorm taken out (its statistics are over every token), dropout drawn as
-    one process's mask (`cp.dropout`); not with TP, Float8 (scales from each share's amax)
-    or selective recompute, nor DualPipe's stage copies. Its own stream of draws: the
-    fields it does not name keep their draw."""
+    one process's mask (`cp.dropout`); with TP on one pipeline rank (TP 2, one replica:
+    the context over the TP groups' first devices), not with Float8 (scales from each
+    share's amax) or selective recompute, nor DualPipe's stage copies. Its own stream of
+    draws: the fields it does not name keep their draw."""
     rng = random.Random(f"{case.seed}:cp")
     spec = case.spec
-    if (case.tp > 1 or case.float8
+    if ((case.tp > 1 and case.ranks > 1) or case.float8
             or case.selective or case.ranks > 2 or case.schedule == "dualpipe"
-            or rng.random() >= 0.35):
+            or rng.random() >= (0.7 if case.tp > 1 else 0.35)):
         return
+    if case.tp > 1:   # CP 2 x TP 2: four devices (two samples at least, for torch.export)
+        case.tp, case.dp, case.zero, case.grad_sync = 2, 1, 0, None
+        case.per_part = max(case.per_part, 2)
     if case.ranks * case.dp > 2:
         case.dp = 2 // case.ranks
         if case.dp == 1:
@@ -364,15 +368,16 @@ def _random_grid(rng: random.Random, stages: int, ranks: int, micro: int,
 def program(case: Case) -> list:
     """The case's directives: the schedule's (with `place`), every pipeline rank r turned
     into the replica group [r, r + ranks, ...] and replicated with the case's ZeRO level;
-    under TP, each of those devices d leads the group [d, d + ranks x dp, ...]."""
+    under CP, each of those devices d leads the context group [d, d + ranks x dp, ...];
+    under TP, each device d so far leads the group [d, d + ranks x dp x cp, ...]."""
     out = _program(case)
     if case.cp > 1:   # device d leads the context group [d, d + ranks x dp, ...]
         lead = case.ranks * case.dp
         group = {d: [d + k * lead for k in range(case.cp)] for d in range(lead)}
         out = [_in_groups(d, group) for d in out]
         out.append(pn.context_parallel({}, list(group.values()), load_balance=case.balance))
-    if case.tp > 1:
-        lead = case.ranks * case.dp
+    if case.tp > 1:   # under CP, the context members lead the TP groups
+        lead = case.ranks * case.dp * case.cp
         out.append(pn.tensor_parallel({}, [[d + k * lead for k in range(case.tp)]
                                            for d in range(lead)], sequence_parallel=case.sp))
     return out

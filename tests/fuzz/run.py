@@ -68,6 +68,8 @@ def main() -> int:
                                       ("tp-recompute-units", case.units),
                                       ("sp-regather", case.regathers),
                                       ("vocab-parallel-loss", case.spec.classes),
+                                      ("cp2", case.cp > 1), ("cp2-tp2", case.cp > 1
+                                                               and case.tp > 1),
                                       (f"grad-sync-{case.grad_sync}", case.grad_sync)]
                        if v)
             print(f"[{status} {time.perf_counter() - start:5.2f}s] {case.line()}"

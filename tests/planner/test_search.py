@@ -117,18 +117,20 @@ def test_the_space_keeps_tp_in_a_node_and_the_schedules_rules():
     assert all(k.zero == 0 for k in ks if k.dp == 1)
 
 
-def test_context_parallelism_is_tried_for_long_sequences_without_tp():
+def test_context_parallelism_is_tried_for_long_sequences_with_and_without_tp():
     short = list(space(16, 32, 10, gpus_per_node=8, sequence=4096))
     assert {k.cp for k in short} == {1}
     long = list(space(16, 32, 10, gpus_per_node=8, sequence=32768))
     assert {k.cp for k in long} == {1, 2, 4, 8, 16}
     assert all(k.pp * k.tp * k.cp * k.dp == 16 for k in long)
-    assert all(k.tp == 1 and k.ep == 1 for k in long if k.cp > 1)
+    assert all(k.ep == 1 for k in long if k.cp > 1)
+    assert {(k.tp, k.cp) for k in long if k.tp > 1 and k.cp > 1} == {
+        (2, 2), (2, 4), (2, 8), (4, 2), (4, 4), (8, 2)}
     assert any(k.zero == 3 and k.dp == 1 for k in long if k.cp > 1)   # ZeRO over CP
     # zigzag chunks of at least 1024 tokens: 16k over CP 16 gives 512, not tried
     assert {k.cp for k in space(16, 32, 10, gpus_per_node=8, sequence=16384)} == {1, 2, 4, 8}
     pinned = list(space(8, 16, 6, gpus_per_node=8, pins={"cp": {2}}, sequence=64))
-    assert pinned and all(k.cp == 2 and k.tp == 1 for k in pinned)
+    assert pinned and all(k.cp == 2 for k in pinned) and {k.tp for k in pinned} == {1, 2, 4}
     assert "CP2" in pinned[0].label()
 
 
@@ -142,8 +144,13 @@ def test_a_context_parallel_candidate_is_ranked_as_its_program_compiles():
         assert any(d.op == "context_parallel" for d in c.program)
         steps = [ev for ev in c.trace.events if "#cpF" in ev.node]
         assert steps, "the ring's all-gathers are in the simulated step"
-    with pytest.raises(pn.PlanError, match="not supported yet; pin one of them to 1"):
-        pn.search(model, batch, devices=4, progress=False, pin={"cp": 2, "tp": 2})
+    both = pn.search(model, batch, devices=4, progress=False, top=1, pin={"cp": 2, "tp": 2})
+    (c,) = both.ranked   # CP x TP: the context over the TP groups' first devices
+    cp = next(d for d in c.program if d.op == "context_parallel")
+    tp = next(d for d in c.program if d.op == "tensor_parallel")
+    assert cp.groups == ((0, 2),) and tp.groups == ((0, 1), (2, 3))
+    assert any("#cpF" in ev.node for ev in c.trace.events)
+    assert any("#tpF" in ev.node for ev in c.trace.events)
 
 
 def test_float8_is_tried_without_tp_when_pinned():

@@ -1,8 +1,7 @@
 """The candidates `pn.search` ranks first train like one process: each of the top plans
-for TinyGPT on 4 workers (the top five, and the top two with PP, with TP and with CP
-pinned),
-compiled from the row's own annotation and program, equals `pn.reference_train` (fp32;
-rtol 1e-5, atol 4e-5 as the other tensor-parallel tests)."""
+for TinyGPT on 4 workers (the top five; the top two with PP, with TP and with CP pinned;
+the top one with CP x TP), compiled from the row's own annotation and program, equals
+`pn.reference_train` (fp32; rtol 1e-5, atol 4e-5 as the other tensor-parallel tests)."""
 
 from __future__ import annotations
 
@@ -15,8 +14,9 @@ SGD = pn.optim.SGD(lr=0.1)
 
 
 @pytest.mark.parametrize("pin, top", [(None, 5), ({"pp": 2}, 2), ({"tp": 2}, 2),
-                                      ({"cp": 2}, 2)],
-                         ids=["top5", "pipelined", "tensor-parallel", "context-parallel"])
+                                      ({"cp": 2}, 2), ({"cp": 2, "tp": 2}, 1)],
+                         ids=["top5", "pipelined", "tensor-parallel", "context-parallel",
+                              "context-x-tensor-parallel"])
 def test_the_top_candidates_train_like_one_process(cluster4, same, one_thread, pin, top):
     model = pn.models.TinyGPT(vocab=64, dim=32, layers=4, heads=2, seq=16)
     batch = model.example_batch(batch_size=8, seed=0)
