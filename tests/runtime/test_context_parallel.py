@@ -1,6 +1,7 @@
 """Context parallelism trains exactly like one process: CP 2 and CP 4, zigzag and
 contiguous, with ZeRO-3 and with full recompute, PP 2 x CP 2 under 1F1B, CP 2 x DP 2 with
-ZeRO-3, on TinyGPT (learned position embeddings), Llama (rotary positions, grouped
+ZeRO-3, CP 2 x TP 2 (with SP, recompute, Hugging Face TP plans; with DP and with PP on
+eight workers), on TinyGPT (learned position embeddings), Llama (rotary positions, grouped
 key/value heads) and an eager attention (products, a causal mask, softmax), each against
 `pn.reference_train`.
 fp32, rtol 1e-5: ring attention sums its softmax block by block (`capture.ring_attention`),
@@ -198,6 +199,23 @@ def test_cp2_tp2(cluster4, name):
     assert groups == {0: {(0, 2)}, 1: {(1, 3)}, 2: {(0, 2)}, 3: {(1, 3)}}
     if "recompute" in name:   # the region again as one unit over both cuts' parts, per
         assert "layer recompute: 2 layers as units" in plan.dag.history   # microbatch
+
+
+@pytest.mark.extended   # eight workers: a minute on two cores (`make test-all`)
+def test_cp2_tp2_with_dp_zero3_and_with_pp_on_eight_workers():
+    """torchtitan's 4D order without a dimension: CP 2 x TP 2 x DP 2 with ZeRO-3 over the
+    replicas and context groups (per TP rank), and PP 2 x CP 2 x TP 2 under 1F1B."""
+    model = llama()
+    with pn.LocalCluster(8) as cluster:
+        plan = _train(model, [pn.replicate({}, [0, 2, 4, 6], zero=3),
+                              pn.context_parallel({}, [[0, 2], [4, 6]]),
+                              pn.tensor_parallel({}, [[0, 1], [2, 3], [4, 5], [6, 7]]),
+                              pn.split({}, num=2)], cluster, opt=pn.optim.AdamW(1e-2))
+        assert {b.group for b in plan.buckets} == {(0, 2, 4, 6), (1, 3, 5, 7)}
+        _train(model, [*pn.schedules.one_f_one_b(2, 4), pn.place({"PP": 0}, [0, 2]),
+                       pn.place({"PP": 1}, [4, 6]), pn.context_parallel({}, [[0, 2], [4, 6]]),
+                       pn.tensor_parallel({"PP": "*"}, [[0, 1], [2, 3], [4, 5], [6, 7]])],
+               cluster, ann=pn.cut_stages(model, 2))
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
