@@ -223,14 +223,24 @@ def test_cp2_tp2_transformers_own_tp_plans(cluster4, family):
     """Llama and Qwen3 from transformers on their own TP plans (the vocab-parallel
     embedding and loss: its label count made in the first part, read by the loss in the
     last) with CP 2 over the groups' first devices."""
+    plan, _ = _hf_equal(family, None, [*CP_TP, pn.split({}, num=2)], cluster4)
+    assert "lm_head.weight" in plan.tp_params and len(plan.capture.cp.gathered) == 4
+
+
+def _hf_equal(family: str, attention: str | None, program: list, cluster):
+    """A transformers model of `family` (its `attention`), the batch with its labels
+    shifted already (`shift_labels`), compiled with the global token mean and trained on
+    `cluster` equal to one process (SGD: Adam's division by each element's own scale turns
+    a rounding into a step); -> (the plan, the batch)."""
     transformers = pytest.importorskip("transformers")
     model = tiny_family(transformers, family)
+    if attention:
+        model.config._attn_implementation = attention
     ids = torch.randint(3, 32, (4, 16), generator=torch.Generator().manual_seed(0))
     batch = {"input_ids": ids, "labels": ids,
              "shift_labels": torch.cat([ids[:, 1:], torch.full((4, 1), -100)], 1)}
-    plan = pn.compile(model, [*CP_TP, pn.split({}, num=2)], batch, loss_mean="global")
-    assert "lm_head.weight" in plan.tp_params and len(plan.capture.cp.gathered) == 4
-    result = pn.train(plan, batch, 3, SGD, cluster=cluster4)
+    plan = pn.compile(model, program, batch, loss_mean="global")
+    result = pn.train(plan, batch, 3, SGD, cluster=cluster)
     ref = pn.reference_train(model, batch, 3, plan.reference_microbatches, SGD,
                              loss_mean="global")
     torch.testing.assert_close(torch.tensor(result.losses), torch.tensor(ref.losses),
@@ -240,6 +250,7 @@ def test_cp2_tp2_transformers_own_tp_plans(cluster4, family):
     for k, v in ref.state_dict().items():
         torch.testing.assert_close(got[k], v, rtol=RTOL, atol=ATOL,
                                    msg=lambda m, k=k: f"{k}: {m}")
+    return plan, batch
 
 
 @pytest.mark.parametrize("family,attention", [("llama", "sdpa"), ("qwen3", "sdpa"),
@@ -250,25 +261,9 @@ def test_cp2_transformers_own_attention(cluster2, family, attention):
     dropout of 0; Qwen3's per-head norms), exported: the batch carries the labels shifted
     already (`shift_labels`), and the loss is the global token mean."""
     transformers = pytest.importorskip("transformers")
-    model = tiny_family(transformers, family)
-    model.config._attn_implementation = attention
-    ids = torch.randint(3, 32, (4, 16), generator=torch.Generator().manual_seed(0))
-    batch = {"input_ids": ids, "labels": ids,
-             "shift_labels": torch.cat([ids[:, 1:], torch.full((4, 1), -100)], 1)}
-    opt = SGD   # Adam's division by each element's own scale turns a rounding into a step
-    plan = pn.compile(model, [pn.context_parallel({}, [0, 1]), pn.split({}, num=2)], batch,
-                      loss_mean="global")
+    plan, batch = _hf_equal(family, attention, [pn.context_parallel({}, [0, 1]),
+                                                pn.split({}, num=2)], cluster2)
     assert plan.capture.method == "export" and len(plan.capture.cp.gathered) == 4
-    result = pn.train(plan, batch, 3, opt, cluster=cluster2)
-    ref = pn.reference_train(model, batch, 3, plan.reference_microbatches, opt,
-                             loss_mean="global")
-    torch.testing.assert_close(torch.tensor(result.losses), torch.tensor(ref.losses),
-                               rtol=RTOL, atol=ATOL)
-    assert result.leftover == []
-    got, want = result.state_dict(), ref.state_dict()
-    for k, v in want.items():
-        torch.testing.assert_close(got[k], v, rtol=RTOL, atol=ATOL,
-                                   msg=lambda m, k=k: f"{k}: {m}")
     # the labels shifted inside, or each device's mean: refused, never a silent answer
     del batch["shift_labels"]
     with pytest.raises(pn.PlanError, match="shifts the batch's labels along the sequence"):
