@@ -12,8 +12,9 @@ probe (`planner.probe`), without compiling it: how a search explores thousands.
 - Memory, per pipeline rank: parameters, gradients and optimizer state by ZeRO level
   (ZeRO-3 adds two gathered units), plus the activations the rank's own order of the grid
   holds at once (`pipeline.peaks`): stashes, the gradients a backward makes, a recomputed
-  layer made again. `bound` is the floor a search prunes by first: model states and one
-  microbatch's stash.
+  layer made again (a full backward frees each unit's stash as it passes, so a unit's
+  transient adds to the stashes of the units before it only). `bound` is the floor a
+  search prunes by first: model states and one microbatch's stash.
 - Context parallelism: the probe of a CP class ran each unit on a device's share of the
   sequence with its ring's all-gathers and reduce-scatters; the replicas' collectives and
   ZeRO's shards span the replicas and their context groups (`Knobs.shards`).
@@ -191,6 +192,7 @@ def estimate(k: Knobs, lay: Layout, ctx: Context) -> Estimate:
     n = len(units)
     f, b, w = [0.0] * k.stages, [0.0] * k.stages, [0.0] * k.stages
     act, extra, again = [0.0] * k.stages, [0.0] * k.stages, [0.0] * k.stages
+    freed = k.schedule not in (Schedule.ZB1P, Schedule.DUALPIPEV)
     for i, u in enumerate(units):
         s = stage_of[i]
         f[s] += u.f
@@ -198,14 +200,17 @@ def estimate(k: Knobs, lay: Layout, ctx: Context) -> Estimate:
         w[s] += u.w
         # a backward's transient: the gradients of what it saved, about as large, and a
         # recomputed layer's stash made again besides
+        # a full backward runs the stage's units last first, each freeing its stash as it
+        # goes: a unit's transient adds to the stashes of the units before it only (a split
+        # one keeps them for the weight gradients)
         if recomputes(k, s, i, n):
             b[s] += u.f
             act[s] += u.inputs
-            extra[s] = max(extra[s], 2 * u.saved)
+            extra[s] = max(extra[s] - freed * u.inputs, 2 * u.saved)
             again[s] += u.saved
         else:
             act[s] += u.saved
-            extra[s] = max(extra[s], u.saved)
+            extra[s] = max(extra[s] - freed * u.saved, u.saved)
     if k.schedule is Schedule.NONE:   # one microbatch at a time; with EP's all-to-alls
         # the compile runs every forward before the backwards (GPipe's order)
         held = ((k.microbatches if k.ep > 1 else 1) * act[0] + extra[0],)

@@ -26,10 +26,11 @@ from piper_nb.planner.spread import spread
 
 __all__ = ["explore", "probe_sizes", "rate", "ESTIMATE_MARGIN"]
 
-# the estimate's peak ran 0.82-1.68x the memory model's over 40 candidates of a 1 B-class
-# Llama on 16 H100s, 1.01-1.86x over 12 EP candidates of a Mixtral-shaped MoE
-# (benchmarks/bench_search.py, cases accuracy and accuracy-moe): a candidate is refused by
-# estimate only beyond this, so none that fits is; the memory model decides the rest
+# the estimate's peak ran 0.82-1.38x the memory model's over 40 candidates of a 1 B-class
+# Llama on 16 H100s, 0.98-1.86x over 12 EP candidates of a Mixtral-shaped MoE, 0.81-1.45x
+# over 12 CP candidates at 32k tokens (benchmarks/bench_search.py, cases accuracy,
+# accuracy-moe and accuracy-cp): a candidate is refused by estimate only beyond this, so
+# none that fits is; the memory model decides the rest
 ESTIMATE_MARGIN = 1.9
 CHUNK = 256        # candidates a worker estimates per task
 SPREAD_AT = 1024   # fewer candidates are estimated in the caller (a fork costs more)
