@@ -152,13 +152,17 @@ def draw_timeline(data: TimelineData, memory: bool = True, expanded: TimelineDat
         fig.update_yaxes(title_text=f"memory ({bname})", row=2, col=1)
     fig.update_xaxes(title_text=f"time ({tname})", row=2 if with_mem else 1, col=1)
     halves = any(b["width"] < 0.8 for bars in data.bars.values() for b in bars)
-    height = max(_height(len(data.rows), with_mem, halves),   # room for the legend too
-                 140 + 26 * (len(data.bars) + (len(data.memory) + 1 if with_mem else 0)))
+    top = (110 if expanded is not None else 70) + 16 * data.title.count("<br>")
+    entries = len(data.bars) + (len(data.memory) + 1 if with_mem else 0)
+    legend = legend_title(data.key)
+    # room for the whole legend between the margins (80 px below): its title's lines, then
+    # an entry of 20 px and the 12 px gap between groups each
+    height = max(_height(len(data.rows), with_mem, halves),
+                 top + 80 + 20 * (legend.count("<br>") + 1) + 32 * entries + 20)
     fig.update_layout(barmode="overlay", title=data.title, bargap=0.1, height=height,
                       uniformtext={"minsize": 8, "mode": "hide"},
-                      legend={"title": {"text": legend_title(data.key)}, "tracegroupgap": 12},
-                      margin={"t": (110 if expanded is not None else 70)
-                              + 16 * data.title.count("<br>")})
+                      legend={"title": {"text": legend}, "tracegroupgap": 12},
+                      margin={"t": top})
     if expanded is not None:
         fig.update_layout(updatemenus=[_toggle(data, expanded, counts, with_mem, halves)])
     return fig
