@@ -8,8 +8,8 @@ without pickling them; each worker gives back small values (a `Probe`, a chunk's
 Profiled costs time real kernels on this CPU, which workers beside them would slow, so
 they stay in the caller's process (`workers` gives 1), as does everything where fork is
 unavailable or unsafe: no `fork` start method (Windows; macOS, where it is not the
-default), or CUDA initialised in the caller. Workers ignore Ctrl-C: the caller takes it
-and ends them.
+default), or CUDA initialised in the caller. Workers ignore Ctrl-C: the caller takes it,
+and the tasks left then return at once, so the pool ends as a finished one does.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from collections.abc import Callable, Iterable, Iterator
 __all__ = ["workers", "spread"]
 
 _TASK: tuple | None = None   # (fn, shared): what a forked worker runs; set before the fork
+_STOP = None                 # an Event the workers inherit: set, the tasks left return None
 
 
 def workers(requested: int | None, cost: str) -> int:
@@ -45,17 +46,22 @@ def spread(fn: Callable, shared, items: Iterable, jobs: int) -> Iterator[Iterato
     """An iterator of `fn(shared, item)` for each of `items`, in their order, computed by
     `jobs` forked workers (which inherit `shared`); the workers end when the block does,
     finished or not. An exception in a worker is raised here."""
-    global _TASK
-    _TASK = (fn, shared)
+    global _TASK, _STOP
+    fork = multiprocessing.get_context("fork")
+    _TASK, _STOP = (fn, shared), fork.Event()
     with warnings.catch_warnings():   # Python 3.12+ warns of fork in a threaded process:
         warnings.simplefilter("ignore", DeprecationWarning)   # the workers start no thread
-        pool = multiprocessing.get_context("fork").Pool(jobs, initializer=_start_worker)
+        pool = fork.Pool(jobs, initializer=_start_worker)
     try:
         yield _results(pool.imap(_run, items))
     finally:
-        pool.terminate()
+        # what is left returns at once, and the pool ends as a finished one does: never
+        # `terminate`, which stops reading results first, so a worker writing a large one
+        # holds the result queue's lock forever and the termination waits for it
+        _STOP.set()
+        pool.close()
         pool.join()
-        _TASK = None
+        _TASK = _STOP = None
 
 
 class _Interrupted(Exception):
@@ -82,6 +88,8 @@ def _start_worker() -> None:
 
 def _run(item):
     fn, shared = _TASK
+    if _STOP.is_set():   # the caller is done with the results
+        return None
     try:
         return fn(shared, item)
     except KeyboardInterrupt:
