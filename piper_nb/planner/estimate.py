@@ -199,10 +199,9 @@ def estimate(k: Knobs, lay: Layout, ctx: Context) -> Estimate:
         b[s] += u.b
         w[s] += u.w
         # a backward's transient: the gradients of what it saved, about as large, and a
-        # recomputed layer's stash made again besides
-        # a full backward runs the stage's units last first, each freeing its stash as it
-        # goes: a unit's transient adds to the stashes of the units before it only (a split
-        # one keeps them for the weight gradients)
+        # recomputed layer's stash made again besides; a full backward runs the stage's
+        # units last first, each freeing its stash as it goes, so a unit's transient adds
+        # to the stashes of the units before it only (a split one keeps them for BW)
         if recomputes(k, s, i, n):
             b[s] += u.f
             act[s] += u.inputs
