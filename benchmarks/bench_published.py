@@ -3,7 +3,8 @@ constants: throughput and peak memory, predicted / published, and the goals of i
 
 Each run (`benchmarks/published.py`: Megatron-LM SC'21 Table 1, five rows from 32 to 512
 A100s; torchtitan's Llama 3.1 8B on 8 and 128 H100s, 70B on 256, 405B on 512, and its
-Table 2, 8B under FSDP x context parallelism at 32k to 262k tokens on 8) is built on
+Table 2, 8B under FSDP x context parallelism at 32k to 262k tokens on 8, and Table 6,
+405B in 4D: FSDP x CP x TP 8 x PP 8 at 32k to 262k tokens on 512) is built on
 the meta device at its published shapes, compiled as the paper configured it, and
 simulated with `pn.CostModel.analytic(plan, gpu)`: the shipped constants of that GPU
 (`pn.sim.HARDWARE`: A100 for Megatron's DGX A100s, H100-96GB for torchtitan's Grand Teton

@@ -119,6 +119,18 @@ CONTEXT = {f"8b-fsdp{8 // cp}-cp{cp}": Run(
          recompute=True), _CP_NOTE)
     for cp, seq, tps, gib in ((1, 32768, 3890.0, 83.9), (2, 65536, 2540.0, 84.2),
                               (4, 131072, 1071.0, 84.0), (8, 262144, 548.0, 84.5))}
+# torchtitan's Table 6: 4D on 512 H100 (TP 8 + SP, PP 8 under 1F1B, FSDP x CP over the
+# other 8), torch.compile + Float8 + AsyncTP, local batch 8 (8 microbatches of one sequence,
+# torchtitan's default of one per PP rank), full AC. The context runs over the TP groups'
+# first devices of a stage, FSDP over DP x CP
+_4D_NOTE = _CP_NOTE + "; " + _PP_MICRO
+CONTEXT.update({f"405b-fsdp{8 // cp}-cp{cp}": Run(
+    f"405b-fsdp{8 // cp}-cp{cp}", f"Llama 3.1 405B, 512x H100, FSDP {8 // cp} x CP {cp} x "
+    f"TP 8 + SP x PP 8 (1F1B), {seq // 1024}k tokens", "H100-96GB", "tokens/s/GPU", tps, gib,
+    True, True, _405B, dict(dp=8 // cp, tp=8, pp=8, cp=cp, seq=seq, local=8, micro=8,
+                            schedule="1f1b", recompute=True), _4D_NOTE)
+    for cp, seq, tps, gib in ((1, 32768, 76.0, 75.3), (2, 65536, 47.0, 75.9),
+                              (4, 131072, 31.0, 77.1), (8, 262144, 16.0, 84.9))})
 RUNS = {**MEGATRON, **TORCHTITAN, **CONTEXT}
 
 
@@ -159,7 +171,7 @@ def model_of(run: Run, sequence_parallel: bool = True):
 def _program(run: Run, sp: bool) -> tuple[dict, list]:
     p, layers = run.parallel, run.dims["layers"]
     dp, tp, pp, cp = p["dp"], p["tp"], p["pp"], p.get("cp", 1)
-    if cp > 1:   # replicas of context groups (one stage, no TP): FSDP over every device
+    if cp > 1:   # replicas of context groups: FSDP over DP x CP
         dp *= cp
     lead = lambda r, k: (k * pp + r) * tp   # noqa: E731 - first device of rank r, replica k
     stages = 2 * pp if p["schedule"] == "interleaved" else pp
@@ -173,9 +185,9 @@ def _program(run: Run, sp: bool) -> tuple[dict, list]:
         # torchtitan under PP gathers a stage's weights once a step (no resharding)
         program += [pn.place({"PP": s}, devs),
                     pn.replicate({"PP": s}, devs, zero=zero, reshard=pp == 1 or zero < 3)]
-    if cp > 1:
-        program.append(pn.context_parallel({}, [list(range(k, k + cp))
-                                                for k in range(0, dp, cp)]))
+    if cp > 1:   # a stage's consecutive replicas (their TP groups' first devices)
+        program.append(pn.context_parallel({}, [[lead(r, k + j) for j in range(cp)]
+                                                for r in range(pp) for k in range(0, dp, cp)]))
     if tp > 1:
         model_plan = pn.models.Llama.tp_plan if run.unit == "tokens/s/GPU" \
             else pn.models.MegatronGPT.tp_plan
