@@ -25,6 +25,7 @@ every layer recomputed: torchtitan's op-level selective AC lies between the firs
 last, and one in four is the plan the throughput row uses.
 
 Run: .venv/bin/python benchmarks/bench_published.py [--case all|megatron|torchtitan|context|KEY]
+     [--rotate all_gather|p2p]   (the context runs on the point-to-point ring instead)
 """
 
 from __future__ import annotations
@@ -128,6 +129,9 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--case", default="all",
                     choices=["all", "megatron", "torchtitan", "context", "peaks", *RUNS])
+    ap.add_argument("--rotate", choices=["all_gather", "p2p"], default="all_gather",
+                    help="the context runs' rotation (p2p: the point-to-point ring, each "
+                    "exchange beside the block before, as Megatron's cp_comm_type=p2p)")
     args = ap.parse_args()
     keys = (list(RUNS) if args.case == "all" else list(MEGATRON) if args.case == "megatron"
             else list(TORCHTITAN) if args.case == "torchtitan" else
@@ -135,7 +139,11 @@ def main():
             [] if args.case == "peaks" else [args.case])
     results = []
     for k in keys:
-        results.append(price(RUNS[k]))
+        run = RUNS[k]
+        if k in CONTEXT and args.rotate != "all_gather":
+            run = dataclasses.replace(run, name=f"{run.name}, {args.rotate} ring",
+                                      parallel={**run.parallel, "rotate": args.rotate})
+        results.append(price(run))
         print(json.dumps(results[-1], indent=1), flush=True)
     peaks = []
     if args.case in ("all", "torchtitan", "peaks"):

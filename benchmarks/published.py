@@ -49,7 +49,8 @@ class Run:
     dims: dict                 # the model's shape
     parallel: dict             # dp, tp, pp, local (sequences per replica), micro, schedule,
                                # recompute (True: every layer; k: every k-th; "selective"),
-                               # and optionally cp (context-parallel degree), seq (tokens)
+                               # and optionally cp (context-parallel degree), seq (tokens),
+                               # rotate (the context's keys and values: "all_gather", "p2p")
     note: str = ""
 
 
@@ -187,7 +188,8 @@ def _program(run: Run, sp: bool) -> tuple[dict, list]:
                     pn.replicate({"PP": s}, devs, zero=zero, reshard=pp == 1 or zero < 3)]
     if cp > 1:   # a stage's consecutive replicas (their TP groups' first devices)
         program.append(pn.context_parallel({}, [[lead(r, k + j) for j in range(cp)]
-                                                for r in range(pp) for k in range(0, dp, cp)]))
+                                                for r in range(pp) for k in range(0, dp, cp)],
+                                           rotate=p.get("rotate", "all_gather")))
     if tp > 1:
         model_plan = pn.models.Llama.tp_plan if run.unit == "tokens/s/GPU" \
             else pn.models.MegatronGPT.tp_plan

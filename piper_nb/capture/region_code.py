@@ -19,6 +19,7 @@ from torch import nn
 
 from piper_nb.capture.functions import apply_function
 from piper_nb.capture.ring_attention import context_arange, ring_attention, take_share
+from piper_nb.capture.ring_steps import ring_out, ring_shift, ring_step
 from piper_nb.capture.sequence_ops import narrow_sequence, pad_sequence, whole_like, with_params
 from piper_nb.capture.slice_dropout import share_dropout, share_slice_dropout, slice_dropout
 
@@ -82,7 +83,8 @@ class RegionTracer(fx.Tracer):
                                             apply_function, call_op, slice_dropout,
                                             narrow_sequence, pad_sequence, whole_like,
                                             with_params, context_arange, ring_attention,
-                                            take_share, share_dropout, share_slice_dropout))
+                                            take_share, share_dropout, share_slice_dropout,
+                                            ring_step, ring_out, ring_shift))
 
 
 def unpack_size(t: torch.Tensor):

@@ -10,7 +10,8 @@ over t with SP; Korthikanti et al. 2022, section 5). A region cut over the conte
 (`cp.rewrite`) likewise keeps its queries and every member's gathered keys and values
 between its parts, which grow with the whole sequence; as a unit it keeps its share of
 the input, and gathers the keys and values again before its backward, as torchtitan's
-activation checkpointing around ring attention does.
+activation checkpointing around ring attention does (on the point-to-point ring, its
+exchanges run again: `cp.ring_dag`).
 
 So when every part of a (region, microbatch) is recomputed in full, this pass, run right
 after the recompute pass, recomputes them together:
@@ -85,13 +86,14 @@ class _Unit:
         self.fids = fids = frozenset(f.id for f in forwards.values())
         mine = [n for f in forwards.values() for n in by_part[(f.region, f.mb)]]
         self.collectives = {n.id for f in fids for e in dag.out_edges(f)   # to a part
-                            if (n := dag[e.dst]).attr("purpose") in _BETWEEN_PARTS
-                            and not n.attr("grad")
+                            if _between(n := dag[e.dst]) and not n.attr("grad")
                             and any(x.dst in fids for x in dag.out_edges(n.id))}
+        self.collectives |= {e.dst for c in list(self.collectives)   # a ring's receives
+                             if dag[c].op == Op.SEND for e in dag.out_edges(c)
+                             if dag[e.dst].op == Op.RECV}
         self.copied = fids | self.collectives            # what runs again, by its copy
         self.backwards = {n.id for n in mine if n.op in BACKWARDS}
-        self.inside = self.copied | self.backwards | {
-            n.id for n in mine if n.attr("purpose") in _BETWEEN_PARTS}
+        self.inside = self.copied | self.backwards | {n.id for n in mine if _between(n)}
         self.first = forwards[min(forwards)].id
         self.keep: dict[str, list[str]] = defaultdict(list)
         inner, outer = set(), set()   # values handed between the parts, and out of the layer
@@ -158,11 +160,11 @@ def _edges(dag: TrainingDAG, units: list[_Unit]) -> list[Edge]:
             continue
         out.append(e)
         v = unit_of.get(e.dst)
-        if v is None or e.kind != EdgeKind.DATA:
+        if v is None:
             continue
-        if u is v:
+        if u is v:   # an order inside the unit too (a ring's exchange beside its step)
             out.append(Edge(e.src + AGAIN, e.dst + AGAIN, e.kind, e.values, e.origin))
-        elif dag[e.dst].op == Op.F and not pulled_gather(dag[e.src]):
+        elif e.kind == EdgeKind.DATA and dag[e.dst].op == Op.F and not pulled_gather(dag[e.src]):
             out.append(Edge(e.src, e.dst + AGAIN, e.kind, e.values, e.origin))
     for u in units:
         waits = u.fids | {e.src for b in u.backwards if dag[b].op != Op.BW   # BW: later
@@ -170,6 +172,12 @@ def _edges(dag: TrainingDAG, units: list[_Unit]) -> list[Edge]:
                           if e.src not in u.inside and not pulled_gather(dag[e.src])}
         out += [Edge(w, u.first + AGAIN, EdgeKind.TEMPORAL) for w in sorted(waits)]
     return out
+
+
+def _between(n: Node) -> bool:
+    """A collective between a region's parts, or an exchange of a context ring's
+    (`cp.ring_dag`)."""
+    return n.attr("purpose") in _BETWEEN_PARTS or bool(n.attrs and n.attr("ring"))
 
 
 def pulled_gather(n: Node) -> bool:

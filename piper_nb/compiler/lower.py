@@ -56,7 +56,8 @@ def _key(n: Node, remote: bool = True) -> tuple:
 
 def _waits_on_peers(dag: TrainingDAG, nodes: list[Node], ids: set[str]) -> set[str]:
     """Ids of this device's nodes downstream (on this device) of a RECV or an all-to-all."""
-    todo = [n.id for n in nodes if n.op in (Op.RECV, Op.ALL_TO_ALL)]
+    todo = [n.id for n in nodes if n.op in (Op.RECV, Op.ALL_TO_ALL)
+            and not (n.attrs and n.attr("ring"))]   # a context ring's: its group in step
     seen = set(todo)
     while todo:
         for e in dag.out_edges(todo.pop()):
@@ -343,6 +344,7 @@ def _add_frees(instrs: list[Instr], regions, dag) -> tuple[Instr, ...]:
     grad_values = _grad_values(dag)
     gathered, kept = _gathered(dag)
     made = {v for r in regions for v in r.outputs}     # not the batch: regions make these
+    made |= {v for ins in instrs if ins.kind == Op.RECV for v in ins.data.values}   # (a ring)
     for i, ins in enumerate(instrs):
         reads: list[str] = []
         again: list[str] = []   # values written again

@@ -50,6 +50,7 @@ from piper_nb.cp import (
     ContextParallel,
     cut_context,
     insert_cp_collectives,
+    insert_cp_ring,
     place_context,
 )
 from piper_nb.directives.base import CaptureContext, Context, Directive, Directives
@@ -134,6 +135,7 @@ DAG_PASSES: tuple[Pass, ...] = (
          reads=(TensorParallel,)),                                   # a region's parts
     Pass("context collectives", insert_cp_collectives,              # keys and values
          reads=(ContextParallel,)),                                  # gathered
+    Pass("context ring", insert_cp_ring, reads=(ContextParallel,)),  # or passed round
     Pass("gradient sync", insert_grad_sync, consumes=(Replicate,)),  # buckets, ZeRO
     Pass("shard", apply_shards, consumes=(Shard,)),                  # experts' surroundings
     Pass("all-to-all", insert_all_to_all),                           # dispatch and combine

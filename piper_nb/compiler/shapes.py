@@ -16,7 +16,7 @@ from piper_nb.errors import PlanError
 from piper_nb.ir.loss_outputs import is_loss_output, loss_output_label
 from piper_nb.plan.sizes import SavedBytes, ValueInfo, storage_key
 
-__all__ = ["propagate", "region_args"]
+__all__ = ["propagate", "region_args", "deliver"]
 
 
 def param_ptrs(capture) -> set[int]:
@@ -37,6 +37,16 @@ def region_args(info, vals: dict, batch: frozenset[str]) -> list[torch.Tensor]:
             t = t.detach().requires_grad_(True)
         args.append(t)
     return args
+
+
+def deliver(capture, vals: dict) -> None:
+    """Context parallelism's point-to-point ring delivers values no region makes
+    (`CPLayout.rotations`): on one process each is its source's (same shape and dtype),
+    added to `vals` once the source is there."""
+    cp = capture.cp
+    for d, s in (cp.rotations if cp is not None else {}).items():   # in the ring's order
+        if s in vals and d not in vals:
+            vals[d] = vals[s]
 
 
 def _described(batch: dict[str, torch.Tensor]) -> str:
@@ -67,6 +77,7 @@ def _propagate(capture, batch: dict[str, torch.Tensor]):
     exclude = param_ptrs(capture)
     loss = None
     for info, mod in zip(capture.regions, capture.modules, strict=True):
+        deliver(capture, vals)
         args = region_args(info, vals, names)
         before = {n: b.detach().clone() for n, b in mod.named_buffers()}
         batch_args = {storage_key(a) for v, a in zip(info.inputs, args, strict=True)

@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from piper_nb.compiler.shapes import region_args
+from piper_nb.compiler.shapes import deliver, region_args
 from piper_nb.plan.token_rows import captured_rows
 
 __all__ = ["token_rows"]
@@ -92,6 +92,7 @@ def token_rows(capture, batch: dict[str, torch.Tensor], saved: dict[int, int], v
         for info, mod in zip(capture.regions, capture.modules, strict=True):
             state = {n: fake(t) for n, t in [*mod.named_parameters(), *mod.named_buffers()]}
             exclude |= {StorageWeakRef(t.untyped_storage()) for t in state.values()}
+            deliver(capture, vals)
             args = region_args(info, vals, frozenset(batch))
             counter = _Saved(exclude | {StorageWeakRef(a.untyped_storage()) for a in args})
             with counter.hooks:

@@ -8,6 +8,7 @@ context parallelism).
 | capture | `cut_context` | every region run on a device's tokens, attention ring attention (`rewrite`) |
 | DAG | `place_context` | the regions' passes on the group |
 | DAG | `insert_cp_collectives` | the all-gathers of keys and values between a region's parts |
+| DAG | `insert_cp_ring` | or the point-to-point ring's exchanges between its steps (`ring_dag`) |
 
 The arithmetic (which tokens a device holds, ring attention itself) is the capture's
 (`capture.ring_attention`), which the region code calls on the workers; the runtime sets
@@ -23,7 +24,8 @@ from piper_nb.cp.directive import (
     place_context,
 )
 from piper_nb.cp.rewrite import CP_RANK, CPLayout, sequence_length, share_batch
+from piper_nb.cp.ring_dag import insert_cp_ring
 
 __all__ = ["ContextParallel", "context_parallel", "context_degree", "cut_context",
-           "place_context", "insert_cp_collectives", "CP_RANK", "CPLayout", "share_batch",
-           "sequence_length"]
+           "place_context", "insert_cp_collectives", "insert_cp_ring", "CP_RANK", "CPLayout",
+           "share_batch", "sequence_length"]

@@ -42,7 +42,9 @@ from piper_nb.ir.node import Edge, Node, node_id
 from piper_nb.tp import tp_groups
 
 __all__ = ["ContextParallel", "context_parallel", "context_degree", "cut_context",
-           "place_context", "insert_cp_collectives"]
+           "place_context", "insert_cp_collectives", "ROTATES"]
+
+ROTATES = ("all_gather", "p2p")
 
 
 @dataclass(frozen=True)
@@ -53,6 +55,7 @@ class ContextParallel(Directive):
     filter: Mapping[str, Any]
     devices: tuple
     load_balance: str = "zigzag"
+    rotate: str = "all_gather"
     op = "context_parallel"
 
     def __post_init__(self):
@@ -65,6 +68,9 @@ class ContextParallel(Directive):
         if self.load_balance not in BALANCES:
             raise PlanError(f"context_parallel: load_balance is one of {', '.join(BALANCES)}, "
                             f"got {self.load_balance!r}")
+        if self.rotate not in ROTATES:
+            raise PlanError(f"context_parallel: rotate is one of {', '.join(ROTATES)}, got "
+                            f"{self.rotate!r}")
 
     @property
     def groups(self) -> tuple[tuple[int, ...], ...]:
@@ -86,8 +92,8 @@ class ContextParallel(Directive):
 register(ContextParallel)
 
 
-def context_parallel(filter: Mapping[str, Any], devices, load_balance: str = "zigzag"
-                     ) -> ContextParallel:
+def context_parallel(filter: Mapping[str, Any], devices, load_balance: str = "zigzag",
+                     rotate: str = "all_gather") -> ContextParallel:
     """Cut the sequence of the regions `filter` matches over `devices` (context
     parallelism): each device runs them on its share of the tokens, and attention
     (`scaled_dot_product_attention`) becomes ring attention over every device's keys and
@@ -95,8 +101,12 @@ def context_parallel(filter: Mapping[str, Any], devices, load_balance: str = "zi
     2n-1-r of 2n (the causal mask's work evened out, as Megatron and torchtitan do);
     `"contiguous"` gives it chunk r of n. Positions (rotary angles, position embeddings)
     are the tokens' global ones. The filter must match every region (the sequence is cut
-    where the batch comes in). The sequence length must divide by 2n (zigzag) or n."""
-    return ContextParallel(filter, devices, load_balance)
+    where the batch comes in). The sequence length must divide by 2n (zigzag) or n.
+    `rotate` is how keys and values go round: `"all_gather"` gathers every member's
+    before attention (torchtitan's default), `"p2p"` passes them from member to member,
+    each step's exchange beside the previous block's attention (Megatron's default,
+    `cp_comm_type="p2p"`; the plan's SEND and RECV instructions, `cp.ring`)."""
+    return ContextParallel(filter, devices, load_balance, rotate)
 
 
 def context_degree(directives) -> int:
@@ -128,7 +138,7 @@ def cut_context(capture, directives: Directives, ctx: CaptureContext):
                         "(the sum over every device's labels over their count)",
                         directive=i, op=d.op)
     with untouched(capture.model):
-        return cut_capture(capture, d.degree, d.load_balance, i, ctx.batch)
+        return cut_capture(capture, d.degree, d.load_balance, i, ctx.batch, d.rotate)
 
 
 def place_context(dag: TrainingDAG, directives: Directives, ctx: Context) -> TrainingDAG:

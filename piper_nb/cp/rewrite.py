@@ -53,6 +53,7 @@ from piper_nb.capture.ring_attention import (
 )
 from piper_nb.capture.sequence_ops import SEQ_DIM, pad_sequence
 from piper_nb.capture.untouched import untouched
+from piper_nb.cp import ring
 from piper_nb.cp.attention import attentions, causal_mask, mask_input, refused
 from piper_nb.cp.dropout import share_dropouts
 from piper_nb.cp.mixing import check_mixing, loss_values
@@ -76,7 +77,8 @@ class CPLayout:
     """What cutting over a context changed: the degree and load balance, the whole
     sequence's length, the batch inputs cut along it, per part region its original region
     and part number, the values all-gathered after a forward and those whose gradients'
-    shares are reduce-scattered."""
+    shares are reduce-scattered; how keys and values go round (`rotate`) and, for the
+    point-to-point ring, each value it delivers -> the value it is sent from (`cp.ring`)."""
 
     degree: int
     balance: str
@@ -86,6 +88,8 @@ class CPLayout:
     gathered: frozenset[str]
     grad_sum: frozenset[str]
     directive: int = -1
+    rotate: str = "all_gather"
+    rotations: Mapping[str, str] = dataclasses.field(default_factory=dict)
 
 
 def sequence_length(batch: Mapping[str, torch.Tensor]) -> int | None:
@@ -113,9 +117,10 @@ def share_batch(batch: Mapping[str, torch.Tensor], layout: CPLayout, rank: int =
             for k, t in batch.items()}
 
 
-def cut_capture(capture, degree: int, balance: str, directive: int, batch: Mapping):
+def cut_capture(capture, degree: int, balance: str, directive: int, batch: Mapping,
+                rotate: str = "all_gather"):
     """`capture` with every region cut over a context of `degree` devices (see the module
-    docstring)."""
+    docstring; `rotate="p2p"`: the point-to-point ring, `cp.ring`)."""
     seq, inputs = sequence_inputs(batch)
     need = check_length(seq, degree, balance)
     if need:
@@ -124,7 +129,8 @@ def cut_capture(capture, degree: int, balance: str, directive: int, batch: Mappi
                         f"divide it; pad the sequence to {-(-seq // need) * need} tokens, or "
                         "use a degree whose chunks divide it", directive=directive,
                         op="context_parallel")
-    layout = CPLayout(degree, balance, seq, inputs, {}, frozenset(), frozenset(), directive)
+    layout = CPLayout(degree, balance, seq, inputs, {}, frozenset(), frozenset(), directive,
+                      rotate)
     masks = set()   # what cannot be rewritten is said before any run; masks are read in it
     for info, gm in zip(capture.regions, capture.modules, strict=True):
         masks |= {m.name for a in attentions(gm, info) if (m := mask_input(a)) is not None}
@@ -136,7 +142,7 @@ def cut_capture(capture, degree: int, balance: str, directive: int, batch: Mappi
     names = {v for r in capture.regions for v in (*r.inputs, *r.outputs)}
     canonical = param_aliases(capture.model)
     regions, modules, parts = [], [], {}
-    gathered, grad_sum = set(), set()
+    gathered, grad_sum, rotations = set(), set(), {}
     to_loss = loss_values(capture.regions, capture.modules)
     origins, count, tp_parts = origins_of(capture), Counter(), {}
     rewritten = []
@@ -146,7 +152,7 @@ def cut_capture(capture, degree: int, balance: str, directive: int, batch: Mappi
         _global_positions(gm, traced, constant, layout)
         rewritten.append((gm, _ring_attention(gm, info, layout, values, full)))
     kept = drop_unread(capture, [gm for gm, _ in rewritten])
-    for info, (gm, pads) in zip(kept, rewritten, strict=True):
+    for info, (gm, (pads, ghosts, firsts)) in zip(kept, rewritten, strict=True):
         full = wholes[info.index][0]
         args = _args(info, vals, share)
         cut_at = on_meta(meta, localize, gm, args, full, {n.name for n in gm.graph.nodes},
@@ -157,11 +163,12 @@ def cut_capture(capture, degree: int, balance: str, directive: int, batch: Mappi
             infos, outs = on_meta(meta, _share_run, gm, info, args, share)
         vals.update(zip(info.outputs, outs, strict=True))
         status = {n: PARTIAL if n in pads else REPLICATED for n in gm.graph.nodes}
-        cut = build_parts(gm, info, status, _levels(gm, pads), infos, names,
-                          {p.name for p in pads if infos[p.name].grad}, {}, canonical,
-                          {p.name: Op.ALL_GATHER for p in pads})
+        cut = build_parts(gm, info, status, ring.levels(gm, pads, ghosts, firsts), infos,
+                          names, {p.name for p in pads if infos[p.name].grad}, {}, canonical,
+                          {p.name: Op.ALL_GATHER for p in pads}, ghosts)
         gathered |= cut.partial
         grad_sum |= cut.grad_sum
+        rotations.update(cut.ghosts)
         origin, tp_part = origins[info.index]
         for pinfo, pgm in cut.parts:
             names |= {*pinfo.inputs, *pinfo.outputs}
@@ -175,7 +182,7 @@ def cut_capture(capture, degree: int, balance: str, directive: int, batch: Mappi
                 context=(degree, balance, tuple(sorted(inputs & set(pinfo.inputs))))))
             modules.append(pgm)
     layout = dataclasses.replace(layout, parts=parts, gathered=frozenset(gathered),
-                                 grad_sum=frozenset(grad_sum))
+                                 grad_sum=frozenset(grad_sum), rotations=rotations)
     tp = capture.tp and dataclasses.replace(capture.tp, parts=tp_parts)
     return capture.with_regions(regions, modules, cp=layout, tp=tp)
 
@@ -321,12 +328,13 @@ def _global_positions(gm, traced: set, constant: set, layout: CPLayout) -> None:
     gm.recompile()
 
 
-def _ring_attention(gm, info, layout: CPLayout, values: dict, full: dict) -> set[fx.Node]:
+def _ring_attention(gm, info, layout: CPLayout, values: dict, full: dict) -> tuple:
     """Each attention made ring attention over the group's keys and values (see the module
     docstring; its whole shape recorded in `full` as the attention's); -> the padded keys
-    and values, which the group gathers. The mask it no longer reads goes."""
+    and values, which the group gathers, or under the point-to-point ring the values it
+    delivers and the first steps (`cp.ring.steps`). The mask it no longer reads goes."""
     g = gm.graph
-    pads = set()
+    pads, ghosts, firsts = set(), {}, set()
     for att in attentions(gm, info):
         causal = att.causal
         mask = mask_input(att)
@@ -338,42 +346,39 @@ def _ring_attention(gm, info, layout: CPLayout, values: dict, full: dict) -> set
             causal = True
         with g.inserting_before(att.out):
             rank = _rank(gm)
-            whole = []
-            for x in (att.k, att.v):
-                pad = g.call_function(pad_sequence, (g.call_function(_T, (x, 1, 2)),
-                                                     layout.degree, rank))
-                pads.add(pad)
-                whole.append(g.call_function(_T, (pad, 1, 2)))
-            ring = g.call_function(ring_attention, (
-                att.q, *whole, layout.degree, rank, layout.balance, causal, att.scale, att.gqa))
-        ring.meta = dict(att.out.meta)
-        full[ring.name] = full.get(att.out.name)
-        att.out.replace_all_uses_with(ring)
-        inputs = []
-        for n in reversed(att.nodes):   # the attention itself, random op or not
-            inputs += n.all_input_nodes
-            g.erase_node(n)
-        prune(g, [a for a in inputs if a not in att.nodes and not a.users])
+            if layout.rotate == "p2p":
+                new = ring.steps(g, att, layout.degree, rank, layout.balance, causal, full,
+                                 ghosts, firsts)
+            else:
+                new = _gathered(g, att, layout, rank, causal, pads)
+                full[new.name] = full.get(att.out.name)
+        _replace(g, att, new)
     g.lint()
     gm.recompile()
-    return pads
+    return pads, ghosts, firsts
 
 
-def _levels(gm, pads: set) -> dict:
-    """Each op's part: a reader of a padded value one part after it (the gather between);
-    ops on constants only float to the earliest part that reads them."""
-    level, floating = {}, []
-    for n in gm.graph.nodes:
-        if n.op == "output":
-            continue
-        if n.op == "placeholder":
-            level[n] = 0
-            continue
-        ins = [a for a in n.all_input_nodes if a in level]
-        if not ins:
-            floating.append(n)
-            continue
-        level[n] = max(level[a] + (a in pads) for a in ins)
-    for n in reversed(floating):
-        level[n] = min((level[u] for u in n.users if u in level), default=0)
-    return level
+def _gathered(g: fx.Graph, att, layout: CPLayout, rank: fx.Node, causal: bool,
+              pads: set) -> fx.Node:
+    """Ring attention over every member's keys and values, each laid at its place in
+    zeros of the whole (`pad_sequence`; the pads, which the group gathers, go in `pads`)."""
+    whole = []
+    for x in (att.k, att.v):
+        pad = g.call_function(pad_sequence, (g.call_function(_T, (x, 1, 2)), layout.degree,
+                                             rank))
+        pads.add(pad)
+        whole.append(g.call_function(_T, (pad, 1, 2)))
+    return g.call_function(ring_attention, (att.q, *whole, layout.degree, rank,
+                                            layout.balance, causal, att.scale, att.gqa))
+
+
+def _replace(g: fx.Graph, att, new: fx.Node) -> None:
+    """The attention's uses made `new`'s, and its nodes (random op or not) erased."""
+    new.meta = dict(att.out.meta)
+    att.out.replace_all_uses_with(new)
+    inputs = []
+    for n in reversed(att.nodes):
+        inputs += n.all_input_nodes
+        g.erase_node(n)
+    prune(g, [a for a in inputs if a not in att.nodes and not a.users])
+

@@ -53,6 +53,7 @@ class Cut:
     grad_sum: set
     local: dict = dataclasses.field(default_factory=dict)
     sums: dict = dataclasses.field(default_factory=dict)   # value -> its forward sum's kind
+    ghosts: dict = dataclasses.field(default_factory=dict)  # delivered value -> its source
 
 
 def levels(gm, col: set, row: set, info) -> tuple[dict, dict]:
@@ -162,8 +163,13 @@ def _is_param(gm, target: str) -> bool:
 
 
 def build_parts(gm, info, status, level, infos, names: set, grad_sum: set, params, aliases,
-                sums: dict | None = None) -> Cut:
-    nodes = [n for n in gm.graph.nodes if n.op not in ("placeholder", "output", "get_attr")]
+                sums: dict | None = None, ghosts=frozenset()) -> Cut:
+    """The parts of `gm` (see the module docstring); `ghosts`: ops no part runs, whose
+    values come from outside the region (context parallelism's delivered keys and values,
+    `cp.ring`): inputs of the parts that read them, with `Cut.ghosts` naming each and the
+    value of its input."""
+    nodes = [n for n in gm.graph.nodes if n.op not in ("placeholder", "output", "get_attr")
+             and n not in ghosts]
     phs = [n for n in gm.graph.nodes if n.op == "placeholder"]
     out = next(n for n in gm.graph.nodes if n.op == "output")
     ends = dict(zip(info.outputs, out.args[0], strict=True))
@@ -172,6 +178,8 @@ def build_parts(gm, info, status, level, infos, names: set, grad_sum: set, param
     for n in nodes:
         if n.name in grad_sum or any(level[u] != level[n] for u in n.users if u in level):
             value_of[n] = _fresh(n.name, taken, info.index)
+    for n in ghosts:
+        value_of[n] = _fresh(n.name, taken, info.index)
     count = max(level[n] for n in nodes) + 1
     by_name = {value_of[n]: n for n in value_of}
     sizes = {n for n in value_of if n.op != "placeholder" and not infos.get(n.name, Info(True, 0)).tensor}
@@ -180,7 +188,7 @@ def build_parts(gm, info, status, level, infos, names: set, grad_sum: set, param
     for k in range(count):
         mine = [n for n in nodes if level[n] == k]
         reads = {a for n in mine for a in n.all_input_nodes
-                 if a in value_of and (a.op == "placeholder" or level[a] != k)}
+                 if a in value_of and (a.op == "placeholder" or level[a] != k or a in ghosts)}
         outs_here = [v for v, e in ends.items() if e in mine or (k == 0 and e.op == "placeholder")]
         reads |= {e for v, e in ends.items() if k == 0 and e.op == "placeholder"}
         crossing = [value_of[n] for n in mine if n in value_of and n.op != "placeholder"]
@@ -197,7 +205,8 @@ def build_parts(gm, info, status, level, infos, names: set, grad_sum: set, param
         parts.append((pinfo, pgm))
     sums = sums or {}
     return Cut(parts, params, partial, {value_of[n] for n in value_of if n.name in grad_sum},
-               sums={value_of[n]: sums[n.name] for n in value_of if n.name in sums})
+               sums={value_of[n]: sums[n.name] for n in value_of if n.name in sums},
+               ghosts={value_of[n]: value_of[n.args[0]] for n in ghosts})
 
 
 def _fresh(name: str, taken: set, index: int) -> str:

@@ -142,6 +142,14 @@ BALANCE = Field("load_balance",
                     "zigzag", "contiguous") else "zigzag",
                 lambda v, r: ({"load_balance": v}, ()) if v == "contiguous" else
                 ({}, ("load_balance",)))
+ROTATE = Field("rotate",
+               lambda: W.Dropdown(options=[("all-gather", "all_gather"), ("p2p ring", "p2p")],
+                                  tooltip="all-gather: every member's keys and values "
+                                  "gathered before attention; p2p ring: passed member to "
+                                  "member, each exchange beside the block before",
+                                  layout=W.Layout(width="110px")),
+               lambda r: "p2p" if r.get("rotate") == "p2p" else "all_gather",
+               lambda v, r: ({"rotate": v}, ()) if v == "p2p" else ({}, ("rotate",)))
 RAW = Field("*", lambda: W.Textarea(continuous_update=False, rows=2, layout=W.Layout(width="300px")),
             lambda r: json.dumps(r), lambda v, r: _raw_write(v, r))
 
@@ -159,7 +167,7 @@ FIELDS = {"place": (FILTER, DEVICES, STREAM), "shard": (FILTER, DEVICES, STREAM)
           "schedule": (NAME, RANKS, MICRO, CHUNKS, PLACE), "recompute": (FILTER, MODE),
           "float8": (FILTER,),
           "tensor_parallel": (FILTER, GROUPS, SEQUENCE),
-          "context_parallel": (FILTER, GROUPS, BALANCE)}
+          "context_parallel": (FILTER, GROUPS, BALANCE, ROTATE)}
 
 
 class DirectiveRow:

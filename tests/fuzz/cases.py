@@ -92,6 +92,7 @@ class Case:
     float8: tuple[int, ...] = ()      # stages whose linears multiply in Float8 (pn.float8)
     cp: int = 1                   # context-parallel degree: every device's sequence shared
     balance: str = "zigzag"       # ... with this load balance
+    rotate: str = "all_gather"    # ... keys and values gathered, or passed round ("p2p")
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -134,8 +135,8 @@ class Case:
         rc += (f", selective recompute of stages {list(self.selective)} (attention in "
                f"{list(s.attns)})" if self.selective else "")
         rc += f", Float8 in stages {list(self.float8)}" if self.float8 else ""
-        rc += (f", CP {self.cp} ({self.balance}), attention in {list(s.attns)}"
-               if self.cp > 1 else "")
+        rc += (f", CP {self.cp} ({self.balance}, {self.rotate}), attention in "
+               f"{list(s.attns)}" if self.cp > 1 else "")
         rc += (f", a head of {s.classes} classes (label smoothing {s.smoothing})"
                if s.classes else "")
         return (f"seed {self.seed}: {self.schedule} x{self.ranks} ranks, DP {self.dp}, "
@@ -194,7 +195,8 @@ def draw(seed: int) -> Case:
 def _draw_cp(case: Case) -> None:
     """Context parallelism of degree 2 (each pipeline rank and replica widened into a
     group sharing the sequence: two replicas at most, or one on two ranks, 4 devices in
-    all), zigzag or contiguous, over sequences of a length both cut, attention on some
+    all), zigzag or contiguous, all-gathered or on the point-to-point ring, over sequences
+    of a length both cut, attention on some
     stages, BatchNorm taken out (its statistics are over every token), dropout drawn as
     one process's mask (`cp.dropout`); with TP on one pipeline rank (TP 2, one replica:
     the context over the TP groups' first devices), not with Float8 (scales from each
@@ -214,6 +216,8 @@ def _draw_cp(case: Case) -> None:
         if case.dp == 1:
             case.zero, case.grad_sync = 0, None
     case.cp, case.balance = 2, rng.choice(["zigzag", "contiguous"])
+    # the rotation from a stream of its own: the cases drawn before it keep every draw
+    case.rotate = random.Random(f"{case.seed}:cp-rotate").choice(["all_gather", "p2p"])
     case.lengths = (4 * rng.choice([1, 2]),) * case.steps
     stages = spec.stages
     case.spec = dataclasses.replace(spec, norms=(), attns=tuple(sorted(
@@ -375,7 +379,8 @@ def program(case: Case) -> list:
         lead = case.ranks * case.dp
         group = {d: [d + k * lead for k in range(case.cp)] for d in range(lead)}
         out = [_in_groups(d, group) for d in out]
-        out.append(pn.context_parallel({}, list(group.values()), load_balance=case.balance))
+        out.append(pn.context_parallel({}, list(group.values()), load_balance=case.balance,
+                                       rotate=case.rotate))
     if case.tp > 1:   # under CP, the context members lead the TP groups
         lead = case.ranks * case.dp * case.cp
         out.append(pn.tensor_parallel({}, [[d + k * lead for k in range(case.tp)]

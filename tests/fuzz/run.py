@@ -2,6 +2,7 @@
 
     .venv/bin/python tests/fuzz/run.py [--cases 500] [--start 0] [--comm nccl-emulated]
     .venv/bin/python tests/fuzz/run.py --seed 1234
+    .venv/bin/python tests/fuzz/run.py --seeds 4,14,19
 
 `--comm nccl-emulated` runs every case under NCCL's semantics on CPU and checks that each
 device ran exactly its stream program (`make fuzz COMM=nccl-emulated`).
@@ -30,12 +31,15 @@ import piper_nb as pn  # noqa: E402
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seed", type=int, help="replay this one case")
+    ap.add_argument("--seeds", help="replay these cases (comma-separated seeds)")
     ap.add_argument("--cases", type=int, default=500)
     ap.add_argument("--start", type=int, default=0, help="first seed")
     ap.add_argument("--comm", default="native", choices=["native", "nccl-emulated"],
                     help="the clusters' communication (default: %(default)s)")
     args = ap.parse_args()
-    seeds = [args.seed] if args.seed is not None else range(args.start, args.start + args.cases)
+    seeds = ([args.seed] if args.seed is not None else
+             [int(s) for s in args.seeds.split(",")] if args.seeds else
+             range(args.start, args.start + args.cases))
     torch.set_num_threads(1)
     clusters: dict[int, pn.LocalCluster] = {}
     failed, mix, t0 = [], collections.Counter(), time.perf_counter()
@@ -70,6 +74,7 @@ def main() -> int:
                                       ("vocab-parallel-loss", case.spec.classes),
                                       ("cp2", case.cp > 1), ("cp2-tp2", case.cp > 1
                                                                and case.tp > 1),
+                                      ("cp2-p2p", case.cp > 1 and case.rotate == "p2p"),
                                       (f"grad-sync-{case.grad_sync}", case.grad_sync)]
                        if v)
             print(f"[{status} {time.perf_counter() - start:5.2f}s] {case.line()}"

@@ -139,16 +139,23 @@ def test_a_case_replays_from_its_seed():
 def test_make_fuzz_draws_context_parallel():
     """Context parallelism of degree 2, zigzag and contiguous, with pipelines (split
     backwards among them), data parallelism under ZeRO-3, recompute, dropout (one
-    process's masks) and the global loss over masked targets, among the 500 cases of `make
-    fuzz` (86 of them)."""
+    process's masks) and the global loss over masked targets, all-gathered and on the
+    point-to-point ring, among the 500 cases of `make fuzz` (86 of them)."""
     cases = [c for c in map(draw, range(500)) if c.cp > 1]
     assert len(cases) > 60 and {c.balance for c in cases} == {"zigzag", "contiguous"}
+    assert {c.rotate for c in cases} == {"all_gather", "p2p"}
+    assert any(c.rotate == "p2p" and c.tp > 1 for c in cases)
     assert any(c.ranks > 1 and c.schedule in ("zb1p", "dualpipev") for c in cases)
     assert any(c.dp > 1 and c.zero == 3 for c in cases)
     assert any(c.recompute for c in cases) and any(c.global_loss for c in cases)
     assert any(c.spec.dropout and not c.spec.eval_dropout for c in cases)
-    case = next(c for c in cases if c.ranks > 1)
-    model = StageGraph(case.spec)
-    plan = pn.compile(pn.annotate(model, model.annotation()), program(case),
-                      batches(case, model)[0])
-    assert any(i.purpose == pn.Purpose.CP for d in plan.devices for i in d.instrs)
+    for rotate in ("all_gather", "p2p"):
+        case = next(c for c in cases if c.ranks > 1 and c.rotate == rotate)
+        model = StageGraph(case.spec)
+        plan = pn.compile(pn.annotate(model, model.annotation()), program(case),
+                          batches(case, model)[0])
+        ring = plan.capture.cp.rotations
+        assert plan.capture.cp.rotate == rotate
+        assert any(i.purpose == pn.Purpose.CP if rotate == "all_gather" else
+                   i.kind == pn.Op.SEND and i.data.values[0] in ring.values()
+                   for d in plan.devices for i in d.instrs)

@@ -216,6 +216,17 @@ def _context(extra: str | None):
     return model, ann, [pn.context_parallel({}, [0, 1]), pn.split({}, "MB", 2), *more]
 
 
+def _ring(extra: str | None):
+    """CP 2 on the point-to-point ring (`rotate="p2p"`: each step a part, the keys and
+    values received between them), alone, with one layer recomputed, and CP 2 x TP 2 + SP
+    with one layer recomputed as a unit."""
+    if extra == "tp2-sp-units":
+        model, ann, program = _context_tensor(True)
+        return model, ann, [pn.context_parallel({}, [0, 2], rotate="p2p"), *program[1:]]
+    model, ann, program = _context(extra)
+    return model, ann, [pn.context_parallel({}, [0, 1], rotate="p2p"), *program[1:]]
+
+
 def _context_tensor(sp: bool):
     """CP 2 x TP 2 (the context over the groups' first devices, each region cut by both:
     TP's parts cut again at the attentions), with sequence parallelism and one layer
@@ -237,6 +248,8 @@ MORE = {**{f"tied-zero{z}-pp2-dp2": lambda z=z: _tied(z) for z in (1, 2, 3)},
         **{f"cp2{'-' + x if x else ''}": lambda x=x: _context(x) for x in (None, "zero3", "recompute")},
         **{f"cp2-tp2{'-sp-units' if sp else ''}": lambda sp=sp: _context_tensor(sp)
            for sp in (False, True)},
+        **{f"cp2-ring{'-' + x if x else ''}": lambda x=x: _ring(x)
+           for x in (None, "recompute", "tp2-sp-units")},
         "pp2-dp2-zero3-step-sync": lambda: _pp2_dp2_zero3(True, "step"),
         "pp2-dp2-zero3-noreshard-microbatch-sync": lambda: _pp2_dp2_zero3(False, "microbatch")}
 

@@ -460,7 +460,7 @@ def test_the_analytic_model_shows_compute_and_a_believable_bubble(designer):
     assert len(shares) == 2 and all(0 < s < 60 for s in shares), shares
 
 
-def test_a_context_parallel_row_picks_its_load_balance():
+def test_a_context_parallel_row_picks_its_load_balance_and_rotation():
     model = pn.models.Llama(vocab=32, dim=32, layers=2, heads=4, kv_heads=2, hidden=64, seq=8)
     d = Designer(model, model.example_batch(batch_size=4, seed=0), debounce=None,
                  program=[pn.context_parallel({}, [0, 1])])
@@ -472,6 +472,10 @@ def test_a_context_parallel_row_picks_its_load_balance():
         assert d.state.rows[0]["load_balance"] == "contiguous" and d.problems == []
         assert d.plan.capture.cp.balance == "contiguous"
         assert 'load_balance="contiguous"' in python_code(d.state)
+        assert row.widget("rotate").value == "all_gather"   # the point-to-point ring
+        row.widget("rotate").value = "p2p"
+        assert d.problems == [] and d.plan.capture.cp.rotate == "p2p"
+        assert d.plan.capture.cp.rotations and 'rotate="p2p"' in python_code(d.state)
         row.widget("devices").value = "0,1 | 2,3"   # two groups: nothing runs on the second
         assert d.problems and "context" in " ".join(map(str, d.problems))
     finally:
