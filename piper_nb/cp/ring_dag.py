@@ -37,7 +37,9 @@ def insert_cp_ring(dag: TrainingDAG, directives: Directives, ctx: Context) -> Tr
     if not directives or layout is None or not layout.rotations:
         return dag
     rot = layout.rotations
-    reader = {v: rs[0] for v, rs in capture.consumers.items() if len(rs) == 1}
+    # the part whose step reads a value: its first reader (the keys a region made may be
+    # read later too, by an output that returns them)
+    reader = {v: min(rs) for v, rs in capture.consumers.items() if rs}
     steps: dict[int, list[str]] = {}   # the region reading delivered values -> them
     for d in rot:
         steps.setdefault(reader[d], []).append(d)

@@ -272,4 +272,3 @@ def test_cp2_transformers_own_attention(cluster2, family, attention):
     with pytest.raises(pn.PlanError, match="compile with loss_mean='global'"):
         pn.compile(tiny_family(transformers, family), [pn.context_parallel({}, [0, 1])],
                    batch)
-
