@@ -1,7 +1,8 @@
 """piper_nb: a programmable distributed training system for PyTorch that lives in Jupyter.
 
 Tag regions of a model (`annotate`), write a program of directives (`place`, `replicate`,
-`shard`, `split`, `order`, `recompute`, `float8`, `tensor_parallel`, schedules), `compile` it into
+`shard`, `split`, `order`, `recompute`, `float8`, `compile_regions`, `tensor_parallel`,
+schedules), `compile` it into
 checked per-device plans, `simulate` them, and `train` on real torch.distributed workers.
 """
 
@@ -12,6 +13,7 @@ from piper_nb.compiler.compile import compile
 from piper_nb.cp import context_parallel
 from piper_nb.directives.spec import (
     Program,
+    compile_regions,
     float8,
     order,
     place,
@@ -38,7 +40,7 @@ from piper_nb.train import Result, reference_train, train
 
 __all__ = ["annotate", "cut_stages", "expert_slices", "region", "compile", "Plan", "DevicePlan",
            "Instr", "Program", "place", "replicate", "shard", "split", "order", "recompute",
-           "float8", "tensor_parallel", "context_parallel", "PlanError",
+           "float8", "compile_regions", "tensor_parallel", "context_parallel", "PlanError",
            "RuntimeFailure", "WorkerLost", "TrainingDAG", "Node", "Edge", "Op", "Purpose", "validate",
            "models", "schedules", "CostModel", "HostModel", "HardwareSpec", "Topology",
            "MemorySettings",

@@ -29,6 +29,7 @@ from piper_nb.compiler.shapes import propagate
 from piper_nb.compiler.token_rows import token_rows
 from piper_nb.cp import context_degree, share_batch
 from piper_nb.directives.base import CaptureContext, Context
+from piper_nb.directives.compile_regions import compiled_regions
 from piper_nb.directives.replicate import check_widths, replica_width
 from piper_nb.directives.shard import routes_tokens
 from piper_nb.directives.spec import Directive, Program
@@ -193,7 +194,8 @@ def _shapes(capture, directives, named: Batch, part: int) -> dict:
             mine = named.slice(slice(part))
             if capture.cp is not None:   # a device's share of the sequence
                 mine = Batch(share_batch(mine, capture.cp))
-            values, saved, _, changed, kept, aliases = propagate(capture, mine)
+            values, saved, _, changed, kept, aliases = propagate(
+                capture, mine, compiled_regions(capture.regions, directives))
             rows, saved_rows = {}, {}
             if routes_tokens(directives):  # routed rows: symbolic
                 rows, saved_rows = token_rows(capture, mine, saved, values)

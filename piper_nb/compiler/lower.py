@@ -56,8 +56,7 @@ def _key(n: Node, remote: bool = True) -> tuple:
 
 def _waits_on_peers(dag: TrainingDAG, nodes: list[Node], ids: set[str]) -> set[str]:
     """Ids of this device's nodes downstream (on this device) of a RECV or an all-to-all."""
-    todo = [n.id for n in nodes if n.op in (Op.RECV, Op.ALL_TO_ALL)
-            and not (n.attrs and n.attr("ring"))]   # a context ring's: its group in step
+    todo = [n.id for n in nodes if n.op in (Op.RECV, Op.ALL_TO_ALL) and not n.attr("ring")]
     seen = set(todo)
     while todo:
         for e in dag.out_edges(todo.pop()):
@@ -231,7 +230,7 @@ def _instr(n: Node, d: int, partner, tags, owned) -> Instr:
         data = (Update(tuple(full), tuple(bks)) if n.op == Op.U else
                 Pass(n.attr("overlap", -1), n.attr("recompute") is not None
                      and not n.attr("unit"), Unit(n.attr("unit", "")), n.attr("keep", ()),
-                     n.attr("slices", ())))
+                     n.attr("slices", ()), n.attr("compiled", "")))
         return Instr(n.op, n.id, "compute", n.region, mb, pos, len(n.devices), data)
     if n.op in (Op.SEND, Op.RECV):
         other = partner[n.id]
@@ -336,9 +335,10 @@ def _gathered(dag) -> dict[str, list[str]]:
 def _add_frees(instrs: list[Instr], regions, dag) -> tuple[Instr, ...]:
     """Insert FREE after the last reader of every buffer the device holds; a second run
     of a layer recomputed as one unit (`Unit.AGAIN`) writes its kept values again, and so
-    does a sequence-parallel input's gather before its backward (`compiler.regather`), so
-    each is freed after its last reader before that write too, and after the write itself
-    when nothing reads it later."""
+    do a sequence-parallel input's gather before its backward (`compiler.regather`) and
+    the second run's receives of a context ring's keys and values, so each is freed after
+    its last reader before that write too, and after the write itself when nothing reads
+    it later."""
     last: dict[str, int] = {}
     now: dict[int, list[str]] = defaultdict(list)
     grad_values = _grad_values(dag)
@@ -369,6 +369,8 @@ def _add_frees(instrs: list[Instr], regions, dag) -> tuple[Instr, ...]:
                 reads = [f"{'grad' if s.data.grad else 'act'}:{v}@{s.mb}" for v in s.data.values]
             elif s.is_regather:   # the gathered input, whole again
                 again = [f"act:{v}@{s.mb}" for v in s.data.values]
+            elif s.kind == Op.RECV and not s.data.grad:   # a unit's second run receives
+                again = [f"act:{v}@{s.mb}" for v in s.data.values]   # a ring's keys again
         for k in again:   # written again: the earlier buffer is done after its last reader
             if k in last:
                 now[last.pop(k)].append(k)

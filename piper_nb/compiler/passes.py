@@ -54,6 +54,7 @@ from piper_nb.cp import (
     place_context,
 )
 from piper_nb.directives.base import CaptureContext, Context, Directive, Directives
+from piper_nb.directives.compile_regions import CompileRegions, apply_compile_regions
 from piper_nb.directives.float8 import Float8, apply_float8
 from piper_nb.directives.order import Order, apply_orders
 from piper_nb.directives.place import Place, apply_places
@@ -143,6 +144,8 @@ DAG_PASSES: tuple[Pass, ...] = (
     Pass("recompute", apply_recompute, consumes=(Recompute,)),       # recomputed passes
     Pass("layer recompute", recompute_layers),                       # TP layers as units
     Pass("sequence regather", regather_inputs),                      # SP inputs kept as slices
+    Pass("compile regions", apply_compile_regions,                   # passes through
+         consumes=(CompileRegions,)),                                # torch.compile
     Pass("checks", _check_buffers),                                  # buffers, recompute, DAG
 )
 PIPELINE = DAG_PASSES

@@ -8,10 +8,13 @@ bytes the same way (`SavedBytes.split`), so predicted and measured memory agree.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import torch
 
 from piper_nb.capture.meta_routing import on_meta
 from piper_nb.capture.split import LOSS
+from piper_nb.directives.compile_regions import parse_setting
 from piper_nb.errors import PlanError
 from piper_nb.ir.loss_outputs import is_loss_output, loss_output_label
 from piper_nb.plan.sizes import SavedBytes, ValueInfo, storage_key
@@ -39,6 +42,16 @@ def region_args(info, vals: dict, batch: frozenset[str]) -> list[torch.Tensor]:
     return args
 
 
+def _compiled(mod, setting: str):
+    """`mod` compiled to measure what it saves as the workers' compile will: inductor's
+    graphs (its decompositions, its min-cut partition) run eagerly, without generating
+    kernels (`aot_eager_decomp_partition`: the same saved tensors, in a second)."""
+    kwargs = parse_setting(setting)
+    if kwargs["backend"] == "inductor":
+        kwargs = {**kwargs, "backend": "aot_eager_decomp_partition", "mode": None}
+    return torch.compile(mod, **kwargs)
+
+
 def deliver(capture, vals: dict) -> None:
     """Context parallelism's point-to-point ring delivers values no region makes
     (`CPLayout.rotations`): on one process each is its source's (same shape and dtype),
@@ -54,7 +67,7 @@ def _described(batch: dict[str, torch.Tensor]) -> str:
                      for k, t in batch.items())
 
 
-def propagate(capture, batch: dict[str, torch.Tensor]):
+def propagate(capture, batch: dict[str, torch.Tensor], compiled: Mapping[int, str] = {}):  # noqa: B006
     """-> (values: name -> ValueInfo, saved: region -> bytes, loss value, changed: region ->
     the buffers its forward changes, such as BatchNorm's running statistics, kept: region ->
     (inputs, outputs) whose buffers autograd saves, which `saved` leaves out: the stash
@@ -62,12 +75,15 @@ def propagate(capture, batch: dict[str, torch.Tensor]):
     pairs that are one buffer), running the regions on the named
     `batch`. Run inside `capture.untouched` so that the user's model
     keeps its buffers. On the meta device a router's tokens are assumed balanced over its
-    experts (`capture.meta_routing`)."""
+    experts (`capture.meta_routing`). `compiled` (region -> `Pass.compiled`'s setting) runs
+    those regions through `torch.compile` as the workers will, so what they save is what
+    AOTAutograd's partition saves; on the meta device they run eagerly (no kernels to
+    make), and the model counts what eager autograd saves."""
     meta = any(t.is_meta for t in batch.values())
-    return on_meta(meta, _propagate, capture, batch)
+    return on_meta(meta, _propagate, capture, batch, {} if meta else compiled)
 
 
-def _propagate(capture, batch: dict[str, torch.Tensor]):
+def _propagate(capture, batch: dict[str, torch.Tensor], compiled: Mapping[int, str]):
     vals: dict[str, torch.Tensor] = dict(batch)
     names = frozenset(batch)
     saved: dict[int, int] = {}
@@ -82,9 +98,10 @@ def _propagate(capture, batch: dict[str, torch.Tensor]):
         before = {n: b.detach().clone() for n, b in mod.named_buffers()}
         batch_args = {storage_key(a) for v, a in zip(info.inputs, args, strict=True)
                       if v in names}
+        run = _compiled(mod, compiled[info.index]) if info.index in compiled else mod
         with SavedBytes(exclude | batch_args) as counter:
             try:
-                outs = mod(*args)
+                outs = run(*args)
             except PlanError:
                 raise
             except Exception as err:   # PyTorch's own words, with where and on what

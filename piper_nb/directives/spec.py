@@ -4,8 +4,8 @@ Each directive is a frozen dataclass in its own module (value type, JSON fields,
 Designer row defaults and code generation together; see `base.py`); `REGISTRY` maps each
 JSON `op` to its class. The `op` and field names in JSON are Piper's (`place`, `replicate`,
 `shard`, `split`, `order`), plus our `schedule` op that names a builder, `recompute`,
-`float8` and `tensor_parallel`. A directive defined above this floor (`tensor_parallel`, in its own
-package) adds itself with `register`.
+`float8`, `compile_regions` and `tensor_parallel`. A directive defined above this floor
+(`tensor_parallel`, in its own package) adds itself with `register`.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from piper_nb.directives.base import Directive
+from piper_nb.directives.compile_regions import CompileRegions, compile_regions
 from piper_nb.directives.float8 import Float8, float8
 from piper_nb.directives.order import Order, order
 from piper_nb.directives.place import Place, place
@@ -26,13 +27,13 @@ from piper_nb.directives.split import Split, split
 from piper_nb.errors import PlanError
 
 __all__ = ["Directive", "Place", "Replicate", "Shard", "Split", "Order", "Schedule", "Recompute",
-           "Float8", "Program", "place", "replicate", "shard", "split", "order", "recompute",
-           "float8",
+           "Float8", "CompileRegions", "Program", "place", "replicate", "shard", "split",
+           "order", "recompute", "float8", "compile_regions",
            "directive_from_json", "REGISTRY", "register"]
 
 REGISTRY: dict[str, type[Directive]] = {cls.op: cls for cls in
                                         (Place, Replicate, Shard, Split, Order, Schedule,
-                                         Recompute, Float8)}
+                                         Recompute, Float8, CompileRegions)}
 
 
 def register(cls: type[Directive]) -> type[Directive]:

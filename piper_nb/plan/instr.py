@@ -33,6 +33,8 @@ class Pass:
     keep: tuple[str, ...] = ()      # the outputs such a forward's second run stores
     slices: tuple[str, ...] = ()    # SP: inputs kept as this device's slice (F), gathered
                                     # again and read by the backwards (`compiler.regather`)
+    compiled: str = ""              # run through torch.compile (`pn.compile_regions`):
+                                    # "backend[:mode][:dynamic]"
 
 
 @dataclass(frozen=True, slots=True)

@@ -192,8 +192,16 @@ class Plan:
 
     def legend(self) -> str:
         """What the prefixes of the instructions stand for: `r0 = {PP=0}`, one line per
-        bucket `b0 = 2 parameters of r0, r1 over devices 0,1 (ZeRO-0)`."""
-        return "\n".join([region_legend(self.regions), *bucket_legend(self.buckets)]).strip()
+        bucket `b0 = 2 parameters of r0, r1 over devices 0,1 (ZeRO-0)`, and the regions
+        run through torch.compile (`compiled (inductor): r0, r1`)."""
+        compiled: dict[str, set[int]] = {}
+        for n in self.dag.nodes if self.dag is not None else ():
+            if n.attrs and n.attr("compiled"):
+                compiled.setdefault(n.attr("compiled"), set()).add(n.region)
+        lines = [f"compiled ({k}): " + ", ".join(f"r{r}" for r in sorted(v))
+                 for k, v in sorted(compiled.items())]
+        return "\n".join([region_legend(self.regions), *bucket_legend(self.buckets),
+                          *lines]).strip()
 
     def text(self) -> str:
         """`plan.grid()` and, beneath it, `plan.legend()`: what `print(plan)` shows."""

@@ -30,6 +30,7 @@ from piper_nb.plan.streams import DeviceStreams, communicators
 from piper_nb.runtime.buffers import Buffers
 from piper_nb.runtime.bundle import Bundle, bind_params, direct_calls, to_device
 from piper_nb.runtime.comm import Comm, Pending
+from piper_nb.runtime.compiled import compiled_modules
 from piper_nb.runtime.compute import ComputePasses
 from piper_nb.runtime.emulation import EmulatedStreams
 from piper_nb.runtime.exchange import TokenExchange
@@ -104,6 +105,7 @@ class Worker(ComputePasses, Transfers):
             if r in synced and bn_groups is not None:   # only this rank's regions
                 sync_batchnorms(mod, lambda r=r: bn_groups[replicas[r]])
             self.modules[r] = direct_calls(mod)
+        self.modules = compiled_modules(plan, self.instrs, self.modules)   # compile_regions
         program = plan.streams()[rank] if rank < plan.world else DeviceStreams(rank, ())
         if not program.instrs:   # a program shipped on its own names no instructions
             program = DeviceStreams(rank, program.launches, self.instrs)
@@ -119,11 +121,9 @@ class Worker(ComputePasses, Transfers):
         self.frees = {k: [parse_free(key) for key in i.data.keys]
                       for k, i in enumerate(self.instrs) if i.kind == Op.FREE}
         self.updater: Updater | None = None
-        self.rng = ForwardRng(plan, self.device)
-        self.seed = 0
-        self.tracing = True
-        self.step_no = 0
-        self.current = -1
+        self.rng, self.seed, self.tracing = ForwardRng(plan, self.device), 0, True
+        self.step_no, self.current = 0, -1
+        self.compiled_s = 0.0   # seconds the compiled regions' first calls took so far
 
     # ---- driver commands ---------------------------------------------------------------
     def reset(self, optimizer, seed: int = 0) -> None:
@@ -193,10 +193,12 @@ class Worker(ComputePasses, Transfers):
         end = self.clock.mark()
         leftover = self._leftover()
         events, memory = rec.resolve()
+        compiled, self.compiled_s = self.compiled_s, sum(   # compile_regions' first calls
+            getattr(m, "seconds", 0.0) for m in self.modules.values())
         out = {"loss": loss, "end": self.clock.resolve(end), "events": events,
                "memory": memory, "leftover": leftover, "lr": self.updater.lr(),
                "grad_norm": self.updater.norm, "count": self.updater.count,
-               "metrics": self._metrics()}
+               "metrics": self._metrics(), "compile_s": self.compiled_s - compiled}
         self.updater.end_step()
         if record_streams:
             out["streams"] = {k: list(v) for k, v in self.streams.log.items()}

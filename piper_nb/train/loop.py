@@ -98,7 +98,7 @@ def train(plan, batch_or_loader, steps: int, optimizer, cluster=None, *,
     model = plan.capture.model
     return Result(run.losses, run.times, run.trace, params, model_template(model),
                   param_aliases(model), sorted(run.leftover), run.skipped, run.metrics,
-                  optim_state)
+                  optim_state, run.compile_s)
 
 
 def _attempts(run, cluster, ckpt, batch_or_loader, max_restarts: int) -> tuple[dict, dict]:
@@ -218,7 +218,7 @@ class _Run:
         self.plan, self.steps, self.spec, self.seed = plan, steps, spec, seed
         self.progress = progress
         self.sizes, self.shipped = BatchPlans(plan, drop_last), set()  # other-size plans shipped
-        self.losses, self.times, self.metrics = [], [], []
+        self.losses, self.times, self.metrics, self.compile_s = [], [], [], []
         self.trace, self.leftover, self.skipped = None, set(), []
         self.log = TensorBoardLog(log_dir) if log_dir is not None else None
 
@@ -240,6 +240,7 @@ class _Run:
             outs = other_plan_step(cluster, plan, this, sent, last)
         self.losses.append(step_loss(plan, outs))
         self.times.append(max(o["end"] for o in outs))
+        self.compile_s.append(max(o.get("compile_s", 0.0) for o in outs))
         for o in outs:
             self.leftover.update(o["leftover"])
         self.trace = _step_trace(outs, s, plan.world)

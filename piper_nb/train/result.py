@@ -41,6 +41,9 @@ class Result:
     skipped: list[int] = field(default_factory=list)   # steps whose batch drop_last skipped
     metrics: list[StepMetrics] = field(default_factory=list)   # one per step trained
     optimizer_state: dict = field(repr=False, default_factory=dict)
+    # per step, the seconds the slowest worker spent compiling regions (`compile_regions`:
+    # the first step's, included in its step time; 0 after)
+    compile_s: list[float] = field(default_factory=list)
 
     def optimizer_state_dict(self) -> dict:
         """The optimizer's state after the last step, for the whole model: `{"state":

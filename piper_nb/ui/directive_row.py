@@ -19,6 +19,7 @@ from typing import Any
 
 import ipywidgets as W
 
+from piper_nb.directives.compile_regions import MODES
 from piper_nb.directives.schedule import schedule_key
 from piper_nb.ui.fields import (
     devices_text,
@@ -150,6 +151,17 @@ ROTATE = Field("rotate",
                                   layout=W.Layout(width="110px")),
                lambda r: "p2p" if r.get("rotate") == "p2p" else "all_gather",
                lambda v, r: ({"rotate": v}, ()) if v == "p2p" else ({}, ("rotate",)))
+COMPILE_MODE = Field("mode", lambda: W.Dropdown(
+    options=[(m, m) for m in MODES], tooltip="torch.compile's mode",
+    layout=W.Layout(width="150px")),
+    lambda r: r.get("mode") if r.get("mode") in MODES else "default",
+    lambda v, r: ({"mode": v}, ()) if v != "default" else ({}, ("mode",)))
+BACKEND = Field("backend", lambda: W.Dropdown(
+    options=[("inductor", "inductor"), ("aot_eager", "aot_eager")],
+    tooltip="inductor: generated kernels; aot_eager: AOTAutograd's graphs run eagerly "
+    "(quick to compile, for checking)", layout=W.Layout(width="100px")),
+    lambda r: "aot_eager" if r.get("backend") == "aot_eager" else "inductor",
+    lambda v, r: ({"backend": v}, ()) if v != "inductor" else ({}, ("backend",)))
 RAW = Field("*", lambda: W.Textarea(continuous_update=False, rows=2, layout=W.Layout(width="300px")),
             lambda r: json.dumps(r), lambda v, r: _raw_write(v, r))
 
@@ -167,7 +179,8 @@ FIELDS = {"place": (FILTER, DEVICES, STREAM), "shard": (FILTER, DEVICES, STREAM)
           "schedule": (NAME, RANKS, MICRO, CHUNKS, PLACE), "recompute": (FILTER, MODE),
           "float8": (FILTER,),
           "tensor_parallel": (FILTER, GROUPS, SEQUENCE),
-          "context_parallel": (FILTER, GROUPS, BALANCE, ROTATE)}
+          "context_parallel": (FILTER, GROUPS, BALANCE, ROTATE),
+          "compile_regions": (FILTER, COMPILE_MODE, BACKEND)}
 
 
 class DirectiveRow:

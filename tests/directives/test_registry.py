@@ -28,6 +28,8 @@ EXAMPLES = {
                                                  "layers.*.down": "rowwise"},
                                            sequence_parallel=True),
                         pn.tensor_parallel({"PP": 1}, [2, 3])],
+    "compile_regions": [pn.compile_regions({"PP": 0}, mode="max-autotune", dynamic=True,
+                                           backend="aot_eager")],
     "context_parallel": [pn.context_parallel({"PP": 0}, [0, 1, 2, 3], load_balance="contiguous",
                                              rotate="p2p")],
     "order": [pn.order([[{"PP": 0, "MB": 0, "PASS": "F"}],
@@ -107,7 +109,8 @@ def test_print_program_is_its_json_one_directive_per_line():
     ({"op": "order"}, "order: missing field 'filters'"),
     ({"op": "split", "filter": {}, "num_microbatches": 0},
      "split: num (JSON num_microbatches) must be a positive integer"),
-    ({"op": "checkpoint"}, "unknown op 'checkpoint'; the ops are context_parallel, float8, order, place"),
+    ({"op": "checkpoint"}, "unknown op 'checkpoint'; the ops are compile_regions, context_parallel, "
+                           "float8, order, place"),
     ({"op": "recompute"}, "recompute: missing field 'filter'"),
     ({"op": "recompute", "filter": {"PASS": "F"}}, "recompute filter {'PASS': 'F'} names a PASS"),
 ])

@@ -93,6 +93,7 @@ class Case:
     cp: int = 1                   # context-parallel degree: every device's sequence shared
     balance: str = "zigzag"       # ... with this load balance
     rotate: str = "all_gather"    # ... keys and values gathered, or passed round ("p2p")
+    compiled: tuple[int, ...] = ()    # stages through torch.compile (aot_eager)
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -137,6 +138,7 @@ class Case:
         rc += f", Float8 in stages {list(self.float8)}" if self.float8 else ""
         rc += (f", CP {self.cp} ({self.balance}, {self.rotate}), attention in "
                f"{list(s.attns)}" if self.cp > 1 else "")
+        rc += f", stages {list(self.compiled)} compiled" if self.compiled else ""
         rc += (f", a head of {s.classes} classes (label smoothing {s.smoothing})"
                if s.classes else "")
         return (f"seed {self.seed}: {self.schedule} x{self.ranks} ranks, DP {self.dp}, "
@@ -189,7 +191,20 @@ def draw(seed: int) -> Case:
     _draw_selective(case)
     _draw_float8(case)
     _draw_cp(case)
+    _draw_compiled(case)
     return case
+
+
+def _draw_compiled(case: Case) -> None:
+    """Some stages through torch.compile (`pn.compile_regions`, AOTAutograd with eager
+    kernels: the graphs traced and partitioned as inductor's are, quick to compile), not
+    the Float8 ones. Its own stream of draws: every other field keeps its draw."""
+    rng = random.Random(f"{case.seed}:compiled")
+    if rng.random() >= 0.12:
+        return
+    stages = [s for s in range(case.stages) if s not in case.float8]
+    if stages:
+        case.compiled = tuple(sorted(rng.sample(stages, rng.randint(1, len(stages)))))
 
 
 def _draw_cp(case: Case) -> None:
@@ -400,6 +415,7 @@ def _program(case: Case) -> list:
     rc = [pn.recompute({"PP": s} if mb < 0 else {"PP": s, "MB": mb}) for s, mb in case.recompute]
     rc += [pn.recompute({"PP": s}, mode="selective") for s in case.selective]
     rc += [pn.float8({"PP": s}) for s in case.float8]
+    rc += [pn.compile_regions({"PP": s}, backend="aot_eager") for s in case.compiled]
     if case.schedule == "none":
         devs = list(range(case.dp))
         return [pn.place({}, devs), _replicate({}, devs, case), pn.split({}, "MB", c), *rc]

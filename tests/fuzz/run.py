@@ -75,6 +75,7 @@ def main() -> int:
                                       ("cp2", case.cp > 1), ("cp2-tp2", case.cp > 1
                                                                and case.tp > 1),
                                       ("cp2-p2p", case.cp > 1 and case.rotate == "p2p"),
+                                      ("compiled", case.compiled),
                                       (f"grad-sync-{case.grad_sync}", case.grad_sync)]
                        if v)
             print(f"[{status} {time.perf_counter() - start:5.2f}s] {case.line()}"

@@ -159,3 +159,21 @@ def test_make_fuzz_draws_context_parallel():
         assert any(i.purpose == pn.Purpose.CP if rotate == "all_gather" else
                    i.kind == pn.Op.SEND and i.data.values[0] in ring.values()
                    for d in plan.devices for i in d.instrs)
+
+
+def test_make_fuzz_draws_compiled_regions():
+    """Stages through torch.compile (AOTAutograd, eager kernels) among the cases, with
+    pipelines (split backwards too), data parallelism, context parallelism and dropout."""
+    cases = [c for c in map(draw, range(300)) if c.compiled]
+    assert len(cases) > 20
+    assert any(c.schedule in ("zb1p", "dualpipev") for c in cases)
+    assert any(c.dp > 1 and c.zero == 3 for c in cases) and any(c.cp > 1 for c in cases)
+    assert any(c.spec.dropout for c in cases)
+    case = cases[0]
+    model = StageGraph(case.spec)
+    plan = pn.compile(pn.annotate(model, model.annotation()), program(case),
+                      batches(case, model)[0])
+    assert {i.data.compiled for d in plan.devices for i in d.instrs
+            if i.kind in pn.ir.kinds.PASSES and i.region in {
+                r.index for r in plan.regions if dict(r.tags)["PP"] in case.compiled}} == {
+        "aot_eager"}

@@ -227,6 +227,16 @@ def _ring(extra: str | None):
     return model, ann, [pn.context_parallel({}, [0, 1], rotate="p2p"), *program[1:]]
 
 
+def _compiled(backend: str):
+    """Regions through torch.compile under 1F1B: what AOTAutograd's partition saves
+    (inductor's min-cut recomputes cheap ops; aot_eager's default partition), measured at
+    compile time as the workers will run them."""
+    model = pn.models.Llama(vocab=32, dim=32, layers=2, heads=4, kv_heads=2, hidden=64, seq=8)
+    return model, pn.cut_stages(model, 2), [*pn.schedules.one_f_one_b(2, 2),
+                                            pn.place({"PP": 0}, [0]), pn.place({"PP": 1}, [1]),
+                                            pn.compile_regions({}, backend=backend)]
+
+
 def _context_tensor(sp: bool):
     """CP 2 x TP 2 (the context over the groups' first devices, each region cut by both:
     TP's parts cut again at the attentions), with sequence parallelism and one layer
@@ -250,6 +260,7 @@ MORE = {**{f"tied-zero{z}-pp2-dp2": lambda z=z: _tied(z) for z in (1, 2, 3)},
            for sp in (False, True)},
         **{f"cp2-ring{'-' + x if x else ''}": lambda x=x: _ring(x)
            for x in (None, "recompute", "tp2-sp-units")},
+        **{f"compiled-{b}-1f1b": lambda b=b: _compiled(b) for b in ("aot_eager", "inductor")},
         "pp2-dp2-zero3-step-sync": lambda: _pp2_dp2_zero3(True, "step"),
         "pp2-dp2-zero3-noreshard-microbatch-sync": lambda: _pp2_dp2_zero3(False, "microbatch")}
 

@@ -460,6 +460,23 @@ def test_the_analytic_model_shows_compute_and_a_believable_bubble(designer):
     assert len(shares) == 2 and all(0 < s < 60 for s in shares), shares
 
 
+def test_a_compile_regions_row_picks_its_backend_and_mode():
+    model = pn.models.Llama(vocab=32, dim=32, layers=2, heads=4, kv_heads=2, hidden=64, seq=8)
+    d = Designer(model, model.example_batch(batch_size=4, seed=0), debounce=None,
+                 program=[pn.place({}, [0]), pn.compile_regions({}, backend="aot_eager")])
+    try:
+        assert d.problems == []
+        row = d.directives.rows[1]
+        assert row.widget("backend").value == "aot_eager" and row.widget("mode").value == "default"
+        row.widget("mode").value = "max-autotune"
+        assert d.state.rows[1]["mode"] == "max-autotune" and d.problems == []
+        assert {i.data.compiled for i in d.plan.devices[0].instrs
+                if i.kind in pn.ir.kinds.PASSES} == {"aot_eager:max-autotune"}
+        assert 'mode="max-autotune"' in python_code(d.state)
+    finally:
+        d.close()
+
+
 def test_a_context_parallel_row_picks_its_load_balance_and_rotation():
     model = pn.models.Llama(vocab=32, dim=32, layers=2, heads=4, kv_heads=2, hidden=64, seq=8)
     d = Designer(model, model.example_batch(batch_size=4, seed=0), debounce=None,
