@@ -16,6 +16,10 @@ each joining its own gloo group on 127.0.0.1 with one intra-op thread, and build
                `set_reshard_after_backward(False)` on all but the last microbatch (FSDP2's
                gradient-accumulation recipe: unsharded params and grads between microbatches)
 
+A kind with `+compile` (`"eager+compile"`, `"1f1b+compile"`, `"fsdp2+compile"`) compiles
+with `torch.compile` (inductor) what torchtitan's `apply_compile` compiles: each layer of
+the model, before the stages are cut and before `fully_shard`.
+
 All with `torch.optim.SGD(lr)`. Processes are pinned to cores exactly as `pn.LocalCluster`
 pins its workers (`runtime.process.core_plan`, same `pin` argument), so placement is no
 difference between the systems. `run(k)` trains k steps; every step is timed like piper_nb's
@@ -39,6 +43,13 @@ from piper_nb.host import core_plan, free_port, pin_threads
 __all__ = ["PeerGroup", "KINDS"]
 
 KINDS = ("eager", "1f1b", "dualpipev", "ddp", "fsdp2", "fsdp2_acc")
+COMPILED = "+compile"
+
+
+def _compile_layers(model) -> None:
+    """Each layer through torch.compile, in place (torchtitan's `apply_compile`)."""
+    for i, layer in enumerate(model.layers):
+        model.layers[i] = torch.compile(layer)
 
 
 def _model_and_batch(case: dict):
@@ -130,6 +141,9 @@ def _serve(rank: int, world: int, port: int, case: dict, conn, cores=None) -> No
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                                 world_size=world, timeout=datetime.timedelta(seconds=120))
         model, batch = _model_and_batch(case)
+        if case["kind"].endswith(COMPILED):
+            case = dict(case, kind=case["kind"].removesuffix(COMPILED))
+            _compile_layers(model)
         build = _pipeline if case["kind"] in ("1f1b", "dualpipev") else _data_parallel
         step = build(case, rank, world, model.train(), batch)
         conn.send(("ready", None))
@@ -162,7 +176,7 @@ class PeerGroup:
                  serve=None):
         """Spawn `world` ranks each running `serve` (default `_serve`) on `case`."""
         serve = _serve if serve is None else serve
-        if case["kind"] not in KINDS:
+        if case["kind"].removesuffix(COMPILED) not in KINDS:
             raise ValueError(f"unknown peer kind {case['kind']!r}; the kinds are {KINDS}")
         self.case, self.world, self.timeout = case, world, timeout
         ctx = mp.get_context("spawn")

@@ -27,7 +27,13 @@ agree (same work). A second table splits piper_nb's step on its busiest device i
 (F/B/BI/BW/U events of the measured trace) and the rest (waiting on peers, the pipeline
 bubble, runtime overhead), and gives each system's CPU time per step (from /proc, all ranks).
 
+With `--compiled`, both systems run under torch.compile (inductor): piper_nb's regions
+through `pn.compile_regions({})`, each peer with every layer compiled as torchtitan's
+`apply_compile` does (a compiled eager loop, Schedule1F1B, FSDP2); the warm-up steps
+take the compiles.
+
     .venv/bin/python benchmarks/bench_runtime.py [--quick] [--steps N] [--only NAME]
+                                                 [--compiled]
 """
 
 from __future__ import annotations
@@ -93,8 +99,10 @@ def _stage_layers(annotation: dict) -> list[list[int]]:
     return [sorted(stages[s]) for s in sorted(stages)]
 
 
-def cases(model, microbatches: int) -> list[Case]:
+def cases(model, microbatches: int, compiled: bool = False) -> list[Case]:
     m, whole = microbatches, {"layers": {"PP": 0}}
+    if compiled:
+        return compiled_cases(model, m)
     out = [Case("one device", 1, whole, [pn.place({}, [0]), pn.split({}, "MB", m)],
                 {"eager": "eager loop"})]
     for ranks in (2, 4):
@@ -114,6 +122,20 @@ def cases(model, microbatches: int) -> list[Case]:
                     [pn.replicate({}, [0, 1], zero=3, reshard=False), pn.split({}, "MB", m)],
                     {"fsdp2_acc": "FSDP2, accumulate"}))
     return out
+
+
+def compiled_cases(model, m: int) -> list[Case]:
+    """Both systems under torch.compile (inductor): piper_nb's regions (`compile_regions`)
+    against the peers with each layer compiled (torchtitan's `apply_compile`)."""
+    whole, on = {"layers": {"PP": 0}}, pn.compile_regions({})
+    ann = pn.cut_stages(model, 2)
+    return [Case("one device, compiled", 1, whole, [pn.place({}, [0]), pn.split({}, "MB", m), on],
+                 {"eager+compile": "compiled eager loop"}),
+            Case("1F1B, compiled", 2, ann, [*pn.schedules.one_f_one_b(2, m, place=True), on],
+                 {"1f1b+compile": "Schedule1F1B, compiled layers"}, _stage_layers(ann)),
+            Case("replicate zero=3, compiled", 2, whole,
+                 [pn.replicate({}, [0, 1], zero=3), pn.split({}, "MB", m), on],
+                 {"fsdp2+compile": "FSDP2, compiled layers"})]
 
 
 class _Piper:
@@ -208,6 +230,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--batch", type=int, default=2048)
     ap.add_argument("--microbatches", type=int, default=8)
     ap.add_argument("--only", default="", help="run only cases whose name contains this")
+    ap.add_argument("--compiled", action="store_true",
+                    help="both systems under torch.compile (inductor): piper_nb's "
+                    "compile_regions against each peer with every layer compiled")
     ap.add_argument("--no-pin", dest="pin", action="store_const", const=False, default=None,
                     help="pin no process to a core (default: as LocalCluster, both systems)")
     args = ap.parse_args(argv)
@@ -216,7 +241,8 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(1)
     model = pn.models.MLP(dim=args.dim, depth=args.depth)
     batch = model.example_batch(batch_size=args.batch, seed=0)
-    todo = [c for c in cases(model, args.microbatches) if args.only.lower() in c.name.lower()]
+    todo = [c for c in cases(model, args.microbatches, args.compiled)
+            if args.only.lower() in c.name.lower()]
     t0 = time.perf_counter()
     clusters: dict[int, pn.LocalCluster] = {}
     try:

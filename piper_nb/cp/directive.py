@@ -29,6 +29,7 @@ from piper_nb.directives.base import (
     Directive,
     Directives,
     call_code,
+    check_choice,
     check_groups,
     groups_code,
     groups_of,
@@ -65,12 +66,8 @@ class ContextParallel(Directive):
         if self.degree < 2:
             raise PlanError(f"context_parallel: devices {list(self.groups[0])} is one device; "
                             "give the group of two or more devices that share the sequence")
-        if self.load_balance not in BALANCES:
-            raise PlanError(f"context_parallel: load_balance is one of {', '.join(BALANCES)}, "
-                            f"got {self.load_balance!r}")
-        if self.rotate not in ROTATES:
-            raise PlanError(f"context_parallel: rotate is one of {', '.join(ROTATES)}, got "
-                            f"{self.rotate!r}")
+        check_choice(self.op, "load_balance", self.load_balance, BALANCES)
+        check_choice(self.op, "rotate", self.rotate, ROTATES)
 
     @property
     def groups(self) -> tuple[tuple[int, ...], ...]:

@@ -18,9 +18,10 @@ from typing import Any, ClassVar
 
 from piper_nb.errors import PlanError
 from piper_nb.ir.dag import TrainingDAG
+from piper_nb.ir.filters import as_filter
 
 __all__ = ["Directive", "Context", "CaptureContext", "Directives", "each", "check_devices", "check_groups",
-           "groups_of", "groups_code", "check_stream",
+           "groups_of", "groups_code", "check_stream", "check_choice", "whole_regions",
            "py_literal", "call_code"]
 
 
@@ -109,6 +110,24 @@ def check_stream(value: Any, where: str) -> str | None:
     if value is None or (isinstance(value, str) and value):
         return value
     raise PlanError(f"{where}: stream must be a non-empty name or null, got {value!r}")
+
+
+def check_choice(op: str, name: str, value: Any, choices: tuple) -> None:
+    """PlanError unless `value` (argument `name` of directive `op`) is one of `choices`."""
+    if value not in choices:
+        raise PlanError(f"{op}: {name} is one of {', '.join(map(str, choices))}, got "
+                        f"{value!r}")
+
+
+def whole_regions(filt: Mapping[str, Any], op: str, why: str) -> dict:
+    """The filter of a directive that changes whole regions (`why`: what it does to them,
+    for every pass and microbatch): naming `PASS` or `MB` is a PlanError."""
+    filt = as_filter(filt, where=f"{op} filter")
+    for key in ("PASS", "MB"):
+        if key in filt:
+            raise PlanError(f"{op} filter {filt} names {key}; {why}, for every pass and "
+                            f"microbatch: drop {key} from the filter")
+    return filt
 
 
 def py_literal(value: Any) -> str:

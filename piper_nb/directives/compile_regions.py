@@ -25,10 +25,17 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from piper_nb.directives.base import Context, Directive, Directives, call_code
+from piper_nb.directives.base import (
+    Context,
+    Directive,
+    Directives,
+    call_code,
+    check_choice,
+    whole_regions,
+)
 from piper_nb.errors import PlanError
 from piper_nb.ir.dag import TrainingDAG
-from piper_nb.ir.filters import as_filter, matches
+from piper_nb.ir.filters import matches
 from piper_nb.ir.kinds import PASSES
 
 __all__ = ["CompileRegions", "compile_regions", "apply_compile_regions", "MODES", "BACKENDS",
@@ -49,21 +56,11 @@ class CompileRegions(Directive):
     op = "compile_regions"
 
     def __post_init__(self):
-        filt = as_filter(self.filter, where="compile_regions filter")
-        for key in ("PASS", "MB"):
-            if key in filt:
-                raise PlanError(f"compile_regions filter {filt} names {key}; a region is "
-                                "compiled for every pass and microbatch: drop "
-                                f"{key} from the filter")
-        object.__setattr__(self, "filter", filt)
-        if self.mode not in MODES:
-            raise PlanError(f"compile_regions: mode is one of {', '.join(MODES)}, got "
-                            f"{self.mode!r}")
-        if self.backend not in BACKENDS:
-            raise PlanError(f"compile_regions: backend is one of {', '.join(BACKENDS)}, got "
-                            f"{self.backend!r}")
-        if not isinstance(self.dynamic, bool):
-            raise PlanError(f"compile_regions: dynamic is true or false, got {self.dynamic!r}")
+        object.__setattr__(self, "filter", whole_regions(self.filter, self.op,
+                                                         "a region is compiled"))
+        check_choice(self.op, "mode", self.mode, MODES)
+        check_choice(self.op, "backend", self.backend, BACKENDS)
+        check_choice(self.op, "dynamic", self.dynamic, (True, False))
 
     @classmethod
     def row(cls, stages: int, microbatches: int) -> dict[str, Any]:

@@ -23,10 +23,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from piper_nb.capture.float8 import float8_linears, uses_float8
-from piper_nb.directives.base import CaptureContext, Directive, Directives, call_code
+from piper_nb.directives.base import (
+    CaptureContext,
+    Directive,
+    Directives,
+    call_code,
+    whole_regions,
+)
 from piper_nb.directives.region_rewrite import rewrite_regions
-from piper_nb.errors import PlanError
-from piper_nb.ir.filters import as_filter
 
 __all__ = ["Float8", "float8", "apply_float8"]
 
@@ -39,13 +43,8 @@ class Float8(Directive):
     op = "float8"
 
     def __post_init__(self):
-        filt = as_filter(self.filter, where="float8 filter")
-        for key in ("PASS", "MB"):
-            if key in filt:
-                raise PlanError(f"float8 filter {filt} names {key}; Float8 changes the regions "
-                                "themselves, for every pass and microbatch: drop "
-                                f"{key} from the filter")
-        object.__setattr__(self, "filter", filt)
+        object.__setattr__(self, "filter", whole_regions(
+            self.filter, self.op, "Float8 changes the regions themselves"))
 
     @classmethod
     def row(cls, stages: int, microbatches: int) -> dict[str, Any]:
