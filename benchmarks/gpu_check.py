@@ -97,9 +97,10 @@ from piper_nb.runtime.streams import CudaStreams
 from piper_nb.sim import HARDWARE
 
 MARK = "gpu-check-result: "     # a probe's result line: MARK + JSON list of rows
-BUDGET_S = 330.0                # the whole run, probes and all: under 6 minutes
+BUDGET_S = 540.0                # the whole run, probes and all: under 9 minutes
 PROBE_TIMEOUT_S = 120.0
 LLAMA_TIMEOUT_S = 180.0         # its 0.5 B model: built, compiled and sent to the worker on CPU
+COMPILED_TIMEOUT_S = 300.0      # the same, and inductor compiling its 28 layers, twice
 STEPS = 3
 TOL = {"fp32": {"loss": (1e-4, 1e-4), "weights": (1e-4, 1e-4)},
        # torch.testing's bf16 rtol; atol 1e-3 for weights near zero under SGD (test_precision)
@@ -175,13 +176,14 @@ def hf_llama():
     return model, batch, pn.compile(pn.annotate(model, ann), one_rank(), batch, capture="export")
 
 
-def sized(kind, config: dict, size: dict, device: str, precision: str = "fp32"):
+def sized(kind, config: dict, size: dict, device: str, precision: str = "fp32",
+          compiled: bool = False):
     """(model, batch, plan): `kind(**config)` built on `device`, cut into `size["stages"]`
     stages on one rank, `size["batch"]` sequences in `size["microbatches"]`. On the meta
     device (the dry run) it compiles in a second or two instead of a CPU forward: the same
     instructions and stream program (so the same checks), but attention's saved tensors are
     counted by its math path there, so its memory figure is above the plan the GPU run
-    compiles on CPU."""
+    compiles on CPU. `compiled`: every region through torch.compile (`pn.compile_regions`)."""
     with torch.device(device):
         model = kind(**config)
     if device == "meta":
@@ -190,8 +192,8 @@ def sized(kind, config: dict, size: dict, device: str, precision: str = "fp32"):
     else:
         batch = model.example_batch(batch_size=size["batch"], seed=0)
     spec = pn.annotate(model, pn.cut_stages(model, size["stages"]))
-    return model, batch, pn.compile(spec, one_rank(size["microbatches"]), batch,
-                                    precision=precision)
+    program = [*one_rank(size["microbatches"]), *([pn.compile_regions({})] if compiled else [])]
+    return model, batch, pn.compile(spec, program, batch, precision=precision)
 
 
 def mid_gpt(device: str = "cpu"):
@@ -203,6 +205,11 @@ def llama(device: str = "cpu"):
     """The Llama-shaped model of about 0.5 B parameters (`pn.models.Llama`): bf16 (fp32
     masters), 8 x 1024 tokens, 2 microbatches, one stage on one rank."""
     return sized(pn.models.Llama, LLAMA, LLAMA_SIZE, device, "bf16")
+
+
+def llama_compiled(device: str = "cpu"):
+    """The same Llama with its region through torch.compile (inductor)."""
+    return sized(pn.models.Llama, LLAMA, LLAMA_SIZE, device, "bf16", compiled=True)
 
 
 def predicted(plan) -> tuple[float, int]:
@@ -636,14 +643,17 @@ def probe_mid() -> list[Row]:
     return against_models("gpt-mid", what, plan, step, measured, 5)
 
 
-def plain_loop(model, batch, microbatches: int, steps: int) -> list[float]:
+def plain_loop(model, batch, microbatches: int, steps: int, compiled: bool = False
+               ) -> list[float]:
     """The plain PyTorch loop the Llama row compares with, in this process: `model` on the
     GPU in fp32, each microbatch's forward and loss under bf16 autocast and its backward
     (gradients accumulated, the loss scaled as the mean of the microbatches' mean losses),
     then the same optimizer (`ADAMW` builds torch.optim.AdamW, as on the workers). The
-    seconds of each step, the batch's copy to the GPU included, synchronised at both ends."""
+    seconds of each step, the batch's copy to the GPU included, synchronised at both ends.
+    `compiled`: the model called through `torch.compile` (inductor; step 1 compiles)."""
     dev = torch.device("cuda", 0)
     model = model.to(dev)
+    net = torch.compile(model) if compiled else model
     opt = ADAMW(list(model.parameters()))
     times = []
     for _ in range(steps):
@@ -652,7 +662,7 @@ def plain_loop(model, batch, microbatches: int, steps: int) -> list[float]:
         inputs, targets = (t.to(dev) for t in batch)
         for x, y in zip(inputs.chunk(microbatches), targets.chunk(microbatches), strict=True):
             with torch.autocast("cuda", dtype=torch.bfloat16):
-                loss = model.loss_fn(model(x), y) / microbatches
+                loss = model.loss_fn(net(x), y) / microbatches
             loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -680,6 +690,24 @@ def probe_llama() -> list[Row]:
          f"2-{LLAMA_STEPS - 1} of {LLAMA_STEPS - 1}): piper_nb / plain {ratio:.2f} "
          "(pass: <= 1.25)"),
         *against_models("llama-0.5b", what, plan, step, measured, LLAMA_STEPS)]
+
+
+def probe_llama_compiled() -> list[Row]:
+    """Both compiled: piper_nb's region through `compile_regions` (its worker reports the
+    first step's compile), then the plain loop under `torch.compile` on the same model."""
+    model, batch, plan = llama_compiled()
+    with LocalCluster(1, device="cuda", timeout=LLAMA_TIMEOUT_S) as cluster:
+        got = pn.train(plan, batch, LLAMA_STEPS, ADAMW, cluster=cluster)
+    step = statistics.median(got.step_times[1:-1])
+    times = plain_loop(model, batch, plan.microbatches, LLAMA_STEPS - 1, compiled=True)
+    plain = statistics.median(times[1:])
+    ratio = step / plain
+    return [("llama-0.5b compiled vs torch", "pass" if ratio <= 1.00 else "FAIL",
+             f"both under torch.compile (inductor): median step {step * 1e3:.1f} ms (steps "
+             f"2-{LLAMA_STEPS - 1}; the first compiled for {got.compile_s[0]:.0f} s), the plain "
+             f"loop compiled {plain * 1e3:.1f} ms (steps 2-{LLAMA_STEPS - 1}; the first "
+             f"{times[0]:.0f} s): piper_nb / plain {ratio:.2f} (pass: <= 1.00, issue 60's "
+             "goal)")]
 
 
 # ---- the probes --------------------------------------------------------------------------------
@@ -755,6 +783,11 @@ def probes() -> list[Probe]:
               ("llama-0.5b memory", "its torch.cuda.max_memory_allocated against the memory "
                "model's peak under MemorySettings.for_cuda(nccl=False)")),
               probe_llama, on_meta("llama-0.5b", llama), timeout=LLAMA_TIMEOUT_S),
+        Probe("llama-0.5b-compiled", (("llama-0.5b compiled vs torch", "the same Llama with "
+              "its region through torch.compile (pn.compile_regions, inductor) against the "
+              "plain loop under torch.compile, both on one GPU (goal: <= 1.00)"),),
+              probe_llama_compiled, on_meta("llama-0.5b-compiled", llama_compiled),
+              timeout=COMPILED_TIMEOUT_S),
         *(Probe(name, ((name, f"{label} on {gpus} GPUs over NCCL against the CPU reference"),),
                 lambda name=name: against_reference(name, multi_rank(name)),
                 lambda name=name: [multi_rank(name)[2]], gpus=gpus)

@@ -13,10 +13,12 @@ SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "gpu_check.py"
 PROBES = ("nccl-collectives", "stream-coupling", "stream-coupling-old", "cpu-tensor",
           "tinygpt-fp32", "tinygpt-bf16", "tinygpt-float8", "hf-llama", "matmul-bf16", "matmul-fp32",
           "hbm-stream", "matmul-fp8", "gpt-mid step",
-          "gpt-mid memory", "llama-0.5b vs torch", "llama-0.5b step", "llama-0.5b memory")
+          "gpt-mid memory", "llama-0.5b vs torch", "llama-0.5b step", "llama-0.5b memory",
+          "llama-0.5b compiled vs torch")
 MULTI_RANK = ("nccl-pp2", "nccl-dualpipev", "nccl-pp2-dp2-zero3", "nccl-pp2-dp2-ep2")
 TRAINED = ("cpu-tensor", "tinygpt-fp32", "tinygpt-bf16", "tinygpt-float8", "hf-llama",
-           "gpt-mid step", "gpt-mid memory", "llama-0.5b vs torch", "llama-0.5b step", "llama-0.5b memory")
+           "gpt-mid step", "gpt-mid memory", "llama-0.5b vs torch", "llama-0.5b step", "llama-0.5b memory",
+           "llama-0.5b compiled vs torch")
 
 
 def _table(out: str) -> dict[str, tuple[str, str]]:
@@ -56,5 +58,7 @@ def test_the_gpu_check_dry_run_lists_every_probe_and_what_one_gpu_cannot_show():
     assert "bf16, 2 microbatches, AdamW, 1 rank on NCCL" in llama["vs torch"]
     assert "CostModel.analytic(plan, 'H200')" in llama["step"]
     assert "max_memory_allocated" in llama["memory"] and "for_cuda(nccl=False)" in llama["memory"]
+    compiled = rows["llama-0.5b compiled vs torch"][1]   # issue 60: both under torch.compile
+    assert "pn.compile_regions" in compiled and "plain loop under torch.compile" in compiled
     params = re.search(r"llama-0\.5b \(([\d.]+) B parameters\), compiled on the meta", proc.stdout)
     assert params and float(params[1]) >= 0.3, proc.stdout
