@@ -51,15 +51,17 @@ def insert_cp_ring(dag: TrainingDAG, directives: Directives, ctx: Context) -> Tr
     order = sorted(steps, key=lambda r: depth[steps[r][0]])
     passes = {(Op.F if n.op == Op.F else Op.B, n.region, n.mb): n for n in dag.nodes
               if n.op in (Op.F, Op.B, Op.BI)}
+    forwards: dict[int, list[Node]] = {}
+    for (op, r, _), f in passes.items():
+        if op == Op.F and r in steps:
+            forwards.setdefault(r, []).append(f)
     ring = _Ring(capture.producer, rot, reader, passes)
     nodes, edges = list(dag.nodes), list(dag.edges)
     for grad, regions in ((False, order), (True, order[::-1])):
         for region in regions:
             delivered = tuple(steps[region])
-            for (op, r, mb), f in passes.items():
-                if op != Op.F or r != region:
-                    continue
-                n = layout.degree
+            for f in forwards[region]:
+                mb, n = f.mb, layout.degree
                 for k in range(0, len(f.devices), n):
                     made = ring.exchange(delivered, mb, f.devices[k:k + n], k // n, grad)
                     nodes += made[0]
