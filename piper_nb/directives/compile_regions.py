@@ -115,15 +115,12 @@ def apply_compile_regions(dag: TrainingDAG, directives: Directives, ctx: Context
     if not directives:
         return dag
     regions = dag.regions()
-    chosen: dict[int, tuple[int, str]] = {}
     for idx, d in directives:
-        hits = [r.index for r in regions if matches(d.filter, dict(r.tags))]
-        if not hits:
+        if not any(matches(d.filter, dict(r.tags)) for r in regions):
             raise PlanError(f"compile_regions filter {dict(d.filter)} matches no region; "
                             "name a region's tags (such as {'PP': 0}), or {} for all",
                             directive=idx, op=d.op)
-        for r in hits:
-            chosen.setdefault(r, (idx, compile_setting(d)))
-    nodes = [n.with_attrs(compiled=chosen[n.region][1])
+    chosen = compiled_regions(regions, directives)
+    nodes = [n.with_attrs(compiled=chosen[n.region])
              if n.op in PASSES and n.region in chosen else n for n in dag.nodes]
     return dag.replace(nodes=nodes, step=f"{len(chosen)} regions")

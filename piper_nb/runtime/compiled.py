@@ -4,11 +4,11 @@ once per worker, its forward and backward by AOTAutograd, and what the compiles 
 `CompiledRegion` stands in for the module: the first call with a new signature (the
 inputs' shapes, dtypes and whether they need gradients, and the grad mode: a recomputed
 region runs its first forward without autograd) compiles, with the backward lowered then
-too rather than at its first run (and, for a backward split into BI and BW, which keeps
-the graph between them, without donated buffers), so the time a step spends compiling is the time of
-those first calls (`seconds`, reported per step: `Result.compile_s`). A failure to
-compile is raised as a `RuntimeError` naming the region and PyTorch's first line, which
-the cluster reports as the worker's failure.
+too rather than at its first run, so the time a step spends compiling is the time of
+those first calls (`seconds`, reported per step: `Result.compile_s`). A worker with a
+backward split into BI and BW (which keeps the graph between them) compiles without
+donated buffers. A failure to compile is raised as a `RuntimeError` naming the region and
+PyTorch's first line, which the cluster reports as the worker's failure.
 """
 
 from __future__ import annotations
@@ -28,8 +28,8 @@ __all__ = ["CompiledRegion", "compiled_modules"]
 class CompiledRegion:
     """A region's module under `torch.compile` with the setting its instructions carry."""
 
-    def __init__(self, module: torch.nn.Module, setting: str, name: str, split: bool = False):
-        self.module, self.setting, self.name, self.split = module, setting, name, split
+    def __init__(self, module: torch.nn.Module, setting: str, name: str):
+        self.module, self.setting, self.name = module, setting, name
         self.fn = torch.compile(module, **parse_setting(setting))
         self.seen: set = set()
         self.seconds = 0.0
@@ -45,7 +45,7 @@ class CompiledRegion:
             return self.fn(*args)
         start = time.perf_counter()
         try:
-            with _lowering(self.split):
+            with _lowering():
                 out = self.fn(*args)
         except Exception as err:   # noqa: BLE001 - PyTorch's words, with the region's name
             first = str(err).strip().splitlines()[0] if str(err).strip() else ""
@@ -57,7 +57,7 @@ class CompiledRegion:
         return out
 
 
-def _lowering(split: bool):
+def _lowering():
     """Lower the backward with the forward (AOTAutograd defers it to its first run)."""
     config = torch._functorch.config
     if hasattr(config, "force_non_lazy_backward_lowering"):
@@ -75,5 +75,5 @@ def compiled_modules(plan, instrs, modules: dict) -> dict:
         # BI keeps the graph for BW, which a backward donating its buffers cannot (the
         # setting is read as the backward runs: for this worker's process, which is its own)
         torch._functorch.config.donated_buffer = False
-    return {r: CompiledRegion(m, settings[r], plan.regions[r].name, r in split)
-            if r in settings else m for r, m in modules.items()}
+    return {r: CompiledRegion(m, settings[r], plan.regions[r].name) if r in settings else m
+            for r, m in modules.items()}
