@@ -52,14 +52,14 @@ def _compiled(mod, setting: str):
     return torch.compile(mod, **kwargs)
 
 
-def deliver(capture, vals: dict) -> None:
+def deliver(capture, info, vals: dict) -> None:
     """Context parallelism's point-to-point ring delivers values no region makes
-    (`CPLayout.rotations`): on one process each is its source's (same shape and dtype),
-    added to `vals` once the source is there."""
-    cp = capture.cp
-    for d, s in (cp.rotations if cp is not None else {}).items():   # in the ring's order
-        if s in vals and d not in vals:
-            vals[d] = vals[s]
+    (`CPLayout.rotations`): on one process each input of region `info` that is one is its
+    source's (same shape and dtype), which a region before it made or read."""
+    rotations = capture.cp.rotations if capture.cp is not None else {}
+    for v in info.inputs:
+        if v in rotations and v not in vals:
+            vals[v] = vals[rotations[v]]
 
 
 def _described(batch: dict[str, torch.Tensor]) -> str:
@@ -93,7 +93,7 @@ def _propagate(capture, batch: dict[str, torch.Tensor], compiled: Mapping[int, s
     exclude = param_ptrs(capture)
     loss = None
     for info, mod in zip(capture.regions, capture.modules, strict=True):
-        deliver(capture, vals)
+        deliver(capture, info, vals)
         args = region_args(info, vals, names)
         before = {n: b.detach().clone() for n, b in mod.named_buffers()}
         batch_args = {storage_key(a) for v, a in zip(info.inputs, args, strict=True)

@@ -92,7 +92,7 @@ def token_rows(capture, batch: dict[str, torch.Tensor], saved: dict[int, int], v
         for info, mod in zip(capture.regions, capture.modules, strict=True):
             state = {n: fake(t) for n, t in [*mod.named_parameters(), *mod.named_buffers()]}
             exclude |= {StorageWeakRef(t.untyped_storage()) for t in state.values()}
-            deliver(capture, vals)
+            deliver(capture, info, vals)
             args = region_args(info, vals, frozenset(batch))
             counter = _Saved(exclude | {StorageWeakRef(a.untyped_storage()) for a in args})
             with counter.hooks:

@@ -97,10 +97,9 @@ def parse_setting(setting: str) -> dict[str, Any]:
 
 def compiled_regions(regions, directives) -> dict[int, str]:
     """Region index -> the compile setting of the first `CompileRegions` of `directives`
-    (`(index, directive)` pairs, or directives) matching it."""
+    (`(index, directive)` pairs) matching it."""
     out: dict[int, str] = {}
-    for d in directives:
-        d = d[1] if isinstance(d, tuple) else d
+    for _, d in directives:
         if isinstance(d, CompileRegions):
             for r in regions:
                 if r.index not in out and matches(d.filter, dict(r.tags)):
